@@ -1,0 +1,1 @@
+"""genserve engine: everything that touches tensors (model, KV pool, scheduler, sampler, loop)."""

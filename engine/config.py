@@ -1,0 +1,71 @@
+"""Engine configuration: every dial of the scheduler and the KV pool, with its unit.
+
+The defaults are the design card's numbers (`spec/serving-design.txt`): 16-token blocks, a row cap
+of 32, a 256-token prefill chunk, an 8,192-token context limit, a 5 % free-block margin at
+admission, 8 rows per API key while others wait, and 2 device-seconds of queued work before 429.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Static settings of one engine instance.
+
+    Attributes:
+        block_size: tokens per KV block (16, the design's PagedAttention block).
+        max_rows: row cap, the most requests in one step (32; set by the TPOT target).
+        prefill_chunk: most prompt tokens carried by one step (256; bounds the step time).
+        max_context: prompt + max_tokens limit in tokens (8,192, the model's context).
+        max_new_tokens: upper bound for a request's max_tokens (1,000).
+        kv_pool_bytes: memory budget of the paged K/V tensors in bytes (2 GiB on CPU).
+        num_blocks: if set, the pool's size in blocks, overriding kv_pool_bytes (tests shrink it).
+        free_margin: share of the pool kept free when admitting (0.05 = 5 %).
+        per_key_rows: most running rows one API key may hold while another key waits (8).
+        queue_budget_s: device-seconds of queued work above which submit answers 429 (2.0 s).
+        output_token_weight: fair-queueing weight of an output token, prompt token = 1 (12).
+        default_deadline_s: wall-clock limit of a request from arrival, in seconds.
+        dtype: "bfloat16" (default, fastest on CPU) or "float32".
+        num_threads: torch intra-op threads; 0 means "the cores this process may use".
+    """
+
+    block_size: int = 16
+    max_rows: int = 32
+    prefill_chunk: int = 256
+    max_context: int = 8192
+    max_new_tokens: int = 1000
+    kv_pool_bytes: int = 2 * 1024**3
+    num_blocks: int | None = None
+    free_margin: float = 0.05
+    per_key_rows: int = 8
+    queue_budget_s: float = 2.0
+    output_token_weight: float = 12.0
+    default_deadline_s: float = 600.0
+    dtype: str = "bfloat16"
+    num_threads: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two > 0, got {self.block_size}")
+        if not 1 <= self.max_rows <= 1024:
+            raise ValueError(f"max_rows must be in 1..1024, got {self.max_rows}")
+        if self.prefill_chunk < self.block_size:
+            raise ValueError(f"prefill_chunk must be >= block_size ({self.block_size}), got {self.prefill_chunk}")
+        if self.prefill_chunk % self.block_size:
+            raise ValueError(f"prefill_chunk must be a multiple of block_size, got {self.prefill_chunk}")
+        if self.max_context <= 0 or self.max_new_tokens <= 0:
+            raise ValueError("max_context and max_new_tokens must be positive")
+        if not 0.0 <= self.free_margin < 1.0:
+            raise ValueError(f"free_margin must be in [0, 1), got {self.free_margin}")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2, got {self.num_blocks}")
+        if self.dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"dtype must be 'bfloat16' or 'float32', got {self.dtype!r}")
+        if self.queue_budget_s <= 0 or self.default_deadline_s <= 0:
+            raise ValueError("queue_budget_s and default_deadline_s must be positive")
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks needed to hold `num_tokens` tokens (ceil division by block_size)."""
+        return -(-num_tokens // self.block_size)

@@ -1,0 +1,1 @@
+"""The Llama-architecture network and its weight loaders."""

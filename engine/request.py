@@ -1,0 +1,139 @@
+"""The per-request record and its sampling settings.
+
+`Request` is the one mutable record a request has inside the engine. Only `scheduler.py` changes
+its `state`, `num_computed`, `generated` and block list; the executor reads it; the service never
+sees it (it gets `TokenEvent`s through the request's `on_event` callback).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from engine.step import TokenEvent
+
+
+class RequestState(enum.Enum):
+    """Life cycle: QUEUED → PREFILL → DECODE → DONE, with PREEMPTED → QUEUED and CANCELLED."""
+
+    QUEUED = "queued"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    PREEMPTED = "preempted"
+    DONE = "done"
+    CANCELLED = "cancelled"
+
+
+class FinishReason(str, enum.Enum):
+    """Why a stream ended: the model's end-of-sequence token, max_tokens, a cancel, or an error."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Per-request sampling settings.
+
+    Attributes:
+        temperature: softmax temperature; 0 means greedy (argmax). Must be >= 0.
+        top_k: keep the k most likely tokens; 0 or negative means off.
+        top_p: nucleus mass in (0, 1]; 1 means off.
+        seed: seed of the request's own `torch.Generator`; None draws a random seed.
+        ignore_eos: keep generating past the end-of-sequence token (benchmarks, as in vLLM).
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling reduces to argmax (temperature 0)."""
+        return self.temperature == 0.0
+
+
+@dataclass(slots=True)
+class KeyUsage:
+    """Fair-queueing account of one API key (design: weighted tokens served, running rows)."""
+
+    api_key: str
+    weighted_tokens_served: float = 0.0
+    running_rows: int = 0
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    """One generation request as the scheduler sees it.
+
+    Attributes:
+        request_id: unique id, chosen by the client or the service.
+        api_key: the caller's key (fair-queueing account); "" for anonymous.
+        prompt_ids: prompt token ids, length 1..max_context.
+        max_tokens: most tokens to generate, 1..max_new_tokens.
+        sampling: temperature, top-k, top-p, seed.
+        arrival_s: clock time at submit, seconds (the engine's clock).
+        deadline_s: clock time after which the request is cancelled, seconds.
+        on_event: called from the scheduler thread with every `TokenEvent`; must not block.
+        eos_token_id: the model's end-of-sequence id, or None.
+        est_device_ms: estimated device time of the whole request, ms (set at submit).
+        state: life-cycle state; changed only by the scheduler.
+        num_computed: tokens of `prompt_ids + generated` whose K/V are in the cache.
+        generated: sampled token ids so far.
+        block_ids: KV blocks held, in position order (the request's block table).
+        generator: the request's own random generator (its state survives preemption).
+        cancel_requested: set by any thread; read by the scheduler at the next step boundary.
+        admitted_s / first_token_s / finished_s: clock times of those moments, seconds.
+        finish_reason / finish_detail: why it ended ("deadline", an error text...).
+    """
+
+    request_id: str
+    api_key: str
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    arrival_s: float
+    deadline_s: float
+    on_event: Callable[["TokenEvent"], None] | None = None
+    eos_token_id: int | None = None
+    est_device_ms: float = 0.0
+    state: RequestState = RequestState.QUEUED
+    num_computed: int = 0
+    generated: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    cancel_requested: bool = False
+    admitted_s: float | None = None
+    first_token_s: float | None = None
+    finished_s: float | None = None
+    finish_reason: FinishReason | None = None
+    finish_detail: str = ""
+
+    @property
+    def num_prompt(self) -> int:
+        """Prompt length in tokens."""
+        return len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.prompt_ids) + len(self.generated)
+
+    def token_at(self, position: int) -> int:
+        """Token id at `position` of prompt + generated (0-based)."""
+        n = len(self.prompt_ids)
+        return self.prompt_ids[position] if position < n else self.generated[position - n]
+
+    @property
+    def finished(self) -> bool:
+        """True once the request left the engine (DONE or CANCELLED)."""
+        return self.state in (RequestState.DONE, RequestState.CANCELLED)
