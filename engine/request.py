@@ -89,7 +89,6 @@ class Request:
         state: life-cycle state; changed only by the scheduler.
         num_computed: tokens of `prompt_ids + generated` whose K/V are in the cache.
         generated: sampled token ids so far.
-        block_ids: KV blocks held, in position order (the request's block table).
         generator: the request's own random generator (its state survives preemption).
         cancel_requested: set by any thread; read by the scheduler at the next step boundary.
         admitted_s / first_token_s / finished_s: clock times of those moments, seconds.
@@ -109,7 +108,6 @@ class Request:
     state: RequestState = RequestState.QUEUED
     num_computed: int = 0
     generated: list[int] = field(default_factory=list)
-    block_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
     cancel_requested: bool = False
     admitted_s: float | None = None

@@ -4,6 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionMetadata, paged_attention
+
 
 @dataclass(frozen=True, slots=True)
 class ModelArgs:
@@ -50,3 +56,185 @@ class ModelArgs:
         """Llama-2-7B, the design card's model: 32 layers, 32 heads, head dim 128, vocab 32,000."""
         return cls(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, intermediate_size=11008,
                    vocab_size=32000, max_context=4096, rope_theta=10000.0, norm_eps=1e-5)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`x @ weight.T` whose rows do not depend on how many rows there are.
+
+    torch's CPU bf16 product takes a matrix-vector kernel for a single row whose low bits differ
+    from the matrix-matrix kernel's (seen for 576×1536 weights); every M >= 2 agrees. A one-row
+    input is therefore doubled, so a decode step of 1 row computes exactly what the same row
+    computes inside a batch of 32.
+
+    Args:
+        x: [M, in_features]; weight: [out_features, in_features], same dtype.
+    Returns:
+        [M, out_features].
+    """
+    if x.shape[0] == 1:
+        return F.linear(torch.cat([x, x]), weight)[:1]
+    return F.linear(x, weight)
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x²) + eps) · weight, computed in fp32 (Zhang & Sennrich 2019; HF Llama)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, dim]
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight).to(x.dtype)
+
+
+def rope_tables(args: ModelArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [max_context, head_dim] fp32 for rotate-half RoPE (Su et al. 2021; HF Llama).
+
+    inv_freq[i] = theta^(-2i / head_dim); the angle table is repeated over both halves.
+    """
+    hd = args.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+    angles = torch.outer(torch.arange(args.max_context, dtype=torch.float32), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, heads, hd] by cos/sin [T, hd] (fp32 math, result in x's dtype)."""
+    xf = x.float()
+    half = xf.shape[-1] // 2
+    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+    return (xf * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """GQA self-attention with a fused QKV projection over the paged KV cache."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv, self.hd = args.n_heads, args.n_kv_heads, args.head_dim
+        qkv_out = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
+        self.wqkv = nn.Parameter(torch.empty(qkv_out, args.dim))
+        self.wo = nn.Parameter(torch.empty(args.dim, args.n_heads * args.head_dim))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]                                                    # x: [T, dim]
+        q, k, v = linear(x, self.wqkv).split(
+            [self.n_heads * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], dim=-1)
+        q = apply_rope(q.view(t, self.n_heads, self.hd), cos, sin)      # [T, H, hd]
+        k = apply_rope(k.view(t, self.n_kv, self.hd), cos, sin)        # [T, KVH, hd]
+        o = paged_attention(q, k, v.view(t, self.n_kv, self.hd), cache, meta)
+        return linear(o.reshape(t, -1), self.wo)                       # [T, dim]
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: down(silu(gate(x)) * up(x)), gate and up fused (Shazeer 2020)."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.ffn = args.intermediate_size
+        self.w13 = nn.Parameter(torch.empty(2 * args.intermediate_size, args.dim))
+        self.w2 = nn.Parameter(torch.empty(args.dim, args.intermediate_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:                 # x: [T, dim]
+        gate, up = linear(x, self.w13).split(self.ffn, dim=-1)          # [T, ffn] each
+        return linear(F.silu(gate) * up, self.w2)                       # [T, dim]
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then + ffn(norm(x))."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args)
+
+    def forward(self, x, cos, sin, cache, meta):
+        h = x + self.attention(self.attention_norm(x), cos, sin, cache, meta)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """The whole Llama network over a flat, unpadded batch of tokens.
+
+    Args:
+        args: model shape.
+    Use `Transformer.from_state_dict` to build one from loader output (it fuses QKV and
+    gate/up and casts to the serving dtype).
+    """
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Parameter(torch.empty(args.vocab_size, args.dim))
+        cos, sin = rope_tables(args)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    @classmethod
+    def from_state_dict(cls, args: ModelArgs, state: dict[str, torch.Tensor],
+                        dtype: torch.dtype) -> "Transformer":
+        """Build from loader names (`layers.{i}.attention.wq.weight` ...; see weights.py).
+
+        Q, K, V are concatenated into `wqkv` [(H + 2·KVH)·hd, dim] and gate, up into
+        `w13` [2·ffn, dim]. Norm weights stay fp32 (they scale fp32 activations); the RoPE
+        tables stay fp32. Raises KeyError on a missing tensor.
+        """
+        with torch.device("meta"):
+            model = cls(args)
+        fused: dict[str, torch.Tensor] = {
+            "tok_embeddings.weight": state["tok_embeddings.weight"],
+            "norm.weight": state["norm.weight"],
+            "output": state["output.weight"],
+        }
+        for i in range(args.n_layers):
+            p = f"layers.{i}."
+            fused[p + "attention.wqkv"] = torch.cat(
+                [state[p + f"attention.{w}.weight"] for w in ("wq", "wk", "wv")])
+            fused[p + "attention.wo"] = state[p + "attention.wo.weight"]
+            fused[p + "feed_forward.w13"] = torch.cat(
+                [state[p + "feed_forward.w1.weight"], state[p + "feed_forward.w3.weight"]])
+            fused[p + "feed_forward.w2"] = state[p + "feed_forward.w2.weight"]
+            for norm in ("attention_norm", "ffn_norm"):
+                fused[p + norm + ".weight"] = state[p + norm + ".weight"]
+        fused = {k: (t.float() if k.endswith("norm.weight") else t.to(dtype)).contiguous()
+                 for k, t in fused.items()}
+        model.load_state_dict(fused, strict=False, assign=True)
+        cos, sin = rope_tables(args)
+        model.rope_cos, model.rope_sin = cos, sin
+        return model.eval().requires_grad_(False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Weight dtype of the matrix products (bf16 or fp32)."""
+        return self.output.dtype
+
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor,
+                kv_layers: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states of a flat batch.
+
+        Args:
+            token_ids: int64 [T]; positions: int64 [T] (each token's position in its request).
+            kv_layers: per-layer caches `[num_blocks, 2, block_size, kv_heads, hd]`.
+            meta: where to write this step's K/V and which context each request reads.
+        Returns:
+            [T, dim] final-norm hidden states in the model dtype.
+        """
+        x = self.tok_embeddings(token_ids)                               # [T, dim]
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]   # [T, hd] fp32
+        for layer, cache in zip(self.layers, kv_layers):
+            x = layer(x, cos, sin, cache, meta)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Output projection of the rows that sample: [R, dim] → fp32 [R, vocab]."""
+        return linear(hidden, self.output).float()

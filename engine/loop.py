@@ -1,0 +1,188 @@
+"""The scheduler thread: the only thread that calls the executor.
+
+Each pass is schedule → execute → update → push (design steps 3–9). `submit` and `cancel` are
+thread-safe; they take the engine lock only for the scheduler's bookkeeping, never across a
+forward pass, and the loop pushes token ids through each request's `on_event` callback, which
+must not block (the service hands them to its event loop), so the loop never waits on a socket.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from engine.block_pool import BlockPool
+from engine.config import EngineConfig
+from engine.executor import Executor
+from engine.request import Request
+from engine.scheduler import Scheduler, SchedulerStats
+from engine.step import StepPlan, TokenEvent
+
+log = logging.getLogger(__name__)
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine has stopped or its loop failed; new requests cannot be served (HTTP 503)."""
+
+
+StepListener = Callable[[StepPlan, list[TokenEvent], float], None]
+
+
+class Engine:
+    """Owns the scheduler and the executor and runs the step loop.
+
+    Args:
+        config: engine dials.
+        executor: `ModelExecutor` or `SimExecutor`.
+        pool: the block pool the executor's KV cache is indexed by.
+        clock: seconds, monotonic (tests pass a fake one).
+
+    Attributes:
+        scheduler: the policy (read its `stats()` under `lock`).
+        num_steps: forward passes run so far.
+        error: the exception that stopped the loop, or None.
+        step_listeners: called after every step with (plan, events, step seconds); used by
+            metrics and by tests that count steps. Must not block.
+    """
+
+    def __init__(self, config: EngineConfig, executor: Executor, pool: BlockPool,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.executor = executor
+        self.pool = pool
+        self.clock = clock
+        self.scheduler = Scheduler(config, pool, executor.cost_model)
+        self.lock = threading.Lock()
+        self._wake = threading.Condition(self.lock)
+        self._requests: dict[str, Request] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.num_steps = 0
+        self.error: BaseException | None = None
+        self.step_listeners: list[StepListener] = []
+
+    # -- thread-safe API ------------------------------------------------------------------------
+    def submit(self, req: Request) -> None:
+        """Queue `req` (its arrival time is stamped here).
+
+        Raises:
+            EngineUnavailable: the loop failed or is stopping.
+            AdmissionRejected: the queue is over its device-seconds budget (429).
+            ValueError: duplicate request id.
+        """
+        with self.lock:
+            if self.error is not None or self._stopping:
+                raise EngineUnavailable(f"engine unavailable: {self.error or 'stopping'}")
+            now = self.clock()
+            req.arrival_s = now
+            if req.deadline_s <= 0:
+                req.deadline_s = now + self.config.default_deadline_s
+            self.scheduler.add(req, now)
+            self._requests[req.request_id] = req
+            self._wake.notify()
+
+    def cancel(self, request_id: str, api_key: str | None = None) -> bool:
+        """Flag a request for cancellation at the next step boundary.
+
+        Args:
+            request_id: the request.
+            api_key: when given, only a request created with this key is cancelled.
+        Returns:
+            True when a live request was flagged; False when unknown, finished, or another key's.
+        """
+        with self.lock:
+            req = self._requests.get(request_id)
+            if req is None or req.finished or (api_key is not None and req.api_key != api_key):
+                return False
+            self.scheduler.cancel(request_id)
+            self._wake.notify()
+            return True
+
+    def stats(self) -> SchedulerStats:
+        """A consistent snapshot of queue, rows and pool."""
+        with self.lock:
+            return self.scheduler.stats()
+
+    # -- the loop -------------------------------------------------------------------------------
+    def step(self) -> bool:
+        """One pass: schedule, execute, update, push. Returns False when there was nothing to do."""
+        with self.lock:
+            plan = self.scheduler.schedule(self.clock())
+        if plan.empty:
+            self._push(plan.events)
+            return bool(plan.events)
+        t0 = time.perf_counter()
+        sampled = self.executor.execute(plan)
+        step_s = time.perf_counter() - t0
+        with self.lock:
+            events = self.scheduler.update(plan, sampled, self.clock())
+            self.num_steps += 1
+        self._push(events)
+        for listener in self.step_listeners:
+            listener(plan, events, step_s)
+        return True
+
+    def run_until_idle(self, max_steps: int = 1_000_000) -> int:
+        """Run steps on the calling thread until nothing is queued or running (tests, tools).
+
+        Returns the number of steps run. Raises RuntimeError after `max_steps`.
+        """
+        start = self.num_steps
+        while True:
+            with self.lock:
+                busy = self.scheduler.has_work
+            if not busy:
+                return self.num_steps - start
+            self.step()
+            if self.num_steps - start > max_steps:
+                raise RuntimeError(f"engine still busy after {max_steps} steps")
+
+    def start(self) -> None:
+        """Start the scheduler thread (daemon)."""
+        self._thread = threading.Thread(target=self._run, name="genserve-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the loop after the current step; running requests are not finished."""
+        with self.lock:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        """True while the scheduler thread runs and has not failed."""
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self.lock:
+                    while not self._stopping and not self.scheduler.has_work:
+                        self._wake.wait(0.1)
+                    if self._stopping:
+                        return
+                self.step()
+        except BaseException as exc:  # noqa: BLE001 — every open stream must hear about it
+            log.exception("engine loop failed")
+            with self.lock:
+                self.error = exc
+                events = self.scheduler.fail_all(self.clock(), f"engine failure: {exc}")
+            self._push(events)
+
+    def _push(self, events: list[TokenEvent]) -> None:
+        for ev in events:
+            if ev.finish_reason is not None:
+                with self.lock:
+                    req = self._requests.pop(ev.request_id, None)
+            else:
+                req = self._requests.get(ev.request_id)
+            if req is None or req.on_event is None:
+                continue
+            try:
+                req.on_event(ev)
+            except Exception:  # noqa: BLE001 — a broken consumer must not stop the loop
+                log.exception("on_event failed for %s", ev.request_id)

@@ -1,0 +1,364 @@
+"""Scheduling policy: fair per-key queues, admission control, chunked prefill, preemption.
+
+Pure policy (design steps 2, 4, 5, 6, 10): it takes the time as an argument, never calls `time.*`,
+never touches a tensor, and so runs unchanged in virtual time under the simulator. It is the only
+code that changes `Request.state`; block ids come from `BlockPool`.
+
+One pass of the engine loop is::
+
+    plan = scheduler.schedule(now)          # leave, join, build the step
+    sampled = executor.execute(plan)        # forward + sample
+    events = scheduler.update(plan, sampled, now)   # advance requests, finish rows
+
+Prefill chunks are aligned to multiples of `prefill_chunk` within each request (positions
+[0, 256), [256, 512), ...), so a request's prompt is cut at the same places whether it runs alone
+or beside 31 others. Together with per-request attention this makes every token's arithmetic
+independent of its batch neighbours (the design's batch-invariance test). A preempted request
+re-prefills its prompt in the same aligned chunks, then replays the tokens it had already produced
+as one-token rows without sampling, so its cache — and its later tokens — are bit-identical to a
+run without preemption.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from engine.block_pool import BlockPool
+from engine.config import EngineConfig
+from engine.request import FinishReason, KeyUsage, Request, RequestState
+from engine.step import SampledTokens, Segment, StepPlan, TokenEvent
+
+
+@dataclass(slots=True)
+class CostModel:
+    """Device cost per token used for admission control, in milliseconds.
+
+    Defaults are the design card's assumptions for a 7B model on one 80 GB GPU: prefill at 10,000
+    tokens/s (0.1 ms per prompt token) and a 32-row decode step of 40 ms (1.25 ms per output
+    token). The `ModelExecutor` replaces them with measured values.
+    """
+
+    prefill_ms_per_token: float = 0.1
+    decode_ms_per_token: float = 1.25
+
+    def estimate_ms(self, num_prompt: int, expected_output: float) -> float:
+        """Estimated device time of a request: prompt × prefill cost + output × decode cost (ms)."""
+        return num_prompt * self.prefill_ms_per_token + expected_output * self.decode_ms_per_token
+
+
+class AdmissionRejected(Exception):
+    """More device work is queued than the budget allows (HTTP 429).
+
+    Attributes:
+        retry_after_s: whole seconds after which the queue should have drained enough (>= 1).
+    """
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    """A consistent snapshot of the scheduler's gauges and counters."""
+
+    queue_depth: int
+    queued_device_s: float
+    running_rows: int
+    kv_blocks_free: int
+    kv_blocks_total: int
+    num_preemptions: int
+    num_cancelled_tokens: int
+    num_rejected: int
+    num_finished: int
+
+
+class Scheduler:
+    """Decides, step by step, which tokens of which requests the device computes.
+
+    Args:
+        config: the engine's dials (row cap, chunk, margins, fairness weights, budget).
+        pool: the block pool whose free list bounds admission.
+        cost: per-token device costs for admission control and the queue estimate.
+
+    Thread-safety: none. The engine loop serialises every call behind its own lock.
+    """
+
+    def __init__(self, config: EngineConfig, pool: BlockPool, cost: CostModel | None = None) -> None:
+        self.config = config
+        self.pool = pool
+        self.cost = cost or CostModel()
+        self.waiting: dict[str, deque[Request]] = {}
+        self.running: list[Request] = []          # admission order: oldest first
+        self.usage: dict[str, KeyUsage] = {}
+        self.by_id: dict[str, Request] = {}
+        self.queued_device_ms = 0.0
+        self.avg_output_tokens = 300.0             # design: average answer of 300 tokens
+        self.num_preemptions = 0
+        self.num_cancelled_tokens = 0
+        self.num_rejected = 0
+        self.num_finished = 0
+        self.margin_blocks = math.ceil(config.free_margin * pool.num_blocks)
+
+    # -- submission ---------------------------------------------------------------------------
+    def add(self, req: Request, now: float) -> None:
+        """Queue `req` under its API key, or reject it when the queue is over budget.
+
+        Raises:
+            AdmissionRejected: queued device-seconds plus this request's estimate pass
+                `config.queue_budget_s` (only while something else is queued).
+            ValueError: a request with the same id is already in the engine.
+        """
+        if req.request_id in self.by_id:
+            raise ValueError(f"request_id {req.request_id!r} is already in use")
+        expected = min(req.max_tokens, self.avg_output_tokens)
+        req.est_device_ms = self.cost.estimate_ms(req.num_prompt, expected)
+        budget_ms = self.config.queue_budget_s * 1000.0
+        if self.queue_depth and self.queued_device_ms + req.est_device_ms > budget_ms:
+            self.num_rejected += 1
+            excess_ms = self.queued_device_ms + req.est_device_ms - budget_ms
+            # The device drains one device-second of queued work per second of wall time.
+            raise AdmissionRejected(
+                f"{self.queued_device_ms / 1000:.2f} device-seconds queued, budget "
+                f"{self.config.queue_budget_s:g} s", max(1, math.ceil(excess_ms / 1000.0)))
+        usage = self.usage.setdefault(req.api_key, KeyUsage(req.api_key))
+        if not self.waiting.get(req.api_key) and usage.running_rows == 0:
+            # A key that becomes active starts level with the least-served active key, so
+            # an idle key cannot bank credit and then starve everyone (start-time fair queueing).
+            active = [u.weighted_tokens_served for k, u in self.usage.items()
+                      if k != req.api_key and (u.running_rows or self.waiting.get(k))]
+            if active:
+                usage.weighted_tokens_served = max(usage.weighted_tokens_served, min(active))
+        req.state = RequestState.QUEUED
+        self.waiting.setdefault(req.api_key, deque()).append(req)
+        self.by_id[req.request_id] = req
+        self.queued_device_ms += req.est_device_ms
+
+    def cancel(self, request_id: str) -> Request | None:
+        """Flag `request_id` for cancellation at the next step boundary; None when unknown."""
+        req = self.by_id.get(request_id)
+        if req is not None:
+            req.cancel_requested = True
+        return req
+
+    # -- one step -----------------------------------------------------------------------------
+    def schedule(self, now: float) -> StepPlan:
+        """Leave, join and build the next step (design steps 4–6 and 10).
+
+        Args:
+            now: the current time in seconds on the engine's clock.
+        Returns:
+            The step to run; `plan.events` carries finish events of requests that left.
+        """
+        plan = StepPlan()
+        self._leave(now, plan.events)
+        self._join(now)
+        self._build(plan)
+        return plan
+
+    def update(self, plan: StepPlan, sampled: SampledTokens, now: float) -> list[TokenEvent]:
+        """Advance every request of `plan` by its computed tokens and append sampled tokens.
+
+        Args:
+            plan: the plan that was executed.
+            sampled: one token per sampling segment, in order.
+            now: time in seconds when sampling ended (TTFT ends here for first tokens).
+        Returns:
+            The events to push: plan.events first, then one per sampled token.
+        """
+        events = list(plan.events)
+        w_out = self.config.output_token_weight
+        i = 0
+        for seg in plan.segments:
+            req = seg.request
+            token = None
+            if seg.samples:
+                token = sampled.token_ids[i]
+                logprob = sampled.logprobs[i] if sampled.logprobs is not None else None
+                i += 1
+            if req.finished or req.state == RequestState.PREEMPTED:
+                continue
+            usage = self.usage[req.api_key]
+            if req.state == RequestState.PREFILL:
+                usage.weighted_tokens_served += seg.length
+            req.num_computed = seg.end
+            if req.state == RequestState.PREFILL and req.num_computed >= req.num_prompt:
+                req.state = RequestState.DECODE
+            if token is None:
+                continue
+            if req.cancel_requested:
+                self.num_cancelled_tokens += 1
+                self._finish(req, FinishReason.CANCELLED, "cancelled", now, events)
+                continue
+            req.generated.append(token)
+            usage.weighted_tokens_served += w_out
+            if req.first_token_s is None:
+                req.first_token_s = now
+            reason = self._stop_reason(req, token)
+            if reason is None:
+                events.append(TokenEvent(req.request_id, token_id=token, logprob=logprob,
+                                         position=len(req.generated) - 1))
+            else:
+                self._finish(req, reason, "", now, events, token=token, logprob=logprob)
+        return events
+
+    def fail_all(self, now: float, detail: str) -> list[TokenEvent]:
+        """End every queued and running request with FinishReason.ERROR (the loop failed)."""
+        events: list[TokenEvent] = []
+        for req in list(self.running) + [r for q in self.waiting.values() for r in q]:
+            self._finish(req, FinishReason.ERROR, detail, now, events)
+        return events
+
+    # -- queries ------------------------------------------------------------------------------
+    @property
+    def queue_depth(self) -> int:
+        """Requests waiting to be admitted (including preempted ones)."""
+        return sum(len(q) for q in self.waiting.values())
+
+    @property
+    def has_work(self) -> bool:
+        """True while any request is queued or running."""
+        return bool(self.running) or self.queue_depth > 0
+
+    def stats(self) -> SchedulerStats:
+        """Gauges and counters for /metrics (call under the engine lock)."""
+        return SchedulerStats(
+            queue_depth=self.queue_depth, queued_device_s=self.queued_device_ms / 1000.0,
+            running_rows=len(self.running), kv_blocks_free=self.pool.num_free,
+            kv_blocks_total=self.pool.num_blocks, num_preemptions=self.num_preemptions,
+            num_cancelled_tokens=self.num_cancelled_tokens, num_rejected=self.num_rejected,
+            num_finished=self.num_finished)
+
+    # -- internals ----------------------------------------------------------------------------
+    def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
+        if token == req.eos_token_id and not req.sampling.ignore_eos:
+            return FinishReason.STOP
+        if len(req.generated) >= req.max_tokens or req.num_tokens >= self.config.max_context:
+            return FinishReason.LENGTH
+        return None
+
+    def _leave(self, now: float, events: list[TokenEvent]) -> None:
+        """Design step 4: drop cancelled and expired rows and queued requests."""
+        for req in list(self.running):
+            if req.cancel_requested or now >= req.deadline_s:
+                detail = "cancelled" if req.cancel_requested else "deadline"
+                self._finish(req, FinishReason.CANCELLED, detail, now, events)
+        for queue in self.waiting.values():
+            for req in [r for r in queue if r.cancel_requested or now >= r.deadline_s]:
+                detail = "cancelled" if req.cancel_requested else "deadline"
+                self._finish(req, FinishReason.CANCELLED, detail, now, events)
+
+    def _join(self, now: float) -> None:
+        """Design step 5: admit from the least-served key while rows and blocks allow."""
+        while len(self.running) < self.config.max_rows:
+            req = self._next_candidate()
+            if req is None:
+                return
+            need = self.config.blocks_for(req.num_prompt)
+            reserved = sum(self.pool.blocks_needed(r.request_id, r.num_prompt)
+                           for r in self.running if r.state == RequestState.PREFILL)
+            free = self.pool.num_free - reserved
+            if free < need + self.margin_blocks and not (not self.running and free >= need):
+                return          # wait for blocks; never skip ahead to a smaller request
+            self.waiting[req.api_key].popleft()
+            self.queued_device_ms = max(0.0, self.queued_device_ms - req.est_device_ms)
+            req.state = RequestState.PREFILL
+            req.num_computed = 0
+            if req.admitted_s is None:
+                req.admitted_s = now
+            self.usage[req.api_key].running_rows += 1
+            self.running.append(req)
+
+    def _next_candidate(self) -> Request | None:
+        keys = [k for k, q in self.waiting.items() if q]
+        if not keys:
+            return None
+        cap = self.config.per_key_rows
+        if len(keys) > 1:
+            under = [k for k in keys if self.usage[k].running_rows < cap]
+            keys = under or keys
+            if not under:
+                return None
+        key = min(keys, key=lambda k: self.usage[k].weighted_tokens_served)
+        return self.waiting[key][0]
+
+    def _build(self, plan: StepPlan) -> None:
+        """Design step 6: one token per decoding row, then aligned prefill chunks."""
+        chunk = self.config.prefill_chunk
+        for req in list(self.running):
+            if req.state != RequestState.DECODE or req not in self.running:
+                continue
+            if not self._reserve(req, req.num_computed + 1, plan):
+                continue
+            samples = req.num_computed + 1 == req.num_tokens
+            plan.segments.append(Segment(req, req.num_computed, 1, samples,
+                                         tuple(self.pool.table(req.request_id))))
+        budget = chunk
+        for req in list(self.running):
+            if req.state != RequestState.PREFILL or req not in self.running:
+                continue
+            length = min(req.num_prompt - req.num_computed, chunk - req.num_computed % chunk)
+            if length > budget:
+                break
+            end = req.num_computed + length
+            if not self._reserve(req, end, plan):
+                break
+            plan.segments.append(Segment(req, req.num_computed, length, end == req.num_tokens,
+                                         tuple(self.pool.table(req.request_id))))
+            budget -= length
+
+    def _reserve(self, req: Request, num_tokens: int, plan: StepPlan) -> bool:
+        """Give `req` blocks for `num_tokens` positions, preempting newer requests if needed.
+
+        Returns False when `req` itself had to be preempted (it was the newest).
+        """
+        need = self.pool.blocks_needed(req.request_id, num_tokens)
+        while not self.pool.can_allocate(need):
+            victim = self.running[-1]
+            self._preempt(victim, plan)
+            if victim is req:
+                return False
+        self.pool.ensure_capacity(req.request_id, num_tokens)
+        return True
+
+    def _preempt(self, req: Request, plan: StepPlan) -> None:
+        """Design step 10: free the newest request's blocks and queue it first for its key."""
+        self.pool.free(req.request_id)
+        self.running.remove(req)
+        plan.segments[:] = [s for s in plan.segments if s.request is not req]
+        self.usage[req.api_key].running_rows -= 1
+        req.state = RequestState.PREEMPTED
+        req.num_computed = 0
+        self.waiting.setdefault(req.api_key, deque()).appendleft(req)
+        self.queued_device_ms += req.est_device_ms
+        self.num_preemptions += 1
+        plan.num_preempted += 1
+
+    def _finish(self, req: Request, reason: FinishReason, detail: str, now: float,
+                events: list[TokenEvent], token: int | None = None,
+                logprob: float | None = None) -> None:
+        """Remove `req` from the engine, return its blocks and emit its last event."""
+        if req in self.running:
+            self.running.remove(req)
+            self.usage[req.api_key].running_rows -= 1
+        else:
+            queue = self.waiting.get(req.api_key)
+            if queue is not None and req in queue:
+                queue.remove(req)
+                self.queued_device_ms = max(0.0, self.queued_device_ms - req.est_device_ms)
+        self.pool.free(req.request_id)
+        self.by_id.pop(req.request_id, None)
+        req.state = RequestState.CANCELLED if reason == FinishReason.CANCELLED else RequestState.DONE
+        req.finish_reason, req.finish_detail, req.finished_s = reason, detail, now
+        self.num_finished += 1
+        if reason != FinishReason.CANCELLED:
+            self.avg_output_tokens = 0.9 * self.avg_output_tokens + 0.1 * len(req.generated)
+        ms = lambda t: None if t is None else (t - req.arrival_s) * 1000.0  # noqa: E731
+        events.append(TokenEvent(
+            req.request_id, token_id=token, logprob=logprob,
+            position=max(0, len(req.generated) - 1), finish_reason=reason, finish_detail=detail,
+            num_prompt_tokens=req.num_prompt, num_completion_tokens=len(req.generated),
+            queue_ms=ms(req.admitted_s) if req.admitted_s is not None else ms(now),
+            ttft_ms=ms(req.first_token_s), e2e_ms=ms(now)))

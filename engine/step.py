@@ -1,0 +1,123 @@
+"""Dataclasses that cross the engine's stage boundaries: schedule → execute → update → push."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.request import FinishReason, Request
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """A run of consecutive tokens of one request computed in one step.
+
+    Attributes:
+        request: the request the tokens belong to.
+        start: position of the first token (== request.num_computed when scheduled).
+        length: tokens in the run; 1 for a decode row, up to the prefill chunk for prefill.
+        samples: True when the run ends at the request's last token, so its last position's
+            logits are sampled (the last prefill chunk, or a decode row).
+        block_table: the request's block ids covering positions [0, start + length).
+    """
+
+    request: Request
+    start: int
+    length: int
+    samples: bool
+    block_table: tuple[int, ...]
+
+    @property
+    def end(self) -> int:
+        """Context length after this run: start + length."""
+        return self.start + self.length
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """What one forward pass computes: decode rows first, then prefill chunks.
+
+    The flat token list the executor builds from `segments` is `token_ids[B + C]`,
+    `positions[B + C]` and `request_of_token[B + C]` (B decode rows, C prefill tokens); no padding.
+
+    Attributes:
+        segments: decode rows (length 1) followed by prefill chunks, in that order.
+        events: finish events produced while scheduling (cancelled, deadline, preempted-away).
+        num_preempted: requests preempted while building this step.
+    """
+
+    segments: list[Segment] = field(default_factory=list)
+    events: list["TokenEvent"] = field(default_factory=list)
+    num_preempted: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in the flat batch (B + C)."""
+        return sum(s.length for s in self.segments)
+
+    @property
+    def num_decode_rows(self) -> int:
+        """Segments of length 1 at the request's frontier (B)."""
+        return sum(1 for s in self.segments if s.length == 1)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Prompt tokens carried by this step (C)."""
+        return sum(s.length for s in self.segments if s.length > 1)
+
+    @property
+    def sampling_segments(self) -> list[Segment]:
+        """Segments whose last position is sampled, in order (one row of `next_token` each)."""
+        return [s for s in self.segments if s.samples]
+
+    @property
+    def empty(self) -> bool:
+        """True when there is nothing to run."""
+        return not self.segments
+
+
+@dataclass(frozen=True, slots=True)
+class SampledTokens:
+    """Executor output: one token per sampling segment, in `plan.sampling_segments` order.
+
+    Attributes:
+        token_ids: next_token[R], int.
+        logprobs: log-probability of each sampled token under the model's distribution, or
+            None when the executor does not compute them.
+        forward_s: seconds spent in the forward pass and sampling (for calibration).
+    """
+
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    forward_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """What the scheduler pushes to a request's output: one sampled token, or its end.
+
+    Attributes:
+        request_id: the request.
+        index: sample index (0 unless n > 1).
+        token_id: the sampled token, or None on an event that only ends the stream.
+        logprob: its log-probability, or None.
+        position: 0-based index of the token in the completion.
+        finish_reason: set on the request's last event.
+        finish_detail: why, in words, when not obvious ("deadline", an error message).
+        num_prompt_tokens / num_completion_tokens: usage, on the last event.
+        queue_ms: arrival → admission, on the last event.
+        ttft_ms: arrival → first token sampled, on the last event (None if none was).
+        e2e_ms: arrival → finish, on the last event.
+    """
+
+    request_id: str
+    index: int = 0
+    token_id: int | None = None
+    logprob: float | None = None
+    position: int = 0
+    finish_reason: FinishReason | None = None
+    finish_detail: str = ""
+    num_prompt_tokens: int = 0
+    num_completion_tokens: int = 0
+    queue_ms: float | None = None
+    ttft_ms: float | None = None
+    e2e_ms: float | None = None

@@ -1,0 +1,40 @@
+"""Helpers that drive the real Scheduler with the SimExecutor (no model)."""
+
+from __future__ import annotations
+
+import itertools
+
+from engine.block_pool import BlockPool
+from engine.config import EngineConfig
+from engine.executor import SimExecutor
+from engine.loop import Engine
+from engine.request import Request, SamplingParams
+
+
+class FakeClock:
+    """A settable clock in seconds."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def sim_engine(num_blocks: int = 512, **config) -> tuple[Engine, FakeClock]:
+    """An Engine over SimExecutor with a fake clock (advance it yourself)."""
+    cfg = EngineConfig(num_blocks=num_blocks, **config)
+    clock = FakeClock()
+    return Engine(cfg, SimExecutor(), BlockPool(num_blocks, cfg.block_size), clock), clock
+
+
+_ids = itertools.count()
+
+
+def make_request(prompt_len: int, max_tokens: int, api_key: str = "", events=None,
+                 **sampling) -> Request:
+    """A request with a synthetic prompt; events, if a list, collects its TokenEvents."""
+    rid = f"r{next(_ids)}"
+    return Request(rid, api_key, [1 + (i % 1000) for i in range(prompt_len)], max_tokens,
+                   SamplingParams(**sampling), 0.0, 0.0,
+                   on_event=events.append if events is not None else None)

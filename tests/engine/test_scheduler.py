@@ -1,0 +1,110 @@
+"""Scheduler policy on the SimExecutor: chunked prefill, leave/join, blocks, cancel, preemption."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.request import FinishReason
+from engine.scheduler import AdmissionRejected
+from tests.engine.sim import make_request, sim_engine
+
+
+def test_long_prompt_is_chunked_while_other_rows_decode():
+    engine, _ = sim_engine()
+    ev_short, ev_long = [], []
+    engine.submit(make_request(10, 50, events=ev_short))
+    engine.step()                                   # short prompt prefilled, first token
+    engine.submit(make_request(1000, 5, events=ev_long))
+    plans = []
+    engine.step_listeners.append(lambda plan, events, s: plans.append(plan))
+    for _ in range(4):
+        engine.step()
+    # Every one of the 4 steps carries the decoding row plus <= 256 prompt tokens.
+    assert [p.num_decode_rows for p in plans] == [1, 1, 1, 1]
+    assert [p.num_prefill_tokens for p in plans] == [256, 256, 256, 232]
+    assert len(ev_long) == 1 and ev_long[0].token_id is not None   # first token after chunk 4
+    assert len(ev_short) == 5
+
+
+def test_every_block_returns_after_mixed_run_with_cancels():
+    engine, _ = sim_engine(num_blocks=400)
+    events = []
+    reqs = [make_request(17 * (i + 1), 3 + 7 * i, events=events) for i in range(12)]
+    for r in reqs:
+        engine.submit(r)
+    for _ in range(5):
+        engine.step()
+    engine.cancel(reqs[3].request_id)
+    engine.cancel(reqs[11].request_id)
+    engine.run_until_idle()
+    engine.pool.check_all_free()
+    assert engine.pool.num_free == 400
+    finals = {e.request_id: e.finish_reason for e in events if e.finish_reason}
+    assert len(finals) == 12
+    assert finals[reqs[3].request_id] == FinishReason.CANCELLED
+    assert finals[reqs[0].request_id] == FinishReason.LENGTH
+
+
+def test_cancelled_row_is_in_at_most_one_more_step():
+    engine, _ = sim_engine()
+    events = []
+    req = make_request(20, 500, events=events)
+    engine.submit(req)
+    for _ in range(3):
+        engine.step()
+    seen_after_cancel = []
+    engine.step_listeners.append(
+        lambda plan, ev, s: seen_after_cancel.append(any(g.request is req for g in plan.segments)))
+    engine.cancel(req.request_id)
+    engine.step()
+    engine.step()
+    assert seen_after_cancel.count(True) == 0       # flagged between steps: no further step
+    assert events[-1].finish_reason == FinishReason.CANCELLED
+    assert engine.pool.num_free == engine.pool.num_blocks
+
+
+def test_preemption_frees_newest_and_request_still_completes():
+    # 24 blocks of 16 tokens; four requests of 64-token prompts growing by 120 tokens each
+    # cannot all fit, so the newest is preempted, re-queued, and finishes later.
+    engine, _ = sim_engine(num_blocks=24, free_margin=0.0)
+    events = []
+    reqs = [make_request(64, 120, events=events) for _ in range(4)]
+    for r in reqs:
+        engine.submit(r)
+    engine.run_until_idle()
+    assert engine.scheduler.num_preemptions > 0
+    done = [e for e in events if e.finish_reason]
+    assert sorted(e.num_completion_tokens for e in done) == [120] * 4
+    # Streams never repeat or skip a position, even across preemption.
+    for r in reqs:
+        positions = [e.position for e in events if e.request_id == r.request_id]
+        assert positions == list(range(120))
+    engine.pool.check_all_free()
+
+
+def test_admission_rejects_past_budget_with_retry_after():
+    engine, _ = sim_engine(queue_budget_s=2.0)
+    # Each request: 1000 prompt × 0.1 ms + min(100, 300) × 1.25 ms = 225 ms of device time.
+    admitted, rejected = 0, []
+    for _ in range(20):
+        try:
+            engine.submit(make_request(1000, 100))
+            admitted += 1
+        except AdmissionRejected as exc:
+            rejected.append(exc.retry_after_s)
+    assert admitted == 8              # 8 × 225 ms = 1.8 s queued; a 9th would make 2.025 s
+    assert rejected and min(rejected) >= 1
+    assert engine.stats().queued_device_s == pytest.approx(8 * 0.225)
+
+
+def test_fewest_weighted_tokens_key_is_admitted_first():
+    engine, _ = sim_engine(max_rows=1)
+    order = []
+    for key in ["a", "a", "a"]:
+        engine.submit(make_request(16, 4, api_key=key))
+    engine.step()                                   # a's first request runs
+    engine.submit(make_request(16, 4, api_key="b"))
+    engine.step_listeners.append(lambda plan, ev, s: order.extend(
+        g.request.api_key for g in plan.segments if g.start == 0))
+    engine.run_until_idle()
+    assert order[0] == "b"                          # b has served nothing; a has
