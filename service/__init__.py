@@ -1,0 +1,1 @@
+"""genserve service: the gRPC server around the engine (auth, validation, tokenization, streaming)."""

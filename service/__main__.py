@@ -1,0 +1,3 @@
+from service.server import main
+
+main()

@@ -1,0 +1,121 @@
+"""The gRPC servicer: authenticate, validate, submit, stream tokens back, cancel on disconnect."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+import grpc
+
+from engine.loop import Engine, EngineUnavailable
+from engine.request import FinishReason, Request
+from engine.scheduler import AdmissionRejected
+from engine.step import TokenEvent
+from genserve.v1 import generate_pb2 as pb
+from genserve.v1 import generate_pb2_grpc as pb_grpc
+from service.auth import Authenticator
+from service.detokenizer import IncrementalDetokenizer
+from service.validation import ValidationError, Validator
+
+log = logging.getLogger(__name__)
+
+_FINISH = {
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED,
+}
+
+
+class GenerateServicer(pb_grpc.GenerateServiceServicer):
+    """`genserve.v1.GenerateService` over one engine.
+
+    Args:
+        engine: the running engine.
+        tokenizer: encodes prompts; `token_bytes`/`is_special` for detokenization.
+        validator: field and limit checks.
+        auth: maps the `authorization` metadata to an API key (or rejects it).
+        info: the `InfoResponse` to answer `Info` with.
+
+    The engine's scheduler thread hands each `TokenEvent` to `loop.call_soon_threadsafe`, so
+    token ids reach the request's asyncio queue without the loop ever waiting on this server.
+    """
+
+    def __init__(self, engine: Engine, tokenizer, validator: Validator, auth: Authenticator,
+                 info: pb.InfoResponse) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.validator = validator
+        self.auth = auth
+        self.info = info
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        api_key = await self._authenticate(context)
+        try:
+            valid = self.validator.validate(request)
+        except ValidationError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        request_id = request.request_id or f"cmpl-{uuid.uuid4().hex}"
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        req = Request(
+            request_id=request_id, api_key=api_key, prompt_ids=valid.prompt_ids,
+            max_tokens=valid.max_tokens, sampling=valid.sampling, arrival_s=0.0,
+            deadline_s=0.0, eos_token_id=self.tokenizer.eos_token_id,
+            on_event=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+        if valid.deadline_s is not None:
+            req.deadline_s = self.engine.clock() + valid.deadline_s
+        try:
+            self.engine.submit(req)
+        except AdmissionRejected as exc:
+            context.set_trailing_metadata((("retry-after", str(exc.retry_after_s)),))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except EngineUnavailable as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: {exc}")
+
+        finished = False
+        try:
+            yield pb.GenerateResponse(request_id=request_id, started=pb.Started(
+                request_id=request_id, prompt_tokens=len(valid.prompt_ids)))
+            detok = IncrementalDetokenizer(self.tokenizer)
+            while not finished:
+                ev = await events.get()
+                finished = ev.finish_reason is not None
+                if ev.finish_reason == FinishReason.ERROR:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, ev.finish_detail)
+                if ev.token_id is not None:
+                    text = detok.add(ev.token_id) + (detok.flush() if finished else "")
+                    yield pb.GenerateResponse(request_id=request_id, token=pb.Token(
+                        index=ev.index, text=text, token_id=ev.token_id, position=ev.position,
+                        logprob=ev.logprob if request.HasField("logprobs") else None))
+                if finished:
+                    yield pb.GenerateResponse(request_id=request_id, finished=_finished(ev))
+        finally:
+            if not finished:
+                # The client went away (disconnect or cancelled call): stop spending device time.
+                self.engine.cancel(request_id)
+
+    async def Cancel(self, request: pb.CancelRequest, context: grpc.aio.ServicerContext):
+        api_key = await self._authenticate(context)
+        if not self.engine.cancel(request.request_id, api_key=api_key):
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"request_id: no running request {request.request_id!r}")
+        return pb.CancelResponse(request_id=request.request_id)
+
+    async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext):
+        return self.info
+
+    async def _authenticate(self, context: grpc.aio.ServicerContext) -> str:
+        metadata = dict(context.invocation_metadata() or ())
+        key = self.auth.api_key(metadata.get("authorization"))
+        if key is None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "authorization: missing or unknown API key")
+        return key
+
+
+def _finished(ev: TokenEvent) -> pb.Finished:
+    return pb.Finished(
+        index=ev.index, reason=_FINISH[ev.finish_reason], detail=ev.finish_detail,
+        usage=pb.Usage(prompt_tokens=ev.num_prompt_tokens, completion_tokens=ev.num_completion_tokens),
+        timing=pb.Timing(queue_ms=ev.queue_ms or 0.0, ttft_ms=ev.ttft_ms or 0.0, e2e_ms=ev.e2e_ms or 0.0))

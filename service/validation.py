@@ -1,0 +1,99 @@
+"""Request validation before anything is queued: every error names the field and the limit."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from engine.request import SamplingParams
+from genserve.v1 import generate_pb2 as pb
+
+DEFAULT_MAX_TOKENS = 16          # OpenAI completions API default
+MAX_PROMPT_CHARS = 200_000       # bound on text handed to the tokenizer (≈ 8,192 tokens × 24)
+
+
+class ValidationError(ValueError):
+    """Bad input: gRPC INVALID_ARGUMENT / HTTP 400. `field` names the offending field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass(frozen=True, slots=True)
+class ValidRequest:
+    """A request that passed validation: token ids and settings the engine accepts as they are."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    deadline_s: float | None
+
+
+class Validator:
+    """Checks a `GenerateRequest` against the engine's limits and tokenizes its prompt.
+
+    Args:
+        config: limits (max_context 8,192, max_new_tokens 1,000).
+        tokenizer: has `encode(text) -> list[int]` and `vocab_size`.
+    """
+
+    def __init__(self, config: EngineConfig, tokenizer) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+
+    def validate(self, req: pb.GenerateRequest) -> ValidRequest:
+        """Return the validated request or raise `ValidationError` naming the field."""
+        cfg = self.config
+        max_tokens = req.max_tokens if req.HasField("max_tokens") else DEFAULT_MAX_TOKENS
+        if not 1 <= max_tokens <= cfg.max_new_tokens:
+            raise ValidationError("max_tokens", f"must be between 1 and {cfg.max_new_tokens}, got {max_tokens}")
+        if req.HasField("n") and req.n != 1:
+            raise ValidationError("n", f"only n = 1 is supported, got {req.n}")
+        which = req.WhichOneof("prompt_input")
+        if which == "prompt":
+            if len(req.prompt) > MAX_PROMPT_CHARS:
+                raise ValidationError("prompt", f"is {len(req.prompt)} characters; the limit is {MAX_PROMPT_CHARS}")
+            prompt_ids = self.tokenizer.encode(req.prompt)
+            field = "prompt"
+        elif which == "prompt_token_ids":
+            prompt_ids = list(req.prompt_token_ids.ids)
+            field = "prompt_token_ids"
+            vocab = self.tokenizer.vocab_size
+            bad = [t for t in prompt_ids if t >= vocab]
+            if bad:
+                raise ValidationError(field, f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        else:
+            raise ValidationError("prompt", "one of prompt or prompt_token_ids is required")
+        if not prompt_ids:
+            raise ValidationError(field, "is empty; at least one token is required")
+        if len(prompt_ids) + max_tokens > cfg.max_context:
+            raise ValidationError(
+                field, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) is "
+                       f"{len(prompt_ids) + max_tokens} tokens, over the {cfg.max_context}-token limit")
+        return ValidRequest(prompt_ids, max_tokens, self._sampling(req.sampling), self._deadline(req))
+
+    def _sampling(self, s: pb.SamplingParams) -> SamplingParams:
+        temperature = s.temperature if s.HasField("temperature") else 1.0
+        if not math.isfinite(temperature) or temperature < 0:
+            raise ValidationError("temperature", f"must be a finite number >= 0, got {temperature}")
+        top_p = s.top_p if s.HasField("top_p") else 1.0
+        if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
+            raise ValidationError("top_p", f"must be in (0, 1], got {top_p}")
+        top_k = s.top_k if s.HasField("top_k") else 0
+        if top_k < -1:
+            raise ValidationError("top_k", f"must be -1, 0 (off) or a positive count, got {top_k}")
+        if s.stop:
+            raise ValidationError("stop", "stop strings are not supported yet")
+        seed = s.seed if s.HasField("seed") else None
+        return SamplingParams(temperature=float(temperature), top_k=max(0, top_k), top_p=float(top_p),
+                              seed=seed, ignore_eos=s.ignore_eos)
+
+    def _deadline(self, req: pb.GenerateRequest) -> float | None:
+        if not req.HasField("deadline_s"):
+            return None
+        d = req.deadline_s
+        if not (math.isfinite(d) and 0 < d <= self.config.default_deadline_s):
+            raise ValidationError("deadline_s", f"must be in (0, {self.config.default_deadline_s:g}] seconds, got {d}")
+        return float(d)
