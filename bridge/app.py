@@ -1,0 +1,334 @@
+"""The bridge's FastAPI app: OpenAI-style REST + SSE in front of gRPC GenerateService.
+
+    POST   /v1/completions              -> Generate (server stream)
+    DELETE /v1/requests/{request_id}    -> Cancel
+    GET    /health                      -> grpc.health.v1 Check (or Info)
+    GET    /v1/models                   -> the one served model
+
+The bridge only translates. It forwards `Authorization: Bearer <key>` as gRPC
+metadata `authorization`, maps gRPC status codes to HTTP (errors.py), and turns
+each GenerateResponse into one SSE event (events.py). A client that disconnects,
+or reads nothing for `slow_client_timeout_s`, has its gRPC call cancelled, which
+cancels the request in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
+
+from bridge.errors import ApiError, from_grpc
+from bridge.events import SSE_DONE, CompletionBuilder, sse_data, sse_error
+from bridge.schemas import CompletionRequest
+from genserve.v1 import generate_pb2 as pb
+from genserve.v1 import generate_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# The name the service registers with grpc.health.v1 (falls back to Info if absent).
+HEALTH_SERVICE_NAME = "genserve.v1.GenerateService"
+HEALTH_TIMEOUT_S = 2.0
+CANCEL_TIMEOUT_S = 5.0
+# The design: cancel a client that reads nothing for 30 s.
+SLOW_CLIENT_TIMEOUT_S = 30.0
+
+
+class _Backend:
+    """The app's one gRPC channel and the stubs on it."""
+
+    def __init__(self, target: str) -> None:
+        self.channel = grpc.aio.insecure_channel(target)
+        self.generate = pb_grpc.GenerateServiceStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+def _auth_metadata(request: Request) -> tuple[tuple[str, str], ...]:
+    """The caller's Authorization header as gRPC metadata (nothing if absent)."""
+    value = request.headers.get("authorization")
+    return (("authorization", value),) if value else ()
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    """Return once the client has gone (the ASGI server says http.disconnect)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+@contextlib.asynccontextmanager
+async def _cancel_on_disconnect(request: Request, call: grpc.aio.Call) -> AsyncIterator[None]:
+    """While inside, a client disconnect cancels `call` (for work done before the response starts)."""
+    watcher = asyncio.create_task(_wait_for_disconnect(request.receive))
+    watcher.add_done_callback(lambda t: t.cancelled() or call.cancel())
+    try:
+        yield
+    finally:
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
+
+
+def _read_cancelled_by_us() -> bool:
+    """Whether a CancelledError came from a cancelled gRPC call, not from our task being cancelled."""
+    task = asyncio.current_task()
+    return task is None or task.cancelling() == 0
+
+
+class SSEResponse(StreamingResponse):
+    """A text/event-stream response bound to a gRPC call.
+
+    Unlike Starlette's StreamingResponse it always listens for the client going
+    away (whatever ASGI spec version the server speaks), and then, or when one
+    write waits longer than `write_timeout_s` (a client that reads nothing),
+    or on any other exit, it cancels the gRPC call.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(
+        self,
+        content: AsyncIterator[str],
+        *,
+        call: grpc.aio.Call,
+        write_timeout_s: float,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(content, headers=headers)
+        self._call = call
+        self._write_timeout_s = write_timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        listener = asyncio.create_task(_wait_for_disconnect(receive))
+        listener.add_done_callback(lambda t: t.cancelled() or self._call.cancel())
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for chunk in self.body_iterator:
+                body = chunk.encode(self.charset) if isinstance(chunk, str) else chunk
+                await asyncio.wait_for(
+                    send({"type": "http.response.body", "body": body, "more_body": True}),
+                    self._write_timeout_s,
+                )
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except TimeoutError:
+            log.info("client read nothing for %.0f s: cancelling its request", self._write_timeout_s)
+        except OSError:
+            log.info("client went away mid-stream")
+        except asyncio.CancelledError:
+            if not _read_cancelled_by_us():
+                raise
+            log.info("client disconnected: request cancelled")
+        finally:
+            listener.cancel()
+            self._call.cancel()  # no-op when the call already ended
+            await self.body_iterator.aclose()
+
+
+def create_app(
+    grpc_target: str,
+    model_name: str = DEFAULT_MODEL_NAME,
+    *,
+    slow_client_timeout_s: float = SLOW_CLIENT_TIMEOUT_S,
+) -> FastAPI:
+    """Build the bridge app for the GenerateService at `grpc_target` ("host:port")."""
+    created_at = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.backend = _Backend(grpc_target)
+        try:
+            yield
+        finally:
+            await app.state.backend.close()
+
+    app = FastAPI(title="genserve bridge", lifespan=lifespan)
+
+    def backend() -> _Backend:
+        if getattr(app.state, "backend", None) is None:  # run without lifespan (bare ASGI use)
+            app.state.backend = _Backend(grpc_target)
+        return app.state.backend
+
+    # ---- errors: always {"error": {...}} ------------------------------------------
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc.errors()).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        err = ApiError(exc.status_code, str(exc.detail), code=code, headers=dict(exc.headers or {}))
+        return err.response()
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error in the bridge")
+        return ApiError(500, f"internal error: {type(exc).__name__}", code="internal").response()
+
+    # ---- routes ----------------------------------------------------------------------
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        builder = CompletionBuilder(
+            model=body.model or model_name,
+            created=int(time.time()),
+            num_samples=body.num_samples,
+            logprobs=body.logprobs is not None,
+        )
+        call = backend().generate.Generate(
+            body.to_proto(request_id=request.headers.get("x-request-id", "")),
+            metadata=_auth_metadata(request),
+        )
+        try:
+            # Read up to Started before answering, so that errors the service finds
+            # before it starts (validation, auth, 429) are plain HTTP errors.
+            builder.on_message(await _read_first(request, call))
+            headers = {"X-Request-Id": builder.request_id}
+            if body.stream:
+                return SSEResponse(
+                    _sse_events(call, builder),
+                    call=call,
+                    write_timeout_s=slow_client_timeout_s,
+                    headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                )
+            async with _cancel_on_disconnect(request, call):
+                try:
+                    await _drain(call, builder)
+                except grpc.aio.AioRpcError as err:
+                    raise from_grpc(err) from None
+                except asyncio.CancelledError:
+                    if not _read_cancelled_by_us():
+                        raise
+                    return Response(status_code=499)  # the client is gone; nobody reads this
+            return JSONResponse(builder.completion(), headers=headers)
+        except BaseException:
+            call.cancel()  # never leave a request generating for nobody
+            raise
+
+    @app.delete("/v1/requests/{request_id}")
+    async def cancel(request_id: str, request: Request) -> JSONResponse:
+        try:
+            await backend().generate.Cancel(
+                pb.CancelRequest(request_id=request_id),
+                metadata=_auth_metadata(request),
+                timeout=CANCEL_TIMEOUT_S,
+            )
+        except grpc.aio.AioRpcError as err:
+            raise from_grpc(err) from None
+        return JSONResponse({"request_id": request_id, "cancelled": True})
+
+    @app.get("/health")
+    async def health(request: Request) -> JSONResponse:
+        if await _healthy(backend(), _auth_metadata(request)):
+            return JSONResponse({"status": "ok"})
+        return ApiError(503, "the generation service is not serving", code="unavailable").response()
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        model = {"id": model_name, "object": "model", "created": created_at, "owned_by": "genserve"}
+        return JSONResponse({"object": "list", "data": [model]})
+
+    return app
+
+
+def validation_error(errors: list[dict]) -> ApiError:
+    """A 400 naming the offending field(s), from pydantic/FastAPI validation errors."""
+    messages: list[str] = []
+    params: list[str] = []
+    for err in errors:
+        loc = [str(part) for part in err.get("loc", ())]
+        if loc and loc[0] == "body":
+            loc = loc[1:]
+        path = ".".join(loc)
+        kind = err.get("type", "")
+        if kind == "json_invalid":
+            messages.append(f"request body is not valid JSON: {err.get('msg', '')}")
+            continue
+        if kind == "extra_forbidden":
+            messages.append(f"unknown field '{path}'")
+        elif kind == "missing" and not path:
+            messages.append("a JSON request body is required")
+        elif path:
+            messages.append(f"invalid value for '{path}': {err.get('msg', 'invalid')}")
+        else:
+            messages.append(f"invalid request body: {err.get('msg', 'invalid')}")
+        if loc:
+            params.append(loc[0])
+    message = "; ".join(dict.fromkeys(messages)) or "invalid request"
+    return ApiError(400, message, code="invalid_argument", param=params[0] if params else None)
+
+
+async def _read_first(request: Request, call: grpc.aio.UnaryStreamCall) -> pb.GenerateResponse:
+    """The stream's first message (Started), or the ApiError the call failed with."""
+    async with _cancel_on_disconnect(request, call):
+        try:
+            first = await call.read()
+        except grpc.aio.AioRpcError as err:
+            raise from_grpc(err) from None
+        except asyncio.CancelledError:
+            if not _read_cancelled_by_us():
+                raise
+            raise ApiError(499, "client disconnected", code="cancelled") from None
+    if first is grpc.aio.EOF:
+        raise ApiError(500, "the generation stream ended before it started", code="internal")
+    return first
+
+
+async def _drain(call: grpc.aio.UnaryStreamCall, builder: CompletionBuilder) -> None:
+    """Feed every remaining message of `call` to `builder`."""
+    while (msg := await call.read()) is not grpc.aio.EOF:
+        builder.on_message(msg)
+
+
+async def _sse_events(call: grpc.aio.UnaryStreamCall, builder: CompletionBuilder) -> AsyncIterator[str]:
+    """One SSE event per token and per finished sample, then [DONE]; errors as `event: error`."""
+    try:
+        while (msg := await call.read()) is not grpc.aio.EOF:
+            event = builder.on_message(msg)
+            if event is not None:
+                yield sse_data(event)
+    except grpc.aio.AioRpcError as err:
+        yield sse_error(from_grpc(err).body())
+        return
+    if builder.all_finished:
+        yield SSE_DONE
+    else:
+        err = ApiError(500, "the generation stream ended before every sample finished", code="internal")
+        yield sse_error(err.body())
+
+
+async def _healthy(backend: _Backend, metadata: tuple[tuple[str, str], ...]) -> bool:
+    """SERVING per grpc.health.v1; without a health service, whether Info answers."""
+    try:
+        reply = await backend.health.Check(
+            health_pb2.HealthCheckRequest(service=HEALTH_SERVICE_NAME), timeout=HEALTH_TIMEOUT_S
+        )
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.aio.AioRpcError as err:
+        if err.code() not in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.NOT_FOUND):
+            return False
+    try:
+        await backend.generate.Info(pb.InfoRequest(), metadata=metadata, timeout=HEALTH_TIMEOUT_S)
+    except grpc.aio.AioRpcError:
+        return False
+    return True

@@ -1,0 +1,99 @@
+"""The bridge's error shape and the gRPC status -> HTTP status mapping.
+
+Every error leaves the bridge as `{"error": {"message", "type", "code", "param"}}`,
+the OpenAI error shape, whether it came from the gRPC service, from request
+validation, or from the bridge itself.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import grpc
+from fastapi.responses import JSONResponse
+
+# gRPC status -> HTTP status; anything not listed is a 500.
+HTTP_STATUS_OF_GRPC: dict[grpc.StatusCode, int] = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
+}
+
+# HTTP status -> the error's `type` (OpenAI's names where it has one).
+ERROR_TYPE_OF_HTTP: dict[int, str] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable_error",
+}
+
+# Retry-After when a RESOURCE_EXHAUSTED status carries no `retry-after` metadata.
+DEFAULT_RETRY_AFTER_S = 1
+
+
+class ApiError(Exception):
+    """An error the bridge answers with: HTTP status, JSON body, extra headers."""
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        *,
+        code: str,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.code = code
+        self.param = param
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        """The JSON error body."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": ERROR_TYPE_OF_HTTP.get(self.status_code, "internal_error"),
+                "code": self.code,
+                "param": self.param,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        """The error as an HTTP response."""
+        return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
+
+
+def retry_after_s(metadata: Iterable[tuple[str, str | bytes]] | None) -> int:
+    """Whole seconds from a `retry-after` metadata entry (rounded up, at least 1)."""
+    for key, value in metadata or ():
+        if key.lower() != "retry-after":
+            continue
+        if isinstance(value, bytes):
+            value = value.decode("ascii", "replace")
+        try:
+            seconds = float(value)
+        except ValueError:
+            break
+        if math.isfinite(seconds):
+            return max(1, math.ceil(seconds))
+        break
+    return DEFAULT_RETRY_AFTER_S
+
+
+def from_grpc(err: grpc.aio.AioRpcError) -> ApiError:
+    """Translate a failed gRPC call into the bridge's error."""
+    status = err.code()
+    http_status = HTTP_STATUS_OF_GRPC.get(status, 500)
+    headers = {}
+    if status is grpc.StatusCode.RESOURCE_EXHAUSTED:
+        headers["Retry-After"] = str(retry_after_s(err.trailing_metadata()))
+    message = err.details() or status.name.lower().replace("_", " ")
+    return ApiError(http_status, message, code=status.name.lower(), headers=headers)

@@ -1,0 +1,125 @@
+"""The /v1/completions request body and its translation to a gRPC GenerateRequest.
+
+The bridge checks the JSON *shape*: field names, types, and that values fit the
+proto's integer types. Numeric *ranges* (max_tokens <= 1000, 0 <= top_p <= 1,
+logprobs <= 5, prompt + max_tokens <= context ...) are the service's to check;
+it answers INVALID_ARGUMENT, which the bridge maps to 400.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import field_validator, model_validator
+
+from genserve.v1 import generate_pb2 as pb
+
+UINT32_MAX = 2**32 - 1
+UINT64_MAX = 2**64 - 1
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+
+# Integer types as the proto carries them.
+Uint32 = Annotated[StrictInt, Field(ge=0, le=UINT32_MAX)]
+Uint64 = Annotated[StrictInt, Field(ge=0, le=UINT64_MAX)]
+Int32 = Annotated[StrictInt, Field(ge=INT32_MIN, le=INT32_MAX)]
+# A finite JSON number (an int is accepted where a float is expected).
+Float = Annotated[StrictFloat, Field(allow_inf_nan=False)]
+
+# OpenAI's defaults for an absent (or null) field.
+DEFAULT_MAX_TOKENS = 16
+DEFAULT_TEMPERATURE = 1.0
+DEFAULT_TOP_K = 0  # off; -1 also means off
+DEFAULT_TOP_P = 1.0
+DEFAULT_N = 1
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= UINT32_MAX
+
+
+class CompletionRequest(BaseModel):
+    """Body of POST /v1/completions (the design's fields plus OpenAI's `model`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: StrictStr | None = None
+    # Text, or token ids (OpenAI also allows a one-element list of either).
+    prompt: str | list[int] | None = None
+    prompt_token_ids: list[Uint32] | None = None
+    max_tokens: Uint32 | None = DEFAULT_MAX_TOKENS
+    temperature: Float | None = DEFAULT_TEMPERATURE
+    top_k: Int32 | None = DEFAULT_TOP_K
+    top_p: Float | None = DEFAULT_TOP_P
+    stop: list[str] | None = None
+    seed: Uint64 | None = None
+    n: Uint32 | None = DEFAULT_N
+    logprobs: Uint32 | None = None
+    stream: StrictBool | None = False
+    ignore_eos: StrictBool | None = False
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, value: Any) -> Any:
+        if value is None or isinstance(value, str):
+            return value
+        if isinstance(value, list):
+            if len(value) == 1 and isinstance(value[0], str | list):
+                value = value[0]  # OpenAI's one-prompt batch
+                if isinstance(value, str):
+                    return value
+            if all(_is_token_id(v) for v in value):
+                return value
+            if all(isinstance(v, str | list) for v in value):
+                raise ValueError("several prompts in one request are not supported; send one per request")
+            raise ValueError("token ids must be integers from 0 to 2**32-1")
+        raise ValueError("must be a string or a list of token ids")
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_shape(cls, value: Any) -> Any:
+        if value is None:
+            return None
+        if isinstance(value, str):
+            return [value]
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return value
+        raise ValueError("must be a string or a list of strings")
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> CompletionRequest:
+        if (self.prompt is None) == (self.prompt_token_ids is None):
+            raise ValueError("exactly one of 'prompt' or 'prompt_token_ids' is required")
+        return self
+
+    @property
+    def num_samples(self) -> int:
+        """n, with null meaning the default."""
+        return DEFAULT_N if self.n is None else self.n
+
+    def to_proto(self, request_id: str = "") -> pb.GenerateRequest:
+        """The gRPC request; null fields take OpenAI's defaults, seed/logprobs stay absent."""
+        sampling = pb.SamplingParams(
+            temperature=DEFAULT_TEMPERATURE if self.temperature is None else self.temperature,
+            top_k=DEFAULT_TOP_K if self.top_k is None else self.top_k,
+            top_p=DEFAULT_TOP_P if self.top_p is None else self.top_p,
+            ignore_eos=bool(self.ignore_eos),
+            stop=self.stop or [],
+        )
+        if self.seed is not None:
+            sampling.seed = self.seed
+        request = pb.GenerateRequest(
+            max_tokens=DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens,
+            sampling=sampling,
+            n=self.num_samples,
+            request_id=request_id,
+        )
+        if self.logprobs is not None:
+            request.logprobs = self.logprobs
+        if isinstance(self.prompt, str):
+            request.prompt = self.prompt
+        else:
+            ids = self.prompt if self.prompt_token_ids is None else self.prompt_token_ids
+            request.prompt_token_ids.SetInParent()  # set the oneof even for an empty list
+            request.prompt_token_ids.ids.extend(ids)
+        return request

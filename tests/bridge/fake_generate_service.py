@@ -1,0 +1,164 @@
+"""A fake GenerateService: a TEST DOUBLE for the bridge's translation logic.
+
+It is not the real service and knows nothing of models. It streams a fixed
+token list, records every request, its metadata and every cancellation, and
+behaves according to the prompt text:
+
+    "error:<CODE>"             abort with that gRPC status before Started
+    "error:<CODE>:<seconds>"   ... with trailing metadata retry-after=<seconds>
+    "midstream-error:<CODE>"   Started, one token, then abort with that status
+    "hang"                     Started, one token, then wait until cancelled
+    "hang-before-token"        Started, then wait until cancelled
+    "incomplete"               Started, one token, then end without Finished
+    anything else              TOKENS for each of the n samples, then Finished
+
+"hang" requests can also be ended by the Cancel RPC: they then finish with
+FINISH_REASON_CANCELLED. Cancel of an unknown id is NOT_FOUND.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from genserve.v1 import generate_pb2 as pb
+from genserve.v1 import generate_pb2_grpc as pb_grpc
+
+# (text, token_id) of every fake completion.
+TOKENS = [("Hello", 101), (",", 102), (" world", 103), ("!", 104)]
+FULL_TEXT = "".join(text for text, _ in TOKENS)
+TIMING = pb.Timing(queue_ms=1.5, ttft_ms=12.25, e2e_ms=40.0)
+INFO = pb.InfoResponse(
+    model_name="fake-model", max_context=8192, max_new_tokens=1000,
+    vocab_size=49152, block_size=16, num_kv_blocks=7152,
+)
+
+
+def prompt_tokens_of(request: pb.GenerateRequest) -> int:
+    if request.WhichOneof("prompt_input") == "prompt_token_ids":
+        return len(request.prompt_token_ids.ids)
+    return len(request.prompt.split())
+
+
+class FakeGenerateService(pb_grpc.GenerateServiceServicer):
+    """Records what the bridge sends; answers with scripted streams (see module doc)."""
+
+    def __init__(self) -> None:
+        self.requests: list[pb.GenerateRequest] = []
+        self.metadata: list[dict[str, str]] = []
+        self.cancel_calls: list[tuple[str, dict[str, str]]] = []
+        # request ids whose Generate call the client cancelled (context cancelled).
+        self.cancelled_calls: list[str] = []
+        self.call_cancelled = asyncio.Event()
+        self.hanging = asyncio.Event()  # set when a "hang" request is waiting
+        self._cancel_flags: dict[str, asyncio.Event] = {}
+        self._ids = itertools.count(1)
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        self.metadata.append(dict(context.invocation_metadata()))
+        prompt = request.prompt
+        if prompt.startswith("error:"):
+            _, code, *retry = prompt.split(":")
+            trailing = (("retry-after", retry[0]),) if retry else ()
+            await context.abort(grpc.StatusCode[code], f"fake {code}", trailing_metadata=trailing)
+        request_id = request.request_id or f"fake-{next(self._ids)}"
+        cancel_flag = self._cancel_flags[request_id] = asyncio.Event()
+        num_prompt = prompt_tokens_of(request)
+        try:
+            yield pb.GenerateResponse(
+                request_id=request_id,
+                started=pb.Started(request_id=request_id, prompt_tokens=num_prompt),
+            )
+            if prompt == "hang-before-token":
+                self.hanging.set()
+                await cancel_flag.wait()
+                yield self._finished(request_id, 0, pb.FINISH_REASON_CANCELLED, num_prompt, 0, "cancel")
+                return
+            if prompt in ("hang", "incomplete") or prompt.startswith("midstream-error:"):
+                yield self._token(request, request_id, 0, 0)
+                if prompt == "incomplete":
+                    return
+                if prompt == "hang":
+                    self.hanging.set()
+                    await cancel_flag.wait()
+                    yield self._finished(request_id, 0, pb.FINISH_REASON_CANCELLED, num_prompt, 1, "cancel")
+                    return
+                code = prompt.split(":")[1]
+                await context.abort(grpc.StatusCode[code], f"fake mid-stream {code}")
+            n = request.n if request.HasField("n") else 1
+            max_tokens = request.max_tokens if request.HasField("max_tokens") else 16
+            num_tokens = min(max_tokens, len(TOKENS))
+            reason = pb.FINISH_REASON_LENGTH if max_tokens < len(TOKENS) else pb.FINISH_REASON_STOP
+            for position in range(num_tokens):
+                for index in range(n):  # samples interleave, as in a batched engine
+                    yield self._token(request, request_id, index, position)
+            for index in range(n):
+                yield self._finished(request_id, index, reason, num_prompt, num_tokens, "")
+        except asyncio.CancelledError:
+            self.cancelled_calls.append(request_id)
+            self.call_cancelled.set()
+            raise
+        finally:
+            self._cancel_flags.pop(request_id, None)
+
+    @staticmethod
+    def _token(request, request_id: str, index: int, position: int) -> pb.GenerateResponse:
+        text, token_id = TOKENS[position]
+        token = pb.Token(index=index, text=text, token_id=token_id, position=position)
+        if request.HasField("logprobs"):
+            token.logprob = -0.5 * (position + 1)
+            for k in range(request.logprobs):
+                token.top_logprobs.add(token_id=token_id + k, text=f"{text}#{k}", logprob=-0.5 * (position + 1) - k)
+        return pb.GenerateResponse(request_id=request_id, token=token)
+
+    @staticmethod
+    def _finished(request_id, index, reason, num_prompt, num_completion, detail) -> pb.GenerateResponse:
+        return pb.GenerateResponse(
+            request_id=request_id,
+            finished=pb.Finished(
+                index=index, reason=reason, detail=detail,
+                usage=pb.Usage(prompt_tokens=num_prompt, completion_tokens=num_completion),
+                timing=TIMING,
+            ),
+        )
+
+    async def Cancel(self, request, context):
+        self.cancel_calls.append((request.request_id, dict(context.invocation_metadata())))
+        flag = self._cancel_flags.get(request.request_id)
+        if flag is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown request {request.request_id!r}")
+        flag.set()
+        return pb.CancelResponse(request_id=request.request_id)
+
+    async def Info(self, request, context):
+        return INFO
+
+
+class FakeServer:
+    """A grpc.aio server on a free localhost port running FakeGenerateService."""
+
+    def __init__(self, *, with_health: bool = True) -> None:
+        self.service = FakeGenerateService()
+        self.health = health.aio.HealthServicer() if with_health else None
+        self.server = grpc.aio.server()
+        pb_grpc.add_GenerateServiceServicer_to_server(self.service, self.server)
+        if self.health is not None:
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.target = f"127.0.0.1:{self.port}"
+
+    async def start(self) -> None:
+        await self.server.start()
+        if self.health is not None:
+            await self.set_serving(True)
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        await self.health.set("genserve.v1.GenerateService", status)
+
+    async def stop(self) -> None:
+        await self.server.stop(grace=None)
