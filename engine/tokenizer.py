@@ -1,0 +1,229 @@
+"""Byte-level BPE tokenizer read from a GGUF file (SmolLM2: ``tokenizer.ggml.model = "gpt2"``).
+
+A GGUF carries no ``tokenizer.json``; it stores the vocabulary (``tokenizer.ggml.tokens``), the
+merges (``tokenizer.ggml.merges``, ``"a b"`` strings, best first), the token types
+(``tokenizer.ggml.token_type``: 1 normal, 3 control, 4 user-defined, 6 byte) and the special ids.
+This module rebuilds the Hugging Face ``tokenizers`` pipeline from them:
+
+* model: BPE over the GPT-2 byte alphabet (every byte mapped to a printable character, e.g.
+  space -> ``Ġ``, newline -> ``Ċ``), no unknown token, no dropout;
+* pre-tokenizer for ``tokenizer.ggml.pre = "smollm"``: split every digit on its own, then the GPT-2
+  regex ``'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+`` and
+  the byte map. This is llama.cpp's ``LLAMA_VOCAB_PRE_TYPE_SMOLLM`` (regexes ``\\p{N}`` then the
+  GPT-2 one, ``src/llama-vocab.cpp``) and SmolLM2's own ``tokenizer.json``
+  (``Digits(individual_digits=True)`` + ``ByteLevel``). For ``"gpt2"`` and unknown ``pre`` values the
+  digit split is left out (plain GPT-2);
+* control tokens (``<|im_start|>``, ``<|im_end|>`` ...) are added as special tokens, so they are
+  matched whole in the text, as transformers' ``GGUFGPTConverter`` / ``add_gguf_special_tokens`` do;
+* decoder: the byte map reversed.
+
+No BOS is added (the file says ``add_bos_token = false``).
+"""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Iterable
+from functools import lru_cache
+from typing import TYPE_CHECKING
+
+from tokenizers import AddedToken, Regex
+from tokenizers import Tokenizer as _HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers
+
+if TYPE_CHECKING:
+    import gguf
+
+TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
+
+# ``tokenizer.ggml.pre`` values whose digits are split one by one before the GPT-2 regex
+# (llama.cpp ``llama-vocab.cpp``: STARCODER, REFACT, COMMAND_R, SMOLLM, CODESHELL, EXAONE, MINERVA).
+_DIGIT_SPLIT_PRE = frozenset({"smollm", "starcoder", "refact", "command-r", "codeshell",
+                              "exaone", "minerva-7b"})
+
+
+@lru_cache(maxsize=1)
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map (openai/gpt-2 ``encoder.py``).
+
+    Printable Latin-1 bytes (``!``..``~``, ``¡``..``¬``, ``®``..``ÿ``) map to themselves; the other
+    68 bytes map, in order, to ``chr(256)``, ``chr(257)`` ... (so space 0x20 -> ``Ġ`` U+0120).
+    """
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
+        + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+class Tokenizer:
+    """Text <-> token ids for a byte-level BPE GGUF, plus the exact bytes of each token.
+
+    Attributes:
+        vocab_size: number of token ids (49,152 for SmolLM2), ids are ``0 .. vocab_size - 1``.
+        bos_token_id: ``tokenizer.ggml.bos_token_id`` (1, ``<|im_start|>``), or None.
+        eos_token_id: ``tokenizer.ggml.eos_token_id`` (2, ``<|im_end|>``), or None.
+        chat_template: the file's Jinja chat template, or None.
+        add_bos_token: whether :meth:`encode` prepends ``bos_token_id`` (False for SmolLM2).
+    """
+
+    def __init__(self, tokens: list[str], merges: list[str], token_types: list[int] | None = None,
+                 *, pre: str = "gpt2", bos_token_id: int | None = None,
+                 eos_token_id: int | None = None, chat_template: str | None = None,
+                 add_bos_token: bool = False):
+        """Build from GGUF-style vocabulary arrays.
+
+        Args:
+            tokens: token strings indexed by id, spelled in the GPT-2 byte alphabet (control
+                tokens as their text).
+            merges: ``"left right"`` BPE merges, highest priority first.
+            token_types: GGUF token types per id (1 normal, 3 control, 4 user-defined, 6 byte);
+                None means all normal.
+            pre: ``tokenizer.ggml.pre``; ``"smollm"`` (and the other StarCoder-style values)
+                split digits individually.
+            bos_token_id, eos_token_id: special ids from the file.
+            chat_template: ``tokenizer.chat_template`` from the file.
+            add_bos_token: ``tokenizer.ggml.add_bos_token``; when true, :meth:`encode` prepends
+                ``bos_token_id`` (false for SmolLM2).
+
+        Raises:
+            ValueError: ``token_types`` length differs from ``tokens``, or a special id is out of range.
+        """
+        token_types = list(token_types) if token_types is not None else [TOKEN_NORMAL] * len(tokens)
+        if len(token_types) != len(tokens):
+            raise ValueError(f"{len(token_types)} token types for {len(tokens)} tokens")
+        for name, tid in (("bos", bos_token_id), ("eos", eos_token_id)):
+            if tid is not None and not 0 <= tid < len(tokens):
+                raise ValueError(f"{name}_token_id {tid} outside the vocabulary of {len(tokens)}")
+        self.vocab_size = len(tokens)
+        self.add_bos_token = add_bos_token
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        self.chat_template = chat_template
+        if add_bos_token and bos_token_id is None:
+            raise ValueError("add_bos_token is set but there is no bos_token_id")
+        self._bos = [bos_token_id] if add_bos_token else []
+        self._types = token_types
+
+        byte_decoder = {c: b for b, c in bytes_to_unicode().items()}
+        alphabet = set(byte_decoder)
+
+        def raw_bytes(token: str, kind: int) -> bytes:
+            if kind == TOKEN_BYTE and token.startswith("<0x") and token.endswith(">"):
+                return bytes([int(token[3:-1], 16)])  # sentencepiece-style byte token
+            if kind in (TOKEN_CONTROL, TOKEN_USER_DEFINED) or not set(token) <= alphabet:
+                return token.encode("utf-8")
+            return bytes(byte_decoder[c] for c in token)
+
+        self._bytes = [raw_bytes(t, k) for t, k in zip(tokens, token_types)]
+
+        vocab = {t: i for i, t in enumerate(tokens)}
+        bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges],
+                         dropout=None, continuing_subword_prefix="", end_of_word_suffix="",
+                         fuse_unk=False, byte_fallback=False)
+        tk = _HFTokenizer(bpe)
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
+        if pre in _DIGIT_SPLIT_PRE:
+            tk.pre_tokenizer = pre_tokenizers.Sequence(
+                [pre_tokenizers.Digits(individual_digits=True), byte_level])
+        else:
+            tk.pre_tokenizer = byte_level
+        tk.decoder = decoders.ByteLevel()
+        specials = [AddedToken(t, normalized=False, special=True)
+                    for t, k in zip(tokens, token_types) if k == TOKEN_CONTROL]
+        user = [AddedToken(t, normalized=False, special=False)
+                for t, k in zip(tokens, token_types) if k == TOKEN_USER_DEFINED]
+        tk.add_special_tokens(specials)
+        tk.add_tokens(user)
+        if tk.get_vocab_size(with_added_tokens=True) != self.vocab_size:
+            raise ValueError("added tokens grew the vocabulary: a control/user token is not in it")
+        self._tk = tk
+
+    @classmethod
+    def from_gguf(cls, source: "str | pathlib.Path | gguf.GGUFReader | None" = None) -> "Tokenizer":
+        """Read the tokenizer metadata of a GGUF file (default: the embedded SmolLM2 model).
+
+        ``source`` is a path, a reader from ``engine.model.weights.open_gguf`` (share one with
+        ``load_gguf``: parsing SmolLM2's ~98k strings takes 1.5-2 s), or None for the default file.
+
+        Raises:
+            FileNotFoundError: no file at ``path`` (or the default package is missing).
+            KeyError: the file has no ``tokenizer.ggml.tokens`` / ``merges``.
+            ValueError: ``tokenizer.ggml.model`` is not ``"gpt2"`` (byte-level BPE).
+        """
+        import gguf
+
+        from engine.model.weights import open_gguf
+
+        reader = source if isinstance(source, gguf.GGUFReader) else open_gguf(source)
+        path = pathlib.Path(getattr(reader.data, "filename", None) or "model.gguf")
+        fields = reader.fields
+
+        def meta(key: str, required: bool = False):
+            if key not in fields:
+                if required:
+                    raise KeyError(f"{path.name}: metadata key {key!r} missing")
+                return None
+            return fields[key].contents()
+
+        kind = meta("tokenizer.ggml.model", required=True)
+        if kind != "gpt2":
+            raise ValueError(f"{path.name}: tokenizer model {kind!r}, only byte-level BPE 'gpt2' "
+                             "is supported")
+        return cls(meta("tokenizer.ggml.tokens", required=True),
+                   meta("tokenizer.ggml.merges", required=True),
+                   meta("tokenizer.ggml.token_type"),
+                   pre=meta("tokenizer.ggml.pre") or "gpt2",
+                   bos_token_id=meta("tokenizer.ggml.bos_token_id"),
+                   eos_token_id=meta("tokenizer.ggml.eos_token_id"),
+                   chat_template=meta("tokenizer.chat_template"),
+                   add_bos_token=bool(meta("tokenizer.ggml.add_bos_token")))
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``. No BOS is added unless the file says so (SmolLM2 does not).
+        Control-token text such as ``<|im_end|>`` becomes its single id (as in transformers and
+        llama.cpp with special parsing)."""
+        return self._bos + self._tk.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Iterable[str]) -> list[list[int]]:
+        """``[encode(t) for t in texts]``, run in parallel by the Rust library."""
+        return [self._bos + e.ids
+                for e in self._tk.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        """Text of ``ids``; bytes that do not form valid UTF-8 become U+FFFD. For streaming use
+        :meth:`token_bytes` and decode only complete UTF-8 sequences."""
+        return self._tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The exact bytes ``token_id`` stands for (the GPT-2 byte map reversed; control tokens
+        give their UTF-8 text). One token may hold part of a multi-byte character.
+
+        Raises:
+            IndexError: ``token_id`` outside ``0 .. vocab_size - 1``.
+        """
+        if token_id < 0:
+            raise IndexError(f"token id {token_id} is negative")
+        return self._bytes[token_id]
+
+    def is_special(self, token_id: int) -> bool:
+        """True for control tokens (``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>`` ...).
+
+        Raises:
+            IndexError: ``token_id`` outside ``0 .. vocab_size - 1``.
+        """
+        if token_id < 0:
+            raise IndexError(f"token id {token_id} is negative")
+        return self._types[token_id] == TOKEN_CONTROL
+
+    def id_to_token(self, token_id: int) -> str:
+        """The vocabulary string of ``token_id`` (byte-alphabet spelling, e.g. ``ĠParis``)."""
+        return self._tk.id_to_token(token_id)
+
+    def __len__(self) -> int:
+        return self.vocab_size
