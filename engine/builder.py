@@ -15,7 +15,7 @@ from engine.executor import ModelExecutor
 from engine.kv_cache import KVCache
 from engine.loop import Engine
 from engine.model.llama import ModelArgs, Transformer
-from engine.model.weights import default_gguf_path, load_gguf
+from engine.model.weights import default_gguf_path, load_gguf, open_gguf
 from engine.request import Request, SamplingParams
 from engine.scheduler import CostModel
 from engine.tokenizer import Tokenizer
@@ -50,20 +50,26 @@ def build_engine(config: EngineConfig, gguf_path: str | pathlib.Path | None = No
     """
     set_threads(config)
     path = pathlib.Path(gguf_path) if gguf_path else default_gguf_path()
-    dtype = getattr(torch, config.dtype)
-    args, state = load_gguf(path)
-    model = Transformer.from_state_dict(args, state, dtype)
+    reader = open_gguf(path)          # parse the header (≈ 100k tokenizer strings) once
+    args, state = load_gguf(reader)
+    engine = engine_from_weights(config, args, state)
     del state
-    num_blocks = config.num_blocks or KVCache.num_blocks_for_budget(
-        args, config.block_size, dtype, config.kv_pool_bytes)
-    kv = KVCache(args, num_blocks, config.block_size, dtype)
-    pool = BlockPool(num_blocks, config.block_size)
-    engine = Engine(config, ModelExecutor(model, kv), pool)
-    tokenizer = Tokenizer.from_gguf(path)
+    tokenizer = Tokenizer.from_gguf(reader)
     if calibrate:
         engine.scheduler.cost = measure_costs(engine)
         engine.executor.cost_model = engine.scheduler.cost
     return LoadedEngine(engine, tokenizer, args, model_name)
+
+
+def engine_from_weights(config: EngineConfig, args: ModelArgs,
+                        state: dict[str, torch.Tensor]) -> Engine:
+    """A stopped engine over `state` (loader names) in `config.dtype`, KV pool sized by config."""
+    dtype = getattr(torch, config.dtype)
+    model = Transformer.from_state_dict(args, state, dtype)
+    num_blocks = config.num_blocks or KVCache.num_blocks_for_budget(
+        args, config.block_size, dtype, config.kv_pool_bytes)
+    kv = KVCache(args, num_blocks, config.block_size, dtype)
+    return Engine(config, ModelExecutor(model, kv), BlockPool(num_blocks, config.block_size))
 
 
 def measure_costs(engine: Engine, rows: int = 32, prompt_len: int = 16,
