@@ -21,8 +21,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=int(os.environ.get("BRIDGE_PORT", "8000")))
     parser.add_argument("--model-name", default=os.environ.get("GENSERVE_MODEL_NAME", DEFAULT_MODEL_NAME))
     parser.add_argument("--log-level", default="info")
+    parser.add_argument("--engine-metrics-url", default=os.environ.get("GENSERVE_ENGINE_METRICS_URL"),
+                        help="the engine's /metrics URL, shown in the bridge's /metrics too")
     args = parser.parse_args(argv)
-    run(args.grpc_target, args.host, args.port, model_name=args.model_name, log_level=args.log_level)
+    run(args.grpc_target, args.host, args.port, model_name=args.model_name, log_level=args.log_level,
+        engine_metrics_url=args.engine_metrics_url)
 
 
 if __name__ == "__main__":

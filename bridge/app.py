@@ -4,6 +4,7 @@
     DELETE /v1/requests/{request_id}    -> Cancel
     GET    /health                      -> grpc.health.v1 Check (or Info)
     GET    /v1/models                   -> the one served model
+    GET    /metrics                     -> the bridge's and the engine's Prometheus metrics
 
 The bridge only translates. It forwards `Authorization: Bearer <key>` as gRPC
 metadata `authorization`, maps gRPC status codes to HTTP (errors.py), and turns
@@ -31,6 +32,7 @@ from starlette.types import Receive, Scope, Send
 
 from bridge.errors import ApiError, from_grpc
 from bridge.events import SSE_DONE, CompletionBuilder, sse_data, sse_error
+from bridge.metrics import BridgeMetrics
 from bridge.schemas import CompletionRequest
 from genserve.v1 import generate_pb2 as pb
 from genserve.v1 import generate_pb2_grpc as pb_grpc
@@ -145,9 +147,14 @@ def create_app(
     model_name: str = DEFAULT_MODEL_NAME,
     *,
     slow_client_timeout_s: float = SLOW_CLIENT_TIMEOUT_S,
+    engine_metrics_url: str | None = None,
 ) -> FastAPI:
-    """Build the bridge app for the GenerateService at `grpc_target` ("host:port")."""
+    """Build the bridge app for the GenerateService at `grpc_target` ("host:port").
+
+    `engine_metrics_url`, when given, is scraped and appended to `GET /metrics`.
+    """
     created_at = int(time.time())
+    metrics = BridgeMetrics(engine_metrics_url)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -158,6 +165,13 @@ def create_app(
             await app.state.backend.close()
 
     app = FastAPI(title="genserve bridge", lifespan=lifespan)
+
+    @app.middleware("http")
+    async def count_responses(request: Request, call_next):
+        response = await call_next(request)
+        route = request.scope.get("route")
+        metrics.responses.labels(getattr(route, "path", "other"), str(response.status_code)).inc()
+        return response
 
     def backend() -> _Backend:
         if getattr(app.state, "backend", None) is None:  # run without lifespan (bare ASGI use)
@@ -242,6 +256,10 @@ def create_app(
         if await _healthy(backend(), _auth_metadata(request)):
             return JSONResponse({"status": "ok"})
         return ApiError(503, "the generation service is not serving", code="unavailable").response()
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(await metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:

@@ -14,7 +14,8 @@ def run(
     *,
     model_name: str = DEFAULT_MODEL_NAME,
     log_level: str = "info",
+    engine_metrics_url: str | None = None,
 ) -> None:
     """Serve the bridge on host:port until interrupted, talking to grpc_target."""
-    app = create_app(grpc_target, model_name)
+    app = create_app(grpc_target, model_name, engine_metrics_url=engine_metrics_url)
     uvicorn.run(app, host=host, port=port, log_level=log_level)

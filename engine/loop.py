@@ -43,8 +43,9 @@ class Engine:
         scheduler: the policy (read its `stats()` under `lock`).
         num_steps: forward passes run so far.
         error: the exception that stopped the loop, or None.
-        step_listeners: called after every step with (plan, events, step seconds); used by
-            metrics and by tests that count steps. Must not block.
+        step_listeners: called after every pass with (plan, events, step seconds); the plan is
+            empty (and the time 0) when a pass only ended requests. Used by metrics and by tests
+            that count steps. Must not block.
     """
 
     def __init__(self, config: EngineConfig, executor: Executor, pool: BlockPool,
@@ -111,7 +112,7 @@ class Engine:
         with self.lock:
             plan = self.scheduler.schedule(self.clock())
         if plan.empty:
-            self._push(plan.events)
+            self._emit(plan, plan.events, 0.0)
             return bool(plan.events)
         t0 = time.perf_counter()
         sampled = self.executor.execute(plan)
@@ -119,9 +120,7 @@ class Engine:
         with self.lock:
             events = self.scheduler.update(plan, sampled, self.clock())
             self.num_steps += 1
-        self._push(events)
-        for listener in self.step_listeners:
-            listener(plan, events, step_s)
+        self._emit(plan, events, step_s)
         return True
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> int:
@@ -171,7 +170,13 @@ class Engine:
             with self.lock:
                 self.error = exc
                 events = self.scheduler.fail_all(self.clock(), f"engine failure: {exc}")
-            self._push(events)
+            self._emit(StepPlan(), events, 0.0)
+
+    def _emit(self, plan: StepPlan, events: list[TokenEvent], step_s: float) -> None:
+        """Push events to their requests, then tell the listeners (an empty plan ran nothing)."""
+        self._push(events)
+        for listener in self.step_listeners:
+            listener(plan, events, step_s)
 
     def _push(self, events: list[TokenEvent]) -> None:
         for ev in events:

@@ -91,7 +91,10 @@ class Request:
         generated: sampled token ids so far.
         generator: the request's own random generator (its state survives preemption).
         cancel_requested: set by any thread; read by the scheduler at the next step boundary.
-        admitted_s / first_token_s / finished_s: clock times of those moments, seconds.
+        admitted_s / first_token_s / last_token_s / finished_s: clock times, seconds.
+        max_gap_s: longest time between two consecutive tokens, seconds.
+        steps_after_cancel: steps the request was part of after its cancel flag was set (the
+            design bounds this by 1).
         finish_reason / finish_detail: why it ended ("deadline", an error text...).
     """
 
@@ -112,6 +115,9 @@ class Request:
     cancel_requested: bool = False
     admitted_s: float | None = None
     first_token_s: float | None = None
+    last_token_s: float | None = None
+    max_gap_s: float = 0.0
+    steps_after_cancel: int = 0
     finished_s: float | None = None
     finish_reason: FinishReason | None = None
     finish_detail: str = ""

@@ -180,6 +180,8 @@ class Scheduler:
                 i += 1
             if req.finished or req.state == RequestState.PREEMPTED:
                 continue
+            if req.cancel_requested:
+                req.steps_after_cancel += 1
             usage = self.usage[req.api_key]
             if req.state == RequestState.PREFILL:
                 usage.weighted_tokens_served += seg.length
@@ -196,6 +198,9 @@ class Scheduler:
             usage.weighted_tokens_served += w_out
             if req.first_token_s is None:
                 req.first_token_s = now
+            else:
+                req.max_gap_s = max(req.max_gap_s, now - req.last_token_s)
+            req.last_token_s = now
             reason = self._stop_reason(req, token)
             if reason is None:
                 events.append(TokenEvent(req.request_id, token_id=token, logprob=logprob,
@@ -356,9 +361,14 @@ class Scheduler:
         if reason != FinishReason.CANCELLED:
             self.avg_output_tokens = 0.9 * self.avg_output_tokens + 0.1 * len(req.generated)
         ms = lambda t: None if t is None else (t - req.arrival_s) * 1000.0  # noqa: E731
+        n = len(req.generated)
+        tpot_ms = None
+        if n > 1 and req.first_token_s is not None and req.last_token_s is not None:
+            tpot_ms = (req.last_token_s - req.first_token_s) * 1000.0 / (n - 1)
         events.append(TokenEvent(
             req.request_id, token_id=token, logprob=logprob,
             position=max(0, len(req.generated) - 1), finish_reason=reason, finish_detail=detail,
             num_prompt_tokens=req.num_prompt, num_completion_tokens=len(req.generated),
             queue_ms=ms(req.admitted_s) if req.admitted_s is not None else ms(now),
-            ttft_ms=ms(req.first_token_s), e2e_ms=ms(now)))
+            ttft_ms=ms(req.first_token_s), e2e_ms=ms(now), tpot_ms=tpot_ms,
+            max_gap_ms=req.max_gap_s * 1000.0, steps_after_cancel=req.steps_after_cancel))

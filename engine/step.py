@@ -107,6 +107,9 @@ class TokenEvent:
         queue_ms: arrival → admission, on the last event.
         ttft_ms: arrival → first token sampled, on the last event (None if none was).
         e2e_ms: arrival → finish, on the last event.
+        tpot_ms: mean time per output token after the first, on the last event (None if < 2).
+        max_gap_ms: longest gap between two consecutive tokens, on the last event.
+        steps_after_cancel: steps the request ran after its cancel flag was set (0 or 1).
     """
 
     request_id: str
@@ -121,3 +124,6 @@ class TokenEvent:
     queue_ms: float | None = None
     ttft_ms: float | None = None
     e2e_ms: float | None = None
+    tpot_ms: float | None = None
+    max_gap_ms: float = 0.0
+    steps_after_cancel: int = 0

@@ -58,13 +58,14 @@ def serve(args: argparse.Namespace) -> int:
     target = f"127.0.0.1:{args.grpc_port}"
     engine_argv = [sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(args.grpc_port),
                    "--dtype", args.dtype, "--kv-pool-gib", str(args.kv_pool_gib),
-                   "--queue-budget-s", str(args.queue_budget_s)]
+                   "--queue-budget-s", str(args.queue_budget_s), "--metrics-port", str(args.metrics_port)]
     if args.model:
         engine_argv += ["--model", args.model]
     if args.num_blocks:
         engine_argv += ["--num-blocks", str(args.num_blocks)]
     bridge_argv = [sys.executable, "-m", "bridge", "--grpc-target", target, "--host", args.host,
-                   "--port", str(args.port), "--log-level", "warning"]
+                   "--port", str(args.port), "--log-level", "warning",
+                   "--engine-metrics-url", f"http://127.0.0.1:{args.metrics_port}/metrics"]
     children = [Child("engine", engine_argv), Child("bridge", bridge_argv)]
     stopping = False
 
@@ -79,7 +80,8 @@ def serve(args: argparse.Namespace) -> int:
     if wait_engine_ready(target, args.ready_timeout_s):
         print(f"genserve ready\n  REST+SSE  http://{args.host}:{args.port}/v1/completions\n"
               f"  gRPC      {target}  (genserve.v1.GenerateService)\n"
-              f"  health    http://{args.host}:{args.port}/health", flush=True)
+              f"  health    http://{args.host}:{args.port}/health\n"
+              f"  metrics   http://{args.host}:{args.port}/metrics", flush=True)
     else:
         print(f"genserve: engine not ready after {args.ready_timeout_s:g} s; still trying", flush=True)
     while not stopping:
@@ -115,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1", help="bridge address")
     p.add_argument("--port", type=int, default=8000, help="bridge (REST+SSE) port")
     p.add_argument("--grpc-port", type=int, default=50051, help="engine gRPC port")
+    p.add_argument("--metrics-port", type=int, default=9400, help="engine Prometheus port")
     p.add_argument("--model", default=None, help="GGUF file (default: the embedded SmolLM2-135M)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks")

@@ -10,12 +10,14 @@ import signal
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
 
 from engine.builder import build_engine
 from engine.config import EngineConfig
 from genserve.v1 import generate_pb2 as pb
 from genserve.v1 import generate_pb2_grpc as pb_grpc
 from service.auth import Authenticator
+from service.metrics import EngineMetrics
 from service.servicer import GenerateServicer
 from service.validation import Validator
 
@@ -24,8 +26,11 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerateService"].full_name
 
 
 async def serve(config: EngineConfig, host: str, port: int, model_path: str | None = None,
-                auth: Authenticator | None = None) -> None:
-    """Build the engine, serve GenerateService + health + reflection until SIGINT/SIGTERM."""
+                auth: Authenticator | None = None, metrics_port: int | None = None) -> None:
+    """Build the engine, serve GenerateService + health + reflection until SIGINT/SIGTERM.
+
+    With `metrics_port`, Prometheus metrics are served at http://host:metrics_port/metrics.
+    """
     server = grpc.aio.server()
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -39,9 +44,12 @@ async def serve(config: EngineConfig, host: str, port: int, model_path: str | No
     info = pb.InfoResponse(model_name=loaded.model_name, max_context=config.max_context,
                            max_new_tokens=config.max_new_tokens, vocab_size=loaded.args.vocab_size,
                            block_size=config.block_size, num_kv_blocks=engine.pool.num_blocks)
+    metrics = EngineMetrics(engine)
+    if metrics_port is not None:
+        start_http_server(metrics_port, addr=host, registry=metrics.registry)
     pb_grpc.add_GenerateServiceServicer_to_server(GenerateServicer(
         engine, loaded.tokenizer, Validator(config, loaded.tokenizer),
-        auth or Authenticator.from_env(), info), server)
+        auth or Authenticator.from_env(), info, metrics), server)
     engine.start()
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -79,7 +87,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m service", description=__doc__)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=50051)
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve Prometheus metrics on this port (default: off)")
     add_engine_args(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    asyncio.run(serve(config_from_args(args), args.host, args.port, args.model))
+    asyncio.run(serve(config_from_args(args), args.host, args.port, args.model,
+                      metrics_port=args.metrics_port))

@@ -16,6 +16,7 @@ from genserve.v1 import generate_pb2 as pb
 from genserve.v1 import generate_pb2_grpc as pb_grpc
 from service.auth import Authenticator
 from service.detokenizer import IncrementalDetokenizer
+from service.metrics import EngineMetrics
 from service.validation import ValidationError, Validator
 
 log = logging.getLogger(__name__)
@@ -36,25 +37,27 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
         validator: field and limit checks.
         auth: maps the `authorization` metadata to an API key (or rejects it).
         info: the `InfoResponse` to answer `Info` with.
+        metrics: counts rejections by code (optional).
 
     The engine's scheduler thread hands each `TokenEvent` to `loop.call_soon_threadsafe`, so
     token ids reach the request's asyncio queue without the loop ever waiting on this server.
     """
 
     def __init__(self, engine: Engine, tokenizer, validator: Validator, auth: Authenticator,
-                 info: pb.InfoResponse) -> None:
+                 info: pb.InfoResponse, metrics: EngineMetrics | None = None) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.validator = validator
         self.auth = auth
         self.info = info
+        self.metrics = metrics
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         api_key = await self._authenticate(context)
         try:
             valid = self.validator.validate(request)
         except ValidationError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await self._reject(context, "400", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         request_id = request.request_id or f"cmpl-{uuid.uuid4().hex}"
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[TokenEvent] = asyncio.Queue()
@@ -69,11 +72,11 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
             self.engine.submit(req)
         except AdmissionRejected as exc:
             context.set_trailing_metadata((("retry-after", str(exc.retry_after_s)),))
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            await self._reject(context, "429", grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except EngineUnavailable as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            await self._reject(context, "503", grpc.StatusCode.UNAVAILABLE, str(exc))
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: {exc}")
+            await self._reject(context, "400", grpc.StatusCode.INVALID_ARGUMENT, f"request_id: {exc}")
 
         finished = False
         try:
@@ -110,8 +113,16 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
         metadata = dict(context.invocation_metadata() or ())
         key = self.auth.api_key(metadata.get("authorization"))
         if key is None:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "authorization: missing or unknown API key")
+            await self._reject(context, "401", grpc.StatusCode.UNAUTHENTICATED,
+                               "authorization: missing or unknown API key")
         return key
+
+    async def _reject(self, context: grpc.aio.ServicerContext, code: str,
+                      status: grpc.StatusCode, message: str) -> None:
+        """Count the rejection under its HTTP-equivalent code and end the call (raises)."""
+        if self.metrics is not None:
+            self.metrics.rejected.labels(code).inc()
+        await context.abort(status, message)
 
 
 def _finished(ev: TokenEvent) -> pb.Finished:

@@ -1,0 +1,131 @@
+"""Prometheus metrics of the engine process (prometheus-client, one registry per engine).
+
+Gauges are read from the scheduler at scrape time (one consistent snapshot under the engine
+lock), so they can never drift from the truth; histograms and counters are fed by the engine's
+step listener and by the servicer (rejections).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from engine.loop import Engine
+from engine.request import FinishReason
+from engine.step import StepPlan, TokenEvent
+
+PROMPT_BUCKETS = (256, 1024, 4096, 8192)            # prompt-length bucket upper bounds, tokens
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 1.5,
+                     2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+
+
+def prompt_bucket(num_prompt_tokens: int) -> str:
+    """The label of the design's prompt-length bucket: "256", "1024", "4096" or "8192" (≤ bound)."""
+    for bound in PROMPT_BUCKETS:
+        if num_prompt_tokens <= bound:
+            return str(bound)
+    return "inf"
+
+
+class _SchedulerGauges(Collector):
+    """Collects the scheduler's gauges and monotonic counters at scrape time."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def collect(self):
+        s = self.engine.stats()
+        for name, doc, value in (
+            ("genserve_queue_depth", "Requests waiting for admission.", s.queue_depth),
+            ("genserve_queued_device_seconds", "Estimated device-seconds of queued work.", s.queued_device_s),
+            ("genserve_running_rows", "Requests admitted to the running batch.", s.running_rows),
+            ("genserve_kv_blocks_free", "KV blocks on the free list.", s.kv_blocks_free),
+            ("genserve_kv_blocks_total", "KV blocks in the pool.", s.kv_blocks_total),
+        ):
+            yield GaugeMetricFamily(name, doc, value=value)
+        yield CounterMetricFamily("genserve_preemptions", "Requests preempted (blocks freed, re-queued).",
+                                  value=s.num_preemptions)
+        yield CounterMetricFamily("genserve_cancelled_tokens",
+                                  "Tokens computed for requests after they were cancelled.",
+                                  value=s.num_cancelled_tokens)
+        yield CounterMetricFamily("genserve_steps", "Forward passes run.", value=self.engine.num_steps)
+
+
+class EngineMetrics:
+    """All metrics of one engine, in their own `CollectorRegistry`.
+
+    Args:
+        engine: the engine to observe; a step listener is attached to it.
+        registry: where to register (a new one by default).
+    """
+
+    def __init__(self, engine: Engine, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.engine = engine
+        labels = ["prompt_bucket"]
+        self.ttft = Histogram("genserve_ttft_seconds", "Arrival to first token.", labels,
+                              buckets=LATENCY_BUCKETS_S, registry=r)
+        self.tpot = Histogram("genserve_tpot_seconds", "Mean time per output token after the first.",
+                              labels, buckets=LATENCY_BUCKETS_S, registry=r)
+        self.max_gap = Histogram("genserve_max_token_gap_seconds",
+                                 "Longest gap between two tokens of a request.", labels,
+                                 buckets=LATENCY_BUCKETS_S, registry=r)
+        self.queue_wait = Histogram("genserve_queue_wait_seconds", "Arrival to admission.", labels,
+                                    buckets=LATENCY_BUCKETS_S, registry=r)
+        self.e2e = Histogram("genserve_e2e_seconds", "Arrival to finish.", labels,
+                             buckets=LATENCY_BUCKETS_S, registry=r)
+        self.rows = Histogram("genserve_step_rows", "Decode rows per step.", buckets=ROW_BUCKETS, registry=r)
+        self.step_s = Histogram("genserve_step_duration_seconds", "Forward pass + sampling time.",
+                                buckets=LATENCY_BUCKETS_S, registry=r)
+        self.cancel_steps = Histogram("genserve_cancel_extra_steps",
+                                      "Steps a request ran after its cancel flag was set.",
+                                      buckets=(0, 1, 2, 5), registry=r)
+        self.finished = Counter("genserve_requests_finished", "Requests ended, by finish reason.",
+                                ["finish_reason"], registry=r)
+        self.rejected = Counter("genserve_requests_rejected", "Requests refused, by HTTP-equivalent code.",
+                                ["code"], registry=r)
+        self.prompt_tokens = Counter("genserve_prompt_tokens", "Prompt tokens of finished requests.",
+                                     registry=r)
+        self.generated_tokens = Counter("genserve_generated_tokens", "Tokens sampled.", registry=r)
+        self.cancelled_generated = Counter(
+            "genserve_cancelled_request_generated_tokens",
+            "Tokens generated for requests that were later cancelled.", registry=r)
+        for reason in FinishReason:
+            self.finished.labels(reason.value)
+        for code in ("400", "401", "429", "503"):
+            self.rejected.labels(code)
+        r.register(_SchedulerGauges(engine))
+        engine.step_listeners.append(self.on_step)
+
+    def on_step(self, plan: StepPlan, events: list[TokenEvent], step_s: float) -> None:
+        """Step listener: step histograms, and per-request histograms on finish events."""
+        if not plan.empty:
+            self.step_s.observe(step_s)
+            self.rows.observe(plan.num_decode_rows)
+        self.observe_events(events)
+
+    def observe_events(self, events: list[TokenEvent]) -> None:
+        """Count tokens and record the latencies of requests that finished."""
+        for ev in events:
+            if ev.token_id is not None:
+                self.generated_tokens.inc()
+            if ev.finish_reason is None:
+                continue
+            self.finished.labels(ev.finish_reason.value).inc()
+            self.prompt_tokens.inc(ev.num_prompt_tokens)
+            bucket = prompt_bucket(ev.num_prompt_tokens)
+            if ev.ttft_ms is not None:
+                self.ttft.labels(bucket).observe(ev.ttft_ms / 1000.0)
+            if ev.tpot_ms is not None:
+                self.tpot.labels(bucket).observe(ev.tpot_ms / 1000.0)
+                self.max_gap.labels(bucket).observe(ev.max_gap_ms / 1000.0)
+            if ev.queue_ms is not None:
+                self.queue_wait.labels(bucket).observe(ev.queue_ms / 1000.0)
+            if ev.e2e_ms is not None:
+                self.e2e.labels(bucket).observe(ev.e2e_ms / 1000.0)
+            if ev.finish_reason == FinishReason.CANCELLED:
+                self.cancel_steps.observe(ev.steps_after_cancel)
+                self.cancelled_generated.inc(ev.num_completion_tokens)

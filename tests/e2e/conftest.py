@@ -1,0 +1,92 @@
+"""A live genserve (engine + bridge) started the way the README's `make serve` starts it."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+START_TIMEOUT_S = 240.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    """Addresses of a running `genserve serve`."""
+
+    base_url: str
+    grpc_target: str
+    process: subprocess.Popen
+
+    def metrics(self) -> dict[str, float]:
+        """Every sample of GET /metrics as {"name{label=value,...}": value}."""
+        text = httpx.get(f"{self.base_url}/metrics", timeout=10).text
+        out = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+                out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+        return out
+
+    def wait_idle(self, timeout_s: float = 30.0) -> dict[str, float]:
+        """Poll /metrics until no request runs or waits; returns the last metrics."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            m = self.metrics()
+            if m["genserve_running_rows"] == 0 and m["genserve_queue_depth"] == 0:
+                return m
+            if time.monotonic() > deadline:
+                raise AssertionError(f"engine not idle after {timeout_s} s: {m['genserve_running_rows']} rows")
+            time.sleep(0.1)
+
+
+@pytest.fixture(scope="session")
+def server():
+    port, grpc_port, metrics_port = free_port(), free_port(), free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "genserve.cli", "serve", "--port", str(port), "--grpc-port", str(grpc_port),
+         "--metrics-port", str(metrics_port), "--kv-pool-gib", "0.5", "--queue-budget-s", "60"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + START_TIMEOUT_S
+    output = []
+    while True:
+        line = proc.stdout.readline()
+        output.append(line)
+        if "genserve ready" in line:
+            break
+        if proc.poll() is not None or time.monotonic() > deadline or not line:
+            proc.kill()
+            raise RuntimeError("genserve did not start:\n" + "".join(output[-40:]))
+    assert httpx.get(f"{base}/health", timeout=10).status_code == 200
+    # Drain the rest of the output in the background so the pipe never fills.
+    import threading
+    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+    yield Server(base, f"127.0.0.1:{grpc_port}", proc)
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def sse_events(lines) -> list:
+    """`data:` payloads of an SSE line iterator, JSON-decoded ("[DONE]" kept as a string)."""
+    out = []
+    for line in lines:
+        if line.startswith("data:"):
+            data = line[5:].strip()
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
