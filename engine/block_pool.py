@@ -84,6 +84,33 @@ class BlockPool:
             self._ref_count[b] += 1
         self._tables[child_id] = list(blocks)
 
+    def copy_on_write(self, request_id: str, position: int) -> tuple[int, int] | None:
+        """Make the block holding `position` private to `request_id` before it is written.
+
+        When that block is shared (ref_count > 1), a free block replaces it in the table and the
+        shared block loses one reference; returns (source, destination) for the executor to
+        copy. Returns None when the block is already private.
+        Raises BlockPoolError when a copy is needed and the free list is empty.
+        """
+        table = self._tables[request_id]
+        i = position // self.block_size
+        src = table[i]
+        if self._ref_count[src] <= 1:
+            return None
+        if not self._free:
+            raise BlockPoolError(f"{request_id}: copy-on-write needs a block, none free")
+        dst = self._free.popleft()
+        self._ref_count[dst] = 1
+        self._ref_count[src] -= 1
+        table[i] = dst
+        return src, dst
+
+    def is_shared(self, request_id: str, position: int) -> bool:
+        """True when the block holding `position` of `request_id` has other references."""
+        table = self._tables.get(request_id, ())
+        i = position // self.block_size
+        return i < len(table) and self._ref_count[table[i]] > 1
+
     def free(self, request_id: str) -> int:
         """Drop `request_id`'s table; blocks whose ref_count reaches 0 return to the free list.
 

@@ -69,17 +69,21 @@ class ModelExecutor:
             positions.extend(range(seg.start, seg.end))
             if seg.samples:
                 sample_rows.append(len(token_ids) - 1)
+        for src, dst in plan.block_copies:      # copy-on-write of shared prompt blocks
+            for layer in self.kv.layers:
+                layer[dst].copy_(layer[src])
         meta = AttentionMetadata.build(
             [(s.start, s.length, s.block_table) for s in plan.segments], self.kv.block_size)
         hidden = self.model(torch.tensor(token_ids, dtype=torch.long),
                             torch.tensor(positions, dtype=torch.long), self.kv.layers, meta)
         if not sample_rows:
-            return SampledTokens([], [], time.perf_counter() - t0)
-        logits = self.model.logits(hidden[sample_rows])
-        reqs = [s.request for s in plan.segments if s.samples]
-        tokens, logprobs = sample(logits, [r.sampling for r in reqs],
-                                  [request_generator(r) for r in reqs])
-        return SampledTokens(tokens, logprobs, time.perf_counter() - t0)
+            return SampledTokens([], [], [], time.perf_counter() - t0)
+        logits = self.model.logits(hidden[sample_rows])              # [R, vocab] fp32
+        draws = plan.draws
+        rows = torch.tensor([row for row, _ in draws], dtype=torch.long)
+        tokens, logprobs, top = sample(logits[rows], [r.sampling for _, r in draws],
+                                       [request_generator(r) for _, r in draws])
+        return SampledTokens(tokens, logprobs, top, time.perf_counter() - t0)
 
 
 class SimExecutor:
@@ -117,9 +121,9 @@ class SimExecutor:
         """Modelled step: deterministic tokens, `last_step_s` set from the cost formula."""
         self.last_step_s = self.step_seconds(plan.num_decode_rows, plan.num_prefill_tokens)
         tokens = []
-        for seg in plan.sampling_segments:
-            t = zlib.crc32(f"{seg.request.request_id}:{seg.end}".encode()) % self.vocab_size
+        for _, req in plan.draws:
+            t = zlib.crc32(f"{req.request_id}:{req.num_tokens}".encode()) % self.vocab_size
             if t == self.eos_token_id:
                 t = (t + 1) % self.vocab_size
             tokens.append(t)
-        return SampledTokens(tokens, None, self.last_step_s)
+        return SampledTokens(tokens, None, None, self.last_step_s)

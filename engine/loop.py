@@ -57,7 +57,8 @@ class Engine:
         self.scheduler = Scheduler(config, pool, executor.cost_model)
         self.lock = threading.Lock()
         self._wake = threading.Condition(self.lock)
-        self._requests: dict[str, Request] = {}
+        self._requests: dict[str, Request] = {}      # client-visible id → request (sample 0)
+        self._open_samples: dict[str, int] = {}      # client-visible id → samples not finished
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.num_steps = 0
@@ -82,6 +83,7 @@ class Engine:
                 req.deadline_s = now + self.config.default_deadline_s
             self.scheduler.add(req, now)
             self._requests[req.request_id] = req
+            self._open_samples[req.request_id] = req.n
             self._wake.notify()
 
     def cancel(self, request_id: str, api_key: str | None = None) -> bool:
@@ -94,10 +96,24 @@ class Engine:
             True when a live request was flagged; False when unknown, finished, or another key's.
         """
         with self.lock:
-            req = self._requests.get(request_id)
-            if req is None or req.finished or (api_key is not None and req.api_key != api_key):
+            req = self._requests.get(request_id)      # present until every sample finished
+            if req is None or (api_key is not None and req.api_key != api_key):
                 return False
-            self.scheduler.cancel(request_id)
+            self.scheduler.cancel(req)
+            self._wake.notify()
+            return True
+
+    def stop_sample(self, request_id: str, index: int = 0) -> bool:
+        """Finish sample `index` of `request_id` with STOP at the next step boundary.
+
+        Used by the service when a stop string matched. Returns False when it is not running.
+        """
+        with self.lock:
+            req = self._requests.get(request_id)
+            samples = [] if req is None else [req, *req.children]
+            if index >= len(samples) or samples[index].finished:
+                return False
+            self.scheduler.stop(samples[index])
             self._wake.notify()
             return True
 
@@ -180,11 +196,12 @@ class Engine:
 
     def _push(self, events: list[TokenEvent]) -> None:
         for ev in events:
-            if ev.finish_reason is not None:
-                with self.lock:
-                    req = self._requests.pop(ev.request_id, None)
-            else:
+            with self.lock:
                 req = self._requests.get(ev.request_id)
+                if ev.finish_reason is not None and req is not None:
+                    self._open_samples[ev.request_id] -= 1
+                    if self._open_samples[ev.request_id] == 0:
+                        del self._requests[ev.request_id], self._open_samples[ev.request_id]
             if req is None or req.on_event is None:
                 continue
             try:

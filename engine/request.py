@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -48,6 +48,7 @@ class SamplingParams:
         top_p: nucleus mass in (0, 1]; 1 means off.
         seed: seed of the request's own `torch.Generator`; None draws a random seed.
         ignore_eos: keep generating past the end-of-sequence token (benchmarks, as in vLLM).
+        top_logprobs: how many most-likely alternatives to report per token (0..5).
     """
 
     temperature: float = 1.0
@@ -55,6 +56,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     ignore_eos: bool = False
+    top_logprobs: int = 0
 
     @property
     def greedy(self) -> bool:
@@ -91,6 +93,12 @@ class Request:
         generated: sampled token ids so far.
         generator: the request's own random generator (its state survives preemption).
         cancel_requested: set by any thread; read by the scheduler at the next step boundary.
+        stop_requested: set by the service when a stop string matched; the row leaves at the
+            next step boundary with FinishReason.STOP.
+        index: sample index within its group (0 for the request the client sent).
+        parent: for samples 1..n-1 of an n > 1 request, the sample-0 request that prefills the
+            shared prompt; None otherwise.
+        children: samples 1..n-1, forked from this request when its prompt is prefilled.
         admitted_s / first_token_s / last_token_s / finished_s: clock times, seconds.
         max_gap_s: longest time between two consecutive tokens, seconds.
         steps_after_cancel: steps the request was part of after its cancel flag was set (the
@@ -113,6 +121,10 @@ class Request:
     generated: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
     cancel_requested: bool = False
+    stop_requested: bool = False
+    index: int = 0
+    parent: "Request | None" = None
+    children: list["Request"] = field(default_factory=list)
     admitted_s: float | None = None
     first_token_s: float | None = None
     last_token_s: float | None = None
@@ -136,6 +148,36 @@ class Request:
         """Token id at `position` of prompt + generated (0-based)."""
         n = len(self.prompt_ids)
         return self.prompt_ids[position] if position < n else self.generated[position - n]
+
+    @property
+    def group_id(self) -> str:
+        """The id the client knows: the parent's request_id for forked samples."""
+        return self.parent.request_id if self.parent is not None else self.request_id
+
+    @property
+    def n(self) -> int:
+        """Samples this request stands for: 1 + its forked samples."""
+        return 1 + len(self.children)
+
+    @property
+    def forks_now(self) -> bool:
+        """True when the next sample is this request's first and it has samples to fork."""
+        return bool(self.children) and not self.generated
+
+    def fork(self, n: int, seeds: list[int | None]) -> None:
+        """Attach samples 1..n-1 (not queued; the scheduler activates them after prefill).
+
+        Args:
+            n: samples in all (1..8).
+            seeds: the seed of each sample's generator (index 0 is this request's own).
+        """
+        for i in range(1, n):
+            self.children.append(Request(
+                request_id=f"{self.request_id}/{i}", api_key=self.api_key,
+                prompt_ids=self.prompt_ids, max_tokens=self.max_tokens,
+                sampling=replace(self.sampling, seed=seeds[i]), arrival_s=self.arrival_s,
+                deadline_s=self.deadline_s, on_event=self.on_event,
+                eos_token_id=self.eos_token_id, index=i, parent=self))
 
     @property
     def finished(self) -> bool:

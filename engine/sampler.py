@@ -18,7 +18,8 @@ def make_generator(seed: int | None) -> torch.Generator:
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
-           generators: Sequence[torch.Generator]) -> tuple[list[int], list[float]]:
+           generators: Sequence[torch.Generator]
+           ) -> tuple[list[int], list[float], list[list[tuple[int, float]]]]:
     """Draw one token per row.
 
     Args:
@@ -29,9 +30,10 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
             draw of `vocab` exponentials each, so a request's stream of random numbers does not
             depend on its neighbours).
     Returns:
-        (next_token [R] ints, logprob [R] floats). The logprob is the sampled token's
-        log-probability under the model's raw distribution, log_softmax(logits), before
-        temperature, top-k and top-p (vLLM's default); always finite.
+        (next_token [R] ints, logprob [R] floats, top [R] lists of (token id, logprob)). The
+        logprobs are under the model's raw distribution, log_softmax(logits), before
+        temperature, top-k and top-p (vLLM's default); always finite. `top[r]` holds the
+        `params[r].top_logprobs` most likely tokens, most likely first.
 
     Sampling uses the exponential-race form of the categorical draw, argmax(p / E) with
     E ~ Exp(1) i.i.d. (equivalent to sampling from p; used by vLLM's sampler).
@@ -54,4 +56,11 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
         noise = torch.empty_like(probs).exponential_(generator=g)
         tokens.append(int(torch.argmax(probs / noise)))
     lp = logprobs_all[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)]
-    return tokens, [max(float(x), -1e30) for x in lp]
+    k_max = max((p.top_logprobs for p in params), default=0)
+    top: list[list[tuple[int, float]]] = [[] for _ in params]
+    if k_max:
+        values, ids = torch.topk(logprobs_all, k_max, dim=-1)
+        for row, p in enumerate(params):
+            top[row] = [(int(i), max(float(v), -1e30))
+                        for i, v in zip(ids[row, :p.top_logprobs], values[row, :p.top_logprobs])]
+    return tokens, [max(float(x), -1e30) for x in lp], top

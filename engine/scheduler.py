@@ -113,8 +113,10 @@ class Scheduler:
         """
         if req.request_id in self.by_id:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
-        expected = min(req.max_tokens, self.avg_output_tokens)
+        expected = min(req.max_tokens, self.avg_output_tokens) * req.n
         req.est_device_ms = self.cost.estimate_ms(req.num_prompt, expected)
+        for child in req.children:
+            child.arrival_s, child.deadline_s = req.arrival_s, req.deadline_s
         budget_ms = self.config.queue_budget_s * 1000.0
         if self.queue_depth and self.queued_device_ms + req.est_device_ms > budget_ms:
             self.num_rejected += 1
@@ -136,12 +138,14 @@ class Scheduler:
         self.by_id[req.request_id] = req
         self.queued_device_ms += req.est_device_ms
 
-    def cancel(self, request_id: str) -> Request | None:
-        """Flag `request_id` for cancellation at the next step boundary; None when unknown."""
-        req = self.by_id.get(request_id)
-        if req is not None:
-            req.cancel_requested = True
-        return req
+    def stop(self, req: Request) -> None:
+        """Flag one sample to finish with STOP at the next step boundary (a stop string matched)."""
+        req.stop_requested = True
+
+    def cancel(self, req: Request) -> None:
+        """Flag `req` and its samples for cancellation at the next step boundary."""
+        for r in (req, *req.children):
+            r.cancel_requested = True
 
     # -- one step -----------------------------------------------------------------------------
     def schedule(self, now: float) -> StepPlan:
@@ -169,15 +173,16 @@ class Scheduler:
             The events to push: plan.events first, then one per sampled token.
         """
         events = list(plan.events)
-        w_out = self.config.output_token_weight
         i = 0
         for seg in plan.segments:
             req = seg.request
-            token = None
-            if seg.samples:
-                token = sampled.token_ids[i]
-                logprob = sampled.logprobs[i] if sampled.logprobs is not None else None
-                i += 1
+            draws = seg.sample_requests
+            tokens = sampled.token_ids[i:i + len(draws)]
+            logprobs = (sampled.logprobs[i:i + len(draws)] if sampled.logprobs is not None
+                        else [None] * len(draws))
+            tops = (sampled.top_logprobs[i:i + len(draws)] if sampled.top_logprobs is not None
+                    else [()] * len(draws))
+            i += len(draws)
             if req.finished or req.state == RequestState.PREEMPTED:
                 continue
             if req.cancel_requested:
@@ -188,26 +193,48 @@ class Scheduler:
             req.num_computed = seg.end
             if req.state == RequestState.PREFILL and req.num_computed >= req.num_prompt:
                 req.state = RequestState.DECODE
-            if token is None:
+            if not tokens:
                 continue
             if req.cancel_requested:
-                self.num_cancelled_tokens += 1
+                self.num_cancelled_tokens += len(tokens)
                 self._finish(req, FinishReason.CANCELLED, "cancelled", now, events)
                 continue
-            req.generated.append(token)
-            usage.weighted_tokens_served += w_out
-            if req.first_token_s is None:
-                req.first_token_s = now
-            else:
-                req.max_gap_s = max(req.max_gap_s, now - req.last_token_s)
-            req.last_token_s = now
-            reason = self._stop_reason(req, token)
-            if reason is None:
-                events.append(TokenEvent(req.request_id, token_id=token, logprob=logprob,
-                                         position=len(req.generated) - 1))
-            else:
-                self._finish(req, reason, "", now, events, token=token, logprob=logprob)
+            if req.stop_requested:          # a stop string matched: this token is past it
+                self._finish(req, FinishReason.STOP, "stop string", now, events)
+                continue
+            if req.forks_now:
+                for child in req.children:
+                    self._activate_fork(req, child)
+            for r, token, logprob, top in zip(draws, tokens, logprobs, tops):
+                self._accept(r, token, logprob, tuple(top), now, events)
         return events
+
+    def _activate_fork(self, parent: Request, child: Request) -> None:
+        """Start sample `child` on the parent's prefilled prompt blocks (ref_count + 1 each)."""
+        self.pool.share(parent.request_id, child.request_id, parent.num_prompt)
+        child.num_computed = parent.num_prompt
+        child.state = RequestState.DECODE
+        child.admitted_s = parent.admitted_s
+        self.running.append(child)
+        self.by_id[child.request_id] = child
+        self.usage[child.api_key].running_rows += 1
+
+    def _accept(self, req: Request, token: int, logprob: float | None,
+                top: tuple[tuple[int, float], ...], now: float, events: list[TokenEvent]) -> None:
+        """Append a sampled token to `req`, emit its event, finish it on EOS or length."""
+        req.generated.append(token)
+        self.usage[req.api_key].weighted_tokens_served += self.config.output_token_weight
+        if req.first_token_s is None:
+            req.first_token_s = now
+        else:
+            req.max_gap_s = max(req.max_gap_s, now - req.last_token_s)
+        req.last_token_s = now
+        reason = self._stop_reason(req, token)
+        if reason is None:
+            events.append(TokenEvent(req.group_id, index=req.index, token_id=token, logprob=logprob,
+                                     top_logprobs=top, position=len(req.generated) - 1))
+        else:
+            self._finish(req, reason, "", now, events, token=token, logprob=logprob, top=top)
 
     def fail_all(self, now: float, detail: str) -> list[TokenEvent]:
         """End every queued and running request with FinishReason.ERROR (the loop failed)."""
@@ -245,21 +272,22 @@ class Scheduler:
         return None
 
     def _leave(self, now: float, events: list[TokenEvent]) -> None:
-        """Design step 4: drop cancelled and expired rows and queued requests."""
-        for req in list(self.running):
-            if req.cancel_requested or now >= req.deadline_s:
-                detail = "cancelled" if req.cancel_requested else "deadline"
-                self._finish(req, FinishReason.CANCELLED, detail, now, events)
-        for queue in self.waiting.values():
-            for req in [r for r in queue if r.cancel_requested or now >= r.deadline_s]:
+        """Design step 4: drop stopped, cancelled and expired rows and queued requests."""
+        for req in list(self.running) + [r for q in self.waiting.values() for r in q]:
+            if req.stop_requested:
+                self._finish(req, FinishReason.STOP, "stop string", now, events)
+            elif req.cancel_requested or now >= req.deadline_s:
                 detail = "cancelled" if req.cancel_requested else "deadline"
                 self._finish(req, FinishReason.CANCELLED, detail, now, events)
 
     def _join(self, now: float) -> None:
         """Design step 5: admit from the least-served key while rows and blocks allow."""
-        while len(self.running) < self.config.max_rows:
+        while True:
             req = self._next_candidate()
             if req is None:
+                return
+            pending_forks = sum(len(r.children) for r in self.running if r.forks_now)
+            if len(self.running) + pending_forks + req.n > self.config.max_rows:
                 return
             need = self.config.blocks_for(req.num_prompt)
             reserved = sum(self.pool.blocks_needed(r.request_id, r.num_prompt)
@@ -319,17 +347,22 @@ class Scheduler:
 
         Returns False when `req` itself had to be preempted (it was the newest).
         """
-        need = self.pool.blocks_needed(req.request_id, num_tokens)
-        while not self.pool.can_allocate(need):
+        rid, pos = req.request_id, req.num_computed
+        while not self.pool.can_allocate(self.pool.blocks_needed(rid, num_tokens)
+                                         + self.pool.is_shared(rid, pos)):
             victim = self.running[-1]
             self._preempt(victim, plan)
             if victim is req:
                 return False
-        self.pool.ensure_capacity(req.request_id, num_tokens)
+        if self.pool.is_shared(rid, pos):      # first write into a shared partial prompt block
+            plan.block_copies.append(self.pool.copy_on_write(rid, pos))
+        self.pool.ensure_capacity(rid, num_tokens)
         return True
 
     def _preempt(self, req: Request, plan: StepPlan) -> None:
         """Design step 10: free the newest request's blocks and queue it first for its key."""
+        own = set(self.pool.table(req.request_id))
+        plan.block_copies[:] = [(s, d) for s, d in plan.block_copies if d not in own]
         self.pool.free(req.request_id)
         self.running.remove(req)
         plan.segments[:] = [s for s in plan.segments if s.request is not req]
@@ -343,8 +376,11 @@ class Scheduler:
 
     def _finish(self, req: Request, reason: FinishReason, detail: str, now: float,
                 events: list[TokenEvent], token: int | None = None,
-                logprob: float | None = None) -> None:
-        """Remove `req` from the engine, return its blocks and emit its last event."""
+                logprob: float | None = None, top: tuple[tuple[int, float], ...] = ()) -> None:
+        """Remove `req` from the engine, return its blocks and emit its last event.
+
+        Samples not yet forked from `req` end with it (same reason), each with its own event.
+        """
         if req in self.running:
             self.running.remove(req)
             self.usage[req.api_key].running_rows -= 1
@@ -366,9 +402,14 @@ class Scheduler:
         if n > 1 and req.first_token_s is not None and req.last_token_s is not None:
             tpot_ms = (req.last_token_s - req.first_token_s) * 1000.0 / (n - 1)
         events.append(TokenEvent(
-            req.request_id, token_id=token, logprob=logprob,
+            req.group_id, index=req.index, token_id=token, logprob=logprob, top_logprobs=top,
             position=max(0, len(req.generated) - 1), finish_reason=reason, finish_detail=detail,
             num_prompt_tokens=req.num_prompt, num_completion_tokens=len(req.generated),
             queue_ms=ms(req.admitted_s) if req.admitted_s is not None else ms(now),
             ttft_ms=ms(req.first_token_s), e2e_ms=ms(now), tpot_ms=tpot_ms,
             max_gap_ms=req.max_gap_s * 1000.0, steps_after_cancel=req.steps_after_cancel))
+        if req.forks_now:
+            for child in req.children:
+                if not child.finished:
+                    child.steps_after_cancel = req.steps_after_cancel
+                    self._finish(child, reason, detail, now, events)

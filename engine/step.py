@@ -31,6 +31,18 @@ class Segment:
         """Context length after this run: start + length."""
         return self.start + self.length
 
+    @property
+    def sample_requests(self) -> list[Request]:
+        """Whose generators draw from this segment's last logits row, in order.
+
+        Empty when it does not sample; the request and its n - 1 forked samples when it is the
+        last prefill chunk of an n > 1 request (all n first tokens come from the one prompt pass);
+        else just the request.
+        """
+        if not self.samples:
+            return []
+        return [self.request, *self.request.children] if self.request.forks_now else [self.request]
+
 
 @dataclass(slots=True)
 class StepPlan:
@@ -43,11 +55,14 @@ class StepPlan:
         segments: decode rows (length 1) followed by prefill chunks, in that order.
         events: finish events produced while scheduling (cancelled, deadline, preempted-away).
         num_preempted: requests preempted while building this step.
+        block_copies: (source, destination) block ids to copy before the forward pass
+            (copy-on-write of a shared, partially filled prompt block).
     """
 
     segments: list[Segment] = field(default_factory=list)
     events: list["TokenEvent"] = field(default_factory=list)
     num_preempted: int = 0
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -66,8 +81,14 @@ class StepPlan:
 
     @property
     def sampling_segments(self) -> list[Segment]:
-        """Segments whose last position is sampled, in order (one row of `next_token` each)."""
+        """Segments whose last position is sampled, in order (one logits row each)."""
         return [s for s in self.segments if s.samples]
+
+    @property
+    def draws(self) -> list[tuple[int, Request]]:
+        """(logits row, request) of every token to sample, in order: `next_token[len(draws)]`."""
+        return [(row, req) for row, seg in enumerate(self.sampling_segments)
+                for req in seg.sample_requests]
 
     @property
     def empty(self) -> bool:
@@ -77,17 +98,20 @@ class StepPlan:
 
 @dataclass(frozen=True, slots=True)
 class SampledTokens:
-    """Executor output: one token per sampling segment, in `plan.sampling_segments` order.
+    """Executor output: one token per draw, in `plan.draws` order.
 
     Attributes:
-        token_ids: next_token[R], int.
+        token_ids: next_token[len(plan.draws)], int.
         logprobs: log-probability of each sampled token under the model's distribution, or
             None when the executor does not compute them.
+        top_logprobs: per draw, the (token id, logprob) of the most likely tokens, as many as
+            that request's `top_logprobs` asks (empty lists when none).
         forward_s: seconds spent in the forward pass and sampling (for calibration).
     """
 
     token_ids: list[int]
     logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
     forward_s: float = 0.0
 
 
@@ -100,6 +124,7 @@ class TokenEvent:
         index: sample index (0 unless n > 1).
         token_id: the sampled token, or None on an event that only ends the stream.
         logprob: its log-probability, or None.
+        top_logprobs: the most likely alternatives (token id, logprob), when asked.
         position: 0-based index of the token in the completion.
         finish_reason: set on the request's last event.
         finish_detail: why, in words, when not obvious ("deadline", an error message).
@@ -116,6 +141,7 @@ class TokenEvent:
     index: int = 0
     token_id: int | None = None
     logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
     position: int = 0
     finish_reason: FinishReason | None = None
     finish_detail: str = ""

@@ -15,17 +15,12 @@ from engine.step import TokenEvent
 from genserve.v1 import generate_pb2 as pb
 from genserve.v1 import generate_pb2_grpc as pb_grpc
 from service.auth import Authenticator
-from service.detokenizer import IncrementalDetokenizer
+from service.stream import SampleStream
 from service.metrics import EngineMetrics
 from service.validation import ValidationError, Validator
 
 log = logging.getLogger(__name__)
 
-_FINISH = {
-    FinishReason.STOP: pb.FINISH_REASON_STOP,
-    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
-    FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED,
-}
 
 
 class GenerateServicer(pb_grpc.GenerateServiceServicer):
@@ -66,6 +61,8 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
             max_tokens=valid.max_tokens, sampling=valid.sampling, arrival_s=0.0,
             deadline_s=0.0, eos_token_id=self.tokenizer.eos_token_id,
             on_event=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+        if valid.n > 1:
+            req.fork(valid.n, sample_seeds(valid.sampling.seed, valid.n))
         if valid.deadline_s is not None:
             req.deadline_s = self.engine.clock() + valid.deadline_s
         try:
@@ -78,25 +75,27 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
         except ValueError as exc:
             await self._reject(context, "400", grpc.StatusCode.INVALID_ARGUMENT, f"request_id: {exc}")
 
-        finished = False
+        open_samples = valid.n
         try:
             yield pb.GenerateResponse(request_id=request_id, started=pb.Started(
                 request_id=request_id, prompt_tokens=len(valid.prompt_ids)))
-            detok = IncrementalDetokenizer(self.tokenizer)
-            while not finished:
+            streams = [SampleStream(i, self.tokenizer, valid.stop, request.HasField("logprobs"))
+                       for i in range(valid.n)]
+            while open_samples:
                 ev = await events.get()
-                finished = ev.finish_reason is not None
                 if ev.finish_reason == FinishReason.ERROR:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, ev.finish_detail)
-                if ev.token_id is not None:
-                    text = detok.add(ev.token_id) + (detok.flush() if finished else "")
-                    yield pb.GenerateResponse(request_id=request_id, token=pb.Token(
-                        index=ev.index, text=text, token_id=ev.token_id, position=ev.position,
-                        logprob=ev.logprob if request.HasField("logprobs") else None))
-                if finished:
-                    yield pb.GenerateResponse(request_id=request_id, finished=_finished(ev))
+                out = streams[ev.index].on_event(ev)
+                if out.stop_engine:
+                    self.engine.stop_sample(request_id, ev.index)
+                for msg in out.messages:
+                    if isinstance(msg, pb.Token):
+                        yield pb.GenerateResponse(request_id=request_id, token=msg)
+                    else:
+                        open_samples -= 1
+                        yield pb.GenerateResponse(request_id=request_id, finished=msg)
         finally:
-            if not finished:
+            if open_samples:
                 # The client went away (disconnect or cancelled call): stop spending device time.
                 self.engine.cancel(request_id)
 
@@ -125,8 +124,10 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
         await context.abort(status, message)
 
 
-def _finished(ev: TokenEvent) -> pb.Finished:
-    return pb.Finished(
-        index=ev.index, reason=_FINISH[ev.finish_reason], detail=ev.finish_detail,
-        usage=pb.Usage(prompt_tokens=ev.num_prompt_tokens, completion_tokens=ev.num_completion_tokens),
-        timing=pb.Timing(queue_ms=ev.queue_ms or 0.0, ttft_ms=ev.ttft_ms or 0.0, e2e_ms=ev.e2e_ms or 0.0))
+def sample_seeds(seed: int | None, n: int) -> list[int | None]:
+    """Per-sample seeds: sample 0 keeps `seed`; sample i > 0 gets seed + i × 0x9E3779B97F4A7C15
+    (the 64-bit golden-ratio increment of splitmix64) mod 2^63, so samples differ from each
+    other but repeat when the request is sent again. No seed: every sample draws its own."""
+    if seed is None:
+        return [None] * n
+    return [(seed + i * 0x9E3779B97F4A7C15) % 2**63 for i in range(n)]

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.config import EngineConfig
+from service.stop import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from engine.request import SamplingParams
 from genserve.v1 import generate_pb2 as pb
 
 DEFAULT_MAX_TOKENS = 16          # OpenAI completions API default
+MAX_SAMPLES = 8                  # n: samples per prompt
 MAX_PROMPT_CHARS = 200_000       # bound on text handed to the tokenizer (≈ 8,192 tokens × 24)
 
 
@@ -29,6 +31,8 @@ class ValidRequest:
     max_tokens: int
     sampling: SamplingParams
     deadline_s: float | None
+    n: int = 1
+    stop: tuple[str, ...] = ()
 
 
 class Validator:
@@ -49,8 +53,9 @@ class Validator:
         max_tokens = req.max_tokens if req.HasField("max_tokens") else DEFAULT_MAX_TOKENS
         if not 1 <= max_tokens <= cfg.max_new_tokens:
             raise ValidationError("max_tokens", f"must be between 1 and {cfg.max_new_tokens}, got {max_tokens}")
-        if req.HasField("n") and req.n != 1:
-            raise ValidationError("n", f"only n = 1 is supported, got {req.n}")
+        n = req.n if req.HasField("n") else 1
+        if not 1 <= n <= MAX_SAMPLES:
+            raise ValidationError("n", f"must be between 1 and {MAX_SAMPLES}, got {n}")
         which = req.WhichOneof("prompt_input")
         if which == "prompt":
             if len(req.prompt) > MAX_PROMPT_CHARS:
@@ -72,7 +77,20 @@ class Validator:
             raise ValidationError(
                 field, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) is "
                        f"{len(prompt_ids) + max_tokens} tokens, over the {cfg.max_context}-token limit")
-        return ValidRequest(prompt_ids, max_tokens, self._sampling(req.sampling), self._deadline(req))
+        logprobs = req.logprobs if req.HasField("logprobs") else 0
+        if not 0 <= logprobs <= 5:
+            raise ValidationError("logprobs", f"must be between 0 and 5, got {logprobs}")
+        sampling = replace(self._sampling(req.sampling), top_logprobs=logprobs)
+        return ValidRequest(prompt_ids, max_tokens, sampling, self._deadline(req), n,
+                            self._stop(req.sampling))
+
+    def _stop(self, s: pb.SamplingParams) -> tuple[str, ...]:
+        if len(s.stop) > MAX_STOP_STRINGS:
+            raise ValidationError("stop", f"at most {MAX_STOP_STRINGS} strings, got {len(s.stop)}")
+        for text in s.stop:
+            if not 0 < len(text) <= MAX_STOP_CHARS:
+                raise ValidationError("stop", f"each string must have 1 to {MAX_STOP_CHARS} characters")
+        return tuple(s.stop)
 
     def _sampling(self, s: pb.SamplingParams) -> SamplingParams:
         temperature = s.temperature if s.HasField("temperature") else 1.0
@@ -84,8 +102,6 @@ class Validator:
         top_k = s.top_k if s.HasField("top_k") else 0
         if top_k < -1:
             raise ValidationError("top_k", f"must be -1, 0 (off) or a positive count, got {top_k}")
-        if s.stop:
-            raise ValidationError("stop", "stop strings are not supported yet")
         seed = s.seed if s.HasField("seed") else None
         return SamplingParams(temperature=float(temperature), top_k=max(0, top_k), top_p=float(top_p),
                               seed=seed, ignore_eos=s.ignore_eos)

@@ -108,3 +108,46 @@ def test_fewest_weighted_tokens_key_is_admitted_first():
         g.request.api_key for g in plan.segments if g.start == 0))
     engine.run_until_idle()
     assert order[0] == "b"                          # b has served nothing; a has
+
+
+def test_n_samples_share_prompt_blocks_until_the_last_one_finishes():
+    engine, _ = sim_engine(num_blocks=64)
+    events = []
+    parent = make_request(40, 6, events=events)     # 40 tokens: 2 full blocks + a partial one
+    parent.fork(3, [None, None, None])
+    children = list(parent.children)
+    engine.submit(parent)
+    plans = []
+    engine.step_listeners.append(lambda plan, ev, s: plans.append(plan))
+    engine.step()                                   # prefill + 3 first tokens from one pass
+    pool = engine.pool
+    shared = pool.table(parent.request_id)
+    assert [pool.ref_count(b) for b in shared] == [3, 3, 3]
+    assert {e.index for e in events} == {0, 1, 2}
+    engine.step()                                   # each sample writes position 40: copy-on-write
+    assert len(plans[-1].block_copies) == 2         # two copies; the last holder writes in place
+    assert [pool.ref_count(b) for b in shared[:2]] == [3, 3]
+    engine.cancel(parent.request_id)                # cancels every sample of the request
+    engine.run_until_idle()
+    finals = [e for e in events if e.finish_reason]
+    assert sorted(e.index for e in finals) == [0, 1, 2]
+    assert all(e.request_id == parent.request_id for e in events)
+    assert all(c.finished for c in children)
+    pool.check_all_free()
+
+
+def test_prompt_blocks_freed_only_when_the_last_sample_finishes():
+    engine, _ = sim_engine(num_blocks=64)
+    parent = make_request(32, 3)
+    parent.fork(2, [None, None])
+    child = parent.children[0]
+    engine.submit(parent)
+    engine.step()
+    prompt_blocks = list(engine.pool.table(parent.request_id))
+    child.max_tokens = 10                           # the second sample runs longer
+    engine.step(); engine.step()                    # parent done (3 tokens)
+    assert parent.finished and not child.finished
+    assert [engine.pool.ref_count(b) for b in prompt_blocks] == [1, 1]
+    engine.run_until_idle()
+    assert [engine.pool.ref_count(b) for b in prompt_blocks] == [0, 0]
+    engine.pool.check_all_free()
