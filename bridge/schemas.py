@@ -57,6 +57,7 @@ class CompletionRequest(BaseModel):
     logprobs: Uint32 | None = None
     stream: StrictBool | None = False
     ignore_eos: StrictBool | None = False
+    deadline_s: Float | None = None  # seconds from arrival; the service caps it at its default
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -116,6 +117,8 @@ class CompletionRequest(BaseModel):
         )
         if self.logprobs is not None:
             request.logprobs = self.logprobs
+        if self.deadline_s is not None:
+            request.deadline_s = self.deadline_s
         if isinstance(self.prompt, str):
             request.prompt = self.prompt
         else:

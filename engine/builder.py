@@ -58,6 +58,7 @@ def build_engine(config: EngineConfig, gguf_path: str | pathlib.Path | None = No
     if calibrate:
         engine.scheduler.cost = measure_costs(engine)
         engine.executor.cost_model = engine.scheduler.cost
+        engine.calibrate_costs = True
     return LoadedEngine(engine, tokenizer, args, model_name)
 
 
@@ -80,6 +81,9 @@ def measure_costs(engine: Engine, rows: int = 32, prompt_len: int = 16,
     prefill step time / prompt tokens in it; decode cost is the median full-batch decode step
     time / rows (the design's 40 ms / 32 rows = 1.25 ms per output token, measured here).
     """
+    engine.submit(Request("warmup-first", "warmup", list(range(10, 10 + prompt_len)), 2,
+                          SamplingParams(temperature=0.0, ignore_eos=True), 0.0, 0.0))
+    engine.run_until_idle()                       # first passes allocate and pick kernels
     steps: list[tuple[int, int, float]] = []
     engine.step_listeners.append(
         lambda plan, ev, s: steps.append((plan.num_decode_rows, plan.num_prefill_tokens, s)))
@@ -92,5 +96,5 @@ def measure_costs(engine: Engine, rows: int = 32, prompt_len: int = 16,
     engine.pool.check_all_free()
     prefill = [s / c for b, c, s in steps if c and not b]
     decode = [s / b for b, c, s in steps if b == rows and not c]
-    return CostModel(prefill_ms_per_token=1000 * statistics.median(prefill[1:] or prefill),
+    return CostModel(prefill_ms_per_token=1000 * statistics.median(prefill),
                      decode_ms_per_token=1000 * statistics.median(decode))

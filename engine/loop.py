@@ -43,6 +43,8 @@ class Engine:
         scheduler: the policy (read its `stats()` under `lock`).
         num_steps: forward passes run so far.
         error: the exception that stopped the loop, or None.
+        calibrate_costs: fold measured step times into the scheduler's cost model (real model
+            only; the simulator's costs are exact by construction).
         step_listeners: called after every pass with (plan, events, step seconds); the plan is
             empty (and the time 0) when a pass only ended requests. Used by metrics and by tests
             that count steps. Must not block.
@@ -64,6 +66,7 @@ class Engine:
         self.num_steps = 0
         self.error: BaseException | None = None
         self.step_listeners: list[StepListener] = []
+        self.calibrate_costs = False
 
     # -- thread-safe API ------------------------------------------------------------------------
     def submit(self, req: Request) -> None:
@@ -136,6 +139,9 @@ class Engine:
         with self.lock:
             events = self.scheduler.update(plan, sampled, self.clock())
             self.num_steps += 1
+            if self.calibrate_costs:
+                self.scheduler.cost.observe(plan.num_decode_rows, plan.num_prefill_tokens, step_s,
+                                            self.config.max_rows)
         self._emit(plan, events, step_s)
         return True
 

@@ -43,6 +43,21 @@ class CostModel:
     prefill_ms_per_token: float = 0.1
     decode_ms_per_token: float = 1.25
 
+    def observe(self, num_rows: int, num_prefill_tokens: int, step_s: float, full_rows: int) -> None:
+        """Fold one measured step into the per-token costs (exponential moving average, α 0.05).
+
+        Only clean samples count: a pure prefill step of at least 64 tokens updates the prefill
+        cost; a pure decode step with at least half of `full_rows` rows updates the decode cost
+        (per output token near the row cap, the design's 40 ms / 32).
+        """
+        alpha = 0.05
+        if num_rows == 0 and num_prefill_tokens >= 64:
+            ms = step_s * 1000.0 / num_prefill_tokens
+            self.prefill_ms_per_token += alpha * (ms - self.prefill_ms_per_token)
+        elif num_prefill_tokens == 0 and num_rows >= max(1, full_rows // 2):
+            ms = step_s * 1000.0 / num_rows
+            self.decode_ms_per_token += alpha * (ms - self.decode_ms_per_token)
+
     def estimate_ms(self, num_prompt: int, expected_output: float) -> float:
         """Estimated device time of a request: prompt × prefill cost + output × decode cost (ms)."""
         return num_prompt * self.prefill_ms_per_token + expected_output * self.decode_ms_per_token

@@ -36,5 +36,7 @@ class IncrementalDetokenizer:
         return self._decoder.decode(self._tok.token_bytes(token_id), final=False)
 
     def flush(self) -> str:
-        """Whatever is held back at the end of the stream (an invalid tail becomes U+FFFD)."""
-        return self._decoder.decode(b"", final=True)
+        """End of the stream: an incomplete character still held back (max_tokens cut it) is
+        dropped rather than shown as U+FFFD. Returns "" (kept for symmetry with `add`)."""
+        self._decoder.reset()
+        return ""

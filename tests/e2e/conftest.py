@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -52,13 +53,14 @@ class Server:
             time.sleep(0.1)
 
 
-@pytest.fixture(scope="session")
-def server():
+def start_server(*extra: str, env: dict[str, str] | None = None):
+    """Start `genserve serve` on free ports; yields a Server, stops it afterwards."""
     port, grpc_port, metrics_port = free_port(), free_port(), free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "genserve.cli", "serve", "--port", str(port), "--grpc-port", str(grpc_port),
-         "--metrics-port", str(metrics_port), "--kv-pool-gib", "0.5", "--queue-budget-s", "60"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+         "--metrics-port", str(metrics_port), "--kv-pool-gib", "0.5", *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, **(env or {})})
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + START_TIMEOUT_S
     output = []
@@ -80,6 +82,22 @@ def server():
         proc.wait(30)
     except subprocess.TimeoutExpired:
         proc.kill()
+
+
+@pytest.fixture(scope="session")
+def server():
+    """The local default: no API keys, a generous queue budget (CPU is slow)."""
+    yield from start_server("--queue-budget-s", "60")
+
+
+API_KEYS = {"key-alice": "alice", "key-bob": "bob"}
+
+
+@pytest.fixture(scope="session")
+def keyed_server():
+    """API keys configured through GENSERVE_API_KEYS; a small queue budget to provoke 429s."""
+    keys = ",".join(f"{k}={v}" for k, v in API_KEYS.items())
+    yield from start_server("--queue-budget-s", "2", "--num-blocks", "256", env={"GENSERVE_API_KEYS": keys})
 
 
 def sse_events(lines) -> list:
