@@ -1,0 +1,9 @@
+"""Open-loop load generator, trace replay, virtual-time simulator driver and reports.
+
+* `loadgen.workload`: work items, arrival processes (constant, Poisson), the design's length mix,
+  JSONL traces.
+* `loadgen.stats`: per-request records, percentiles, throughput, SLO attainment, goodput, reports.
+* `loadgen.clients`: async REST+SSE and gRPC clients and the open-loop runner (localhost only).
+* `loadgen.sim`: the real scheduler and engine loop over `SimExecutor` in virtual time.
+* `loadgen.cli`: `genserve-loadgen run|sim` (also `python -m loadgen`).
+"""
