@@ -15,6 +15,7 @@ def _finished(m: dict, reason: str) -> float:
     return m.get(f"genserve_requests_finished_total{{finish_reason={reason}}}", 0.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", ["rest", "grpc"])
 def test_loadgen_run_against_the_live_server(server, transport, tmp_path):
     before = server.wait_idle()
