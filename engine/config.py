@@ -17,7 +17,13 @@ class EngineConfig:
     Attributes:
         block_size: tokens per KV block (16, the design's PagedAttention block).
         max_rows: row cap, the most requests in one step (32; set by the TPOT target).
-        prefill_chunk: most prompt tokens carried by one step (256; bounds the step time).
+        prefill_chunk: prompt tokens one step may carry while many rows decode (256; bounds
+            the step time at 40 + 25.6 ms in the design).
+        prefill_piece: alignment grid of prefill, tokens (64): a request's prompt is cut at
+            multiples of it whatever else shares the step, so its arithmetic is batch-invariant.
+        few_rows / prefill_chunk_few_rows: with at most `few_rows` decode rows (4), a step may
+            carry `prefill_chunk_few_rows` prompt tokens (1,024): a longer step then delays few
+            users, and the newcomer's TTFT drops (the design's "raise it when few rows decode").
         max_context: prompt + max_tokens limit in tokens (8,192, the model's context).
         max_new_tokens: upper bound for a request's max_tokens (1,000).
         kv_pool_bytes: memory budget of the paged K/V tensors in bytes (2 GiB on CPU).
@@ -34,6 +40,9 @@ class EngineConfig:
     block_size: int = 16
     max_rows: int = 32
     prefill_chunk: int = 256
+    prefill_piece: int = 64
+    few_rows: int = 4
+    prefill_chunk_few_rows: int = 1024
     max_context: int = 8192
     max_new_tokens: int = 1000
     kv_pool_bytes: int = 2 * 1024**3
@@ -55,6 +64,11 @@ class EngineConfig:
             raise ValueError(f"prefill_chunk must be >= block_size ({self.block_size}), got {self.prefill_chunk}")
         if self.prefill_chunk % self.block_size:
             raise ValueError(f"prefill_chunk must be a multiple of block_size, got {self.prefill_chunk}")
+        if self.prefill_piece % self.block_size or self.prefill_piece > self.prefill_chunk:
+            raise ValueError(f"prefill_piece must be a multiple of block_size and <= prefill_chunk, "
+                             f"got {self.prefill_piece}")
+        if self.prefill_chunk_few_rows < self.prefill_chunk:
+            raise ValueError("prefill_chunk_few_rows must be >= prefill_chunk")
         if self.max_context <= 0 or self.max_new_tokens <= 0:
             raise ValueError("max_context and max_new_tokens must be positive")
         if not 0.0 <= self.free_margin < 1.0:

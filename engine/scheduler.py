@@ -133,7 +133,7 @@ class Scheduler:
         for child in req.children:
             child.arrival_s, child.deadline_s = req.arrival_s, req.deadline_s
         budget_ms = self.config.queue_budget_s * 1000.0
-        if self.queue_depth and self.queued_device_ms + req.est_device_ms > budget_ms:
+        if self.queue_depth and self._over_budget(req, budget_ms):
             self.num_rejected += 1
             excess_ms = self.queued_device_ms + req.est_device_ms - budget_ms
             # The device drains one device-second of queued work per second of wall time.
@@ -152,6 +152,21 @@ class Scheduler:
         self.waiting.setdefault(req.api_key, deque()).append(req)
         self.by_id[req.request_id] = req
         self.queued_device_ms += req.est_device_ms
+
+    def _over_budget(self, req: Request, budget_ms: float) -> bool:
+        """Whether queueing `req` passes the budget (design step 2), with a fair share per key.
+
+        Over the budget, a key whose own queued work (with `req`) stays within budget / active
+        keys is still admitted, so one key's backlog cannot make everyone else's requests 429;
+        the total is then bounded by twice the budget.
+        """
+        total = self.queued_device_ms + req.est_device_ms
+        if total <= budget_ms:
+            return False
+        active = {k for k, q in self.waiting.items() if q}
+        active |= {k for k, u in self.usage.items() if u.running_rows} | {req.api_key}
+        own = sum(r.est_device_ms for r in self.waiting.get(req.api_key, ())) + req.est_device_ms
+        return own > budget_ms / len(active) or total > 2 * budget_ms
 
     def stop(self, req: Request) -> None:
         """Flag one sample to finish with STOP at the next step boundary (a stop string matched)."""
@@ -173,7 +188,7 @@ class Scheduler:
         """
         plan = StepPlan()
         self._leave(now, plan.events)
-        self._join(now)
+        self._join(now, plan)
         self._build(plan)
         return plan
 
@@ -295,74 +310,99 @@ class Scheduler:
                 detail = "cancelled" if req.cancel_requested else "deadline"
                 self._finish(req, FinishReason.CANCELLED, detail, now, events)
 
-    def _join(self, now: float) -> None:
-        """Design step 5: admit from the least-served key while rows and blocks allow."""
+    def _join(self, now: float, plan: StepPlan) -> None:
+        """Design step 5: admit from the least-served key while rows and blocks allow.
+
+        When the least-served key's next request does not fit and another key holds more than
+        `per_key_rows` rows, that key's newest row is preempted: a key may use more than its cap
+        only while no other key is waiting for room.
+        """
         while True:
             req = self._next_candidate()
             if req is None:
                 return
-            pending_forks = sum(len(r.children) for r in self.running if r.forks_now)
-            if len(self.running) + pending_forks + req.n > self.config.max_rows:
-                return
-            need = self.config.blocks_for(req.num_prompt)
-            reserved = sum(self.pool.blocks_needed(r.request_id, r.num_prompt)
-                           for r in self.running if r.state == RequestState.PREFILL)
-            free = self.pool.num_free - reserved
-            if free < need + self.margin_blocks and not (not self.running and free >= need):
-                return          # wait for blocks; never skip ahead to a smaller request
-            self.waiting[req.api_key].popleft()
-            self.queued_device_ms = max(0.0, self.queued_device_ms - req.est_device_ms)
-            req.state = RequestState.PREFILL
-            req.num_computed = 0
-            if req.admitted_s is None:
-                req.admitted_s = now
-            self.usage[req.api_key].running_rows += 1
-            self.running.append(req)
+            if self._fits(req):
+                self._admit(req, now)
+                continue
+            over = [k for k, u in self.usage.items()
+                    if k != req.api_key and u.running_rows > self.config.per_key_rows]
+            if not over or self.usage[req.api_key].running_rows >= self.config.per_key_rows:
+                return          # wait for rows/blocks; never skip ahead to a smaller request
+            key = max(over, key=lambda k: self.usage[k].running_rows)
+            victim = next(r for r in reversed(self.running) if r.api_key == key)
+            self._preempt(victim, plan)
+
+    def _fits(self, req: Request) -> bool:
+        """Rows and blocks allow `req` now (free blocks cover its prompt plus the margin)."""
+        pending_forks = sum(len(r.children) for r in self.running if r.forks_now)
+        if len(self.running) + pending_forks + req.n > self.config.max_rows:
+            return False
+        need = self.config.blocks_for(req.num_prompt)
+        reserved = sum(self.pool.blocks_needed(r.request_id, r.num_prompt)
+                       for r in self.running if r.state == RequestState.PREFILL)
+        free = self.pool.num_free - reserved
+        return free >= need + self.margin_blocks or (not self.running and free >= need)
+
+    def _admit(self, req: Request, now: float) -> None:
+        self.waiting[req.api_key].popleft()
+        self.queued_device_ms = max(0.0, self.queued_device_ms - req.est_device_ms)
+        req.state = RequestState.PREFILL
+        req.num_computed = 0
+        if req.admitted_s is None:
+            req.admitted_s = now
+        self.usage[req.api_key].running_rows += 1
+        self.running.append(req)
 
     def _next_candidate(self) -> Request | None:
+        """Head of the least-served waiting key; keys under the row cap first (work-conserving:
+        when every waiting key is at its cap, the least-served one still gets the free row).
+        Ties go to the key with fewer rows, then to the older head request."""
         keys = [k for k, q in self.waiting.items() if q]
         if not keys:
             return None
-        cap = self.config.per_key_rows
-        if len(keys) > 1:
-            under = [k for k in keys if self.usage[k].running_rows < cap]
-            keys = under or keys
-            if not under:
-                return None
-        key = min(keys, key=lambda k: self.usage[k].weighted_tokens_served)
+        under = [k for k in keys if self.usage[k].running_rows < self.config.per_key_rows]
+        key = min(under or keys, key=lambda k: (self.usage[k].weighted_tokens_served,
+                                                self.usage[k].running_rows, self.waiting[k][0].arrival_s))
         return self.waiting[key][0]
 
     def _build(self, plan: StepPlan) -> None:
-        """Design step 6: one token per decoding row, then aligned prefill chunks."""
-        chunk = self.config.prefill_chunk
+        """Design step 6: one token per decoding row, then prefill pieces within the budget.
+
+        Prefill goes to the least-served key first (at a tie, to the request with less of its
+        prompt done, then admission order), several requests share a step, and each request is
+        cut on the `prefill_piece` grid.
+        """
         for req in list(self.running):
             if req.state != RequestState.DECODE or req not in self.running:
                 continue
-            if not self._reserve(req, req.num_computed + 1, plan):
+            if not self._reserve(req, req.num_computed, req.num_computed + 1, plan):
                 continue
             samples = req.num_computed + 1 == req.num_tokens
             plan.segments.append(Segment(req, req.num_computed, 1, samples,
-                                         tuple(self.pool.table(req.request_id))))
-        budget = chunk
-        for req in list(self.running):
-            if req.state != RequestState.PREFILL or req not in self.running:
-                continue
-            length = min(req.num_prompt - req.num_computed, chunk - req.num_computed % chunk)
-            if length > budget:
-                break
-            end = req.num_computed + length
-            if not self._reserve(req, end, plan):
-                break
-            plan.segments.append(Segment(req, req.num_computed, length, end == req.num_tokens,
-                                         tuple(self.pool.table(req.request_id))))
-            budget -= length
+                                         tuple(self.pool.table(req.request_id)), decode=True))
+        cfg = self.config
+        budget = (cfg.prefill_chunk_few_rows if plan.num_decode_rows <= cfg.few_rows
+                  else cfg.prefill_chunk)
+        piece = cfg.prefill_piece
+        prefilling = sorted((r for r in self.running if r.state == RequestState.PREFILL),
+                            key=lambda r: (self.usage[r.api_key].weighted_tokens_served,
+                                           r.num_computed))
+        for req in prefilling:
+            pos = req.num_computed
+            while pos < req.num_prompt and req in self.running:
+                length = min(req.num_prompt - pos, piece - pos % piece)
+                if length > budget or not self._reserve(req, pos, pos + length, plan):
+                    break
+                plan.segments.append(Segment(req, pos, length, pos + length == req.num_tokens,
+                                             tuple(self.pool.table(req.request_id))))
+                pos += length
+                budget -= length
 
-    def _reserve(self, req: Request, num_tokens: int, plan: StepPlan) -> bool:
-        """Give `req` blocks for `num_tokens` positions, preempting newer requests if needed.
-
-        Returns False when `req` itself had to be preempted (it was the newest).
+    def _reserve(self, req: Request, pos: int, num_tokens: int, plan: StepPlan) -> bool:
+        """Give `req` blocks for `num_tokens` positions (writing from `pos`), preempting newer
+        requests if needed. Returns False when `req` itself had to be preempted (it was newest).
         """
-        rid, pos = req.request_id, req.num_computed
+        rid = req.request_id
         while not self.pool.can_allocate(self.pool.blocks_needed(rid, num_tokens)
                                          + self.pool.is_shared(rid, pos)):
             victim = self.running[-1]

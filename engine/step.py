@@ -18,6 +18,7 @@ class Segment:
         samples: True when the run ends at the request's last token, so its last position's
             logits are sampled (the last prefill chunk, or a decode row).
         block_table: the request's block ids covering positions [0, start + length).
+        decode: True for a decode row (a request past its prompt: one token, costed as a row).
     """
 
     request: Request
@@ -25,6 +26,7 @@ class Segment:
     length: int
     samples: bool
     block_table: tuple[int, ...]
+    decode: bool = False
 
     @property
     def end(self) -> int:
@@ -71,13 +73,13 @@ class StepPlan:
 
     @property
     def num_decode_rows(self) -> int:
-        """Segments of length 1 at the request's frontier (B)."""
-        return sum(1 for s in self.segments if s.length == 1)
+        """Decode rows (B)."""
+        return sum(1 for s in self.segments if s.decode)
 
     @property
     def num_prefill_tokens(self) -> int:
         """Prompt tokens carried by this step (C)."""
-        return sum(s.length for s in self.segments if s.length > 1)
+        return sum(s.length for s in self.segments if not s.decode)
 
     @property
     def sampling_segments(self) -> list[Segment]:

@@ -10,7 +10,7 @@ from tests.engine.sim import make_request, sim_engine
 
 
 def test_long_prompt_is_chunked_while_other_rows_decode():
-    engine, _ = sim_engine()
+    engine, _ = sim_engine(prefill_chunk_few_rows=256)   # a 256-token budget at any row count
     ev_short, ev_long = [], []
     engine.submit(make_request(10, 50, events=ev_short))
     engine.step()                                   # short prompt prefilled, first token
@@ -24,6 +24,59 @@ def test_long_prompt_is_chunked_while_other_rows_decode():
     assert [p.num_prefill_tokens for p in plans] == [256, 256, 256, 232]
     assert len(ev_long) == 1 and ev_long[0].token_id is not None   # first token after chunk 4
     assert len(ev_short) == 5
+
+
+def test_prefill_budget_rises_when_few_rows_decode():
+    engine, _ = sim_engine()                        # few_rows 4 → 1,024-token budget
+    engine.submit(make_request(10, 50))
+    engine.step()
+    engine.submit(make_request(1000, 5))
+    plans = []
+    engine.step_listeners.append(lambda plan, events, s: plans.append(plan))
+    engine.step()
+    assert plans[0].num_decode_rows == 1 and plans[0].num_prefill_tokens == 1000
+    # Pieces stay on the 64-token grid: 15 whole pieces and a 40-token tail.
+    assert [g.length for g in plans[0].segments if not g.decode] == [64] * 15 + [40]
+
+
+def test_short_prompt_of_a_light_key_prefills_before_a_heavy_keys_long_prompt():
+    engine, _ = sim_engine(prefill_chunk_few_rows=256)
+    engine.submit(make_request(4000, 5, api_key="a"))
+    engine.step()
+    engine.submit(make_request(100, 5, api_key="b"))
+    plans = []
+    engine.step_listeners.append(lambda plan, events, s: plans.append(plan))
+    engine.step()
+    b_tokens = sum(g.length for g in plans[0].segments if g.request.api_key == "b")
+    a_tokens = sum(g.length for g in plans[0].segments if g.request.api_key == "a")
+    assert b_tokens == 100 and a_tokens == 128    # b's whole prompt, a fills the rest of 256
+
+
+def test_over_cap_key_is_preempted_when_another_key_waits_for_room():
+    engine, _ = sim_engine(max_rows=12, queue_budget_s=100.0)
+    for _ in range(12):
+        engine.submit(make_request(20, 200, api_key="a"))
+    engine.step()
+    assert engine.scheduler.usage["a"].running_rows == 12
+    engine.submit(make_request(20, 5, api_key="b"))
+    engine.step()
+    assert engine.scheduler.usage["b"].running_rows == 1
+    assert engine.scheduler.usage["a"].running_rows == 11
+    assert engine.scheduler.num_preemptions == 1
+
+
+def test_one_keys_backlog_does_not_429_another_key():
+    engine, _ = sim_engine(queue_budget_s=2.0, max_rows=1)
+    engine.submit(make_request(1000, 100, api_key="a"))
+    engine.step()                                              # runs
+    for _ in range(8):
+        engine.submit(make_request(1000, 100, api_key="a"))    # 8 × 225 ms queued
+    with pytest.raises(AdmissionRejected):
+        engine.submit(make_request(1000, 100, api_key="a"))
+    engine.submit(make_request(1000, 100, api_key="b"))        # b's share: 2 s / 2 keys
+    with pytest.raises(AdmissionRejected):
+        for _ in range(5):
+            engine.submit(make_request(1000, 100, api_key="b"))
 
 
 def test_every_block_returns_after_mixed_run_with_cancels():

@@ -105,10 +105,6 @@ def test_fairness_long_burst_against_a_short_stream():
     assert res.kv_blocks_free_end == 7152
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "scheduler: B's short prompts are admitted at once but prefill behind A's 6,000-token prompts "
-    "(one aligned 256-token chunk per step, admission order), B's later requests wait for rows/blocks "
-    "A took while B was not queued, and A's retries fill the shared 429 budget; B's p95 TTFT is ≈ 10 s"))
 def test_fairness_when_the_long_key_retries_its_429s():
     """Same scenario, but A retries each 429 after Retry-After (up to 100 times), as clients do."""
     a, b, _ = _fairness(max_retries=100)
