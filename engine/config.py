@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+BATCHING_MODES = ("continuous", "continuous_unchunked", "static", "dynamic")
+
 
 @dataclass(slots=True)
 class EngineConfig:
@@ -35,6 +37,17 @@ class EngineConfig:
         default_deadline_s: wall-clock limit of a request from arrival, in seconds.
         dtype: "bfloat16" (default, fastest on CPU) or "float32".
         num_threads: torch intra-op threads; 0 means "the cores this process may use".
+        batching: how batches form (the design's scheduler comparison; `BATCHING_MODES`):
+            "continuous" (default): rows join and leave at every step, prefill in chunks of
+                `prefill_chunk` tokens per step;
+            "continuous_unchunked": rows join and leave at every step, each prompt prefilled
+                whole in one step (no prefill budget);
+            "static": wait until `max_rows` requests are queued, admit them (as many as the
+                pool holds), prefill them whole and run the batch until every row is done; no
+                request joins a running batch;
+            "dynamic": as static, but the batch also fires when the oldest queued request has
+                waited `dynamic_window_s`.
+        dynamic_window_s: the dynamic batcher's longest wait for a fuller batch, seconds (0.010).
     """
 
     block_size: int = 16
@@ -54,6 +67,8 @@ class EngineConfig:
     default_deadline_s: float = 600.0
     dtype: str = "bfloat16"
     num_threads: int = 0
+    batching: str = "continuous"
+    dynamic_window_s: float = 0.010
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -79,6 +94,10 @@ class EngineConfig:
             raise ValueError(f"dtype must be 'bfloat16' or 'float32', got {self.dtype!r}")
         if self.queue_budget_s <= 0 or self.default_deadline_s <= 0:
             raise ValueError("queue_budget_s and default_deadline_s must be positive")
+        if self.batching not in BATCHING_MODES:
+            raise ValueError(f"batching must be one of {BATCHING_MODES}, got {self.batching!r}")
+        if not self.dynamic_window_s >= 0:
+            raise ValueError(f"dynamic_window_s must be >= 0, got {self.dynamic_window_s}")
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold `num_tokens` tokens (ceil division by block_size)."""

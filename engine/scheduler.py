@@ -116,6 +116,13 @@ class Scheduler:
         self.num_rejected = 0
         self.num_finished = 0
         self.margin_blocks = math.ceil(config.free_margin * pool.num_blocks)
+        # Batch formation (config.batching): the gate in front of join, and whether prefill is
+        # chunked. "continuous" is the design's policy; the others exist for the comparison.
+        self.join_wait_s = {"continuous": self._join_wait_continuous,
+                            "continuous_unchunked": self._join_wait_continuous,
+                            "static": self._join_wait_static,
+                            "dynamic": self._join_wait_dynamic}[config.batching]
+        self._chunked_prefill = config.batching == "continuous"
 
     # -- submission ---------------------------------------------------------------------------
     def add(self, req: Request, now: float) -> None:
@@ -188,9 +195,35 @@ class Scheduler:
         """
         plan = StepPlan()
         self._leave(now, plan.events)
-        self._join(now, plan)
+        if self.join_wait_s(now) == 0.0:
+            self._join(now, plan)
         self._build(plan)
         return plan
+
+    # -- batch formation (config.batching) ----------------------------------------------------
+    # join_wait_s(now): seconds until the batching policy lets queued requests join (rows and
+    # blocks permitting): 0.0 now, math.inf not before the running batch ends or more arrive.
+    # A virtual-time driver jumps its clock by it when a step ran nothing.
+    def _join_wait_continuous(self, now: float) -> float:
+        """Continuous batching: requests join between any two steps."""
+        return 0.0
+
+    def _join_wait_static(self, now: float) -> float:
+        """Static batching: a new batch forms only when none runs and `max_rows` requests wait."""
+        if self.running or self.queue_depth < self.config.max_rows:
+            return math.inf
+        return 0.0
+
+    def _join_wait_dynamic(self, now: float) -> float:
+        """Dynamic batching: as static, but a batch also fires once the oldest waiting request
+        has waited `dynamic_window_s`."""
+        if self.running or not self.queue_depth:
+            return math.inf
+        if self.queue_depth >= self.config.max_rows:
+            return 0.0
+        oldest = min(r.arrival_s for q in self.waiting.values() for r in q)
+        wait = oldest + self.config.dynamic_window_s - now
+        return 0.0 if wait <= 1e-9 else wait
 
     def update(self, plan: StepPlan, sampled: SampledTokens, now: float) -> list[TokenEvent]:
         """Advance every request of `plan` by its computed tokens and append sampled tokens.
@@ -366,7 +399,8 @@ class Scheduler:
         return self.waiting[key][0]
 
     def _build(self, plan: StepPlan) -> None:
-        """Design step 6: one token per decoding row, then prefill pieces within the budget.
+        """Design step 6: one token per decoding row, then prefill pieces within the budget
+        (no budget unless `config.batching` is "continuous": whole prompts in one step).
 
         Prefill goes to the least-served key first (at a tie, to the request with less of its
         prompt done, then admission order), several requests share a step, and each request is
@@ -382,7 +416,7 @@ class Scheduler:
                                          tuple(self.pool.table(req.request_id)), decode=True))
         cfg = self.config
         budget = (cfg.prefill_chunk_few_rows if plan.num_decode_rows <= cfg.few_rows
-                  else cfg.prefill_chunk)
+                  else cfg.prefill_chunk) if self._chunked_prefill else math.inf
         piece = cfg.prefill_piece
         prefilling = sorted((r for r in self.running if r.state == RequestState.PREFILL),
                             key=lambda r: (self.usage[r.api_key].weighted_tokens_served,

@@ -4,7 +4,8 @@
 admission control, fair queueing, chunked prefill and preemption as the server — over
 `engine.executor.SimExecutor`, whose step time is the design's cost model (25 ms for one decode
 row to 40 ms for 32, plus 0.1 ms per prefill token). Nothing sleeps: a virtual clock jumps by each
-step's modelled time (`SimExecutor.last_step_s`) and, when the engine is idle, to the next arrival.
+step's modelled time (`SimExecutor.last_step_s`) and, when the engine is idle, to the next arrival
+(or, under static/dynamic batching, to when the batcher's window closes: `Scheduler.join_wait_s`).
 
 Order of one pass, as on the server:
 
@@ -28,6 +29,7 @@ prefill_chunk=256) and SimExecutor's default costs.
 from __future__ import annotations
 
 import heapq
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -221,6 +223,7 @@ def simulate(items: Sequence[WorkItem], config: EngineConfig | None = None,
         executor: the cost model; default `SimExecutor()` (the design's costs).
         max_retries: a 429 is retried after its Retry-After this many times (0: open loop only).
         time_limit_s: stop at this virtual time; requests still open get status 0, "unfinished".
+            A static batch that no later arrival can fill also ends the run that way.
         request_prefix: prefix of the engine request ids.
         progress: called with the number of requests that just reached their outcome.
     Returns:
@@ -312,7 +315,14 @@ def simulate(items: Sequence[WorkItem], config: EngineConfig | None = None,
         before = vexec.num_steps
         engine.step()
         if vexec.num_steps == before:        # nothing ran (only finish events): move time on
-            clock.now = min(pending[0][0], clock.now + IDLE_TICK_S) if pending else clock.now + IDLE_TICK_S
+            next_arrival = pending[0][0] if pending else math.inf
+            wait = engine.scheduler.join_wait_s(clock.now)
+            if wait > 0.0:                   # static/dynamic batcher waiting for its batch
+                if min(next_arrival, clock.now + wait) == math.inf:
+                    break                    # a static batch that no arrival will ever fill
+                clock.now = min(next_arrival, clock.now + wait)
+            else:
+                clock.now = min(next_arrival, clock.now + IDLE_TICK_S)
         if len(open_trackers) > 256:
             _reap()
     _reap()
@@ -320,7 +330,7 @@ def simulate(items: Sequence[WorkItem], config: EngineConfig | None = None,
     for tracker in open_trackers:
         if not tracker.record.disconnected:    # a disconnected client already has its outcome
             tracker.timer.fill(tracker.record)
-            tracker.record.error = "unfinished at the time limit"
+            tracker.record.error = "unfinished at the end of the run"
             tracker.record.status = 0
             unfinished += 1
     for _, i, _attempt in pending:

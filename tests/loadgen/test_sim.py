@@ -121,3 +121,26 @@ def test_an_hour_at_the_design_rate_is_fast(capsys):
         print(f"\n  sim: {res.virtual_s:.0f} virtual s at 1.5 req/s in {res.wall_s:.2f} s wall "
               f"(≈ {res.wall_s * 3600 / res.virtual_s:.0f} s per simulated hour)")
     assert res.wall_s * 3600 / res.virtual_s < 60
+
+
+def test_batching_modes_in_virtual_time():
+    """Static waits for full batches (a last partial batch never runs); dynamic jumps its window."""
+    items = synthetic_workload(arrival_times(2.0, num_requests=70, seed=5, process="constant"),
+                               LengthMix.design(0.1), seed=5)
+    out = {}
+    for mode in ("continuous", "continuous_unchunked", "static", "dynamic"):
+        res = simulate(items, design_config(batching=mode, max_rows=32, queue_budget_s=100.0))
+        out[mode] = res
+        done = sum(r.completed for r in res.records)
+        if mode == "static":
+            assert done == 64 and sum(r.status == 0 for r in res.records) == 6   # 2 batches of 32
+        else:
+            assert done == 70 and res.kv_blocks_free_end == 7152
+    # Static holds the first request until the 32nd arrives (31 gaps of 0.5 s).
+    assert out["static"].records[0].queue_s == pytest.approx(15.5)
+    # Dynamic fires 10 ms after a lone arrival: the first request waits exactly the window.
+    assert out["dynamic"].records[0].queue_s == pytest.approx(0.010)
+    # Unchunked prefill puts each whole prompt into one step: at most one prefill step per request.
+    assert sum(1 for s in out["continuous_unchunked"].steps if s.num_prefill_tokens) <= len(items)
+    assert max(s.num_prefill_tokens for s in out["continuous_unchunked"].steps) >= max(
+        it.prompt_tokens for it in items)
