@@ -4,9 +4,10 @@ One step's tokens arrive as a flat list `[T = B + C]` tagged with their request.
 writes the step's new keys and values into their cache slots, then every request attends over
 its own context, read through its block table.
 
-Path: torch `scaled_dot_product_attention`, one call per request, chosen because on CPU it is
-exact with respect to batching — a request's output does not depend on which other requests
-share the step (the design's batch-invariance test). A CUDA build would add an xformers
+Decode rows (one query each) run batched in `decode_attention`; prefill pieces run through torch
+`scaled_dot_product_attention`, one call per piece. Both are exact with respect to batching on
+CPU — a request's output does not depend on which other requests share the step (the design's
+batch-invariance test). A CUDA build would add an xformers
 `BlockDiagonalCausalWithOffsetPaddedKeysMask` path here behind the same `AttentionMetadata`.
 """
 
@@ -37,6 +38,9 @@ class SeqSpan:
     mask: torch.Tensor | None
 
 
+DECODE_PAD_BLOCKS = 4     # decode keys are padded to a multiple of 4 blocks (64 tokens)
+
+
 @dataclass(frozen=True, slots=True)
 class AttentionMetadata:
     """Everything attention needs about one step, passed explicitly to every layer.
@@ -44,23 +48,32 @@ class AttentionMetadata:
     Attributes:
         block_index: int64 [T], the block each new token's K/V is written to.
         block_offset: int64 [T], the offset inside that block.
-        seqs: one `SeqSpan` per request in the step, in flat-batch order.
+        num_decode: B, decode rows at the front of the flat batch (one query each).
+        decode_tables: int64 [B, nb] block tables of the decode rows, padded with block 0 to
+            nb = a multiple of DECODE_PAD_BLOCKS.
+        decode_mask: bool [B, nb × block_size], True for keys past a row's context (masked).
+        seqs: one `SeqSpan` per prefill piece, in flat-batch order (after the decode rows).
     """
 
     block_index: torch.Tensor
     block_offset: torch.Tensor
+    num_decode: int
+    decode_tables: torch.Tensor
+    decode_mask: torch.Tensor
     seqs: tuple[SeqSpan, ...]
 
     @classmethod
-    def build(cls, spans: list[tuple[int, int, list[int] | tuple[int, ...]]],
+    def build(cls, spans: list[tuple[int, int, list[int] | tuple[int, ...], bool]],
               block_size: int) -> "AttentionMetadata":
-        """Metadata from `(start_position, num_tokens, block_table)` per request, in batch order.
+        """Metadata from `(start_position, num_tokens, block_table, is_decode)` per segment, in
+        batch order; decode rows (one token each) must come first.
 
-        Raises ValueError if a block table does not cover its request's positions.
+        Raises ValueError if a block table does not cover its segment, or a decode row follows
+        a prefill piece.
         """
-        index, offset, seqs = [], [], []
+        index, offset, seqs, tables, lens = [], [], [], [], []
         q = 0
-        for start, length, table in spans:
+        for start, length, table, decode in spans:
             end = start + length
             if len(table) * block_size < end:
                 raise ValueError(f"block table of {len(table)} blocks cannot hold {end} tokens")
@@ -68,12 +81,51 @@ class AttentionMetadata:
             tab = torch.tensor(table, dtype=torch.long)
             index.append(tab[pos // block_size])
             offset.append(pos % block_size)
-            mask = None
-            if length > 1:
-                mask = torch.arange(end)[None, :] <= pos[:, None]
-            seqs.append(SeqSpan(q, q + length, end, tab, mask))
+            if decode:
+                if seqs or length != 1:
+                    raise ValueError("decode rows hold one token and come before prefill pieces")
+                tables.append(tab)
+                lens.append(end)
+            else:
+                mask = torch.arange(end)[None, :] <= pos[:, None] if length > 1 else None
+                seqs.append(SeqSpan(q, q + length, end, tab, mask))
             q += length
-        return cls(torch.cat(index), torch.cat(offset), tuple(seqs))
+        nb = max((len(t) for t in tables), default=0)
+        nb = -(-nb // DECODE_PAD_BLOCKS) * DECODE_PAD_BLOCKS
+        decode_tables = torch.zeros(len(tables), nb, dtype=torch.long)
+        for i, t in enumerate(tables):
+            decode_tables[i, :len(t)] = t
+        decode_mask = torch.arange(nb * block_size)[None, :] >= torch.tensor(lens, dtype=torch.long)[:, None]
+        return cls(torch.cat(index), torch.cat(offset), len(tables), decode_tables, decode_mask,
+                   tuple(seqs))
+
+
+def decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """Attention of B one-token decode rows over their paged contexts, batched.
+
+    Args:
+        q: [B, n_heads, head_dim] queries of the decode rows.
+        cache: one layer's blocks [num_blocks, 2, block_size, n_kv_heads, head_dim].
+        meta: `decode_tables` [B, nb] and `decode_mask` [B, nb × block_size].
+    Returns:
+        [B, n_heads, head_dim] in q's dtype.
+
+    Batch-invariant by construction (checked on this CPU row by row against B = 1): the scores
+    reduce over head_dim only; the keys are padded to a multiple of 64 and masked with -inf, so
+    softmax sums the same lanes plus exact zeros; P·V runs in fp32, whose product here gives a row
+    the same bits whatever the padded length (bf16's did not). Query heads are grouped per KV
+    head, so K and V are never repeated.
+    """
+    b, n_heads, hd = q.shape
+    kv = cache[meta.decode_tables]                        # [B, nb, 2, bs, kvh, hd]
+    n_kv = kv.shape[-2]
+    keys = kv[:, :, 0].flatten(1, 2).permute(0, 2, 3, 1)  # [B, kvh, hd, L]
+    values = kv[:, :, 1].flatten(1, 2).transpose(1, 2).float()   # [B, kvh, L, hd] fp32
+    qg = q.view(b, n_kv, n_heads // n_kv, hd)             # [B, kvh, group, hd]
+    scores = torch.matmul(qg, keys).float() * hd ** -0.5  # [B, kvh, group, L] fp32
+    scores.masked_fill_(meta.decode_mask[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, values).view(b, n_heads, hd).to(q.dtype)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -95,6 +147,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     n_heads, n_kv = q.shape[1], k.shape[1]
     group = n_heads // n_kv
     out = torch.empty_like(q)
+    if meta.num_decode:
+        out[:meta.num_decode] = decode_attention(q[:meta.num_decode], cache, meta)
     for s in meta.seqs:
         blocks = cache[s.block_table]                       # [nb, 2, bs, kvh, hd]
         kv = blocks.transpose(0, 1).flatten(1, 2)[:, : s.context_len]   # [2, L, kvh, hd]

@@ -73,7 +73,7 @@ class ModelExecutor:
             for layer in self.kv.layers:
                 layer[dst].copy_(layer[src])
         meta = AttentionMetadata.build(
-            [(s.start, s.length, s.block_table) for s in plan.segments], self.kv.block_size)
+            [(s.start, s.length, s.block_table, s.decode) for s in plan.segments], self.kv.block_size)
         hidden = self.model(torch.tensor(token_ids, dtype=torch.long),
                             torch.tensor(positions, dtype=torch.long), self.kv.layers, meta)
         if not sample_rows:

@@ -29,7 +29,7 @@ def test_logits_and_greedy_tokens_match_transformers(fp32_engine, hf_reference_m
     executor = fp32_engine.executor
     ids = torch.tensor(prompt)
     with torch.inference_mode():
-        meta = AttentionMetadata.build([(0, 32, [0, 1])], 16)
+        meta = AttentionMetadata.build([(0, 32, [0, 1], False)], 16)
         ours = executor.model.logits(executor.model(ids, torch.arange(32), executor.kv.layers, meta))
         ref = hf(ids[None]).logits[0].float()
         diff = (ours - ref).abs().max().item()
