@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
+from engine.config import BATCHING_MODES
 from loadgen import stats as st
 from loadgen.workload import (
     DEFAULT_API_KEY, MAX_REQUESTS, LengthMix, WorkItem, arrival_times, load_trace, retime, save_trace,
@@ -142,13 +143,17 @@ def cmd_sim(args: argparse.Namespace) -> int:
         raise SystemExit("give --duration or --num-requests (or a --trace)")
     config = design_config(num_blocks=args.num_blocks, block_size=args.block_size, max_rows=args.max_rows,
                            prefill_chunk=args.prefill_chunk, queue_budget_s=args.queue_budget_s,
-                           per_key_rows=args.per_key_rows)
+                           per_key_rows=args.per_key_rows, batching=args.batching,
+                           dynamic_window_s=args.dynamic_window_ms / 1000.0)
     runs, records, workloads = [], {}, {}
     for rate in args.rate or [None]:
         items = build_workload(args, rate)
         workloads[rate] = items
-        sim = SimExecutor(decode_1_ms=args.decode_1_ms, decode_32_ms=args.decode_32_ms,
-                          prefill_ms_per_token=args.prefill_ms_per_token)
+        if args.cost_model is not None:
+            sim = SimExecutor.from_json(args.cost_model)
+        else:
+            sim = SimExecutor(decode_1_ms=args.decode_1_ms, decode_32_ms=args.decode_32_ms,
+                              prefill_ms_per_token=args.prefill_ms_per_token)
         bar = _progress(len(items), f"sim rate {rate}", args.progress)
         try:
             res = simulate(items, config, sim, max_retries=args.max_retries, time_limit_s=args.time_limit,
@@ -162,10 +167,11 @@ def cmd_sim(args: argparse.Namespace) -> int:
             args.out.mkdir(parents=True, exist_ok=True)
             with open(args.out / f"steps-{rate}.csv", "w") as f:
                 f.write("start_s,step_s,num_rows,num_decode_rows,num_prefill_tokens,num_running,queue_depth,"
-                        "kv_blocks_free,num_preempted\n")
+                        "kv_blocks_free,num_preempted,decode_context,prefill_pairs\n")
                 for s in res.steps:
                     f.write(f"{s.start_s:.6f},{s.step_s:.6f},{s.num_rows},{s.num_decode_rows},{s.num_prefill_tokens},"
-                            f"{s.num_running},{s.queue_depth},{s.kv_blocks_free},{s.num_preempted}\n")
+                            f"{s.num_running},{s.queue_depth},{s.kv_blocks_free},{s.num_preempted},"
+                            f"{s.decode_context},{s.prefill_pairs}\n")
         print(f"rate {rate}: {len(items)} requests, {res.virtual_s:,.0f} virtual s in {res.wall_s:.1f} s",
               file=sys.stderr)
     rep = st.report(runs, title="genserve simulated load test (virtual time)",
@@ -239,6 +245,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     e.add_argument("--decode-1-ms", type=float, default=25.0, help="decode step of 1 row, ms")
     e.add_argument("--decode-32-ms", type=float, default=40.0, help="decode step of 32 rows, ms")
     e.add_argument("--prefill-ms-per-token", type=float, default=0.1, help="prefill cost, ms per token")
+    e.add_argument("--cost-model", type=pathlib.Path, default=None,
+                   help="measured cost model JSON (SimExecutor.from_json; e.g. "
+                        "docs/benchmarks/cost_model_cpu.json), replacing the three costs above")
+    e.add_argument("--batching", choices=list(BATCHING_MODES), default="continuous",
+                   help="batch formation (EngineConfig.batching)")
+    e.add_argument("--dynamic-window-ms", type=float, default=10.0, help="dynamic batching window, ms")
     e.add_argument("--time-limit", type=float, default=None, help="stop at this virtual time, s")
     e.add_argument("--write-steps", action="store_true", help="also write steps-<rate>.csv to --out")
     _common(s)

@@ -100,6 +100,8 @@ class StepRow:
         queue_depth: requests waiting after the step.
         kv_blocks_free: free blocks after the step.
         num_preempted: requests preempted while building the step.
+        decode_context / prefill_pairs: K and P of the step (context tokens read by the decode
+            rows, prefill attention pairs; see SimExecutor).
     """
 
     start_s: float
@@ -111,6 +113,8 @@ class StepRow:
     queue_depth: int
     kv_blocks_free: int
     num_preempted: int
+    decode_context: int = 0
+    prefill_pairs: int = 0
 
 
 @dataclass(slots=True)
@@ -243,9 +247,10 @@ def simulate(items: Sequence[WorkItem], config: EngineConfig | None = None,
         if plan.empty:
             return
         sched = engine.scheduler
+        _, _, context, pairs = SimExecutor.plan_features(plan)
         steps.append(StepRow(clock.now - sim.last_step_s, sim.last_step_s, len(plan.segments), plan.num_decode_rows,
                              plan.num_prefill_tokens, len(sched.running), sched.queue_depth,
-                             pool.num_free, plan.num_preempted))
+                             pool.num_free, plan.num_preempted, context, pairs))
 
     engine.step_listeners.append(on_step)
     records = [RequestRecord(f"{request_prefix}{it.index}", it.api_key, it.arrival_s, it.prompt_tokens,

@@ -77,3 +77,19 @@ def test_run_against_a_grpc_service_writes_the_same_report(tmp_path):
     rep = _check_outputs(out, [50.0])
     run = rep["runs"][0]
     assert run["num_completed"] == 10 and run["num_errors"] == 0 and run["ttft_ms"]["n"] == 10
+
+
+def test_sim_takes_a_batching_mode_and_a_measured_cost_model(tmp_path):
+    cost = tmp_path / "cost.json"
+    cost.write_text(json.dumps({"sim_executor": {"decode_1_ms": 5.0, "decode_32_ms": 9.0,
+                                                 "prefill_ms_per_token": 0.02, "step_base_ms": 1.0}}))
+    out = tmp_path / "sim"
+    assert main(["sim", "--rate", "2", "--num-requests", "20", "--scale", "0.1", "--batching", "dynamic",
+                 "--dynamic-window-ms", "50", "--cost-model", str(cost), "--queue-budget-s", "100",
+                 "--out", str(out), "--no-progress"]) == 0
+    rep = _check_outputs(out, [2.0])
+    assert "batching='dynamic'" in rep["config"]["engine"] and "dynamic_window_s=0.05" in rep["config"]["engine"]
+    assert rep["runs"][0]["num_completed"] == 20
+    # The lone first request waits the 50 ms window before its batch fires.
+    first = json.loads((out / "records.jsonl").read_text().splitlines()[0])
+    assert first["queue_s"] == pytest.approx(0.05)
