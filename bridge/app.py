@@ -30,7 +30,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from bridge.errors import ApiError, from_grpc
+from bridge.errors import DEFAULT_RETRY_AFTER_S, ApiError, from_grpc
 from bridge.events import SSE_DONE, CompletionBuilder, sse_data, sse_error
 from bridge.metrics import BridgeMetrics
 from bridge.schemas import CompletionRequest
@@ -46,13 +46,21 @@ HEALTH_TIMEOUT_S = 2.0
 CANCEL_TIMEOUT_S = 5.0
 # The design: cancel a client that reads nothing for 30 s.
 SLOW_CLIENT_TIMEOUT_S = 30.0
+# While the engine is down (restarting), calls fail at once with UNAVAILABLE (503 + Retry-After);
+# the channel retries the connection at most this often, so the bridge recovers on its own
+# within about a second of the engine coming back (gRPC's default back-off grows to 120 s).
+CHANNEL_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
 
 
 class _Backend:
     """The app's one gRPC channel and the stubs on it."""
 
     def __init__(self, target: str) -> None:
-        self.channel = grpc.aio.insecure_channel(target)
+        self.channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
         self.generate = pb_grpc.GenerateServiceStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
 
@@ -255,7 +263,8 @@ def create_app(
     async def health(request: Request) -> JSONResponse:
         if await _healthy(backend(), _auth_metadata(request)):
             return JSONResponse({"status": "ok"})
-        return ApiError(503, "the generation service is not serving", code="unavailable").response()
+        return ApiError(503, "the generation service is not serving", code="unavailable",
+                        headers={"Retry-After": str(DEFAULT_RETRY_AFTER_S)}).response()
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

@@ -32,8 +32,10 @@ ERROR_TYPE_OF_HTTP: dict[int, str] = {
     503: "service_unavailable_error",
 }
 
-# Retry-After when a RESOURCE_EXHAUSTED status carries no `retry-after` metadata.
+# Retry-After when a RESOURCE_EXHAUSTED or UNAVAILABLE status carries no `retry-after` metadata
+# (UNAVAILABLE: the engine is loading, draining, restarting, or unreachable).
 DEFAULT_RETRY_AFTER_S = 1
+RETRY_AFTER_STATUSES = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
 
 
 class ApiError(Exception):
@@ -93,7 +95,7 @@ def from_grpc(err: grpc.aio.AioRpcError) -> ApiError:
     status = err.code()
     http_status = HTTP_STATUS_OF_GRPC.get(status, 500)
     headers = {}
-    if status is grpc.StatusCode.RESOURCE_EXHAUSTED:
+    if status in RETRY_AFTER_STATUSES:
         headers["Retry-After"] = str(retry_after_s(err.trailing_metadata()))
     message = err.details() or status.name.lower().replace("_", " ")
     return ApiError(http_status, message, code=status.name.lower(), headers=headers)

@@ -1,8 +1,13 @@
 """`genserve serve`: start the engine (gRPC) and the bridge (REST+SSE) on localhost, supervised.
 
 The engine and the bridge run as two child processes, as they would in two containers. The
-supervisor restarts a child that dies, with exponential back-off (1 s doubling to 30 s), and
-stops both on SIGINT/SIGTERM. The bridge never imports torch.
+supervisor restarts a child that dies, with exponential back-off (1 s doubling to 30 s; a child
+that ran for a minute starts again from 1 s). While the engine is down the bridge answers 503
+with Retry-After and reconnects on its own when the engine is back.
+
+SIGINT/SIGTERM stop both in order: the engine first, which drains (refuses new requests, lets
+open streams finish for up to `--drain-grace-s`), while the bridge still answers (503 for new
+requests); then the bridge. The bridge never imports torch.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 BACKOFF_START_S = 1.0
 BACKOFF_MAX_S = 30.0
+HEALTHY_RUN_S = 60.0          # a child that ran this long restarts with the initial back-off
+STOP_TIMEOUT_S = 15.0         # after SIGTERM (and the engine's drain grace): then SIGKILL
 
 
 @dataclass
@@ -58,7 +65,8 @@ def serve(args: argparse.Namespace) -> int:
     target = f"127.0.0.1:{args.grpc_port}"
     engine_argv = [sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(args.grpc_port),
                    "--dtype", args.dtype, "--kv-pool-gib", str(args.kv_pool_gib),
-                   "--queue-budget-s", str(args.queue_budget_s), "--metrics-port", str(args.metrics_port)]
+                   "--queue-budget-s", str(args.queue_budget_s), "--metrics-port", str(args.metrics_port),
+                   "--drain-grace-s", str(args.drain_grace_s)]
     if args.model:
         engine_argv += ["--model", args.model]
     if args.num_blocks:
@@ -92,21 +100,28 @@ def serve(args: argparse.Namespace) -> int:
                 print(f"genserve: {child.name} exited with {code}; restarting in {child.backoff_s:g} s",
                       flush=True)
                 child.proc, child.restart_at = None, now + child.backoff_s
-                healthy_run = now - child.started_at > 60.0
+                healthy_run = now - child.started_at > HEALTHY_RUN_S
                 child.backoff_s = BACKOFF_START_S if healthy_run else min(child.backoff_s * 2, BACKOFF_MAX_S)
             elif child.proc is None and now >= child.restart_at:
                 child.start()
         time.sleep(0.2)
-    for child in children:
-        if child.proc is not None and child.proc.poll() is None:
-            child.proc.terminate()
-    for child in children:
-        if child.proc is not None:
-            try:
-                child.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                child.proc.kill()
+    engine, bridge = children
+    stop_child(engine, args.drain_grace_s + STOP_TIMEOUT_S)   # drains while the bridge answers 503
+    stop_child(bridge, STOP_TIMEOUT_S)
     return 0
+
+
+def stop_child(child: Child, timeout_s: float) -> None:
+    """SIGTERM `child`, wait up to `timeout_s`, then SIGKILL."""
+    if child.proc is None or child.proc.poll() is not None:
+        return
+    child.proc.terminate()
+    try:
+        child.proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        print(f"genserve: {child.name} did not stop in {timeout_s:g} s; killing it", flush=True)
+        child.proc.kill()
+        child.proc.wait()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks")
     p.add_argument("--kv-pool-gib", type=float, default=2.0)
     p.add_argument("--queue-budget-s", type=float, default=2.0)
+    p.add_argument("--drain-grace-s", type=float, default=30.0,
+                   help="on SIGTERM, how long open streams may run on before they are ended")
     p.add_argument("--ready-timeout-s", type=float, default=180.0)
     args = parser.parse_args(argv)
     return serve(args)

@@ -42,7 +42,7 @@ class _SchedulerGauges(Collector):
             ("genserve_queued_device_seconds", "Estimated device-seconds of queued work.", s.queued_device_s),
             ("genserve_running_rows", "Requests admitted to the running batch.", s.running_rows),
             ("genserve_kv_blocks_free", "KV blocks on the free list.", s.kv_blocks_free),
-            ("genserve_kv_blocks_total", "KV blocks in the pool.", s.kv_blocks_total),
+            ("genserve_kv_blocks_capacity", "KV blocks in the pool (free + in use).", s.kv_blocks_total),
         ):
             yield GaugeMetricFamily(name, doc, value=value)
         yield CounterMetricFamily("genserve_preemptions", "Requests preempted (blocks freed, re-queued).",
@@ -93,6 +93,10 @@ class EngineMetrics:
         self.cancelled_generated = Counter(
             "genserve_cancelled_request_generated_tokens",
             "Tokens generated for requests that were later cancelled.", registry=r)
+        self.buffer_overflows = Counter(
+            "genserve_stream_buffer_overflows",
+            "Requests cancelled because their client read too slowly (output buffer full).",
+            registry=r)
         for reason in FinishReason:
             self.finished.labels(reason.value)
         for code in ("400", "401", "429", "503"):

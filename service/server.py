@@ -1,4 +1,16 @@
-"""The engine process: load the model, start the scheduler thread, serve gRPC."""
+"""The engine process: load the model, start the scheduler thread, serve gRPC.
+
+Life cycle (issue 4):
+
+1. The gRPC server starts at once with health NOT_SERVING; `Generate` answers UNAVAILABLE
+   ("engine is loading") until the model is loaded and calibrated, then health turns SERVING.
+2. SIGTERM or SIGINT drains: health NOT_SERVING, new requests UNAVAILABLE, open streams run to
+   their end for up to `drain_grace_s`; streams still open then end with UNAVAILABLE ("server
+   shutting down") and their requests are cancelled. Exit code 0.
+3. If the engine loop fails (say a forward pass raises), every open stream has already received
+   its error (UNAVAILABLE with the failure's message); the process flushes them and exits with
+   code 1, so a supervisor (`genserve serve`, Kubernetes) restarts it.
+"""
 
 from __future__ import annotations
 
@@ -6,63 +18,211 @@ import argparse
 import asyncio
 import logging
 import signal
+import sys
+import threading
+from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
-from engine.builder import build_engine
+from engine.builder import LoadedEngine, build_engine
 from engine.config import EngineConfig
 from genserve.v1 import generate_pb2 as pb
 from genserve.v1 import generate_pb2_grpc as pb_grpc
 from service.auth import Authenticator
+from service.faults import FailingExecutor, fault_settings
 from service.metrics import EngineMetrics
-from service.servicer import GenerateServicer
+from service.servicer import MAX_BUFFERED_EVENTS, GenerateServicer
 from service.validation import Validator
 
 log = logging.getLogger("genserve.service")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerateService"].full_name
+DRAIN_GRACE_S = 30.0          # SIGTERM: how long open streams may run on
+FAILURE_FLUSH_S = 5.0         # engine failure: how long to let open streams send their error
+ENGINE_POLL_S = 0.05          # how often the server checks that the scheduler thread lives
+
+EXIT_OK, EXIT_ENGINE_FAILED, EXIT_LOAD_FAILED = 0, 1, 2
+
+Builder = Callable[[EngineConfig, "str | None"], LoadedEngine]
+
+
+class EngineServer:
+    """One engine process's gRPC server, health, metrics and life cycle (see the module doc).
+
+    Args:
+        config: engine dials.
+        host, port: where to serve gRPC (port 0: any free port; see `port` after `start`).
+        model_path: GGUF file (None: the embedded model).
+        auth: API keys (default: from the environment).
+        metrics_port: serve Prometheus metrics on it (None: off).
+        drain_grace_s: how long SIGTERM lets open streams run on.
+        fail_at_step, fail_once_file: fault injection (see `service.faults`).
+        max_buffered_events: bound of each request's output buffer.
+        build: loads the engine (tests pass one that builds a simulated engine).
+    """
+
+    def __init__(self, config: EngineConfig, host: str = "127.0.0.1", port: int = 50051, *,
+                 model_path: str | None = None, auth: Authenticator | None = None,
+                 metrics_port: int | None = None, drain_grace_s: float = DRAIN_GRACE_S,
+                 fail_at_step: int | None = None, fail_once_file: str | None = None,
+                 max_buffered_events: int = MAX_BUFFERED_EVENTS,
+                 build: Builder = build_engine) -> None:
+        self.config = config
+        self.host = host
+        self.requested_port = port
+        self.model_path = model_path
+        self.metrics_port = metrics_port
+        self.drain_grace_s = drain_grace_s
+        self.fail_at_step = fail_at_step
+        self.fail_once_file = fail_once_file
+        self.build = build
+        self.server = grpc.aio.server()
+        self.health = health.aio.HealthServicer()
+        self.servicer = GenerateServicer(auth=auth or Authenticator.from_env(),
+                                         max_buffered_events=max_buffered_events)
+        self.loaded: LoadedEngine | None = None
+        self.metrics: EngineMetrics | None = None
+        self.port = 0
+
+    @property
+    def engine(self):
+        return None if self.loaded is None else self.loaded.engine
+
+    async def start(self) -> None:
+        """Serve gRPC (health NOT_SERVING, Generate UNAVAILABLE) before anything is loaded."""
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
+        pb_grpc.add_GenerateServiceServicer_to_server(self.servicer, self.server)
+        self.port = self.server.add_insecure_port(f"{self.host}:{self.requested_port}")
+        await self.server.start()
+        log.info("engine gRPC listening on %s:%d (loading the model)", self.host, self.port)
+
+    async def load(self) -> None:
+        """Load and calibrate the model on a daemon thread, then start serving it."""
+        loaded = await _on_daemon_thread(self.build, self.config, self.model_path)
+        engine = loaded.engine
+        if self.fail_at_step is not None:
+            engine.executor = FailingExecutor(engine.executor, self.fail_at_step, self.fail_once_file)
+            log.warning("fault injection armed: forward pass %d will raise (once file: %s)",
+                        self.fail_at_step, self.fail_once_file)
+        info = pb.InfoResponse(model_name=loaded.model_name, max_context=self.config.max_context,
+                               max_new_tokens=self.config.max_new_tokens,
+                               vocab_size=loaded.args.vocab_size, block_size=self.config.block_size,
+                               num_kv_blocks=engine.pool.num_blocks)
+        self.metrics = EngineMetrics(engine)
+        if self.metrics_port is not None:
+            start_http_server(self.metrics_port, addr=self.host, registry=self.metrics.registry)
+        self.servicer.attach(engine, loaded.tokenizer, Validator(self.config, loaded.tokenizer),
+                             info, self.metrics)
+        self.loaded = loaded
+        engine.start()
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        log.info("engine serving gRPC on %s:%d (%d KV blocks)", self.host, self.port, engine.pool.num_blocks)
+
+    async def run(self, stop: asyncio.Event) -> int:
+        """Load, serve until `stop` is set (then drain) or the engine fails. Returns the exit code."""
+        await self.start()
+        load = asyncio.ensure_future(self.load())
+        stopped = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait({load, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            if not load.done():
+                log.info("stopped while loading")
+                await self.server.stop(grace=1.0)
+                return EXIT_OK
+            if load.exception() is not None:
+                log.error("engine failed to load: %r", load.exception())
+                await self.server.stop(grace=1.0)
+                return EXIT_LOAD_FAILED
+            failed = asyncio.ensure_future(self._engine_failed())
+            await asyncio.wait({failed, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            failed.cancel()
+            if stopped.done():
+                await self.drain()
+            else:
+                await self.fail()
+            return EXIT_ENGINE_FAILED if self.engine.error is not None else EXIT_OK
+        finally:
+            stopped.cancel()
+            load.cancel()
+
+    async def drain(self) -> None:
+        """Stop admitting, let open streams finish for up to `drain_grace_s`, then stop."""
+        self.servicer.draining = True
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        log.info("draining: %d open streams, grace %.0f s", self.servicer.num_open, self.drain_grace_s)
+        if not await self.servicer.wait_idle(self.drain_grace_s):
+            n = self.servicer.abort_all(
+                grpc.StatusCode.UNAVAILABLE,
+                f"server shutting down: the {self.drain_grace_s:g} s drain grace period ended")
+            log.warning("drain grace period over: ended %d open streams", n)
+            await self.servicer.wait_idle(FAILURE_FLUSH_S)
+        await self.server.stop(grace=1.0)
+        self.engine.stop()
+        log.info("drained; exiting")
+
+    async def fail(self) -> None:
+        """The engine loop failed: let every open stream send its error, then stop."""
+        log.error("engine loop failed (%r): ending %d open streams with UNAVAILABLE and exiting",
+                  self.engine.error, self.servicer.num_open)
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        if not await self.servicer.wait_idle(FAILURE_FLUSH_S):
+            self.servicer.abort_all(grpc.StatusCode.UNAVAILABLE, f"engine failure: {self.engine.error}")
+            await self.servicer.wait_idle(1.0)
+        await self.server.stop(grace=1.0)
+
+    async def _engine_failed(self) -> None:
+        """Return once the scheduler thread has died (its `error` says why)."""
+        while self.engine.alive:
+            await asyncio.sleep(ENGINE_POLL_S)
+        if self.engine.error is None:       # the thread ended without an error: treat it as one
+            self.engine.error = RuntimeError("the scheduler thread stopped")
+
+    async def _set_health(self, status) -> None:
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+
+async def _on_daemon_thread(fn, *args):
+    """Run `fn(*args)` on a daemon thread (a slow load never blocks process exit)."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(setter, value) -> None:
+        if not future.done():
+            setter(value)
+
+    def work() -> None:
+        try:
+            result = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 — handed to the waiting coroutine
+            loop.call_soon_threadsafe(settle, future.set_exception, exc)
+        else:
+            loop.call_soon_threadsafe(settle, future.set_result, result)
+
+    threading.Thread(target=work, name="genserve-load", daemon=True).start()
+    return await future
 
 
 async def serve(config: EngineConfig, host: str, port: int, model_path: str | None = None,
-                auth: Authenticator | None = None, metrics_port: int | None = None) -> None:
-    """Build the engine, serve GenerateService + health + reflection until SIGINT/SIGTERM.
+                auth: Authenticator | None = None, metrics_port: int | None = None,
+                **options) -> int:
+    """Run one engine server until SIGINT/SIGTERM (drain) or an engine failure.
 
     With `metrics_port`, Prometheus metrics are served at http://host:metrics_port/metrics.
+    `options` go to `EngineServer`. Returns the process exit code.
     """
-    server = grpc.aio.server()
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-    await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    loaded = await asyncio.to_thread(build_engine, config, model_path)
-    engine = loaded.engine
-    info = pb.InfoResponse(model_name=loaded.model_name, max_context=config.max_context,
-                           max_new_tokens=config.max_new_tokens, vocab_size=loaded.args.vocab_size,
-                           block_size=config.block_size, num_kv_blocks=engine.pool.num_blocks)
-    metrics = EngineMetrics(engine)
-    if metrics_port is not None:
-        start_http_server(metrics_port, addr=host, registry=metrics.registry)
-    pb_grpc.add_GenerateServiceServicer_to_server(GenerateServicer(
-        engine, loaded.tokenizer, Validator(config, loaded.tokenizer),
-        auth or Authenticator.from_env(), info, metrics), server)
-    engine.start()
-    await server.start()
-    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-    log.info("engine serving gRPC on %s:%d (%d KV blocks)", host, bound, engine.pool.num_blocks)
+    server = EngineServer(config, host, port, model_path=model_path, auth=auth,
+                          metrics_port=metrics_port, **options)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await health_servicer.enter_graceful_shutdown()
-    await server.stop(grace=5.0)
-    engine.stop()
+    return await server.run(stop)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -73,6 +233,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-pool-gib", type=float, default=2.0, help="KV pool budget, GiB")
     parser.add_argument("--queue-budget-s", type=float, default=2.0,
                         help="device-seconds of queued work before 429")
+    parser.add_argument("--drain-grace-s", type=float, default=DRAIN_GRACE_S,
+                        help="SIGTERM: seconds open streams may run on before they are ended")
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -83,14 +245,28 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m service --port 50051`: run the engine's gRPC server."""
-    parser = argparse.ArgumentParser(prog="python -m service", description=__doc__)
+    """`python -m service --port 50051`: run the engine's gRPC server; exits 1 if the engine fails."""
+    parser = argparse.ArgumentParser(prog="python -m service", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=50051)
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve Prometheus metrics on this port (default: off)")
+    parser.add_argument("--max-buffered-events", type=int, default=MAX_BUFFERED_EVENTS,
+                        help="per-request output buffer bound; a reader that falls this far "
+                             "behind is cancelled")
+    parser.add_argument("--fail-at-step", type=int, default=None,
+                        help="FAULT INJECTION (tests only): forward pass K raises "
+                             "(env GENSERVE_FAIL_AT_STEP)")
+    parser.add_argument("--fail-once-file", default=None,
+                        help="FAULT INJECTION: fire only while this file does not exist; create it "
+                             "when firing (env GENSERVE_FAIL_ONCE_FILE)")
     add_engine_args(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    asyncio.run(serve(config_from_args(args), args.host, args.port, args.model,
-                      metrics_port=args.metrics_port))
+    fail_at_step, once_file = fault_settings(args.fail_at_step, args.fail_once_file)
+    code = asyncio.run(serve(config_from_args(args), args.host, args.port, args.model,
+                             metrics_port=args.metrics_port, drain_grace_s=args.drain_grace_s,
+                             fail_at_step=fail_at_step, fail_once_file=once_file,
+                             max_buffered_events=args.max_buffered_events))
+    sys.exit(code)

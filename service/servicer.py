@@ -1,10 +1,24 @@
-"""The gRPC servicer: authenticate, validate, submit, stream tokens back, cancel on disconnect."""
+"""The gRPC servicer: authenticate, validate, submit, stream tokens back, cancel on disconnect.
+
+Failure and shutdown (issue 4):
+
+* While the engine loads, `Generate` and `Info` answer UNAVAILABLE ("engine is loading").
+* When the engine loop fails, every open stream receives its ERROR event and ends with status
+  UNAVAILABLE and the failure's message; new requests get UNAVAILABLE too.
+* While draining (SIGTERM), new requests get UNAVAILABLE; open streams go on until they finish
+  or `abort_all` ends them. Every UNAVAILABLE carries `retry-after` trailing metadata.
+* Each request's output buffer holds at most `max_buffered_events` events (token ids waiting for
+  the stream to send them). A client that reads so slowly that the buffer fills has its request
+  cancelled in the engine and its stream ended with RESOURCE_EXHAUSTED, so a slow reader costs
+  at most that many events of memory here (gRPC's own flow-control window bounds the rest).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import uuid
+from collections import deque
 
 import grpc
 
@@ -15,52 +29,147 @@ from engine.step import TokenEvent
 from genserve.v1 import generate_pb2 as pb
 from genserve.v1 import generate_pb2_grpc as pb_grpc
 from service.auth import Authenticator
-from service.stream import SampleStream
 from service.metrics import EngineMetrics
+from service.stream import SampleStream
 from service.validation import ValidationError, Validator
 
 log = logging.getLogger(__name__)
 
+# Events one request may have waiting for its stream: at ~20 tokens/s per row that is ~25 s of
+# output a client has not taken; each event is a small Python object (≈ 200 bytes).
+MAX_BUFFERED_EVENTS = 512
+# Seconds a client should wait before retrying an UNAVAILABLE (engine loading, draining, failed).
+RETRY_AFTER_UNAVAILABLE_S = 1
+
+
+class StreamFailed(Exception):
+    """A stream must end with this status (buffer overflow, drain timeout)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class EventBuffer:
+    """One request's TokenEvents on their way from the scheduler thread to its gRPC stream.
+
+    `put` is called on the event loop (the scheduler thread hops over with
+    `call_soon_threadsafe`) and never blocks: it refuses an event once `limit` are waiting.
+    `fail` makes the next `get` raise `StreamFailed`, ahead of any buffered events.
+    """
+
+    def __init__(self, limit: int = MAX_BUFFERED_EVENTS) -> None:
+        self.limit = limit
+        self.failure: StreamFailed | None = None
+        self._items: deque[TokenEvent] = deque()
+        self._ready = asyncio.Event()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put(self, ev: TokenEvent) -> bool:
+        """Queue `ev`; False when `limit` events are already waiting (the event is dropped)."""
+        if len(self._items) >= self.limit:
+            return False
+        self._items.append(ev)
+        self._ready.set()
+        return True
+
+    def fail(self, code: grpc.StatusCode, message: str) -> None:
+        """End the stream with `code` at its next `get` (the first failure wins)."""
+        if self.failure is None:
+            self.failure = StreamFailed(code, message)
+        self._ready.set()
+
+    async def get(self) -> TokenEvent:
+        """The next event; raises `StreamFailed` once `fail` was called."""
+        while True:
+            if self.failure is not None:
+                raise self.failure
+            if self._items:
+                return self._items.popleft()
+            self._ready.clear()
+            await self._ready.wait()
 
 
 class GenerateServicer(pb_grpc.GenerateServiceServicer):
     """`genserve.v1.GenerateService` over one engine.
 
     Args:
-        engine: the running engine.
+        engine: the running engine, or None while it loads (then see `attach`).
         tokenizer: encodes prompts; `token_bytes`/`is_special` for detokenization.
         validator: field and limit checks.
         auth: maps the `authorization` metadata to an API key (or rejects it).
         info: the `InfoResponse` to answer `Info` with.
         metrics: counts rejections by code (optional).
+        max_buffered_events: bound of each request's output buffer (see the module doc).
 
     The engine's scheduler thread hands each `TokenEvent` to `loop.call_soon_threadsafe`, so
-    token ids reach the request's asyncio queue without the loop ever waiting on this server.
+    token ids reach the request's buffer without the loop ever waiting on this server.
     """
 
-    def __init__(self, engine: Engine, tokenizer, validator: Validator, auth: Authenticator,
-                 info: pb.InfoResponse, metrics: EngineMetrics | None = None) -> None:
-        self.engine = engine
+    def __init__(self, engine: Engine | None = None, tokenizer=None, validator: Validator | None = None,
+                 auth: Authenticator | None = None, info: pb.InfoResponse | None = None,
+                 metrics: EngineMetrics | None = None, *,
+                 max_buffered_events: int = MAX_BUFFERED_EVENTS) -> None:
+        self.auth = auth or Authenticator()
+        self.max_buffered_events = max_buffered_events
+        self.draining = False
+        self._open: set[EventBuffer] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.engine: Engine | None = None
+        self.metrics: EngineMetrics | None = None
+        if engine is not None:
+            self.attach(engine, tokenizer, validator, info, metrics)
+
+    def attach(self, engine: Engine, tokenizer, validator: Validator, info: pb.InfoResponse,
+               metrics: EngineMetrics | None = None) -> None:
+        """Start serving `engine` (called once it has loaded)."""
         self.tokenizer = tokenizer
         self.validator = validator
-        self.auth = auth
         self.info = info
         self.metrics = metrics
+        self.engine = engine
+
+    @property
+    def num_open(self) -> int:
+        """Generate streams in progress."""
+        return len(self._open)
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no stream is open; False if `timeout_s` passed first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            return True
+        except TimeoutError:
+            return False
+
+    def abort_all(self, code: grpc.StatusCode, message: str) -> int:
+        """End every open stream with `code` (their requests are cancelled). Returns how many."""
+        for buffer in list(self._open):
+            buffer.fail(code, message)
+        return len(self._open)
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         api_key = await self._authenticate(context)
+        if self.engine is None:
+            await self._unavailable(context, "engine is loading; retry shortly")
+        if self.draining:
+            await self._unavailable(context, "server is draining (shutting down); retry on another replica")
         try:
             valid = self.validator.validate(request)
         except ValidationError as exc:
             await self._reject(context, "400", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         request_id = request.request_id or f"cmpl-{uuid.uuid4().hex}"
         loop = asyncio.get_running_loop()
-        events: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        buffer = EventBuffer(self.max_buffered_events)
         req = Request(
             request_id=request_id, api_key=api_key, prompt_ids=valid.prompt_ids,
             max_tokens=valid.max_tokens, sampling=valid.sampling, arrival_s=0.0,
             deadline_s=0.0, eos_token_id=self.tokenizer.eos_token_id,
-            on_event=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+            on_event=lambda ev: loop.call_soon_threadsafe(self._deliver, request_id, buffer, ev))
         if valid.n > 1:
             req.fork(valid.n, sample_seeds(valid.sampling.seed, valid.n))
         if valid.deadline_s is not None:
@@ -71,10 +180,12 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
             context.set_trailing_metadata((("retry-after", str(exc.retry_after_s)),))
             await self._reject(context, "429", grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except EngineUnavailable as exc:
-            await self._reject(context, "503", grpc.StatusCode.UNAVAILABLE, str(exc))
+            await self._unavailable(context, str(exc))
         except ValueError as exc:
             await self._reject(context, "400", grpc.StatusCode.INVALID_ARGUMENT, f"request_id: {exc}")
 
+        self._open.add(buffer)
+        self._idle.clear()
         open_samples = valid.n
         try:
             yield pb.GenerateResponse(request_id=request_id, started=pb.Started(
@@ -82,9 +193,12 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
             streams = [SampleStream(i, self.tokenizer, valid.stop, request.HasField("logprobs"))
                        for i in range(valid.n)]
             while open_samples:
-                ev = await events.get()
+                try:
+                    ev = await buffer.get()
+                except StreamFailed as exc:
+                    await self._abort(context, exc.code, exc.message)
                 if ev.finish_reason == FinishReason.ERROR:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, ev.finish_detail)
+                    await self._abort(context, grpc.StatusCode.UNAVAILABLE, ev.finish_detail)
                 out = streams[ev.index].on_event(ev)
                 if out.stop_engine:
                     self.engine.stop_sample(request_id, ev.index)
@@ -95,17 +209,36 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
                         open_samples -= 1
                         yield pb.GenerateResponse(request_id=request_id, finished=msg)
         finally:
+            self._open.discard(buffer)
+            if not self._open:
+                self._idle.set()
             if open_samples:
-                # The client went away (disconnect or cancelled call): stop spending device time.
+                # The client went away (disconnect or cancelled call), or the stream failed:
+                # stop spending device time.
                 self.engine.cancel(request_id)
+
+    def _deliver(self, request_id: str, buffer: EventBuffer, ev: TokenEvent) -> None:
+        """On the event loop: queue `ev`, or cancel the request when its buffer is full."""
+        if buffer.failure is not None or buffer.put(ev):
+            return
+        log.warning("request %s: output buffer full (%d events); cancelling it", request_id, buffer.limit)
+        buffer.fail(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"output buffer full: the client fell {buffer.limit} events behind; request cancelled")
+        if self.metrics is not None:
+            self.metrics.buffer_overflows.inc()
+        self.engine.cancel(request_id)
 
     async def Cancel(self, request: pb.CancelRequest, context: grpc.aio.ServicerContext):
         api_key = await self._authenticate(context)
+        if self.engine is None:
+            await self._unavailable(context, "engine is loading; retry shortly")
         if not self.engine.cancel(request.request_id, api_key=api_key):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"request_id: no running request {request.request_id!r}")
         return pb.CancelResponse(request_id=request.request_id)
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext):
+        if self.engine is None:
+            await self._abort(context, grpc.StatusCode.UNAVAILABLE, "engine is loading; retry shortly")
         return self.info
 
     async def _authenticate(self, context: grpc.aio.ServicerContext) -> str:
@@ -121,6 +254,16 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
         """Count the rejection under its HTTP-equivalent code and end the call (raises)."""
         if self.metrics is not None:
             self.metrics.rejected.labels(code).inc()
+        await self._abort(context, status, message)
+
+    async def _unavailable(self, context: grpc.aio.ServicerContext, message: str) -> None:
+        await self._reject(context, "503", grpc.StatusCode.UNAVAILABLE, message)
+
+    @staticmethod
+    async def _abort(context: grpc.aio.ServicerContext, status: grpc.StatusCode, message: str) -> None:
+        """End the call with `status` (raises); UNAVAILABLE carries `retry-after`."""
+        if status == grpc.StatusCode.UNAVAILABLE:
+            context.set_trailing_metadata((("retry-after", str(RETRY_AFTER_UNAVAILABLE_S)),))
         await context.abort(status, message)
 
 

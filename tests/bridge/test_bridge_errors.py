@@ -38,7 +38,7 @@ async def test_grpc_status_maps_to_http(client, grpc_code, http_status, error_ty
     error = assert_error_body(resp, http_status, grpc_code.lower())
     assert error["type"] == error_type
     assert error["message"] == f"fake {grpc_code}"
-    if http_status == 429:
+    if http_status in (429, 503):
         assert resp.headers["retry-after"] == "1"  # no retry-after metadata: 1 s
     else:
         assert "retry-after" not in resp.headers

@@ -30,6 +30,7 @@ class Server:
     base_url: str
     grpc_target: str
     process: subprocess.Popen
+    output: list[str]                    # the supervisor's and its children's output so far
 
     def metrics(self) -> dict[str, float]:
         """Every sample of GET /metrics as {"name{label=value,...}": value}."""
@@ -73,10 +74,17 @@ def start_server(*extra: str, env: dict[str, str] | None = None):
             proc.kill()
             raise RuntimeError("genserve did not start:\n" + "".join(output[-40:]))
     assert httpx.get(f"{base}/health", timeout=10).status_code == 200
-    # Drain the rest of the output in the background so the pipe never fills.
+    # Read the rest of the output in the background so the pipe never fills (last lines kept).
     import threading
-    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
-    yield Server(base, f"127.0.0.1:{grpc_port}", proc)
+
+    def keep_reading() -> None:
+        for line in proc.stdout:
+            output.append(line)
+            if len(output) > 5000:
+                del output[:1000]
+
+    threading.Thread(target=keep_reading, daemon=True).start()
+    yield Server(base, f"127.0.0.1:{grpc_port}", proc, output)
     proc.terminate()
     try:
         proc.wait(30)

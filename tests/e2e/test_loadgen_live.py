@@ -46,4 +46,4 @@ def test_loadgen_run_against_the_live_server(server, transport, tmp_path):
     within_one = (after["genserve_cancel_extra_steps_bucket{le=1.0}"]
                   - before["genserve_cancel_extra_steps_bucket{le=1.0}"])
     assert extra == within_one
-    assert after["genserve_kv_blocks_free"] == after["genserve_kv_blocks_total"]
+    assert after["genserve_kv_blocks_free"] == after["genserve_kv_blocks_capacity"]
