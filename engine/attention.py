@@ -46,8 +46,9 @@ class AttentionMetadata:
     """Everything attention needs about one step, passed explicitly to every layer.
 
     Attributes:
-        block_index: int64 [T], the block each new token's K/V is written to.
-        block_offset: int64 [T], the offset inside that block.
+        k_slots, v_slots: int64 [T], where each new token's K and V go in the layer cache viewed
+            as rows `[num_blocks × 2 × block_size, kv_heads, head_dim]`:
+            (block × 2 + {0 for K, 1 for V}) × block_size + offset.
         num_decode: B, decode rows at the front of the flat batch (one query each).
         decode_tables: int64 [B, nb] block tables of the decode rows, padded with block 0 to
             nb = a multiple of DECODE_PAD_BLOCKS.
@@ -55,8 +56,8 @@ class AttentionMetadata:
         seqs: one `SeqSpan` per prefill piece, in flat-batch order (after the decode rows).
     """
 
-    block_index: torch.Tensor
-    block_offset: torch.Tensor
+    k_slots: torch.Tensor
+    v_slots: torch.Tensor
     num_decode: int
     decode_tables: torch.Tensor
     decode_mask: torch.Tensor
@@ -96,7 +97,9 @@ class AttentionMetadata:
         for i, t in enumerate(tables):
             decode_tables[i, :len(t)] = t
         decode_mask = torch.arange(nb * block_size)[None, :] >= torch.tensor(lens, dtype=torch.long)[:, None]
-        return cls(torch.cat(index), torch.cat(offset), len(tables), decode_tables, decode_mask,
+        block, off = torch.cat(index), torch.cat(offset)
+        k_slots = block * (2 * block_size) + off
+        return cls(k_slots, k_slots + block_size, len(tables), decode_tables, decode_mask,
                    tuple(seqs))
 
 
@@ -142,8 +145,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         [T, n_heads, head_dim] attention output, dtype of q. Scale 1/sqrt(head_dim)
         (Vaswani et al. 2017); grouped-query heads share K/V (Ainslie et al. 2023).
     """
-    cache[meta.block_index, 0, meta.block_offset] = k
-    cache[meta.block_index, 1, meta.block_offset] = v
+    rows = cache.view(-1, *cache.shape[-2:])                  # [num_blocks·2·bs, kvh, hd]
+    rows.index_copy_(0, meta.k_slots, k)
+    rows.index_copy_(0, meta.v_slots, v)
     n_heads, n_kv = q.shape[1], k.shape[1]
     group = n_heads // n_kv
     out = torch.empty_like(q)

@@ -38,11 +38,11 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     Sampling uses the exponential-race form of the categorical draw, argmax(p / E) with
     E ~ Exp(1) i.i.d. (equivalent to sampling from p; used by vLLM's sampler).
     """
-    logprobs_all = torch.log_softmax(logits, dim=-1)
+    greedy = torch.argmax(logits, dim=-1).tolist()                   # [R], one batched call
     tokens: list[int] = []
     for row, (p, g) in enumerate(zip(params, generators)):
         if p.temperature == 0.0:
-            tokens.append(int(torch.argmax(logits[row])))
+            tokens.append(greedy[row])
             continue
         scaled = logits[row] / max(p.temperature, 1e-6)
         if 0 < p.top_k < scaled.shape[-1]:
@@ -55,11 +55,13 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
             probs = probs.index_put((order[drop],), torch.zeros(()))
         noise = torch.empty_like(probs).exponential_(generator=g)
         tokens.append(int(torch.argmax(probs / noise)))
-    lp = logprobs_all[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)]
+    log_z = torch.logsumexp(logits, dim=-1)                          # [R]
+    lp = logits[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)] - log_z
     k_max = max((p.top_logprobs for p in params), default=0)
     top: list[list[tuple[int, float]]] = [[] for _ in params]
     if k_max:
-        values, ids = torch.topk(logprobs_all, k_max, dim=-1)
+        values, ids = torch.topk(logits, k_max, dim=-1)
+        values = values - log_z[:, None]
         for row, p in enumerate(params):
             top[row] = [(int(i), max(float(v), -1e30))
                         for i, v in zip(ids[row, :p.top_logprobs], values[row, :p.top_logprobs])]

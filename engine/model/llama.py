@@ -123,11 +123,11 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]                                                    # x: [T, dim]
-        q, k, v = linear(x, self.wqkv).split(
-            [self.n_heads * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], dim=-1)
-        q = apply_rope(q.view(t, self.n_heads, self.hd), cos, sin)      # [T, H, hd]
-        k = apply_rope(k.view(t, self.n_kv, self.hd), cos, sin)        # [T, KVH, hd]
-        o = paged_attention(q, k, v.view(t, self.n_kv, self.hd), cache, meta)
+        qk, v = linear(x, self.wqkv).split(
+            [(self.n_heads + self.n_kv) * self.hd, self.n_kv * self.hd], dim=-1)
+        qk = apply_rope(qk.view(t, self.n_heads + self.n_kv, self.hd), cos, sin)  # [T, H+KVH, hd]
+        q, k = qk.split([self.n_heads, self.n_kv], dim=1)               # [T, H, hd], [T, KVH, hd]
+        o = paged_attention(q, k, v.reshape(t, self.n_kv, self.hd), cache, meta)
         return linear(o.reshape(t, -1), self.wo)                       # [T, dim]
 
 
