@@ -1,7 +1,9 @@
 """`python -m bridge --grpc-target HOST:PORT [--host H] [--port P] [--model-name NAME]`.
 
 Each option also reads an environment variable (GENSERVE_GRPC_TARGET,
-BRIDGE_HOST, BRIDGE_PORT, GENSERVE_MODEL_NAME).
+BRIDGE_HOST, BRIDGE_PORT, GENSERVE_MODEL_NAME, GENSERVE_MAX_BODY_BYTES).
+Logs are JSON lines (GENSERVE_LOG_FORMAT=text for a terminal); traces go where
+GENSERVE_OTEL_EXPORTER says (off, console, otlp; see genserve.telemetry).
 """
 
 from __future__ import annotations
@@ -9,8 +11,9 @@ from __future__ import annotations
 import argparse
 import os
 
-from bridge.app import DEFAULT_MODEL_NAME
+from bridge.app import DEFAULT_MODEL_NAME, MAX_BODY_BYTES
 from bridge.server import run
+from genserve.telemetry import setup_logging, setup_tracing
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -23,9 +26,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--log-level", default="info")
     parser.add_argument("--engine-metrics-url", default=os.environ.get("GENSERVE_ENGINE_METRICS_URL"),
                         help="the engine's /metrics URL, shown in the bridge's /metrics too")
+    parser.add_argument("--max-body-bytes", type=int,
+                        default=int(os.environ.get("GENSERVE_MAX_BODY_BYTES", MAX_BODY_BYTES)),
+                        help="largest request body, bytes (413 above; default: %(default)s)")
     args = parser.parse_args(argv)
+    setup_logging(args.log_level.upper())
+    setup_tracing("genserve-bridge")
     run(args.grpc_target, args.host, args.port, model_name=args.model_name, log_level=args.log_level,
-        engine_metrics_url=args.engine_metrics_url)
+        engine_metrics_url=args.engine_metrics_url, max_body_bytes=args.max_body_bytes)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,13 @@
     GET    /v1/models                   -> the one served model
     GET    /metrics                     -> the bridge's and the engine's Prometheus metrics
 
+A request body must be JSON (`application/json`, `+json`, or no content type: 415 otherwise),
+UTF-8 (400) and at most `max_body_bytes` (1 MiB by default: 413), checked before parsing.
+
+Each completion is one OpenTelemetry span ("POST /v1/completions") whose W3C trace context goes
+to the engine in the gRPC metadata, so the engine's span joins the same trace (see
+`genserve.telemetry`); events: started, first_token, finished (per sample), error.
+
 The bridge only translates. It forwards `Authorization: Bearer <key>` as gRPC
 metadata `authorization`, maps gRPC status codes to HTTP (errors.py), and turns
 each GenerateResponse into one SSE event (events.py). A client that disconnects,
@@ -24,16 +31,20 @@ from contextlib import asynccontextmanager
 
 import grpc
 from fastapi import FastAPI, Request
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Receive, Scope, Send
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from bridge.errors import DEFAULT_RETRY_AFTER_S, ApiError, from_grpc
 from bridge.events import SSE_DONE, CompletionBuilder, sse_data, sse_error
 from bridge.metrics import BridgeMetrics
 from bridge.schemas import CompletionRequest
+from genserve.telemetry import REQUEST_ID, inject_metadata
 from genserve.v1 import generate_pb2 as pb
 from genserve.v1 import generate_pb2_grpc as pb_grpc
 
@@ -46,6 +57,8 @@ HEALTH_TIMEOUT_S = 2.0
 CANCEL_TIMEOUT_S = 5.0
 # The design: cancel a client that reads nothing for 30 s.
 SLOW_CLIENT_TIMEOUT_S = 30.0
+# Largest request body accepted (413 above). A full 8,192-token prompt is well under 100 KB.
+MAX_BODY_BYTES = 1024 * 1024
 # While the engine is down (restarting), calls fail at once with UNAVAILABLE (503 + Retry-After);
 # the channel retries the connection at most this often, so the bridge recovers on its own
 # within about a second of the engine coming back (gRPC's default back-off grows to 120 s).
@@ -119,10 +132,12 @@ class SSEResponse(StreamingResponse):
         call: grpc.aio.Call,
         write_timeout_s: float,
         headers: dict[str, str] | None = None,
+        span: trace.Span | None = None,
     ) -> None:
         super().__init__(content, headers=headers)
         self._call = call
         self._write_timeout_s = write_timeout_s
+        self._span = span
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         listener = asyncio.create_task(_wait_for_disconnect(receive))
@@ -138,16 +153,97 @@ class SSEResponse(StreamingResponse):
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except TimeoutError:
             log.info("client read nothing for %.0f s: cancelling its request", self._write_timeout_s)
+            self._event("client_timeout")
         except OSError:
             log.info("client went away mid-stream")
+            self._event("client_disconnected")
         except asyncio.CancelledError:
             if not _read_cancelled_by_us():
                 raise
             log.info("client disconnected: request cancelled")
+            self._event("client_disconnected")
         finally:
             listener.cancel()
             self._call.cancel()  # no-op when the call already ended
             await self.body_iterator.aclose()
+            if self._span is not None:
+                self._span.end()
+
+    def _event(self, name: str) -> None:
+        if self._span is not None:
+            self._span.add_event(name)
+
+
+class BodyGuard:
+    """ASGI middleware: a POST/PUT/PATCH body must fit `max_body_bytes` (413), be JSON by its
+    content type when it has one (415; none counts as JSON), and be UTF-8 (400); checked before
+    anything parses it.
+
+    The body is read here (never more than the limit) and handed on unchanged; later `receive`
+    calls go to the client's connection, so disconnects are still seen.
+    """
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int = MAX_BODY_BYTES) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            await self._too_large(scope, receive, send)
+            return
+        content_type = headers.get("content-type")
+        if not content_type:        # no content type: take the body as JSON
+            scope = {**scope, "headers": [*scope["headers"], (b"content-type", b"application/json")]}
+        elif not _is_json_type(content_type):
+            await ApiError(415, f"content type {content_type.split(';')[0].strip()!r} is not supported; "
+                                "send the body as application/json", code="unsupported_media_type"
+                           ).response()(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return                                        # the client left before sending it all
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                await self._too_large(scope, receive, send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            await ApiError(400, f"request body is not valid UTF-8 (byte {exc.start})",
+                           code="invalid_argument").response()(scope, receive, send)
+            return
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await ApiError(413, f"request body is larger than {self.max_body_bytes} bytes",
+                       code="payload_too_large").response()(scope, receive, send)
+
+
+def _is_json_type(content_type: str) -> bool:
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
 def create_app(
@@ -156,12 +252,17 @@ def create_app(
     *,
     slow_client_timeout_s: float = SLOW_CLIENT_TIMEOUT_S,
     engine_metrics_url: str | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    tracer: trace.Tracer | None = None,
 ) -> FastAPI:
     """Build the bridge app for the GenerateService at `grpc_target` ("host:port").
 
     `engine_metrics_url`, when given, is scraped and appended to `GET /metrics`.
+    `max_body_bytes` bounds request bodies (413 above). `tracer`: OpenTelemetry tracer for
+    request spans (default: the global provider's, a no-op unless tracing was set up).
     """
     created_at = int(time.time())
+    tracer = tracer or trace.get_tracer("genserve.bridge")
     metrics = BridgeMetrics(engine_metrics_url)
 
     @asynccontextmanager
@@ -173,6 +274,7 @@ def create_app(
             await app.state.backend.close()
 
     app = FastAPI(title="genserve bridge", lifespan=lifespan)
+    app.add_middleware(BodyGuard, max_body_bytes=max_body_bytes)
 
     @app.middleware("http")
     async def count_responses(request: Request, call_next):
@@ -217,35 +319,50 @@ def create_app(
             num_samples=body.num_samples,
             logprobs=body.logprobs is not None,
         )
+        span = tracer.start_span("POST /v1/completions", kind=SpanKind.SERVER, attributes={
+            "http.request.method": "POST", "http.route": "/v1/completions", "genserve.stream": bool(body.stream)})
         call = backend().generate.Generate(
             body.to_proto(request_id=request.headers.get("x-request-id", "")),
-            metadata=_auth_metadata(request),
+            metadata=inject_metadata(_auth_metadata(request), span),
         )
+        streaming = False
         try:
             # Read up to Started before answering, so that errors the service finds
             # before it starts (validation, auth, 429) are plain HTTP errors.
             builder.on_message(await _read_first(request, call))
+            REQUEST_ID.set(builder.request_id)
+            span.set_attribute("genserve.request_id", builder.request_id)
+            span.add_event("started")
             headers = {"X-Request-Id": builder.request_id}
             if body.stream:
-                return SSEResponse(
-                    _sse_events(call, builder),
+                response = SSEResponse(
+                    _sse_events(call, builder, _SpanNotes(span)),
                     call=call,
                     write_timeout_s=slow_client_timeout_s,
                     headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                    span=span,
                 )
+                streaming = True          # the response ends the span when the stream ends
+                return response
             async with _cancel_on_disconnect(request, call):
                 try:
-                    await _drain(call, builder)
+                    await _drain(call, builder, _SpanNotes(span))
                 except grpc.aio.AioRpcError as err:
                     raise from_grpc(err) from None
                 except asyncio.CancelledError:
                     if not _read_cancelled_by_us():
                         raise
+                    span.add_event("client_disconnected")
                     return Response(status_code=499)  # the client is gone; nobody reads this
             return JSONResponse(builder.completion(), headers=headers)
-        except BaseException:
+        except BaseException as exc:
             call.cancel()  # never leave a request generating for nobody
+            if isinstance(exc, ApiError):
+                _span_error(span, exc.status_code, exc.message)
             raise
+        finally:
+            if not streaming:
+                span.end()
 
     @app.delete("/v1/requests/{request_id}")
     async def cancel(request_id: str, request: Request) -> JSONResponse:
@@ -321,26 +438,58 @@ async def _read_first(request: Request, call: grpc.aio.UnaryStreamCall) -> pb.Ge
     return first
 
 
-async def _drain(call: grpc.aio.UnaryStreamCall, builder: CompletionBuilder) -> None:
+class _SpanNotes:
+    """Span events for the messages of one stream: first_token once, finished per sample."""
+
+    def __init__(self, span: trace.Span) -> None:
+        self.span = span
+        self.first_token = True
+
+    def on_message(self, msg: pb.GenerateResponse) -> None:
+        if msg.HasField("token") and self.first_token:
+            self.first_token = False
+            self.span.add_event("first_token")
+        elif msg.HasField("finished"):
+            reason = pb.FinishReason.Name(msg.finished.reason).removeprefix("FINISH_REASON_").lower()
+            self.span.add_event("finished", {"genserve.index": msg.finished.index,
+                                             "genserve.finish_reason": reason,
+                                             "genserve.completion_tokens": msg.finished.usage.completion_tokens})
+
+
+def _span_error(span: trace.Span, status_code: int, message: str) -> None:
+    span.set_attribute("http.response.status_code", status_code)
+    span.set_status(Status(StatusCode.ERROR, message))
+    span.add_event("error", {"http.response.status_code": status_code, "message": message})
+
+
+async def _drain(call: grpc.aio.UnaryStreamCall, builder: CompletionBuilder, notes: _SpanNotes) -> None:
     """Feed every remaining message of `call` to `builder`."""
     while (msg := await call.read()) is not grpc.aio.EOF:
+        notes.on_message(msg)
         builder.on_message(msg)
 
 
-async def _sse_events(call: grpc.aio.UnaryStreamCall, builder: CompletionBuilder) -> AsyncIterator[str]:
+async def _sse_events(call: grpc.aio.UnaryStreamCall, builder: CompletionBuilder,
+                      notes: _SpanNotes) -> AsyncIterator[str]:
     """One SSE event per token and per finished sample, then [DONE]; errors as `event: error`."""
     try:
         while (msg := await call.read()) is not grpc.aio.EOF:
+            notes.on_message(msg)
             event = builder.on_message(msg)
             if event is not None:
                 yield sse_data(event)
     except grpc.aio.AioRpcError as err:
-        yield sse_error(from_grpc(err).body())
+        api_error = from_grpc(err)
+        log.warning("stream ended with %s: %s", api_error.code, api_error.message,
+                    extra={"request_id": builder.request_id})
+        _span_error(notes.span, api_error.status_code, api_error.message)
+        yield sse_error(api_error.body())
         return
     if builder.all_finished:
         yield SSE_DONE
     else:
         err = ApiError(500, "the generation stream ended before every sample finished", code="internal")
+        _span_error(notes.span, err.status_code, err.message)
         yield sse_error(err.body())
 
 

@@ -28,6 +28,8 @@ ERROR_TYPE_OF_HTTP: dict[int, str] = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable_error",
 }

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uvicorn
 
-from bridge.app import DEFAULT_MODEL_NAME, create_app
+from bridge.app import DEFAULT_MODEL_NAME, MAX_BODY_BYTES, create_app
 
 
 def run(
@@ -15,7 +15,13 @@ def run(
     model_name: str = DEFAULT_MODEL_NAME,
     log_level: str = "info",
     engine_metrics_url: str | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
 ) -> None:
-    """Serve the bridge on host:port until interrupted, talking to grpc_target."""
-    app = create_app(grpc_target, model_name, engine_metrics_url=engine_metrics_url)
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    """Serve the bridge on host:port until interrupted, talking to grpc_target.
+
+    uvicorn's own logging setup is skipped (`log_config=None`): its loggers go through the
+    root handler, which `genserve.telemetry.setup_logging` makes write JSON lines.
+    """
+    app = create_app(grpc_target, model_name, engine_metrics_url=engine_metrics_url,
+                     max_body_bytes=max_body_bytes)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, log_config=None)

@@ -29,6 +29,7 @@ from prometheus_client import start_http_server
 
 from engine.builder import LoadedEngine, build_engine
 from engine.config import EngineConfig
+from genserve.telemetry import setup_logging, setup_tracing
 from genserve.v1 import generate_pb2 as pb
 from genserve.v1 import generate_pb2_grpc as pb_grpc
 from service.auth import Authenticator
@@ -61,6 +62,7 @@ class EngineServer:
         fail_at_step, fail_once_file: fault injection (see `service.faults`).
         max_buffered_events: bound of each request's output buffer.
         build: loads the engine (tests pass one that builds a simulated engine).
+        tracer: OpenTelemetry tracer for request spans (default: the global provider's).
     """
 
     def __init__(self, config: EngineConfig, host: str = "127.0.0.1", port: int = 50051, *,
@@ -68,7 +70,7 @@ class EngineServer:
                  metrics_port: int | None = None, drain_grace_s: float = DRAIN_GRACE_S,
                  fail_at_step: int | None = None, fail_once_file: str | None = None,
                  max_buffered_events: int = MAX_BUFFERED_EVENTS,
-                 build: Builder = build_engine) -> None:
+                 build: Builder = build_engine, tracer=None) -> None:
         self.config = config
         self.host = host
         self.requested_port = port
@@ -81,7 +83,7 @@ class EngineServer:
         self.server = grpc.aio.server()
         self.health = health.aio.HealthServicer()
         self.servicer = GenerateServicer(auth=auth or Authenticator.from_env(),
-                                         max_buffered_events=max_buffered_events)
+                                         max_buffered_events=max_buffered_events, tracer=tracer)
         self.loaded: LoadedEngine | None = None
         self.metrics: EngineMetrics | None = None
         self.port = 0
@@ -263,7 +265,8 @@ def main(argv: list[str] | None = None) -> None:
                              "when firing (env GENSERVE_FAIL_ONCE_FILE)")
     add_engine_args(parser)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    setup_logging(logging.INFO)               # JSON lines (GENSERVE_LOG_FORMAT=text for a terminal)
+    setup_tracing("genserve-engine")          # GENSERVE_OTEL_EXPORTER=off|console|otlp
     fail_at_step, once_file = fault_settings(args.fail_at_step, args.fail_once_file)
     code = asyncio.run(serve(config_from_args(args), args.host, args.port, args.model,
                              metrics_port=args.metrics_port, drain_grace_s=args.drain_grace_s,

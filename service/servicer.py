@@ -11,26 +11,36 @@ Failure and shutdown (issue 4):
   the stream to send them). A client that reads so slowly that the buffer fills has its request
   cancelled in the engine and its stream ended with RESOURCE_EXHAUSTED, so a slow reader costs
   at most that many events of memory here (gRPC's own flow-control window bounds the rest).
+
+Traces and logs: each Generate call is one span ("genserve.v1.GenerateService/Generate"), a child
+of the caller's span when the metadata carries a W3C `traceparent` (the bridge sends one), with
+events queued, admitted, preempted, first_token and finished (`service.tracing` adds the
+scheduler's). Log lines of a call carry its request id; each finished sample logs one line.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
 from collections import deque
 
 import grpc
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from engine.loop import Engine, EngineUnavailable
 from engine.request import FinishReason, Request
 from engine.scheduler import AdmissionRejected
 from engine.step import TokenEvent
 from genserve.v1 import generate_pb2 as pb
+from genserve.telemetry import REQUEST_ID, extract_metadata
 from genserve.v1 import generate_pb2_grpc as pb_grpc
 from service.auth import Authenticator
 from service.metrics import EngineMetrics
 from service.stream import SampleStream
+from service.tracing import SpanTracker
 from service.validation import ValidationError, Validator
 
 log = logging.getLogger(__name__)
@@ -40,6 +50,7 @@ log = logging.getLogger(__name__)
 MAX_BUFFERED_EVENTS = 512
 # Seconds a client should wait before retrying an UNAVAILABLE (engine loading, draining, failed).
 RETRY_AFTER_UNAVAILABLE_S = 1
+GENERATE_SPAN = "genserve.v1.GenerateService/Generate"
 
 
 class StreamFailed(Exception):
@@ -104,6 +115,8 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
         info: the `InfoResponse` to answer `Info` with.
         metrics: counts rejections by code (optional).
         max_buffered_events: bound of each request's output buffer (see the module doc).
+        tracer: OpenTelemetry tracer (default: the global provider's; a no-op unless tracing
+            was set up, see `genserve.telemetry`).
 
     The engine's scheduler thread hands each `TokenEvent` to `loop.call_soon_threadsafe`, so
     token ids reach the request's buffer without the loop ever waiting on this server.
@@ -112,8 +125,10 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
     def __init__(self, engine: Engine | None = None, tokenizer=None, validator: Validator | None = None,
                  auth: Authenticator | None = None, info: pb.InfoResponse | None = None,
                  metrics: EngineMetrics | None = None, *,
-                 max_buffered_events: int = MAX_BUFFERED_EVENTS) -> None:
+                 max_buffered_events: int = MAX_BUFFERED_EVENTS,
+                 tracer: trace.Tracer | None = None) -> None:
         self.auth = auth or Authenticator()
+        self.tracer = tracer or trace.get_tracer("genserve.service")
         self.max_buffered_events = max_buffered_events
         self.draining = False
         self._open: set[EventBuffer] = set()
@@ -131,6 +146,7 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
         self.validator = validator
         self.info = info
         self.metrics = metrics
+        self.spans = SpanTracker(engine)
         self.engine = engine
 
     @property
@@ -153,16 +169,33 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
         return len(self._open)
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
-        api_key = await self._authenticate(context)
+        span = self.tracer.start_span(GENERATE_SPAN, context=extract_metadata(context.invocation_metadata()),
+                                      kind=SpanKind.SERVER)
+        try:
+            async with contextlib.aclosing(self._generate(request, context, span)) as messages:
+                async for msg in messages:
+                    yield msg
+        except asyncio.CancelledError:
+            span.add_event("client_cancelled")
+            raise
+        finally:
+            span.end()
+
+    async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
+                        span: trace.Span):
+        api_key = await self._authenticate(context, span)
         if self.engine is None:
-            await self._unavailable(context, "engine is loading; retry shortly")
+            await self._unavailable(context, "engine is loading; retry shortly", span)
         if self.draining:
-            await self._unavailable(context, "server is draining (shutting down); retry on another replica")
+            await self._unavailable(context, "server is draining (shutting down); retry on another replica", span)
         try:
             valid = self.validator.validate(request)
         except ValidationError as exc:
-            await self._reject(context, "400", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await self._reject(context, "400", grpc.StatusCode.INVALID_ARGUMENT, str(exc), span)
         request_id = request.request_id or f"cmpl-{uuid.uuid4().hex}"
+        REQUEST_ID.set(request_id)
+        span.set_attributes({"genserve.request_id": request_id, "genserve.prompt_tokens": len(valid.prompt_ids),
+                             "genserve.max_tokens": valid.max_tokens, "genserve.n": valid.n})
         loop = asyncio.get_running_loop()
         buffer = EventBuffer(self.max_buffered_events)
         req = Request(
@@ -174,19 +207,25 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
             req.fork(valid.n, sample_seeds(valid.sampling.seed, valid.n))
         if valid.deadline_s is not None:
             req.deadline_s = self.engine.clock() + valid.deadline_s
+        self.spans.track(req, span)
         try:
             self.engine.submit(req)
         except AdmissionRejected as exc:
+            self.spans.untrack(req)
             context.set_trailing_metadata((("retry-after", str(exc.retry_after_s)),))
-            await self._reject(context, "429", grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            await self._reject(context, "429", grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), span)
         except EngineUnavailable as exc:
-            await self._unavailable(context, str(exc))
+            self.spans.untrack(req)
+            await self._unavailable(context, str(exc), span)
         except ValueError as exc:
-            await self._reject(context, "400", grpc.StatusCode.INVALID_ARGUMENT, f"request_id: {exc}")
+            self.spans.untrack(req)
+            await self._reject(context, "400", grpc.StatusCode.INVALID_ARGUMENT, f"request_id: {exc}", span)
+        span.add_event("queued")
 
         self._open.add(buffer)
         self._idle.clear()
         open_samples = valid.n
+        first_token = True
         try:
             yield pb.GenerateResponse(request_id=request_id, started=pb.Started(
                 request_id=request_id, prompt_tokens=len(valid.prompt_ids)))
@@ -196,9 +235,13 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
                 try:
                     ev = await buffer.get()
                 except StreamFailed as exc:
-                    await self._abort(context, exc.code, exc.message)
+                    await self._abort(context, exc.code, exc.message, span)
                 if ev.finish_reason == FinishReason.ERROR:
-                    await self._abort(context, grpc.StatusCode.UNAVAILABLE, ev.finish_detail)
+                    log.error("request %s: %s", request_id, ev.finish_detail)
+                    await self._abort(context, grpc.StatusCode.UNAVAILABLE, ev.finish_detail, span)
+                if first_token and ev.token_id is not None:
+                    first_token = False
+                    span.add_event("first_token", {"genserve.index": ev.index})
                 out = streams[ev.index].on_event(ev)
                 if out.stop_engine:
                     self.engine.stop_sample(request_id, ev.index)
@@ -207,8 +250,10 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
                         yield pb.GenerateResponse(request_id=request_id, token=msg)
                     else:
                         open_samples -= 1
+                        self._finished(span, request_id, msg)
                         yield pb.GenerateResponse(request_id=request_id, finished=msg)
         finally:
+            self.spans.untrack(req)
             self._open.discard(buffer)
             if not self._open:
                 self._idle.set()
@@ -216,6 +261,20 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
                 # The client went away (disconnect or cancelled call), or the stream failed:
                 # stop spending device time.
                 self.engine.cancel(request_id)
+
+    @staticmethod
+    def _finished(span: trace.Span, request_id: str, msg: pb.Finished) -> None:
+        """One sample ended: a span event and one log line."""
+        reason = pb.FinishReason.Name(msg.reason).removeprefix("FINISH_REASON_").lower()
+        fields = {"index": msg.index, "finish_reason": reason, "detail": msg.detail,
+                  "prompt_tokens": msg.usage.prompt_tokens, "completion_tokens": msg.usage.completion_tokens,
+                  "queue_ms": round(msg.timing.queue_ms, 2), "ttft_ms": round(msg.timing.ttft_ms, 2),
+                  "e2e_ms": round(msg.timing.e2e_ms, 2)}
+        span.add_event("finished", {f"genserve.{k}": v for k, v in fields.items()})
+        span_context = span.get_span_context()
+        if span_context.is_valid:
+            fields["trace_id"] = format(span_context.trace_id, "032x")
+        log.info("request finished", extra={"request_id": request_id, **fields})
 
     def _deliver(self, request_id: str, buffer: EventBuffer, ev: TokenEvent) -> None:
         """On the event loop: queue `ev`, or cancel the request when its buffer is full."""
@@ -230,6 +289,7 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
 
     async def Cancel(self, request: pb.CancelRequest, context: grpc.aio.ServicerContext):
         api_key = await self._authenticate(context)
+        REQUEST_ID.set(request.request_id)
         if self.engine is None:
             await self._unavailable(context, "engine is loading; retry shortly")
         if not self.engine.cancel(request.request_id, api_key=api_key):
@@ -241,27 +301,32 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
             await self._abort(context, grpc.StatusCode.UNAVAILABLE, "engine is loading; retry shortly")
         return self.info
 
-    async def _authenticate(self, context: grpc.aio.ServicerContext) -> str:
+    async def _authenticate(self, context: grpc.aio.ServicerContext, span: trace.Span | None = None) -> str:
         metadata = dict(context.invocation_metadata() or ())
         key = self.auth.api_key(metadata.get("authorization"))
         if key is None:
             await self._reject(context, "401", grpc.StatusCode.UNAUTHENTICATED,
-                               "authorization: missing or unknown API key")
+                               "authorization: missing or unknown API key", span)
         return key
 
     async def _reject(self, context: grpc.aio.ServicerContext, code: str,
-                      status: grpc.StatusCode, message: str) -> None:
+                      status: grpc.StatusCode, message: str, span: trace.Span | None = None) -> None:
         """Count the rejection under its HTTP-equivalent code and end the call (raises)."""
         if self.metrics is not None:
             self.metrics.rejected.labels(code).inc()
-        await self._abort(context, status, message)
+        await self._abort(context, status, message, span)
 
-    async def _unavailable(self, context: grpc.aio.ServicerContext, message: str) -> None:
-        await self._reject(context, "503", grpc.StatusCode.UNAVAILABLE, message)
+    async def _unavailable(self, context: grpc.aio.ServicerContext, message: str,
+                           span: trace.Span | None = None) -> None:
+        await self._reject(context, "503", grpc.StatusCode.UNAVAILABLE, message, span)
 
     @staticmethod
-    async def _abort(context: grpc.aio.ServicerContext, status: grpc.StatusCode, message: str) -> None:
+    async def _abort(context: grpc.aio.ServicerContext, status: grpc.StatusCode, message: str,
+                     span: trace.Span | None = None) -> None:
         """End the call with `status` (raises); UNAVAILABLE carries `retry-after`."""
+        if span is not None:
+            span.set_attribute("rpc.grpc.status_code", status.value[0])
+            span.set_status(Status(StatusCode.ERROR, f"{status.name}: {message}"))
         if status == grpc.StatusCode.UNAVAILABLE:
             context.set_trailing_metadata((("retry-after", str(RETRY_AFTER_UNAVAILABLE_S)),))
         await context.abort(status, message)
