@@ -6,4 +6,7 @@
 * `loadgen.clients`: async REST+SSE and gRPC clients and the open-loop runner (localhost only).
 * `loadgen.sim`: the real scheduler and engine loop over `SimExecutor` in virtual time.
 * `loadgen.cli`: `genserve-loadgen run|sim` (also `python -m loadgen`).
+* `loadgen.report`: `python -m loadgen.report --out docs/benchmarks`, the scheduler comparison.
+* `loadgen.calibrate`: `python -m loadgen.calibrate --out docs/benchmarks`, the simulator fitted to
+  this machine and checked against the live server.
 """

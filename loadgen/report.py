@@ -476,14 +476,25 @@ def markdown(results, summary, meta, images) -> str:
     cal = meta.get("calibration")
     L += ["## 6. Calibration on this machine", ""]
     if cal:
+        lp = cal.get("live_path") or {}
         L += [f"From [calibration.md](calibration.md) (`{cal.get('command', 'python -m loadgen.calibrate')}`, "
-              f"run {cal.get('date', '?')}): the simulator with the cost model fitted on this machine's "
-              "SmolLM2-135M step times against the live server at the same rates and workload:", "",
-              "| rate | metric | live | simulated | error |", "|---:|---|---:|---:|---:|"]
+              f"run {cal.get('date', '?')}): the simulator with the cost model fitted to this machine's "
+              "SmolLM2-135M step times, against the live server (REST+SSE) at the same rates and workload. "
+              f"*+ live path*: every step × {lp.get('step_slowdown', 1.0):.2f} and "
+              f"{lp.get('submit_delay_ms', 0.0):.0f} ms of request path, both fitted at the lowest rate "
+              "(marked *fit*), checked at the others.", "",
+              "| rate | metric | live | sim, engine only | error | sim + live path | error |",
+              "|---:|---|---:|---:|---:|---:|---:|"]
+        e = lambda x: "–" if x is None else f"{100 * x:+.1f} %"  # noqa: E731
         for row in cal.get("comparison", []):
-            L.append(f"| {row['rate']:g} | {row['metric']} | {_f(row['live_ms'], 1)} ms | {_f(row['sim_ms'], 1)} ms "
-                     f"| {row['error'] * 100:+.1f} % |")
-        L += ["", f"Largest error: {cal.get('max_abs_error', 0) * 100:.1f} % (target 20 %)."]
+            fit = " (fit)" if row.get("fit_rate") else ""
+            L.append(f"| {row['rate']:g}{fit} | {row['metric']} | {_f(row['live_ms'], 1)} ms "
+                     f"| {_f(row['sim_ms'], 1)} ms | {e(row['error'])} | {_f(row.get('sim_live_path_ms'), 1)} ms "
+                     f"| {e(row.get('error_live_path'))} |")
+        L += ["", f"Largest |error| at the validation rates: {100 * (cal.get('max_abs_error') or 0):.1f} % "
+                  f"(target 20 %); engine only, all rates: {100 * (cal.get('max_abs_error_engine_only') or 0):.1f} %. "
+                  f"Live goodput on this machine at its scaled SLOs: {_rps(cal.get('live_goodput_rps'))} "
+                  "(of the rates tested)."]
     else:
         L += ["Not run yet: `python -m loadgen.calibrate --out docs/benchmarks`."]
     L += ["", "## Caveats", "",

@@ -217,7 +217,7 @@ class _Tracker:
 
 def simulate(items: Sequence[WorkItem], config: EngineConfig | None = None,
              executor: SimExecutor | None = None, *, max_retries: int = 0,
-             time_limit_s: float | None = None, request_prefix: str = "sim-",
+             time_limit_s: float | None = None, request_prefix: str = "sim-", submit_delay_s: float = 0.0,
              progress: Callable[[int], None] | None = None) -> SimResult:
     """Run `items` through the real engine in virtual time.
 
@@ -229,6 +229,9 @@ def simulate(items: Sequence[WorkItem], config: EngineConfig | None = None,
         time_limit_s: stop at this virtual time; requests still open get status 0, "unfinished".
             A static batch that no later arrival can fill also ends the run that way.
         request_prefix: prefix of the engine request ids.
+        submit_delay_s: the request path's latency (client → bridge → tokenizer → engine): each
+            request reaches the engine this long after its arrival; its TTFT still counts from
+            the arrival. 0 models the engine alone.
         progress: called with the number of requests that just reached their outcome.
     Returns:
         A SimResult whose records are in `items` order.
@@ -255,7 +258,7 @@ def simulate(items: Sequence[WorkItem], config: EngineConfig | None = None,
     engine.step_listeners.append(on_step)
     records = [RequestRecord(f"{request_prefix}{it.index}", it.api_key, it.arrival_s, it.prompt_tokens,
                              it.output_tokens) for it in items]
-    pending = [(it.arrival_s, i, 0) for i, it in enumerate(items)]
+    pending = [(it.arrival_s + submit_delay_s, i, 0) for i, it in enumerate(items)]
     heapq.heapify(pending)
     open_trackers: list[_Tracker] = []
     wall0 = time.perf_counter()

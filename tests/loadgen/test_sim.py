@@ -144,3 +144,10 @@ def test_batching_modes_in_virtual_time():
     assert sum(1 for s in out["continuous_unchunked"].steps if s.num_prefill_tokens) <= len(items)
     assert max(s.num_prefill_tokens for s in out["continuous_unchunked"].steps) >= max(
         it.prompt_tokens for it in items)
+
+
+def test_submit_delay_moves_the_engine_arrival_but_not_the_clients():
+    alone = simulate([WorkItem(0, 5.0, "k", 600, 10)], submit_delay_s=0.040)
+    r = alone.records[0]
+    assert r.ttft_s == pytest.approx(0.040 + 0.060)           # path latency + 600 × 0.1 ms prefill
+    assert r.tpot_s == pytest.approx(0.025) and r.queue_s == pytest.approx(0.0)

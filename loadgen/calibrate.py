@@ -1,0 +1,503 @@
+"""Calibrate the simulator on this machine and check it against the live server, in one command.
+
+    .venv/bin/python -m loadgen.calibrate --out docs/benchmarks
+
+1. **Measure** the embedded model's step times (SmolLM2-135M, the server's own `EngineConfig`
+   defaults) in this process: `engine.builder.build_engine` and `Engine.step_listeners`, on a grid
+   of decode rows (1..32) × prefill tokens (0..512) × context (short, long). A sample is one whole
+   engine pass (schedule → forward → sample → update), timed around `Engine.step()`, which is what
+   separates two tokens of a stream on the server; the listener gives the plan it ran.
+2. **Fit** `SimExecutor`'s cost model to them (least squares on relative error; a negative term is
+   dropped and the rest refitted) and save it: `cost_model_cpu.json` (the fields alone, for
+   `genserve-loadgen sim --cost-model`) and `calibration.json` (fields, fit quality, samples,
+   comparison).
+3. **Compare**: start `genserve serve` on free localhost ports, send the same open-loop workload
+   (the design mix scaled down by `--scale`, Poisson) at rates set to fractions of the capacity the
+   fitted model predicts, through `loadgen`'s REST+SSE client, stop the server, and simulate the
+   same items with the fitted model on the live server's pool size. The error of each p50/p95 of
+   TTFT and TPOT is simulated / live − 1 (target: within ±20 %).
+
+Measuring and comparing in one run matters: the CPU is shared, and another change to the model's
+speed moves both. The live server's goodput at these rates is reported against CPU-scaled SLOs
+(the design's ratios: TPOT target = 70/40 × a 32-row decode step; TTFT target = 3/2.1 × the
+chunked prefill of the longest prompt beside 32 decoding rows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import pathlib
+import platform
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from loadgen import stats as st
+from loadgen.workload import LengthMix, WorkItem, arrival_times, synthetic_workload
+
+GRID_ROWS = (1, 4, 16, 32)
+GRID_PREFILL = (0, 64, 256, 512)
+GRID_CONTEXT = (32, 256)
+FEATURES = ("step_base_ms", "decode_1_ms", "decode_slope_ms", "prefill_ms_per_token",
+            "decode_ms_per_context_token", "prefill_ms_per_kpair")
+RATE_FRACTIONS = (0.1, 0.2, 0.35)
+QUEUE_BUDGET_S = 60.0          # no 429s in the comparison: both sides queue everything
+START_TIMEOUT_S = 300.0
+
+
+# -- 1. measure ---------------------------------------------------------------------------------
+def _prompt(n: int, salt: int) -> list[int]:
+    return [1000 + (salt * 7919 + 31 * j) % 20000 for j in range(n)]
+
+
+def measure_grid(rows: Sequence[int] = GRID_ROWS, prefill: Sequence[int] = GRID_PREFILL,
+                 contexts: Sequence[int] = GRID_CONTEXT, reps: int = 3,
+                 progress: bool = True) -> tuple[list[dict[str, float]], dict[str, Any]]:
+    """Step samples of the real model: [{rows, prefill, context, pairs, ms}], and engine facts."""
+    from engine.builder import build_engine
+    from engine.config import EngineConfig
+    from engine.executor import SimExecutor
+    from engine.request import Request, SamplingParams
+
+    # The server's defaults, except a row cap above 32 so a probe can join 32 decoding rows.
+    loaded = build_engine(EngineConfig(queue_budget_s=1e6, max_rows=64), calibrate=False)
+    engine = loaded.engine
+    greedy = SamplingParams(temperature=0.0, ignore_eos=True)
+    last: list = []
+    engine.step_listeners.append(lambda plan, ev, s: last.append(plan))
+    samples: list[dict[str, float]] = []
+    ids = iter(range(10**9))
+
+    def step(record: bool = True) -> None:
+        last.clear()
+        t0 = time.perf_counter()
+        engine.step()
+        ms = (time.perf_counter() - t0) * 1000.0
+        plan = last[-1] if last else None
+        if record and plan is not None and not plan.empty:
+            b, c, k, p = SimExecutor.plan_features(plan)
+            samples.append({"rows": b, "prefill": c, "context": k, "pairs": p, "ms": ms})
+
+    def submit(n: int, max_tokens: int) -> Request:
+        i = next(ids)
+        req = Request(f"cal-{i}", "cal", _prompt(n, i), max_tokens, greedy, 0.0, 0.0)
+        engine.submit(req)
+        return req
+
+    # Warm-up: first passes allocate and pick kernels.
+    for n in (16, 300):
+        submit(n, 4)
+    while engine.scheduler.has_work:
+        step(record=False)
+    total = len(contexts) * len(rows)
+    done = 0
+    for ctx in contexts:
+        for b in rows:
+            background = [submit(ctx, 1000) for _ in range(b)]
+            while any(r.num_computed < r.num_prompt for r in background):
+                step()                                    # prefill samples of many sizes
+            for c in prefill:
+                for _ in range(reps):
+                    if c:
+                        probe = submit(c, 1)
+                        while not probe.finished:
+                            step()
+                    else:
+                        step()
+            for r in background:
+                engine.cancel(r.request_id)
+            while engine.scheduler.has_work:
+                step(record=False)
+            done += 1
+            if progress:
+                print(f"  grid {done}/{total}: context {ctx}, {b} rows, {len(samples)} samples",
+                      file=sys.stderr, flush=True)
+    engine.pool.check_all_free()
+    facts = {"num_blocks": engine.pool.num_blocks, "vocab_size": loaded.args.vocab_size,
+             "eos_token_id": loaded.tokenizer.eos_token_id, "threads": int(__import__("torch").get_num_threads())}
+    return samples, facts
+
+
+# -- 2. fit -------------------------------------------------------------------------------------
+def _design_matrix(samples: Sequence[dict[str, float]]) -> np.ndarray:
+    b = np.array([s["rows"] for s in samples], dtype=np.float64)
+    has = (b > 0).astype(np.float64)
+    return np.column_stack([np.ones_like(b), has, b - has,
+                            [s["prefill"] for s in samples], [s["context"] for s in samples],
+                            [s["pairs"] / 1000.0 for s in samples]])
+
+
+def fit_cost_model(samples: Sequence[dict[str, float]]) -> tuple[dict[str, float], dict[str, Any]]:
+    """SimExecutor fields fitted to `samples`, and the fit's quality.
+
+    Least squares on relative error (each row divided by its measured time), so short decode steps
+    weigh as much as long prefill steps. A term that comes out negative is fixed at 0 and the others
+    refitted, until none is. The CPU is shared: steps slowed by someone else's work (relative error
+    above 3 × the median) are left out of a second fit and counted.
+    """
+    X = _design_matrix(samples)
+    y = np.array([s["ms"] for s in samples], dtype=np.float64)
+    keep = np.ones(len(y), dtype=bool)
+    for _ in range(2):
+        coef, active = _nnls_rel(X[keep], y[keep])
+        rel = (X @ coef) / y - 1.0
+        keep = np.abs(rel) <= max(3.0 * np.median(np.abs(rel)), 0.05)
+    base, d1, slope, p, kd, kp = coef
+    fields = {"step_base_ms": base, "decode_1_ms": d1, "decode_32_ms": d1 + 31.0 * slope,
+              "prefill_ms_per_token": p, "decode_ms_per_context_token": kd, "prefill_ms_per_kpair": kp}
+    pred = X @ coef
+    rel = pred / y - 1.0
+    quality = {"num_samples": len(samples), "median_abs_rel_error": float(np.median(np.abs(rel))),
+               "p95_abs_rel_error": float(np.percentile(np.abs(rel), 95)),
+               "r2": float(1.0 - ((y - pred) ** 2).sum() / ((y - y.mean()) ** 2).sum()),
+               "num_outliers": int((~keep).sum()),
+               "dropped_terms": [FEATURES[i] for i in range(len(FEATURES)) if i not in active]}
+    return {k: float(v) for k, v in fields.items()}, quality
+
+
+def _nnls_rel(X: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, list[int]]:
+    w = 1.0 / y
+    active = list(range(X.shape[1]))
+    while True:
+        coef = np.zeros(X.shape[1])
+        sol, *_ = np.linalg.lstsq(X[:, active] * w[:, None], y * w, rcond=None)
+        coef[active] = sol
+        neg = [i for i in active if coef[i] < 0]
+        if not neg:
+            return coef, active
+        active.remove(min(neg, key=lambda i: coef[i]))
+
+
+# -- 3. compare ---------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    """`genserve serve` on free localhost ports, started and stopped by this process."""
+
+    def __init__(self, queue_budget_s: float = QUEUE_BUDGET_S) -> None:
+        self.port, self.grpc_port, self.metrics_port = _free_port(), _free_port(), _free_port()
+        exe = pathlib.Path(sys.executable).with_name("genserve")
+        cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "genserve.cli"]
+        self.argv = cmd + ["serve", "--port", str(self.port), "--grpc-port", str(self.grpc_port),
+                           "--metrics-port", str(self.metrics_port), "--queue-budget-s", f"{queue_budget_s:g}"]
+        self.proc: subprocess.Popen | None = None
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> "LiveServer":
+        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        tail: list[str] = []
+        while True:
+            line = self.proc.stdout.readline()
+            tail = (tail + [line])[-40:]
+            if "genserve ready" in line:
+                break
+            if not line or self.proc.poll() is not None or time.monotonic() > deadline:
+                self.__exit__(None, None, None)
+                raise RuntimeError("genserve did not start:\n" + "".join(tail))
+        threading.Thread(target=lambda: [None for _ in self.proc.stdout], daemon=True).start()
+        return self
+
+    def metrics(self) -> dict[str, float]:
+        import httpx
+        from prometheus_client.parser import text_string_to_metric_families
+
+        out = {}
+        for fam in text_string_to_metric_families(httpx.get(f"{self.url}/metrics", timeout=10).text):
+            for s in fam.samples:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+                out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+        return out
+
+    def wait_idle(self, timeout_s: float = 120.0) -> dict[str, float]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            m = self.metrics()
+            if m.get("genserve_running_rows", 0) == 0 and m.get("genserve_queue_depth", 0) == 0:
+                return m
+            if time.monotonic() > deadline:
+                raise RuntimeError("the live server did not go idle")
+            time.sleep(0.2)
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()             # the supervisor stops engine and bridge
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def capacity_rps(fields: dict[str, float], mix: LengthMix, rows: int = 32) -> float:
+    """Requests/s the fitted model serves when full: 1 / (device time of an average request with
+    `rows` rows sharing each decode step; the design card's 2 requests/s for its own numbers)."""
+    from engine.executor import SimExecutor
+
+    sim = SimExecutor(**fields)
+    ctx = mix.prompt_mean + mix.output_mean / 2
+    per_token = sim.step_seconds(rows, 0, decode_context=int(rows * ctx)) / rows
+    prefill = mix.prompt_mean * fields["prefill_ms_per_token"] / 1000.0 + fields["step_base_ms"] / 1000.0
+    return 1.0 / (prefill + mix.output_mean * per_token)
+
+
+def cpu_slo_ms(fields: dict[str, float], mix: LengthMix) -> tuple[float, float]:
+    """(TTFT, TPOT) targets for this machine, scaled from the design's 3 s / 70 ms (see the docstring)."""
+    from engine.executor import SimExecutor
+
+    sim = SimExecutor(**fields)
+    ctx = int(mix.prompt_mean + mix.output_mean / 2)
+    step32 = sim.step_seconds(32, 0, decode_context=32 * ctx) * 1000.0
+    chunks = -(-mix.prompt_max // 256)
+    prefill = sum(sim.step_seconds(32, 256, 32 * ctx, 256 * (256 * i) + 256 * 257 // 2) for i in range(chunks))
+    return 3.0 / 2.1 * prefill * 1000.0, 70.0 / 40.0 * step32
+
+
+def _round_rate(r: float) -> float:
+    return float(f"{r:.2g}")
+
+
+def compare(fields: dict[str, float], facts: dict[str, Any], *, scale: float, rates: Sequence[float],
+            duration_s: float, seed: int, slo: tuple[float, float], progress: bool = True) -> dict[str, Any]:
+    """Live runs at `rates` (one server), then the same items in the simulator; errors per metric."""
+    from engine.executor import SimExecutor
+    from loadgen.clients import RestClient, run_open_loop
+    from loadgen.sim import design_config, simulate
+
+    mix = LengthMix.design(scale)
+    workloads = {r: synthetic_workload(arrival_times(r, duration_s=duration_s, seed=seed), mix, seed=seed)
+                 for r in rates}
+    live: dict[float, list[st.RequestRecord]] = {}
+    with LiveServer() as server:
+        warm = synthetic_workload([0.5 * i for i in range(8)], mix, seed=seed + 1)
+
+        async def warm_up() -> None:        # first requests through bridge and engine pay set-up costs
+            client = RestClient(server.url, timeout_s=600.0, seed=seed, prompt_seed=seed + 1)
+            try:
+                await run_open_loop(warm, client, drain_timeout_s=300.0, request_prefix="cal-warm-")
+            finally:
+                await client.aclose()
+
+        asyncio.run(warm_up())
+        before = server.wait_idle()
+        num_blocks = int(next(before[k] for k in ("genserve_kv_blocks_total", "genserve_kv_blocks_capacity")
+                              if k in before))
+        for r in rates:
+            items = workloads[r]
+            if progress:
+                print(f"  live: {len(items)} requests at {r:g} req/s", file=sys.stderr, flush=True)
+
+            async def go(items: list[WorkItem] = items) -> list[st.RequestRecord]:
+                client = RestClient(server.url, timeout_s=600.0, seed=seed, prompt_seed=seed)
+                try:
+                    return await run_open_loop(items, client, drain_timeout_s=300.0, request_prefix=f"cal{r:g}-")
+                finally:
+                    await client.aclose()
+
+            live[r] = asyncio.run(go())
+            server.wait_idle()
+    config = design_config(num_blocks=num_blocks, queue_budget_s=QUEUE_BUDGET_S)
+
+    def sim_run(r: float, f: dict[str, float], delay_s: float = 0.0) -> dict[str, Any]:
+        sim = SimExecutor(**f, vocab_size=facts["vocab_size"], eos_token_id=facts["eos_token_id"])
+        res = simulate(workloads[r], config, sim, submit_delay_s=delay_s)
+        return st.summarize(res.records, rate=r, ttft_ms=slo[0], tpot_ms=slo[1])
+
+    # Two live-path terms, fitted on the lowest rate only (the others validate them): the engine's
+    # step slowdown beside the bridge and the client on the same cores (live / simulated TPOT p50),
+    # and the request path's latency (live − simulated TTFT p50 once steps are scaled).
+    r0 = rates[0]
+    live0 = st.summarize(live[r0], rate=r0, ttft_ms=slo[0], tpot_ms=slo[1])
+    raw0 = sim_run(r0, fields)
+    slowdown = (live0["tpot_ms"]["p50"] / raw0["tpot_ms"]["p50"]
+                if live0["tpot_ms"]["p50"] and raw0["tpot_ms"]["p50"] else 1.0)
+    scaled = {k: v * slowdown for k, v in fields.items()}
+    delay_ms = max(0.0, (live0["ttft_ms"]["p50"] or 0.0) - (sim_run(r0, scaled)["ttft_ms"]["p50"] or 0.0))
+    rows, runs = [], []
+    for r in rates:
+        ls = st.summarize(live[r], rate=r, ttft_ms=slo[0], tpot_ms=slo[1])
+        raw = sim_run(r, fields)
+        cal = sim_run(r, scaled, delay_ms / 1000.0)
+        runs.append({"rate": r, "live": ls, "sim": raw, "sim_live_path": cal})
+        for metric in ("ttft_ms", "tpot_ms"):
+            for q in ("p50", "p95"):
+                lv, sv, cv = ls[metric][q], raw[metric][q], cal[metric][q]
+                rows.append({"rate": r, "metric": f"{metric[:-3].upper()} {q}", "live_ms": lv, "sim_ms": sv,
+                             "error": (sv / lv - 1.0) if lv and sv is not None else None,
+                             "sim_live_path_ms": cv,
+                             "error_live_path": (cv / lv - 1.0) if lv and cv is not None else None,
+                             "fit_rate": r == r0})
+    raw_err = [abs(x["error"]) for x in rows if x["error"] is not None]
+    val_err = [abs(x["error_live_path"]) for x in rows if x["error_live_path"] is not None and not x["fit_rate"]]
+    return {"comparison": rows, "runs": runs, "num_blocks": num_blocks,
+            "live_path": {"step_slowdown": slowdown, "submit_delay_ms": delay_ms, "fit_rate": r0},
+            "max_abs_error_engine_only": max(raw_err) if raw_err else None,
+            "max_abs_error": max(val_err) if val_err else None,
+            "mean_abs_error": float(np.mean(val_err)) if val_err else None,
+            "live_goodput_rps": st.goodput((x["rate"], x["live"]["slo"]["attainment"]) for x in runs),
+            "sim_goodput_rps": st.goodput((x["rate"], x["sim_live_path"]["slo"]["attainment"]) for x in runs)}
+
+
+# -- report -------------------------------------------------------------------------------------
+def plot_fit(samples, fields, out: pathlib.Path) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from engine.executor import SimExecutor
+
+    sim = SimExecutor(**fields)
+    y = np.array([s["ms"] for s in samples])
+    pred = np.array([sim.step_seconds(s["rows"], s["prefill"], s["context"], s["pairs"]) * 1000 for s in samples])
+    rows = np.array([s["rows"] for s in samples])
+    fig, ax = plt.subplots(figsize=(5.6, 5))
+    sc = ax.scatter(y, pred, c=np.log2(np.maximum(rows, 0.5)), cmap="viridis", s=12)
+    lim = [min(y.min(), pred.min()) * 0.9, max(y.max(), pred.max()) * 1.1]
+    ax.plot(lim, lim, color="grey", lw=1)
+    ax.set(xscale="log", yscale="log", xlim=lim, ylim=lim, xlabel="measured step, ms", ylabel="fitted model, ms",
+           title="SimExecutor fit to this machine's steps")
+    fig.colorbar(sc, label="log2 decode rows")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "calibration_fit.png", dpi=110)
+    plt.close(fig)
+    return "calibration_fit.png"
+
+
+def markdown(cal: dict[str, Any]) -> str:
+    f, q, cmp_, s = cal["sim_executor"], cal["fit"], cal["compare"], cal["summary"]
+    lp = cmp_["live_path"]
+    _f = st._f
+    L = ["# Simulator calibration on this machine", "",
+         "Regenerate (≈ 10 minutes; it starts and stops its own `genserve serve` on free localhost ports):", "",
+         "```", s["command"], "```", "",
+         f"Last run {s['date']} on {cal['machine']['cpus']} CPU(s) ({cal['machine']['platform']}), torch threads "
+         f"{cal['machine']['threads']}, model SmolLM2-135M (bf16), KV pool {cmp_['num_blocks']:,} blocks. "
+         "The CPU is shared with other work, so numbers move between runs; measuring and comparing happen in "
+         "the same run.", "",
+         "## Fitted cost model", "",
+         f"`{cal['files']['cost_model']}` (load with `SimExecutor.from_json` or "
+         f"`genserve-loadgen sim --cost-model {cal['files']['cost_model']}`):", "",
+         "| field | this machine | design card (7B, 80 GB GPU) |", "|---|---:|---:|"]
+    design = {"step_base_ms": 0.0, "decode_1_ms": 25.0, "decode_32_ms": 40.0, "prefill_ms_per_token": 0.1,
+              "decode_ms_per_context_token": 0.0, "prefill_ms_per_kpair": 0.0}
+    for k, v in f.items():
+        L.append(f"| {k} | {v:.5g} | {design[k]:g} |")
+    L += ["", f"Fit over {q['num_samples']} measured steps (rows {', '.join(map(str, GRID_ROWS))} × prefill "
+              f"{', '.join(map(str, GRID_PREFILL))} tokens × context {', '.join(map(str, GRID_CONTEXT))}, plus "
+              f"the prefills that built them): median |error| {100 * q['median_abs_rel_error']:.1f} %, p95 "
+              f"{100 * q['p95_abs_rel_error']:.1f} %, R² {q['r2']:.3f}"
+              + (f"; terms fixed at 0 (fitted negative): {', '.join(q['dropped_terms'])}" if q["dropped_terms"] else "")
+              + f"; {q['num_outliers']} steps slowed by other work on the shared CPU (|error| over 3 × the "
+                "median) left out of the final fit"
+              + ".", "", "![measured against fitted step times](calibration_fit.png)", "",
+          "## Simulator against the live server", "",
+          f"Workload: the design's length mix scaled by {s['scale']:g} (prompts "
+          f"{s['mix']['prompt_min']}..{s['mix']['prompt_max']} tokens, mean ≈ {s['mix']['prompt_mean']:.0f}; answers "
+          f"{s['mix']['output_min']}..{s['mix']['output_max']}, mean ≈ {s['mix']['output_mean']:.0f}), Poisson arrivals "
+          f"for {s['duration_s']:g} s per rate, seed {s['seed']}, REST+SSE through the bridge. Rates are "
+          f"{', '.join(f'{int(100 * x)} %' for x in s['rate_fractions'])} of the capacity the fitted model predicts "
+          f"({s['capacity_rps']:.2f} requests/s). Error = simulated / live − 1.", "",
+          "Two columns of simulation: *engine only* is the fitted cost model as is; *+ live path* adds two "
+          f"terms fitted on the lowest rate ({lp['fit_rate']:g} requests/s) and checked on the others: every step "
+          f"× {lp['step_slowdown']:.3f} (the engine shares the cores with the bridge, SSE and the client) and "
+          f"{lp['submit_delay_ms']:.1f} ms of request path before the engine sees a request (HTTP, bridge, "
+          "tokenizer, gRPC).", "",
+          "| rate | metric | live | sim, engine only | error | sim + live path | error |",
+          "|---:|---|---:|---:|---:|---:|---:|"]
+    for row in cmp_["comparison"]:
+        e = lambda x: "–" if x is None else f"{100 * x:+.1f} %"  # noqa: E731
+        fit = " (fit)" if row["fit_rate"] else ""
+        L.append(f"| {row['rate']:g}{fit} | {row['metric']} | {_f(row['live_ms'], 1)} ms | {_f(row['sim_ms'], 1)} ms "
+                 f"| {e(row['error'])} | {_f(row['sim_live_path_ms'], 1)} ms | {e(row['error_live_path'])} |")
+    ok = s["max_abs_error"] is not None and s["max_abs_error"] <= 0.2
+    L += ["", f"Largest |error| at the validation rates with the live-path terms: "
+              f"**{100 * (s['max_abs_error'] or 0):.1f} %** (mean {100 * (cmp_['mean_abs_error'] or 0):.1f} %; "
+              f"target 20 %: {'met' if ok else 'NOT met'}). Engine only, all rates: "
+              f"{100 * (cmp_['max_abs_error_engine_only'] or 0):.1f} %.", "",
+          "## The live server's goodput on this machine", "",
+          f"SLOs scaled from the design's ratios: TTFT ≤ {s['slo_ttft_ms']:.0f} ms, TPOT ≤ {s['slo_tpot_ms']:.0f} ms. "
+          f"Goodput (≥ 95 % meet both, every lower rate too): live **{_rps(cmp_['live_goodput_rps'])}**, simulated "
+          f"{_rps(cmp_['sim_goodput_rps'])} (of the rates tested).", "",
+          "| rate | side | done / sent | req/s | out tok/s | TTFT p50 / p95 / p99 (ms) | TPOT p50 / p95 / p99 (ms) "
+          "| max gap p95 (ms) | SLO met |", "|---:|---|---:|---:|---:|---|---|---:|---:|"]
+    for run in cmp_["runs"]:
+        for side in ("live", "sim_live_path"):
+            r = run[side]
+            t = lambda k: " / ".join(_f(r[k][x], 1) for x in ("p50", "p95", "p99"))  # noqa: E731
+            L.append(f"| {run['rate']:g} | {side} | {r['num_completed']} / {r['num_requests']} "
+                     f"| {_f(r['throughput_rps'], 2)} | {_f(r['output_tokens_per_s'])} | {t('ttft_ms')} | {t('tpot_ms')} "
+                     f"| {_f(r['max_gap_ms']['p95'])} | {st._pct(r['slo']['attainment'])} |")
+    L += ["", "What is not modelled: the bridge, SSE and the client share the two cores with the engine "
+              "on the live side; the simulator sees only engine passes.", ""]
+    return "\n".join(L)
+
+
+def _rps(x):
+    return "none" if x is None else f"{x:g} req/s"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m loadgen.calibrate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("docs/benchmarks"))
+    parser.add_argument("--scale", type=float, default=0.064, help="length mix scale (0.064: prompts 16..512)")
+    parser.add_argument("--duration", type=float, default=90.0, help="seconds of arrivals per live rate")
+    parser.add_argument("--rates", default=None,
+                        help="requests/s, comma separated (default: fractions of the predicted capacity)")
+    parser.add_argument("--reps", type=int, default=3, help="repeats per grid point")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-progress", dest="progress", action="store_false")
+    args = parser.parse_args(argv)
+    t0 = time.perf_counter()
+    print("measuring step times on the real model ...", file=sys.stderr, flush=True)
+    samples, facts = measure_grid(reps=args.reps, progress=args.progress)
+    fields, quality = fit_cost_model(samples)
+    print(f"fit: {json.dumps({k: round(v, 5) for k, v in fields.items()})}, {quality}", file=sys.stderr, flush=True)
+    mix = LengthMix.design(args.scale)
+    cap = capacity_rps(fields, mix)
+    rates = ([float(x) for x in args.rates.split(",")] if args.rates
+             else [_round_rate(cap * x) for x in RATE_FRACTIONS])
+    slo = cpu_slo_ms(fields, mix)
+    cmp_ = compare(fields, facts, scale=args.scale, rates=rates, duration_s=args.duration, seed=args.seed,
+                   slo=slo, progress=args.progress)
+    args.out.mkdir(parents=True, exist_ok=True)
+    files = {"cost_model": str(args.out / "cost_model_cpu.json"), "calibration": str(args.out / "calibration.json")}
+    command = f"python -m loadgen.calibrate --out {args.out}"
+    summary = {"command": command, "date": datetime.date.today().isoformat(), "scale": args.scale,
+               "duration_s": args.duration, "seed": args.seed, "rates": rates,
+               "rate_fractions": list(RATE_FRACTIONS) if not args.rates else [r / cap for r in rates],
+               "capacity_rps": cap, "slo_ttft_ms": slo[0], "slo_tpot_ms": slo[1],
+               "mix": {"prompt_min": mix.prompt_min, "prompt_max": mix.prompt_max, "prompt_mean": mix.prompt_mean,
+                       "output_min": mix.output_min, "output_max": mix.output_max, "output_mean": mix.output_mean},
+               "comparison": cmp_["comparison"], "max_abs_error": cmp_["max_abs_error"],
+               "max_abs_error_engine_only": cmp_["max_abs_error_engine_only"], "live_path": cmp_["live_path"],
+               "live_goodput_rps": cmp_["live_goodput_rps"], "wall_s": time.perf_counter() - t0}
+    cal = {"sim_executor": fields, "fit": quality, "summary": summary, "compare": cmp_, "files": files,
+           "machine": {"cpus": len(os.sched_getaffinity(0)), "platform": platform.platform(), **facts},
+           "samples": samples}
+    (args.out / "cost_model_cpu.json").write_text(json.dumps(fields, indent=2) + "\n")
+    (args.out / "calibration.json").write_text(st.dumps(cal))
+    plot_fit(samples, fields, args.out)
+    (args.out / "calibration.md").write_text(markdown(cal))
+    print(f"sim vs live: max |error| {100 * (cmp_['max_abs_error'] or 0):.1f} %; wrote {args.out}/calibration.md "
+          f"({summary['wall_s']:.0f} s)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
