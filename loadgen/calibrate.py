@@ -384,7 +384,7 @@ def markdown(cal: dict[str, Any]) -> str:
     lp = cmp_["live_path"]
     _f = st._f
     L = ["# Simulator calibration on this machine", "",
-         "Regenerate (≈ 10 minutes; it starts and stops its own `genserve serve` on free localhost ports):", "",
+         "Regenerate (≈ 10–20 minutes; it starts and stops its own `genserve serve` on free localhost ports):", "",
          "```", s["command"], "```", "",
          f"Last run {s['date']} on {cal['machine']['cpus']} CPU(s) ({cal['machine']['platform']}), torch threads "
          f"{cal['machine']['threads']}, model SmolLM2-135M (bf16), KV pool {cmp_['num_blocks']:,} blocks. "
