@@ -1,0 +1,1 @@
+"""Benchmarks: `python -m benchmarks.engine` measures the machine, the engine and a reference."""

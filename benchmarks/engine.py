@@ -1,0 +1,686 @@
+"""Engine benchmark: this machine's limits, the engine's prefill and decode rates, and
+transformers' static-batch `generate` on the same model, all measured in one run.
+
+Run from the repository root::
+
+    python -m benchmarks.engine [--quick] [--json PATH] [--skip-transformers] [--profile]
+
+Machines are noisy and shared, so absolute figures move between runs; the ratios printed next to
+them are between figures of the same run and are the ones to compare.
+
+What is measured:
+
+* machine: best-of-N 2048³ `torch.matmul` rate in bf16 and fp32 (GFLOP/s), and the bandwidth of a
+  large tensor copy counting bytes read + written (GB/s).
+* prefill: 1,024-token prompts (max_tokens 1) at `prefill_chunk` 256 and 1,024 (and
+  `prefill_chunk_few_rows` set equal, so the budget holds with no decode row); time per step from
+  `Engine.step_listeners` (the executor's time), only steps that carry no decode row.
+* decode: one engine (max_rows 48, prefill budget 1,024) runs 48 requests with 16-token (short) or
+  1,480-token (long: contexts ≈ 1,490–1,560 while counted, the mean is printed) prompts,
+  `SamplingParams(temperature=0, ignore_eos=True)`; after a fixed number of steps at 48
+  rows the newest requests are cancelled down to 32, then 8, then 1 row. Only steps that are pure
+  decode at the phase's row count are counted (`plan.num_decode_rows == rows and
+  plan.num_prefill_tokens == 0`), the first `decode_skip` of each phase are dropped as warm-up;
+  step time is the median listener time and tokens/s = rows / median step time.
+* step breakdown at 32 rows: `Engine.step()` wall time vs time inside `executor.model(...)`, the
+  logits projection and `sample`, and inside the forward the time in `linear`, `paged_attention`
+  and `apply_rope`. Measured by timing wrappers the benchmark installs around the model and those
+  module functions at run time; no engine code changes.
+* end to end: the engine and transformers' `generate` (bf16, greedy, 64 new tokens forced with
+  min_new_tokens) on the same static batches: 1 × 16-token prompts, 32 × 16, 32 × 512; tokens/s =
+  generated tokens / wall time including prefill.
+
+A full run takes ~10 minutes on 2 cores, most of it prefilling the 48 long prompts. Other
+processes on the machine distort the figures far beyond their share of the CPU (torch's threads
+wait for each other at every one of the ~10,000 small ops of a step), so the header prints the
+load average and warns when something else ran.
+
+Model FLOPs (useful work; the duplicated row `engine.model.llama.linear` adds for 1-row inputs is
+not counted)::
+
+    N_blocks = n_layers · (dim·(n_heads + 2·n_kv_heads)·head_dim + n_heads·head_dim·dim + 3·dim·ffn)
+    N_out    = vocab · dim   (the output projection, tied to the embedding in SmolLM2)
+    FLOPs of one token attending L keys = 2·N_blocks + 4·n_layers·n_heads·head_dim·L
+                                          [+ 2·N_out when its logits are computed]
+
+Every decode row computes logits; a prefill chunk computes them only for its last token when it
+ends the prompt. Step FLOPs are summed exactly from each plan's segments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import pathlib
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+import engine.attention as attention_mod
+import engine.executor as executor_mod
+import engine.model.llama as llama_mod
+from engine.block_pool import BlockPool
+from engine.builder import engine_from_weights, set_threads
+from engine.config import EngineConfig
+from engine.loop import Engine
+from engine.model.llama import ModelArgs
+from engine.model.weights import default_gguf_path, load_gguf, open_gguf
+from engine.request import Request, SamplingParams
+from engine.step import StepPlan
+
+GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Sizes:
+    """Problem sizes of one run (`FULL`, or `QUICK` for the smoke test)."""
+
+    gemm_n: int = 2048
+    gemm_repeats: int = 5
+    copy_mib: int = 256
+    copy_repeats: int = 5
+    prefill_prompt: int = 1024
+    prefill_requests: int = 4
+    prefill_chunks: tuple[int, ...] = (256, 1024)
+    decode_phases: tuple[int, ...] = (48, 32, 8, 1)     # rows, in the order they are reached
+    short_prompt: int = 16
+    long_prompt: int = 1480       # contexts ≈ 1,490–1,560 in the counted steps (reported)
+    decode_chunk: int = 1024      # prefill budget per step of the decode sweep
+    decode_steps: int = 16        # counted steps per phase
+    decode_skip: int = 2          # full-row steps dropped at the start of each phase
+    profile_steps: int = 3
+    e2e_new_tokens: int = 64
+    e2e_cases: tuple[tuple[str, int, int], ...] = (
+        ("b1_short", 1, 16), ("b32_short", 32, 16), ("b32_long", 32, 512))
+
+
+FULL = Sizes()
+QUICK = Sizes(gemm_n=256, gemm_repeats=2, copy_mib=16, copy_repeats=2, prefill_prompt=48,
+              prefill_requests=2, short_prompt=16, long_prompt=64, decode_steps=2, decode_skip=1,
+              profile_steps=1, e2e_new_tokens=4,
+              e2e_cases=(("b1_short", 1, 16), ("b32_short", 32, 16), ("b32_long", 32, 48)))
+
+
+# -- report --------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class Report:
+    """Figures by key (what --json writes) and the printed rows, grouped by section."""
+
+    figures: dict[str, float] = field(default_factory=dict)
+    meta: dict[str, object] = field(default_factory=dict)
+    rows: list[tuple[str, str, str, str]] = field(default_factory=list)
+
+    def add(self, key: str, value: float, label: str, unit: str = "", note: str = "") -> float:
+        self.figures[key] = float(value)
+        self.rows.append((key.split(".", 1)[0], label, f"{_fmt(value)} {unit}".rstrip(), note))
+        return float(value)
+
+    def print(self, out=sys.stdout) -> None:
+        width = max(len(r[1]) for r in self.rows) + 2
+        vwidth = max(len(r[2]) for r in self.rows) + 2
+        section = None
+        for sec, label, value, note in self.rows:
+            if sec != section:
+                section = sec
+                print(f"\n== {sec} ==", file=out)
+            print(f"  {label:<{width}}{value:>{vwidth}}   {note}".rstrip(), file=out)
+        out.flush()
+
+
+def _fmt(v: float) -> str:
+    if v == 0 or abs(v) >= 1e4:
+        return f"{v:,.0f}"
+    if abs(v) >= 100:
+        return f"{v:,.1f}"
+    if abs(v) >= 1:
+        return f"{v:.2f}"
+    return f"{v:.3g}"
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# -- machine limits ------------------------------------------------------------------------------
+def _best_s(fn: Callable[[], object], repeats: int) -> float:
+    fn()                                            # warm-up: allocation, kernel choice
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def gemm_gflops(n: int, dtype: torch.dtype, repeats: int) -> float:
+    """Best-of-`repeats` n³ `torch.matmul` rate in GFLOP/s (2·n³ FLOPs per product)."""
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    return 2 * n**3 / _best_s(lambda: torch.matmul(a, b), repeats) / 1e9
+
+
+def copy_gbps(mib: int, repeats: int) -> float:
+    """Best-of-`repeats` bandwidth of `dst.copy_(src)` over `mib` MiB, bytes read + written, GB/s."""
+    src = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * src.element_size() / _best_s(lambda: dst.copy_(src), repeats) / 1e9
+
+
+# -- model FLOPs and bytes -----------------------------------------------------------------------
+def block_params(args: ModelArgs) -> int:
+    """Matrix parameters of the transformer blocks (QKV, O, gate, up, down), all layers."""
+    hd = args.head_dim
+    per_layer = (args.dim * (args.n_heads + 2 * args.n_kv_heads) * hd
+                 + args.n_heads * hd * args.dim + 3 * args.dim * args.intermediate_size)
+    return args.n_layers * per_layer
+
+
+def plan_flops(plan: StepPlan, args: ModelArgs) -> float:
+    """Model FLOPs of one step (module docstring): linear layers, attention over each token's
+    keys (position + 1), and the output projection of every sampling segment."""
+    linear = 2 * block_params(args)
+    attn = 4 * args.n_layers * args.n_heads * args.head_dim
+    out = 2 * args.vocab_size * args.dim
+    total = 0.0
+    for s in plan.segments:
+        keys = (s.start + 1 + s.end) * s.length / 2          # sum of (p + 1), p in [start, end)
+        total += linear * s.length + attn * keys + (out if s.samples else 0)
+    return total
+
+
+def matmul_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every weight matrix a decode step reads: the blocks' QKV, O, gate/up and down,
+    and the output projection (the embedding table is only gathered, a few rows a step)."""
+    return sum(p.numel() * p.element_size() for name, p in model.named_parameters()
+               if p.dim() == 2 and not name.startswith("tok_embeddings"))
+
+
+# -- timing probe --------------------------------------------------------------------------------
+class _TimedModel:
+    """Stands in for `executor.model`: times the forward (`__call__`) and `logits`."""
+
+    def __init__(self, probe: "Probe", model: torch.nn.Module) -> None:
+        self._probe, self._model = probe, model
+
+    def __call__(self, *args, **kwargs):
+        p = self._probe
+        p.in_forward = True
+        t0 = time.perf_counter()
+        try:
+            return self._model(*args, **kwargs)
+        finally:
+            p.acc["forward"] += time.perf_counter() - t0
+            p.in_forward = False
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
+        try:
+            return self._model.logits(hidden)
+        finally:
+            self._probe.acc["logits"] += time.perf_counter() - t0
+
+    def __getattr__(self, name: str):
+        return getattr(self._model, name)
+
+
+class Probe:
+    """Timing wrappers around the model, the sampler and three model-module functions.
+
+    Installed at run time (module attributes and `executor.model` are swapped and restored), so
+    the engine code is measured as it is. Inside a forward it accumulates seconds in `linear`
+    (every matrix product of the blocks), `attention` (`paged_attention`: cache write, decode
+    rows, prefill pieces), `decode_attention` (the batched decode rows, part of `attention`) and
+    `rope`; around it `forward`, `logits` and `sample`.
+    """
+
+    _PATCHES = ((llama_mod, "linear", "linear"), (llama_mod, "paged_attention", "attention"),
+                (attention_mod, "decode_attention", "decode_attention"),
+                (llama_mod, "apply_rope", "rope"))
+
+    def __init__(self, executor) -> None:
+        self.executor = executor
+        self.acc: dict[str, float] = defaultdict(float)
+        self.in_forward = False
+        self._saved: list[tuple[object, str, object]] = []
+
+    def _wrap(self, fn, key: str, forward_only: bool):
+        acc = self.acc
+
+        def timed(*args, **kwargs):
+            if forward_only and not self.in_forward:
+                return fn(*args, **kwargs)
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                acc[key] += time.perf_counter() - t0
+        return timed
+
+    def install(self) -> None:
+        self._saved.append((self.executor, "model", self.executor.model))
+        self.executor.model = _TimedModel(self, self.executor.model)
+        for mod, name, key in self._PATCHES:
+            if not hasattr(mod, name):          # the engine changed: that figure reads 0
+                continue
+            self._saved.append((mod, name, getattr(mod, name)))
+            setattr(mod, name, self._wrap(getattr(mod, name), key, forward_only=True))
+        self._saved.append((executor_mod, "sample", executor_mod.sample))
+        executor_mod.sample = self._wrap(executor_mod.sample, "sample", forward_only=False)
+
+    def uninstall(self) -> None:
+        while self._saved:
+            obj, name, value = self._saved.pop()
+            setattr(obj, name, value)
+
+    def take(self) -> dict[str, float]:
+        out = dict(self.acc)
+        self.acc.clear()
+        return out
+
+
+# -- driving the engine --------------------------------------------------------------------------
+@dataclass(slots=True)
+class StepRecord:
+    """One forward pass: its shape, model FLOPs and times (seconds)."""
+
+    rows: int             # plan.num_decode_rows
+    prefill: int          # plan.num_prefill_tokens
+    flops: float
+    context: float        # mean keys attended by the decode rows
+    step_s: float         # the listener's time: executor.execute
+    wall_s: float         # Engine.step() wall time
+    parts: dict[str, float]
+
+
+class Bench:
+    """The engine under test: one model and KV cache, one `Engine` per configuration."""
+
+    def __init__(self, sizes: Sizes) -> None:
+        self.sizes = sizes
+        # KV blocks for the long decode sweep's 48 requests, above the 5 % admission margin.
+        bs = EngineConfig().block_size
+        long_blocks = -(-(sizes.long_prompt + self.decode_max_tokens(sizes.long_prompt)) // bs)
+        num_blocks = max(1024, math.ceil(max(sizes.decode_phases) * long_blocks / 0.9))
+        path = default_gguf_path()
+        log(f"loading {path.name}")
+        self.args, state = load_gguf(open_gguf(path))
+        base = engine_from_weights(EngineConfig(num_blocks=num_blocks, dtype="bfloat16"),
+                                   self.args, state)
+        del state
+        self.executor = base.executor
+        self.model = base.executor.model
+        self.probe = Probe(self.executor)
+        self.probe.install()
+        self._ids = 0
+
+    def engine(self, **overrides) -> Engine:
+        """A fresh engine (own scheduler and pool) over the shared executor and KV cache."""
+        kv = self.executor.kv
+        cfg = EngineConfig(num_blocks=kv.num_blocks, block_size=kv.block_size, dtype="bfloat16",
+                           queue_budget_s=1e9, default_deadline_s=1e9, **overrides)
+        return Engine(cfg, self.executor, BlockPool(kv.num_blocks, kv.block_size))
+
+    def prompts(self, n: int, length: int) -> list[list[int]]:
+        """`n` distinct deterministic prompts of `length` token ids."""
+        g = torch.Generator().manual_seed(1000 * n + length)
+        hi = min(self.args.vocab_size, 32000)
+        return torch.randint(100, hi, (n, length), generator=g).tolist()
+
+    def submit(self, engine: Engine, prompts: list[list[int]], max_tokens: int) -> list[Request]:
+        reqs = []
+        for p in prompts:
+            self._ids += 1
+            req = Request(f"bench-{self._ids}", "bench", list(p), max_tokens, GREEDY, 0.0, 0.0)
+            engine.submit(req)
+            reqs.append(req)
+        return reqs
+
+    def run(self, engine: Engine, on_record: Callable[[StepRecord], None] | None = None,
+            max_steps: int = 100_000) -> list[StepRecord]:
+        """Step `engine` on this thread until idle, timing every pass that ran a plan."""
+        ran: list[tuple[StepPlan, float]] = []
+        listener = lambda plan, events, s: ran.append((plan, s))  # noqa: E731
+        engine.step_listeners.append(listener)
+        records: list[StepRecord] = []
+        try:
+            for _ in range(max_steps):
+                with engine.lock:
+                    if not engine.scheduler.has_work:
+                        break
+                ran.clear()
+                self.probe.take()
+                t0 = time.perf_counter()
+                engine.step()
+                wall = time.perf_counter() - t0
+                parts = self.probe.take()
+                plans = [(p, s) for p, s in ran if not p.empty]
+                if not plans:
+                    continue
+                plan, step_s = plans[-1]
+                dec = [s.end for s in plan.segments if getattr(s, "decode", s.length == 1)]
+                rec = StepRecord(plan.num_decode_rows, plan.num_prefill_tokens,
+                                 plan_flops(plan, self.args),
+                                 statistics.fmean(dec) if dec else 0.0, step_s, wall, parts)
+                records.append(rec)
+                if on_record is not None:
+                    on_record(rec)
+            else:
+                raise RuntimeError(f"engine still busy after {max_steps} steps")
+        finally:
+            engine.step_listeners.remove(listener)
+        engine.pool.check_all_free()
+        return records
+
+    # -- the measurements ------------------------------------------------------------------------
+    def warm_up(self) -> None:
+        eng = self.engine()
+        self.submit(eng, self.prompts(32, 16), 4)
+        self.submit(eng, self.prompts(1, 256), 1)
+        self.run(eng)
+
+    def prefill(self, chunk: int) -> dict[str, float]:
+        s = self.sizes
+        eng = self.engine(prefill_chunk=chunk, prefill_chunk_few_rows=chunk)
+        self.submit(eng, self.prompts(s.prefill_requests, s.prefill_prompt), 1)
+        recs = [r for r in self.run(eng) if r.rows == 0 and r.prefill > 0]
+        tokens = sum(r.prefill for r in recs)
+        secs = sum(r.step_s for r in recs)
+        flops = sum(r.flops for r in recs)
+        return {"tok_s": tokens / secs, "step_ms": 1000 * secs / len(recs),
+                "flops_per_token": flops / tokens, "gflops": flops / secs / 1e9,
+                "steps": len(recs)}
+
+    def decode_max_tokens(self, prompt_len: int) -> int:
+        """Enough tokens for every request of the sweep to live to the end of its last phase:
+        the early requests decode while the later ones prefill, one chunk a step."""
+        s = self.sizes
+        rows = max(s.decode_phases)
+        prefill_steps = -(-rows * prompt_len // s.decode_chunk) + rows
+        return (prefill_steps + len(s.decode_phases) * (s.decode_skip + s.decode_steps + 2)
+                + s.profile_steps + 16)
+
+    def decode(self, prompt_len: int, profile: bool = False) -> dict[int, list[StepRecord]]:
+        """The decode sweep: rows go 48 → 32 → 8 → 1 by cancelling the newest requests.
+
+        All requests are submitted at once and admitted together (max_rows 48); prefill carries
+        `decode_chunk` prompt tokens a step, and each request decodes from the step after its
+        prompt is done, so contexts in a phase differ by the steps between the first and the
+        last request finishing prefill (the scheduler interleaves prompts; the mean context is
+        reported). Cancelling takes effect at the next step boundary.
+        """
+        s = self.sizes
+        phases = s.decode_phases
+        eng = self.engine(max_rows=max(phases), prefill_chunk=s.decode_chunk,
+                          prefill_chunk_few_rows=s.decode_chunk)
+        max_tokens = self.decode_max_tokens(prompt_len)
+        reqs = self.submit(eng, self.prompts(max(phases), prompt_len), max_tokens)
+        counted: dict[int, list[StepRecord]] = {rows: [] for rows in phases}
+        st = {"phase": 0, "seen": 0, "prof": None, "prof_left": 0}
+
+        def on_record(rec: StepRecord) -> None:
+            if st["prof"] is not None:
+                st["prof_left"] -= 1
+                if st["prof_left"] > 0:
+                    return
+                st["prof"].__exit__(None, None, None)
+                print_profile(st["prof"], prompt_len)
+                st["prof"] = None
+                advance()
+                return
+            if st["phase"] >= len(phases):
+                return
+            rows = phases[st["phase"]]
+            if rec.rows == rows and rec.prefill == 0:
+                st["seen"] += 1
+                if st["seen"] > s.decode_skip:
+                    counted[rows].append(rec)
+            if len(counted[rows]) >= s.decode_steps:
+                if profile and rows == 32:
+                    st["prof"] = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+                    st["prof"].__enter__()
+                    st["prof_left"] = s.profile_steps
+                    return
+                advance()
+
+        def advance() -> None:
+            st["phase"] += 1
+            st["seen"] = 0
+            keep = phases[st["phase"]] if st["phase"] < len(phases) else 0
+            for req in [r for r in reqs if not r.finished][keep:]:
+                eng.cancel(req.request_id)
+
+        self.run(eng, on_record)
+        if st["phase"] < len(phases):
+            raise RuntimeError(f"decode sweep ended in phase {st['phase']} "
+                               f"({ {r: len(v) for r, v in counted.items()} } steps counted)")
+        return counted
+
+    def end_to_end(self, batch: int, prompt_len: int, new_tokens: int) -> float:
+        """Static batch through the default engine (32 rows, chunk 256): generated tokens/s."""
+        eng = self.engine()
+        prompts = self.prompts(batch, prompt_len)
+        t0 = time.perf_counter()
+        reqs = self.submit(eng, prompts, new_tokens)
+        self.run(eng)
+        wall = time.perf_counter() - t0
+        assert all(len(r.generated) == new_tokens for r in reqs)
+        return batch * new_tokens / wall
+
+
+def print_profile(prof, prompt_len: int) -> None:
+    print(f"\n-- torch.profiler: 32-row decode steps, {prompt_len}-token prompts "
+          "(self CPU time, top ops) --", flush=True)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
+
+
+def transformers_tok_s(cases: list[tuple[str, list[list[int]]]], new_tokens: int,
+                       threads: int) -> dict[str, float]:
+    """transformers' greedy static-batch `generate` (bf16, same GGUF): tokens/s per case."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    path = default_gguf_path()
+    log("loading the transformers model")
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                 dtype=torch.bfloat16).eval()
+    torch.set_num_threads(threads)
+    pad = model.config.eos_token_id if model.config.eos_token_id is not None else 0
+
+    def generate(ids: torch.Tensor, n: int) -> float:
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                 max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                 pad_token_id=pad)
+        wall = time.perf_counter() - t0
+        assert out.shape == (ids.shape[0], ids.shape[1] + n), out.shape
+        return wall
+
+    generate(torch.tensor(cases[0][1]), 2)          # warm-up
+    result = {}
+    for name, prompts in cases:
+        log(f"transformers generate {name}: batch {len(prompts)} × {len(prompts[0])} tokens")
+        ids = torch.tensor(prompts)
+        result[name] = len(prompts) * new_tokens / generate(ids, new_tokens)
+    return result
+
+
+# -- the run -------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.engine", description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test, seconds)")
+    ap.add_argument("--json", metavar="PATH", help="also write every figure as JSON to PATH")
+    ap.add_argument("--skip-transformers", action="store_true",
+                    help="do not run transformers' generate for comparison")
+    ap.add_argument("--profile", action="store_true",
+                    help="print a torch.profiler op table of a few 32-row decode steps")
+    opts = ap.parse_args(argv)
+    s = QUICK if opts.quick else FULL
+    rep = Report()
+    threads = set_threads(EngineConfig())
+    rep.meta.update(threads=threads, torch=torch.__version__, quick=opts.quick,
+                    sizes={k: getattr(s, k) for k in s.__slots__})
+    started = time.perf_counter()
+    load_start = os.getloadavg()[0]
+
+    # 1. machine
+    log("machine limits")
+    bf16 = rep.add("machine.gemm_bf16_gflops", gemm_gflops(s.gemm_n, torch.bfloat16, s.gemm_repeats),
+                   f"bf16 GEMM {s.gemm_n}³", "GFLOP/s", f"best of {s.gemm_repeats}, {threads} threads")
+    fp32 = rep.add("machine.gemm_fp32_gflops", gemm_gflops(s.gemm_n, torch.float32, s.gemm_repeats),
+                   f"fp32 GEMM {s.gemm_n}³", "GFLOP/s")
+    rep.add("machine.bf16_over_fp32", bf16 / fp32, "bf16 / fp32 GEMM", "×")
+    bw = rep.add("machine.copy_gbps", copy_gbps(s.copy_mib, s.copy_repeats),
+                 f"copy bandwidth ({s.copy_mib} MiB)", "GB/s", "bytes read + written")
+
+    # 2. engine
+    bench = Bench(s)
+    args = bench.args
+    wbytes = matmul_weight_bytes(bench.model)
+    nb, nout = block_params(args), args.vocab_size * args.dim
+    rep.add("model.block_params", nb, "block matrix params N_blocks", "", "QKV, O, gate, up, down × 30")
+    rep.add("model.output_params", nout, "output projection params N_out", "", "49,152 × 576")
+    rep.add("model.weight_bytes", wbytes, "bf16 matrix bytes read / step", "B",
+            "N_blocks + N_out, 2 bytes each")
+    attn_per_key = 4 * args.n_layers * args.n_heads * args.head_dim
+    rep.add("model.attn_flops_per_key", attn_per_key, "attention FLOPs per token per key", "FLOP",
+            "4·n_layers·n_heads·head_dim")
+    floor_ms = 1000 * wbytes / (bw * 1e9)
+    rep.meta["flops_formula"] = ("2*N_blocks + 4*n_layers*n_heads*head_dim*L "
+                                 "[+ 2*N_out if the token's logits are computed]")
+
+    log("warm-up")
+    bench.warm_up()
+
+    pre = {}
+    for chunk in s.prefill_chunks:
+        log(f"prefill chunk {chunk}")
+        pre[chunk] = r = bench.prefill(chunk)
+        k = f"prefill.chunk{chunk}"
+        rep.add(f"{k}.tok_s", r["tok_s"], f"chunk {chunk}: prefill", "tok/s",
+                f"{s.prefill_requests} × {s.prefill_prompt}-token prompts, {r['steps']} steps")
+        rep.add(f"{k}.step_ms", r["step_ms"], f"chunk {chunk}: time per step", "ms")
+        rep.add(f"{k}.flops_per_token", r["flops_per_token"], f"chunk {chunk}: model FLOPs / token",
+                "FLOP", "2·N_blocks + attention at mean context")
+        rep.add(f"{k}.gflops", r["gflops"], f"chunk {chunk}: achieved model rate", "GFLOP/s")
+        rep.add(f"{k}.of_gemm", r["gflops"] / bf16, f"chunk {chunk}: of bf16 GEMM rate", "×")
+    c0, c1 = s.prefill_chunks[0], s.prefill_chunks[-1]
+    rep.add("prefill.chunk_ratio", pre[c1]["tok_s"] / pre[c0]["tok_s"],
+            f"prefill tok/s chunk {c1} / chunk {c0}", "×")
+
+    sweeps = {}
+    for ctx, plen in (("short", s.short_prompt), ("long", s.long_prompt)):
+        log(f"decode sweep, {ctx} context ({plen}-token prompts)")
+        sweeps[ctx] = bench.decode(plen, profile=opts.profile)
+    dec: dict[tuple[str, int], dict[str, float]] = {}
+    for ctx, counted in sweeps.items():
+        for rows in sorted(counted):
+            recs = counted[rows]
+            med = statistics.median(r.step_s for r in recs)
+            d = dec[ctx, rows] = {"step_ms": 1000 * med, "tok_s": rows / med,
+                                  "context": statistics.fmean(r.context for r in recs),
+                                  "flops_per_token": sum(r.flops for r in recs) / (rows * len(recs))}
+            k = f"decode.{ctx}.rows{rows}"
+            rep.add(f"{k}.step_ms", d["step_ms"], f"{ctx} ctx, {rows:>2} rows: step", "ms",
+                    f"median of {len(recs)}, mean context {d['context']:.0f}")
+            rep.add(f"{k}.tok_s", d["tok_s"], f"{ctx} ctx, {rows:>2} rows: decode", "tok/s")
+    for ctx in sweeps:
+        rep.add(f"decode.{ctx}.flops_per_token", dec[ctx, 32]["flops_per_token"],
+                f"{ctx} ctx: model FLOPs / decode token", "FLOP", "2·(N_blocks + N_out) + attention")
+
+    # ratios
+    rep.add("ratio.rows1_floor_ms", floor_ms, "1-row bandwidth floor", "ms", "weight bytes / copy GB/s")
+    for ctx in sweeps:
+        rep.add(f"ratio.{ctx}.rows1_over_floor", dec[ctx, 1]["step_ms"] / floor_ms,
+                f"{ctx} ctx: 1-row step / floor", "×")
+    for ctx in sweeps:
+        ceiling = bf16 * 1e9 / dec[ctx, 32]["flops_per_token"]
+        rep.add(f"ratio.{ctx}.rows32_ceiling_tok_s", ceiling,
+                f"{ctx} ctx: 32-row arithmetic ceiling", "tok/s", "bf16 GEMM rate / FLOPs per token")
+        rep.add(f"ratio.{ctx}.rows32_of_ceiling", dec[ctx, 32]["tok_s"] / ceiling,
+                f"{ctx} ctx: 32-row tok/s / ceiling", "×")
+    for ctx in sweeps:
+        rep.add(f"ratio.{ctx}.rows32_over_rows1", dec[ctx, 32]["tok_s"] / dec[ctx, 1]["tok_s"],
+                f"{ctx} ctx: 32-row / 1-row tok/s", "×")
+        rep.add(f"ratio.{ctx}.rows48_over_rows32", dec[ctx, 48]["tok_s"] / dec[ctx, 32]["tok_s"],
+                f"{ctx} ctx: 48-row / 32-row tok/s", "×")
+    for rows in sorted(s.decode_phases):
+        rep.add(f"ratio.long_over_short.rows{rows}",
+                dec["long", rows]["step_ms"] / dec["short", rows]["step_ms"],
+                f"long / short ctx step time, {rows:>2} rows", "×")
+
+    # where a 32-row step goes
+    for ctx, counted in sweeps.items():
+        recs = counted[32]
+        n = len(recs)
+        tot = lambda key: sum(r.parts.get(key, 0.0) for r in recs)  # noqa: E731
+        wall, execute, forward = sum(r.wall_s for r in recs), sum(r.step_s for r in recs), tot("forward")
+        logits, sample = tot("logits"), tot("sample")
+        lin, att, rope = tot("linear"), tot("attention"), tot("rope")
+        dec_att = tot("decode_attention")
+        k = f"step.{ctx}.rows32"
+        ms = lambda x: 1000 * x / n  # noqa: E731
+        rep.add(f"{k}.wall_ms", ms(wall), f"{ctx} ctx: Engine.step() wall", "ms", f"mean of {n}")
+        rep.add(f"{k}.forward_ms", ms(forward), f"{ctx} ctx:   model forward", "ms",
+                f"{forward / wall:.1%} of wall")
+        rep.add(f"{k}.linear_ms", ms(lin), f"{ctx} ctx:     linear (matmuls)", "ms",
+                f"{lin / forward:.1%} of forward")
+        rep.add(f"{k}.attention_ms", ms(att), f"{ctx} ctx:     paged_attention", "ms",
+                f"{att / forward:.1%} of forward")
+        rep.add(f"{k}.decode_attention_ms", ms(dec_att), f"{ctx} ctx:       of which decode_attention",
+                "ms", "batched decode rows; the rest is the cache write")
+        rep.add(f"{k}.rope_ms", ms(rope), f"{ctx} ctx:     apply_rope", "ms", f"{rope / forward:.1%} of forward")
+        rep.add(f"{k}.forward_other_ms", ms(forward - lin - att - rope), f"{ctx} ctx:     rest of forward",
+                "ms", "norms, embedding, SiLU, residuals, Python")
+        rep.add(f"{k}.logits_ms", ms(logits), f"{ctx} ctx:   logits projection", "ms", f"{logits / wall:.1%} of wall")
+        rep.add(f"{k}.sample_ms", ms(sample), f"{ctx} ctx:   sampling", "ms", f"{sample / wall:.1%} of wall")
+        rep.add(f"{k}.inputs_ms", ms(execute - forward - logits - sample),
+                f"{ctx} ctx:   building inputs", "ms", "execute − forward − logits − sample")
+        rep.add(f"{k}.scheduler_ms", ms(wall - execute), f"{ctx} ctx:   schedule + update + push",
+                "ms", "step wall − execute")
+        rep.add(f"{k}.outside_forward_share", 1 - forward / wall, f"{ctx} ctx: share outside forward",
+                "", "1 − forward / step wall")
+
+    # end to end, and transformers on the same batches
+    ours = {}
+    for name, batch, plen in s.e2e_cases:
+        log(f"engine end to end {name}: batch {batch} × {plen} tokens, {s.e2e_new_tokens} new")
+        ours[name] = rep.add(f"e2e.ours.{name}.tok_s", bench.end_to_end(batch, plen, s.e2e_new_tokens),
+                             f"genserve {batch:>2} × {plen}-token prompts", "tok/s",
+                             f"{s.e2e_new_tokens} new tokens, wall incl. prefill")
+    bench.probe.uninstall()
+    if not opts.skip_transformers:
+        cases = [(name, bench.prompts(batch, plen)) for name, batch, plen in s.e2e_cases]
+        del bench
+        theirs = transformers_tok_s(cases, s.e2e_new_tokens, threads)
+        for name, batch, plen in s.e2e_cases:
+            rep.add(f"e2e.hf.{name}.tok_s", theirs[name], f"transformers {batch:>2} × {plen}-token prompts",
+                    "tok/s", "generate, greedy, static batch")
+        for name, batch, plen in s.e2e_cases:
+            rep.add(f"e2e.ours_over_hf.{name}", ours[name] / theirs[name],
+                    f"genserve / transformers, {batch:>2} × {plen}", "×")
+
+    rep.meta["seconds"] = round(time.perf_counter() - started, 1)
+    rep.meta["loadavg_1min"] = [load_start, os.getloadavg()[0]]
+    print(f"genserve engine benchmark — {threads} threads, torch {torch.__version__}, "
+          f"{'quick' if opts.quick else 'full'} sizes, {rep.meta['seconds']} s, 1-min load average "
+          f"{load_start:.1f} at start, {os.getloadavg()[0]:.1f} at end")
+    if max(rep.meta["loadavg_1min"]) > threads + 1:
+        print(f"WARNING: load average above {threads} threads + 1: other processes competed for "
+              "the CPU during this run; its figures (ratios included) are unreliable")
+    rep.print()
+    if opts.json:
+        pathlib.Path(opts.json).write_text(json.dumps({"meta": rep.meta, "figures": rep.figures}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""Smoke test of `python -m benchmarks.engine`: it runs end to end and reports every figure.
+
+Runs the benchmark's --quick sizes in a subprocess (15–30 s on 2 cores, mostly model loading).
+No timing is asserted: only that each figure is present, finite and positive.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+ROWS = (1, 8, 32, 48)
+CTXS = ("short", "long")
+EXPECTED_KEYS = (
+    [f"machine.{k}" for k in ("gemm_bf16_gflops", "gemm_fp32_gflops", "bf16_over_fp32", "copy_gbps")]
+    + [f"model.{k}" for k in ("block_params", "output_params", "weight_bytes", "attn_flops_per_key")]
+    + [f"prefill.chunk{c}.{k}" for c in (256, 1024)
+       for k in ("tok_s", "step_ms", "flops_per_token", "gflops", "of_gemm")]
+    + ["prefill.chunk_ratio"]
+    + [f"decode.{c}.rows{r}.{k}" for c in CTXS for r in ROWS for k in ("step_ms", "tok_s")]
+    + [f"decode.{c}.flops_per_token" for c in CTXS]
+    + ["ratio.rows1_floor_ms"]
+    + [f"ratio.{c}.{k}" for c in CTXS
+       for k in ("rows1_over_floor", "rows32_ceiling_tok_s", "rows32_of_ceiling",
+                 "rows32_over_rows1", "rows48_over_rows32")]
+    + [f"ratio.long_over_short.rows{r}" for r in ROWS]
+    + [f"step.{c}.rows32.{k}" for c in CTXS
+       for k in ("wall_ms", "forward_ms", "linear_ms", "attention_ms", "decode_attention_ms",
+                 "rope_ms", "forward_other_ms", "logits_ms", "sample_ms", "inputs_ms",
+                 "scheduler_ms", "outside_forward_share")]
+    + [f"e2e.ours.{c}.tok_s" for c in ("b1_short", "b32_short", "b32_long")]
+)
+
+
+def test_benchmark_quick_reports_every_figure(gguf_path, tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.engine", "--quick", "--skip-transformers", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    figures = report["figures"]
+    missing = [k for k in EXPECTED_KEYS if k not in figures]
+    assert not missing, f"missing figures: {missing}"
+    bad = {k: v for k, v in figures.items()
+           if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0}
+    assert not bad, f"figures not finite and positive: {bad}"
+    assert report["meta"]["quick"] is True
+    assert "share outside forward" in proc.stdout       # the printed table
