@@ -10,11 +10,12 @@ One pass of the engine loop is::
     sampled = executor.execute(plan)        # forward + sample
     events = scheduler.update(plan, sampled, now)   # advance requests, finish rows
 
-Prefill chunks are aligned to multiples of `prefill_chunk` within each request (positions
-[0, 256), [256, 512), ...), so a request's prompt is cut at the same places whether it runs alone
-or beside 31 others. Together with per-request attention this makes every token's arithmetic
-independent of its batch neighbours (the design's batch-invariance test). A preempted request
-re-prefills its prompt in the same aligned chunks, then replays the tokens it had already produced
+Prefill pieces are aligned to multiples of `prefill_piece` (64) within each request (positions
+[0, 64), [64, 128), ...), so a request's prompt is cut at the same places whether it runs alone
+or beside 31 others; a step carries pieces of several requests up to its prefill budget. Together
+with per-piece attention this makes every token's arithmetic independent of its batch neighbours
+(the design's batch-invariance test). A preempted request re-prefills its prompt in the same
+pieces, then replays the tokens it had already produced
 as one-token rows without sampling, so its cache — and its later tokens — are bit-identical to a
 run without preemption.
 """
