@@ -6,12 +6,22 @@ batch stays nearly full, i.e. the arrival rate tracks the engine's capacity. The
 medium prompts, 4 to 48 new tokens, some n=2, some stop strings, some over gRPC, 20 % leaving
 after a random number of tokens.
 
-At the end: the KV free list is the whole pool; the engine process's resident memory levelled
-off (the slope of a least-squares line over the second half of the run, in MB/min, is printed
-and must stay under MAX_RSS_SLOPE_MB_PER_MIN); no request was lost: every one ended with a
+At the end: the KV free list is the whole pool; no request was lost: every one ended with a
 finish_reason or an explicit error (an HTTP error body or an `event: error`), or was left by
 its client on purpose, and the engine counted every sample of every accepted request as
-finished exactly once.
+finished exactly once; and the engine process's resident memory levels off: the slope of a
+least-squares line through its RSS over the second half of the run (MB/min) is printed with
+the RSS series and must stay under `max_slope_mb_per_min`.
+
+What the RSS does (measured on 2 cores, shared with other work): it rises fast in the first
+minutes and flattens (300 s run: +145, +134, +56, +52, +52, +34, -8, +76, +34, -84 MB per 30 s;
+second-half slope +52 MB/min). An engine-only run (no gRPC, no bridge) grows the same way while
+Python's object counts stay flat, and `malloc_trim(0)` afterwards returns most of it (all of it
+when ONEDNN_PRIMITIVE_CACHE_CAPACITY=0): native memory held by the allocator's arenas and by
+oneDNN's primitive cache (an entry per new matmul shape, at most 1,024), which fill as new batch
+shapes appear, not a per-request leak. So the bound is loose for short runs, where those caches
+are still filling (500 MB/min under 5 minutes: it catches only gross leaks, ~2 MB per request),
+and tight for long ones (60 MB/min); GENSERVE_SOAK_MAX_SLOPE overrides it.
 """
 
 from __future__ import annotations
@@ -33,7 +43,14 @@ from genserve.v1 import generate_pb2_grpc as pb_grpc
 SOAK_S = float(os.environ.get("GENSERVE_SOAK_S", "60"))
 WORKERS = 28
 DISCONNECT_SHARE = 0.2
-MAX_RSS_SLOPE_MB_PER_MIN = 60.0
+
+
+def max_slope_mb_per_min(duration_s: float) -> float:
+    """The RSS slope bound for a run of `duration_s` (see the module doc)."""
+    if os.environ.get("GENSERVE_SOAK_MAX_SLOPE"):
+        return float(os.environ["GENSERVE_SOAK_MAX_SLOPE"])
+    return 500.0 if duration_s < 300 else 60.0
+
 WORDS = ("river stone lantern orbit maple quartz harbor velvet signal meadow copper "
          "falcon garden winter canyon ember ").split()
 
@@ -189,8 +206,10 @@ def test_soak_mixed_load_with_disconnects_loses_nothing_and_levels_off(server):
     second_half = [s for s in samples if s[0] >= samples[-1][0] / 2]
     slope = rss_slope_mb_per_min(second_half)
     rss_mb = [r / 1e6 for _, r in samples]
+    series = " ".join(f"{rss_mb[i]:.0f}" for i in range(0, len(rss_mb), max(1, len(rss_mb) // 10)))
     print(f"\n  soak {SOAK_S:.0f} s: {len(results)} requests {outcomes}; engine RSS {rss_mb[0]:.0f} → "
-          f"{rss_mb[-1]:.0f} MB (max {max(rss_mb):.0f}), slope over the second half {slope:+.1f} MB/min")
+          f"{rss_mb[-1]:.0f} MB (max {max(rss_mb):.0f}), slope over the second half {slope:+.1f} MB/min\n"
+          f"  RSS MB every {SOAK_S / 10:.0f} s: {series}")
 
     assert not lost, lost[:5]
     errors = [r for r in results if r["outcome"] == "error"]
@@ -201,4 +220,5 @@ def test_soak_mixed_load_with_disconnects_loses_nothing_and_levels_off(server):
     accepted_samples = sum(r["n"] for r in results if r["accepted"])
     finished = sum(after[k] - before.get(k, 0) for k in after if k.startswith("genserve_requests_finished_total"))
     assert finished == accepted_samples
-    assert slope < MAX_RSS_SLOPE_MB_PER_MIN, f"engine RSS still growing: {slope:+.1f} MB/min"
+    bound = max_slope_mb_per_min(SOAK_S)
+    assert slope < bound, f"engine RSS still growing: {slope:+.1f} MB/min (bound {bound:g})"
