@@ -35,6 +35,9 @@ from genserve.v1 import generate_pb2_grpc as pb_grpc
 MAX_TOKENS = 10                  # a marker is 7 tokens (" K", "Q", "Z", "W", "4", "8", "2")
 DEFAULT_N = 200
 FULL_N = 1000
+# A queued request hears nothing until it is admitted; on a busy 2-core machine the last of 1,000
+# can wait minutes (the engine's own 600 s deadline still applies).
+CLIENT_TIMEOUT_S = 1800
 
 
 def markers(n: int, seed: int = 4) -> list[str]:
@@ -68,7 +71,7 @@ async def _rest(client: httpx.AsyncClient, base: str, marker: str) -> dict:
 async def _grpc(stub: pb_grpc.GenerateServiceStub, marker: str) -> dict:
     req = pb.GenerateRequest(prompt=prompt(marker), max_tokens=MAX_TOKENS, sampling=pb.SamplingParams(temperature=0.0))
     text, finish = [], None
-    async for msg in stub.Generate(req, timeout=600):
+    async for msg in stub.Generate(req, timeout=CLIENT_TIMEOUT_S):
         if msg.HasField("token"):
             text.append(msg.token.text)
         elif msg.HasField("finished"):
@@ -80,7 +83,7 @@ async def _run_all(server, marks: list[str], num_alone: int = 3) -> tuple[list[d
     """All requests at once, then the first `num_alone` again one at a time (one event loop:
     grpc.aio keeps a poller bound to it)."""
     limits = httpx.Limits(max_connections=len(marks) + 10, max_keepalive_connections=20)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client, \
+    async with httpx.AsyncClient(timeout=CLIENT_TIMEOUT_S, limits=limits) as client, \
             grpc.aio.insecure_channel(server.grpc_target) as channel:
         stub = pb_grpc.GenerateServiceStub(channel)
         send = lambda i, m: _rest(client, server.base_url, m) if i % 2 == 0 else _grpc(stub, m)  # noqa: E731
