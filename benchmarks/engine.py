@@ -87,7 +87,7 @@ class Sizes:
     copy_mib: int = 256
     copy_repeats: int = 5
     prefill_prompt: int = 1024
-    prefill_requests: int = 4
+    prefill_requests: int = 2
     prefill_chunks: tuple[int, ...] = (256, 1024)
     decode_phases: tuple[int, ...] = (48, 32, 8, 1)     # rows, in the order they are reached
     short_prompt: int = 16
@@ -437,6 +437,8 @@ class Bench:
                 return
             rows = phases[st["phase"]]
             if rec.rows == rows and rec.prefill == 0:
+                if st["seen"] == 0 and st["phase"] == 0:
+                    log(f"  prompts prefilled, {rows} rows decoding")
                 st["seen"] += 1
                 if st["seen"] > s.decode_skip:
                     counted[rows].append(rec)
@@ -449,6 +451,10 @@ class Bench:
                 advance()
 
         def advance() -> None:
+            done = counted[phases[st["phase"]]]
+            log(f"  {phases[st['phase']]} rows: median step "
+                f"{1000 * statistics.median(r.step_s for r in done):.1f} ms, "
+                f"mean context {statistics.fmean(r.context for r in done):.0f}")
             st["phase"] += 1
             st["seen"] = 0
             keep = phases[st["phase"]] if st["phase"] < len(phases) else 0

@@ -4,11 +4,23 @@ One step's tokens arrive as a flat list `[T = B + C]` tagged with their request.
 writes the step's new keys and values into their cache slots, then every request attends over
 its own context, read through its block table.
 
-Decode rows (one query each) run batched in `decode_attention`; prefill pieces run through torch
-`scaled_dot_product_attention`, one call per piece. Both are exact with respect to batching on
-CPU — a request's output does not depend on which other requests share the step (the design's
-batch-invariance test). A CUDA build would add an xformers
-`BlockDiagonalCausalWithOffsetPaddedKeysMask` path here behind the same `AttentionMetadata`.
+Both kinds of segment run through torch's fused CPU attention kernel
+(`scaled_dot_product_attention`, which picks `_scaled_dot_product_flash_attention_for_cpu` for
+these inputs: online softmax, fp32 accumulation, no [queries × keys] matrix in memory):
+
+* decode rows (one query each) in one batched call: each row's blocks are gathered with one
+  `index_select` into `[B, L, kv_heads, head_dim]`, viewed (no copy) as `[B, kv_heads, L,
+  head_dim]`; the query heads that share a KV head are laid along the query axis
+  (`[B, kv_heads, group, head_dim]`), so K and V are never repeated for GQA. L is padded to a
+  multiple of 64 keys and the padding masked with -inf.
+* prefill pieces (at most `prefill_piece` tokens of one request) in one call per piece, over the
+  piece's exact context, GQA groups folded the same way and a causal additive mask.
+
+Both are exact with respect to batching on CPU — a request's output does not depend on which
+other requests share the step (the design's batch-invariance test): the kernel works per
+(batch, head), masked keys add exact zeros, and a piece is always computed with the same shape.
+A CUDA build would add an xformers `BlockDiagonalCausalWithOffsetPaddedKeysMask` path here
+behind the same `AttentionMetadata`.
 """
 
 from __future__ import annotations
@@ -21,21 +33,22 @@ import torch.nn.functional as F
 
 @dataclass(frozen=True, slots=True)
 class SeqSpan:
-    """One request's slice of the flat batch.
+    """One prefill piece's slice of the flat batch.
 
     Attributes:
         q_start, q_end: its tokens are rows [q_start, q_end) of the flat batch.
         context_len: keys it attends to, positions [0, context_len) (== its last position + 1).
-        block_table: int64 [ceil(context_len / block_size)] block ids in position order.
-        mask: bool [q_len, context_len], True where query i may attend key j (j <= its
-            position); None for a single query (it attends every key).
+        blocks: int64 [ceil(context_len / block_size)] block ids in position order.
+        bias: additive mask [1, 1, group × q_len, context_len] in the model dtype, 0 where query
+            i (of any head in the group) may attend key j (j <= its position), -inf elsewhere;
+            None for a single query (it attends every key).
     """
 
     q_start: int
     q_end: int
     context_len: int
-    block_table: torch.Tensor
-    mask: torch.Tensor | None
+    blocks: torch.Tensor
+    bias: torch.Tensor | None
 
 
 DECODE_PAD_BLOCKS = 4     # decode keys are padded to a multiple of 4 blocks (64 tokens)
@@ -46,61 +59,72 @@ class AttentionMetadata:
     """Everything attention needs about one step, passed explicitly to every layer.
 
     Attributes:
-        k_slots, v_slots: int64 [T], where each new token's K and V go in the layer cache viewed
-            as rows `[num_blocks × 2 × block_size, kv_heads, head_dim]`:
-            (block × 2 + {0 for K, 1 for V}) × block_size + offset.
+        slots: int64 [T], where each new token's K and V go in the layer's K (and V) pool viewed
+            as rows `[num_blocks × block_size, kv_heads, head_dim]`: block × block_size + offset.
         num_decode: B, decode rows at the front of the flat batch (one query each).
-        decode_tables: int64 [B, nb] block tables of the decode rows, padded with block 0 to
-            nb = a multiple of DECODE_PAD_BLOCKS.
-        decode_mask: bool [B, nb × block_size], True for keys past a row's context (masked).
+        decode_blocks: int64 [B × nb], the decode rows' block tables, each padded with block 0 to
+            nb = a multiple of DECODE_PAD_BLOCKS blocks, concatenated row after row.
+        decode_bias: additive mask [B, 1, 1, nb × block_size] in the model dtype: -inf for keys
+            past a row's context, 0 elsewhere.
         seqs: one `SeqSpan` per prefill piece, in flat-batch order (after the decode rows).
     """
 
-    k_slots: torch.Tensor
-    v_slots: torch.Tensor
+    slots: torch.Tensor
     num_decode: int
-    decode_tables: torch.Tensor
-    decode_mask: torch.Tensor
+    decode_blocks: torch.Tensor
+    decode_bias: torch.Tensor
     seqs: tuple[SeqSpan, ...]
 
     @classmethod
     def build(cls, spans: list[tuple[int, int, list[int] | tuple[int, ...], bool]],
-              block_size: int) -> "AttentionMetadata":
+              block_size: int, group: int = 1, dtype: torch.dtype = torch.float32
+              ) -> "AttentionMetadata":
         """Metadata from `(start_position, num_tokens, block_table, is_decode)` per segment, in
         batch order; decode rows (one token each) must come first.
 
-        Raises ValueError if a block table does not cover its segment, or a decode row follows
-        a prefill piece.
+        Args:
+            spans: the step's segments.
+            block_size: tokens per block.
+            group: query heads per KV head (n_heads // n_kv_heads), to fold the masks.
+            dtype: the model dtype (the masks' dtype must match the queries').
+        Raises:
+            ValueError: a block table does not cover its segment, or a decode row follows a
+                prefill piece.
         """
-        index, offset, seqs, tables, lens = [], [], [], [], []
+        slots, seqs, tables, lens = [], [], [], []
         q = 0
         for start, length, table, decode in spans:
             end = start + length
             if len(table) * block_size < end:
                 raise ValueError(f"block table of {len(table)} blocks cannot hold {end} tokens")
-            pos = torch.arange(start, end)
-            tab = torch.tensor(table, dtype=torch.long)
-            index.append(tab[pos // block_size])
-            offset.append(pos % block_size)
+            slots.extend(table[p // block_size] * block_size + p % block_size
+                         for p in range(start, end))
             if decode:
                 if seqs or length != 1:
                     raise ValueError("decode rows hold one token and come before prefill pieces")
-                tables.append(tab)
+                tables.append(table)
                 lens.append(end)
             else:
-                mask = torch.arange(end)[None, :] <= pos[:, None] if length > 1 else None
-                seqs.append(SeqSpan(q, q + length, end, tab, mask))
+                bias = None
+                if length > 1:
+                    pos = torch.arange(start, end)
+                    causal = torch.arange(end)[None, :] <= pos[:, None]          # [q_len, L]
+                    bias = torch.zeros(length, end, dtype=dtype).masked_fill_(~causal, float("-inf"))
+                    bias = bias.repeat(group, 1)[None, None]                      # [1, 1, G·q, L]
+                nb_used = -(-end // block_size)
+                seqs.append(SeqSpan(q, q + length, end,
+                                    torch.tensor(table[:nb_used], dtype=torch.long), bias))
             q += length
         nb = max((len(t) for t in tables), default=0)
         nb = -(-nb // DECODE_PAD_BLOCKS) * DECODE_PAD_BLOCKS
-        decode_tables = torch.zeros(len(tables), nb, dtype=torch.long)
-        for i, t in enumerate(tables):
-            decode_tables[i, :len(t)] = t
-        decode_mask = torch.arange(nb * block_size)[None, :] >= torch.tensor(lens, dtype=torch.long)[:, None]
-        block, off = torch.cat(index), torch.cat(offset)
-        k_slots = block * (2 * block_size) + off
-        return cls(k_slots, k_slots + block_size, len(tables), decode_tables, decode_mask,
-                   tuple(seqs))
+        padded = [list(t) + [0] * (nb - len(t)) for t in tables]
+        decode_blocks = torch.tensor(padded, dtype=torch.long).reshape(-1)
+        keys = torch.arange(nb * block_size)[None, :]
+        past = keys >= torch.tensor(lens, dtype=torch.long)[:, None]            # [B, L]
+        decode_bias = torch.zeros(len(tables), nb * block_size, dtype=dtype)
+        decode_bias.masked_fill_(past, float("-inf"))
+        return cls(torch.tensor(slots, dtype=torch.long), len(tables), decode_blocks,
+                   decode_bias[:, None, None, :], tuple(seqs))
 
 
 def decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -108,27 +132,45 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetada
 
     Args:
         q: [B, n_heads, head_dim] queries of the decode rows.
-        cache: one layer's blocks [num_blocks, 2, block_size, n_kv_heads, head_dim].
-        meta: `decode_tables` [B, nb] and `decode_mask` [B, nb × block_size].
+        cache: one layer's pools [2, num_blocks, block_size, n_kv_heads, head_dim] (K, V).
+        meta: `decode_blocks` [B × nb] and `decode_bias` [B, 1, 1, nb × block_size].
     Returns:
-        [B, n_heads, head_dim] in q's dtype.
+        [B, n_heads, head_dim] in q's dtype. Scale 1/sqrt(head_dim) (Vaswani et al. 2017).
 
-    Batch-invariant by construction (checked on this CPU row by row against B = 1): the scores
-    reduce over head_dim only; the keys are padded to a multiple of 64 and masked with -inf, so
-    softmax sums the same lanes plus exact zeros; P·V runs in fp32, whose product here gives a row
-    the same bits whatever the padded length (bf16's did not). Query heads are grouped per KV
-    head, so K and V are never repeated.
+    Batch-invariant by construction (checked row by row against B = 1 with other paddings in
+    tests/engine/test_attention.py): every (row, KV head) is an independent problem of the kernel
+    and padded keys contribute exact zeros.
     """
     b, n_heads, hd = q.shape
-    kv = cache[meta.decode_tables]                        # [B, nb, 2, bs, kvh, hd]
-    n_kv = kv.shape[-2]
-    keys = kv[:, :, 0].flatten(1, 2).permute(0, 2, 3, 1)  # [B, kvh, hd, L]
-    values = kv[:, :, 1].flatten(1, 2).transpose(1, 2).float()   # [B, kvh, L, hd] fp32
-    qg = q.view(b, n_kv, n_heads // n_kv, hd)             # [B, kvh, group, hd]
-    scores = torch.matmul(qg, keys).float() * hd ** -0.5  # [B, kvh, group, L] fp32
-    scores.masked_fill_(meta.decode_mask[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return torch.matmul(probs, values).view(b, n_heads, hd).to(q.dtype)
+    n_kv = cache.shape[-2]
+    length = meta.decode_bias.shape[-1]
+    keys = cache[0].index_select(0, meta.decode_blocks).view(b, length, n_kv, hd).transpose(1, 2)
+    values = cache[1].index_select(0, meta.decode_blocks).view(b, length, n_kv, hd).transpose(1, 2)
+    qg = q.view(b, n_kv, n_heads // n_kv, hd)              # [B, kvh, group, hd]: group as queries
+    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=meta.decode_bias)
+    return out.view(b, n_heads, hd)
+
+
+def prefill_attention(q: torch.Tensor, cache: torch.Tensor, span: SeqSpan) -> torch.Tensor:
+    """Causal attention of one prefill piece over its context.
+
+    Args:
+        q: [q_len, n_heads, head_dim] the piece's queries.
+        cache: one layer's pools [2, num_blocks, block_size, n_kv_heads, head_dim].
+        span: the piece (context length, blocks, folded causal bias).
+    Returns:
+        [q_len, n_heads, head_dim] in q's dtype; head h reads KV head h // group (GQA, Ainslie
+        et al. 2023).
+    """
+    ql, n_heads, hd = q.shape
+    n_kv = cache.shape[-2]
+    group = n_heads // n_kv
+    length = span.context_len
+    keys = cache[0].index_select(0, span.blocks).view(-1, n_kv, hd)[:length].transpose(0, 1)
+    values = cache[1].index_select(0, span.blocks).view(-1, n_kv, hd)[:length].transpose(0, 1)
+    qg = q.view(ql, n_kv, group, hd).permute(1, 2, 0, 3).reshape(1, n_kv, group * ql, hd)
+    out = F.scaled_dot_product_attention(qg, keys[None], values[None], attn_mask=span.bias)
+    return out.view(n_kv, group, ql, hd).permute(2, 0, 1, 3).reshape(ql, n_heads, hd)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -138,27 +180,20 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Args:
         q: [T, n_heads, head_dim] queries of the flat batch (RoPE applied).
         k, v: [T, n_kv_heads, head_dim] the step's new keys (RoPE applied) and values.
-        cache: one layer's K/V blocks, [num_blocks, 2, block_size, n_kv_heads, head_dim];
+        cache: one layer's K and V pools, [2, num_blocks, block_size, n_kv_heads, head_dim];
             same dtype as q.
         meta: slots and spans of this step.
     Returns:
-        [T, n_heads, head_dim] attention output, dtype of q. Scale 1/sqrt(head_dim)
-        (Vaswani et al. 2017); grouped-query heads share K/V (Ainslie et al. 2023).
+        [T, n_heads, head_dim] attention output, dtype of q.
     """
-    rows = cache.view(-1, *cache.shape[-2:])                  # [num_blocks·2·bs, kvh, hd]
-    rows.index_copy_(0, meta.k_slots, k)
-    rows.index_copy_(0, meta.v_slots, v)
-    n_heads, n_kv = q.shape[1], k.shape[1]
-    group = n_heads // n_kv
+    rows = cache.view(2, -1, *cache.shape[-2:])               # [2, num_blocks·bs, kvh, hd]
+    rows[0].index_copy_(0, meta.slots, k)
+    rows[1].index_copy_(0, meta.slots, v)
+    if not meta.seqs:
+        return decode_attention(q, cache, meta)
     out = torch.empty_like(q)
     if meta.num_decode:
         out[:meta.num_decode] = decode_attention(q[:meta.num_decode], cache, meta)
     for s in meta.seqs:
-        blocks = cache[s.block_table]                       # [nb, 2, bs, kvh, hd]
-        kv = blocks.transpose(0, 1).flatten(1, 2)[:, : s.context_len]   # [2, L, kvh, hd]
-        keys = kv[0].transpose(0, 1).repeat_interleave(group, dim=0)    # [H, L, hd]
-        values = kv[1].transpose(0, 1).repeat_interleave(group, dim=0)  # [H, L, hd]
-        qs = q[s.q_start:s.q_end].transpose(0, 1)                        # [H, ql, hd]
-        o = F.scaled_dot_product_attention(qs, keys, values, attn_mask=s.mask)
-        out[s.q_start:s.q_end] = o.transpose(0, 1)
+        out[s.q_start:s.q_end] = prefill_attention(q[s.q_start:s.q_end], cache, s)
     return out

@@ -20,10 +20,12 @@ def bytes_per_block(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int
 class KVCache:
     """Per-layer K/V block storage.
 
-    Layout per layer: `[num_blocks, 2, block_size, n_kv_heads, head_dim]` in `dtype`; index 0 of
-    the second dimension is K, 1 is V. Token position p of a request lives in block
+    Layout per layer: `[2, num_blocks, block_size, n_kv_heads, head_dim]` in `dtype`; index 0 of
+    the first dimension is the K pool, 1 the V pool. Token position p of a request lives in block
     `block_table[p // block_size]` at offset `p % block_size`, i.e. flat slot
-    `block_id * block_size + offset` of the `[num_blocks * block_size, ...]` view.
+    `block_id * block_size + offset` of each pool's `[num_blocks * block_size, ...]` view. K and V
+    are separate pools so that gathering a request's blocks gives its keys as one
+    `[tokens, n_kv_heads, head_dim]` run that attention reads without another copy.
 
     Args:
         args: model shape (layers, kv heads, head dim).
@@ -35,8 +37,13 @@ class KVCache:
     def __init__(self, args: ModelArgs, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (num_blocks, 2, block_size, args.n_kv_heads, args.head_dim)
+        shape = (2, num_blocks, block_size, args.n_kv_heads, args.head_dim)
         self.layers = [torch.zeros(shape, dtype=dtype) for _ in range(args.n_layers)]
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy block `src`'s K and V into block `dst` in every layer (copy-on-write)."""
+        for layer in self.layers:
+            layer[:, dst].copy_(layer[:, src])
 
     @staticmethod
     def num_blocks_for_budget(args: ModelArgs, block_size: int, dtype: torch.dtype,

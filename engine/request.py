@@ -49,6 +49,8 @@ class SamplingParams:
         seed: seed of the request's own `torch.Generator`; None draws a random seed.
         ignore_eos: keep generating past the end-of-sequence token (benchmarks, as in vLLM).
         top_logprobs: how many most-likely alternatives to report per token (0..5).
+        logprobs: report each sampled token's log-probability (and `top_logprobs` alternatives);
+            when no row of a step asks, the sampler skips the log-softmax over the vocabulary.
     """
 
     temperature: float = 1.0
@@ -57,6 +59,7 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     top_logprobs: int = 0
+    logprobs: bool = False
 
     @property
     def greedy(self) -> bool:

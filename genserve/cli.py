@@ -66,7 +66,7 @@ def serve(args: argparse.Namespace) -> int:
     engine_argv = [sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(args.grpc_port),
                    "--dtype", args.dtype, "--kv-pool-gib", str(args.kv_pool_gib),
                    "--queue-budget-s", str(args.queue_budget_s), "--metrics-port", str(args.metrics_port),
-                   "--drain-grace-s", str(args.drain_grace_s)]
+                   "--drain-grace-s", str(args.drain_grace_s), "--threads", str(args.threads)]
     if args.model:
         engine_argv += ["--model", args.model]
     if args.num_blocks:
@@ -141,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--drain-grace-s", type=float, default=30.0,
                    help="on SIGTERM, how long open streams may run on before they are ended")
     p.add_argument("--ready-timeout-s", type=float, default=180.0)
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch intra-op threads of the engine (0: every usable core)")
     args = parser.parse_args(argv)
     return serve(args)
 

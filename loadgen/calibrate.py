@@ -188,12 +188,13 @@ def _free_port() -> int:
 class LiveServer:
     """`genserve serve` on free localhost ports, started and stopped by this process."""
 
-    def __init__(self, queue_budget_s: float = QUEUE_BUDGET_S) -> None:
+    def __init__(self, queue_budget_s: float = QUEUE_BUDGET_S, extra_args: Sequence[str] = ()) -> None:
         self.port, self.grpc_port, self.metrics_port = _free_port(), _free_port(), _free_port()
         exe = pathlib.Path(sys.executable).with_name("genserve")
         cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "genserve.cli"]
         self.argv = cmd + ["serve", "--port", str(self.port), "--grpc-port", str(self.grpc_port),
-                           "--metrics-port", str(self.metrics_port), "--queue-budget-s", f"{queue_budget_s:g}"]
+                           "--metrics-port", str(self.metrics_port), "--queue-budget-s", f"{queue_budget_s:g}",
+                                *extra_args]
         self.proc: subprocess.Popen | None = None
         self.url = f"http://127.0.0.1:{self.port}"
 

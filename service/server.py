@@ -237,13 +237,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="device-seconds of queued work before 429")
     parser.add_argument("--drain-grace-s", type=float, default=DRAIN_GRACE_S,
                         help="SIGTERM: seconds open streams may run on before they are ended")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch intra-op threads of the engine (0: every usable core)")
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     """EngineConfig from the shared flags."""
     return EngineConfig(dtype=args.dtype, num_blocks=args.num_blocks,
                         kv_pool_bytes=int(args.kv_pool_gib * 1024**3),
-                        queue_budget_s=args.queue_budget_s)
+                        queue_budget_s=args.queue_budget_s, num_threads=args.threads)
 
 
 def main(argv: list[str] | None = None) -> None:

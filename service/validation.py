@@ -80,7 +80,8 @@ class Validator:
         logprobs = req.logprobs if req.HasField("logprobs") else 0
         if not 0 <= logprobs <= 5:
             raise ValidationError("logprobs", f"must be between 0 and 5, got {logprobs}")
-        sampling = replace(self._sampling(req.sampling), top_logprobs=logprobs)
+        sampling = replace(self._sampling(req.sampling), top_logprobs=logprobs,
+                           logprobs=req.HasField("logprobs"))
         return ValidRequest(prompt_ids, max_tokens, sampling, self._deadline(req), n,
                             self._stop(req.sampling))
 

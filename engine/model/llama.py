@@ -58,22 +58,54 @@ class ModelArgs:
                    vocab_size=32000, max_context=4096, rope_theta=10000.0, norm_eps=1e-5)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ weight.T` whose rows do not depend on how many rows there are.
 
-    torch's CPU bf16 product takes a matrix-vector kernel for a single row whose low bits differ
-    from the matrix-matrix kernel's (seen for 576×1536 weights); every M >= 2 agrees. A one-row
-    input is therefore doubled, so a decode step of 1 row computes exactly what the same row
-    computes inside a batch of 32.
+    With `packed` (oneDNN's blocked copy of `weight` from `pack_weight`) the product runs on it:
+    on this CPU that is faster than `F.linear` at every row count and gives the bits `F.linear`
+    gives. Both libraries take a different kernel for a single row whose low bits differ from the
+    many-row kernel's on some inputs (seen on real down-projection inputs of SmolLM2, not on
+    random ones; every M >= 2 agrees), so a one-row input is doubled: a decode step of 1 row
+    computes exactly what the same row computes inside a batch of 32.
 
     Args:
-        x: [M, in_features]; weight: [out_features, in_features], same dtype.
+        x: [M, in_features]; weight: [out_features, in_features], same dtype; packed: None or
+            `pack_weight(weight)`.
     Returns:
         [M, out_features].
     """
-    if x.shape[0] == 1:
-        return F.linear(torch.cat([x, x]), weight)[:1]
-    return F.linear(x, weight)
+    one_row = x.shape[0] == 1
+    if one_row:
+        x = torch.cat([x, x])
+    if packed is not None:
+        y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    else:
+        y = F.linear(x, weight)
+    return y[:1] if one_row else y
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's packed (blocked) copy of a bf16 CPU weight [out, in] for `linear`, or None.
+
+    None when the weight is not bf16 on CPU, this torch has no oneDNN linear, or the packed
+    product fails the check that makes it usable: on random rows, its M = 2, 7 and 64 results
+    must equal `F.linear` at M = 64 bit for bit (so packed and unpacked engines, and rows of any
+    batch, agree). Costs one more copy of the weight (bytes = 2 · out · in).
+    """
+    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+        return None
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
+        probe = torch.randn(64, weight.shape[1], generator=torch.Generator().manual_seed(0)
+                            ).to(weight.dtype)
+        want = F.linear(probe, weight)
+        for m in (2, 7, 64):
+            got = torch.ops.mkldnn._linear_pointwise(probe[:m], packed, None, "none", [], "")
+            if not torch.equal(got, want[:m]):
+                return None
+        return packed
+    except (RuntimeError, AttributeError):
+        return None
 
 
 class RMSNorm(nn.Module):
@@ -119,16 +151,22 @@ class Attention(nn.Module):
         qkv_out = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
         self.wqkv = nn.Parameter(torch.empty(qkv_out, args.dim))
         self.wo = nn.Parameter(torch.empty(args.dim, args.n_heads * args.head_dim))
+        self.wqkv_packed: torch.Tensor | None = None
+        self.wo_packed: torch.Tensor | None = None
+
+    def pack(self) -> None:
+        """Attach oneDNN-packed weights where usable (see `pack_weight`)."""
+        self.wqkv_packed, self.wo_packed = pack_weight(self.wqkv), pack_weight(self.wo)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]                                                    # x: [T, dim]
-        qk, v = linear(x, self.wqkv).split(
+        qk, v = linear(x, self.wqkv, self.wqkv_packed).split(
             [(self.n_heads + self.n_kv) * self.hd, self.n_kv * self.hd], dim=-1)
         qk = apply_rope(qk.view(t, self.n_heads + self.n_kv, self.hd), cos, sin)  # [T, H+KVH, hd]
         q, k = qk.split([self.n_heads, self.n_kv], dim=1)               # [T, H, hd], [T, KVH, hd]
         o = paged_attention(q, k, v.reshape(t, self.n_kv, self.hd), cache, meta)
-        return linear(o.reshape(t, -1), self.wo)                       # [T, dim]
+        return linear(o.reshape(t, -1), self.wo, self.wo_packed)                       # [T, dim]
 
 
 class FeedForward(nn.Module):
@@ -139,10 +177,16 @@ class FeedForward(nn.Module):
         self.ffn = args.intermediate_size
         self.w13 = nn.Parameter(torch.empty(2 * args.intermediate_size, args.dim))
         self.w2 = nn.Parameter(torch.empty(args.dim, args.intermediate_size))
+        self.w13_packed: torch.Tensor | None = None
+        self.w2_packed: torch.Tensor | None = None
+
+    def pack(self) -> None:
+        """Attach oneDNN-packed weights where usable (see `pack_weight`)."""
+        self.w13_packed, self.w2_packed = pack_weight(self.w13), pack_weight(self.w2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:                 # x: [T, dim]
-        gate, up = linear(x, self.w13).split(self.ffn, dim=-1)          # [T, ffn] each
-        return linear(F.silu(gate) * up, self.w2)                       # [T, dim]
+        gate, up = linear(x, self.w13, self.w13_packed).split(self.ffn, dim=-1)          # [T, ffn] each
+        return linear(F.silu(gate) * up, self.w2, self.w2_packed)                       # [T, dim]
 
 
 class Block(nn.Module):
@@ -179,6 +223,7 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(args)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.output_packed: torch.Tensor | None = None
 
     @classmethod
     def from_state_dict(cls, args: ModelArgs, state: dict[str, torch.Tensor],
@@ -211,7 +256,16 @@ class Transformer(nn.Module):
         model.load_state_dict(fused, strict=False, assign=True)
         cos, sin = rope_tables(args)
         model.rope_cos, model.rope_sin = cos, sin
-        return model.eval().requires_grad_(False)
+        model = model.eval().requires_grad_(False)
+        model.pack()
+        return model
+
+    def pack(self) -> None:
+        """Attach oneDNN-packed copies of every matrix (bf16 on CPU only; see `pack_weight`)."""
+        for layer in self.layers:
+            layer.attention.pack()
+            layer.feed_forward.pack()
+        self.output_packed = pack_weight(self.output)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -224,7 +278,7 @@ class Transformer(nn.Module):
 
         Args:
             token_ids: int64 [T]; positions: int64 [T] (each token's position in its request).
-            kv_layers: per-layer caches `[num_blocks, 2, block_size, kv_heads, hd]`.
+            kv_layers: per-layer K and V pools `[2, num_blocks, block_size, kv_heads, hd]`.
             meta: where to write this step's K/V and which context each request reads.
         Returns:
             [T, dim] final-norm hidden states in the model dtype.
@@ -237,4 +291,4 @@ class Transformer(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Output projection of the rows that sample: [R, dim] → fp32 [R, vocab]."""
-        return linear(hidden, self.output).float()
+        return linear(hidden, self.output, self.output_packed).float()

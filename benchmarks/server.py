@@ -1,0 +1,101 @@
+"""Live-server throughput: concurrent REST + SSE streams through `genserve serve`, in one run.
+
+Run from the repository root::
+
+    python -m benchmarks.server [--streams 32] [--tokens 128] [--prompt 16] [--rounds 3] [--json PATH]
+
+Starts `genserve serve` on free localhost ports (engine, gRPC service and HTTP bridge, as
+`make serve` does, on the embedded model), sends one warm-up round, then `rounds` rounds of
+`streams` simultaneous `POST /v1/completions` with `stream: true`, `max_tokens = tokens`,
+`ignore_eos: true`, greedy, each with a distinct `prompt`-token synthetic prompt (one API key).
+Per round, output tokens/s = tokens received by all streams / wall time from sending the first
+request to the last stream's end; the best and median rounds are printed with per-stream TTFT and
+TPOT, and the ratio to llama.cpp's server on the same GGUF and machine kind: ≈ 350 tokens/s for 32
+concurrent streams (Q4_1 kernels, 2 threads, 32 slots; the figure issue 6 gives for this machine
+kind, not measured here: no llama.cpp binary is installable from this machine's registries).
+
+Everything (client, bridge, service, engine) shares this machine's cores, as it would in a
+one-box deployment; the client's share is part of the figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import pathlib
+import statistics
+import sys
+import time
+
+from loadgen.calibrate import LiveServer
+from loadgen.clients import RestClient, run_open_loop
+from loadgen.workload import WorkItem
+
+LLAMA_CPP_TOK_S = 350.0      # llama.cpp server, 32 concurrent streams, this machine kind (issue 6)
+
+
+def one_round(url: str, streams: int, tokens: int, prompt: int, round_no: int) -> dict:
+    """`streams` simultaneous streams; returns tokens, wall seconds and per-stream figures."""
+    items = [WorkItem(index=round_no * 1000 + i, arrival_s=0.0, api_key="", prompt_tokens=prompt,
+                      output_tokens=tokens) for i in range(streams)]
+
+    async def go():
+        client = RestClient(url, timeout_s=600.0)
+        try:
+            t0 = time.perf_counter()
+            records = await run_open_loop(items, client, request_prefix=f"bench{round_no}-")
+            return records, time.perf_counter() - t0 - 0.05      # run_open_loop starts 50 ms late
+        finally:
+            await client.aclose()
+
+    records, wall = asyncio.run(go())
+    errors = [r.error for r in records if r.error or r.status != 200]
+    if errors:
+        raise RuntimeError(f"{len(errors)} of {streams} streams failed, e.g. {errors[0]}")
+    got = sum(r.output_tokens for r in records)
+    return {"tokens": got, "wall_s": wall, "tok_s": got / wall,
+            "ttft_ms_p50": 1000 * statistics.median(r.ttft_s for r in records),
+            "tpot_ms_p50": 1000 * statistics.median(r.tpot_s for r in records if r.tpot_s is not None)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.server", description=__doc__.split("\n")[0])
+    p.add_argument("--streams", type=int, default=32)
+    p.add_argument("--tokens", type=int, default=128, help="output tokens per stream")
+    p.add_argument("--prompt", type=int, default=16, help="prompt tokens per stream")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=0, help="engine threads (genserve serve --threads)")
+    p.add_argument("--json", type=pathlib.Path, help="also write the figures as JSON here")
+    opts = p.parse_args(argv)
+    load_start = os.getloadavg()[0]
+    with LiveServer(queue_budget_s=1e6, extra_args=["--threads", str(opts.threads)]) as server:
+        print(f"[server] warm-up round ({opts.streams} streams)", file=sys.stderr, flush=True)
+        one_round(server.url, opts.streams, 8, opts.prompt, 0)
+        rounds = []
+        for i in range(1, opts.rounds + 1):
+            rounds.append(one_round(server.url, opts.streams, opts.tokens, opts.prompt, i))
+            print(f"[server] round {i}: {rounds[-1]['tok_s']:.0f} tok/s", file=sys.stderr, flush=True)
+    best = max(rounds, key=lambda r: r["tok_s"])
+    median = statistics.median(r["tok_s"] for r in rounds)
+    out = {"streams": opts.streams, "tokens": opts.tokens, "prompt": opts.prompt, "rounds": rounds,
+           "best_tok_s": best["tok_s"], "median_tok_s": median,
+           "best_over_llama_cpp": best["tok_s"] / LLAMA_CPP_TOK_S,
+           "median_over_llama_cpp": median / LLAMA_CPP_TOK_S,
+           "loadavg_1min": [load_start, os.getloadavg()[0]]}
+    print(f"genserve live server — {opts.streams} concurrent REST+SSE streams × {opts.tokens} tokens "
+          f"({opts.prompt}-token prompts), {opts.rounds} rounds, load average {load_start:.1f} → "
+          f"{os.getloadavg()[0]:.1f}")
+    for i, r in enumerate(rounds, 1):
+        print(f"  round {i}: {r['tokens']} tokens in {r['wall_s']:.2f} s = {r['tok_s']:7.1f} tok/s; "
+              f"TTFT p50 {r['ttft_ms_p50']:.0f} ms, TPOT p50 {r['tpot_ms_p50']:.1f} ms")
+    print(f"  best {best['tok_s']:.1f} tok/s = {out['best_over_llama_cpp']:.2f} × llama.cpp's "
+          f"{LLAMA_CPP_TOK_S:.0f}; median {median:.1f} tok/s = {out['median_over_llama_cpp']:.2f} ×")
+    if opts.json:
+        opts.json.write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

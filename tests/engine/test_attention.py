@@ -1,0 +1,83 @@
+"""Paged attention against a dense reference, and its batch invariance, on random caches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.attention import AttentionMetadata, paged_attention
+
+BS, KVH, HD, GROUP = 16, 3, 64, 3          # SmolLM2's shape: 9 query heads over 3 KV heads
+H = KVH * GROUP
+
+
+def dense_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                    positions: torch.Tensor) -> torch.Tensor:
+    """fp32 softmax(q·kᵀ/√d + causal) · v; q [T, H, hd], keys/values [L, KVH, hd]."""
+    k = keys.float().repeat_interleave(GROUP, dim=1)                    # [L, H, hd]
+    v = values.float().repeat_interleave(GROUP, dim=1)
+    scores = torch.einsum("thd,lhd->htl", q.float(), k) * HD ** -0.5    # [H, T, L]
+    scores.masked_fill_(torch.arange(len(keys))[None, None, :] > positions[None, :, None],
+                        float("-inf"))
+    return torch.einsum("htl,lhd->thd", scores.softmax(-1), v)
+
+
+def fill(cache: torch.Tensor, table: list[int], keys: torch.Tensor, values: torch.Tensor) -> None:
+    for p in range(len(keys)):
+        cache[0, table[p // BS], p % BS] = keys[p]
+        cache[1, table[p // BS], p % BS] = values[p]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_decode_and_prefill_match_dense_attention(dtype, tol):
+    g = torch.Generator().manual_seed(0)
+    cache = torch.zeros(2, 64, BS, KVH, HD, dtype=dtype)
+    contexts = [1, 17, 64, 200, 333]           # decode rows: context incl. the new token
+    prefill_ctx, prefill_start = 150, 86       # a 64-token piece at positions [86, 150)
+    tables, nxt = [], 1
+    for c in [*contexts, prefill_ctx]:
+        tables.append(list(range(nxt, nxt + -(-c // BS))))
+        nxt += len(tables[-1])
+    prefill_table = tables.pop()
+    kv = {}
+    for name, c, table in [*zip(range(5), contexts, tables), ("p", prefill_ctx, prefill_table)]:
+        k = torch.randn(c, KVH, HD, generator=g).to(dtype)
+        v = torch.randn(c, KVH, HD, generator=g).to(dtype)
+        fill(cache, table, k[:-1] if name != "p" else k[:prefill_start],
+             v[:-1] if name != "p" else v[:prefill_start])
+        kv[name] = (k, v)
+    spans = [(c - 1, 1, t, True) for c, t in zip(contexts, tables)]
+    spans.append((prefill_start, prefill_ctx - prefill_start, prefill_table, False))
+    meta = AttentionMetadata.build(spans, BS, GROUP, dtype)
+    q = torch.randn(len(contexts) + 64, H, HD, generator=g).to(dtype)
+    new_k = torch.cat([kv[i][0][-1:] for i in range(5)] + [kv["p"][0][prefill_start:]])
+    new_v = torch.cat([kv[i][1][-1:] for i in range(5)] + [kv["p"][1][prefill_start:]])
+    out = paged_attention(q, new_k, new_v, cache, meta)
+    for i, c in enumerate(contexts):
+        want = dense_reference(q[i:i + 1], *kv[i], torch.tensor([c - 1]))
+        assert (out[i:i + 1].float() - want).abs().max().item() < tol
+    want = dense_reference(q[5:], *kv["p"], torch.arange(prefill_start, prefill_ctx))
+    assert (out[5:].float() - want).abs().max().item() < tol
+
+
+def test_decode_row_bits_do_not_depend_on_batch_or_padding():
+    g = torch.Generator().manual_seed(1)
+    cache = torch.randn(2, 400, BS, KVH, HD, generator=g).bfloat16()
+    contexts = [5, 17, 64, 65, 100, 300, 513, 700, 1100, 1500]
+    tables, nxt = [], 1
+    for c in contexts:
+        tables.append(list(range(nxt, nxt + -(-c // BS))))
+        nxt += len(tables[-1])
+    q = torch.randn(len(contexts), H, HD, generator=g).bfloat16()
+
+    def decode(rows: list[int]) -> torch.Tensor:
+        meta = AttentionMetadata.build([(contexts[i] - 1, 1, tables[i], True) for i in rows],
+                                       BS, GROUP, torch.bfloat16)
+        k = cache[0, [tables[i][(contexts[i] - 1) // BS] for i in rows], [(contexts[i] - 1) % BS for i in rows]]
+        v = cache[1, [tables[i][(contexts[i] - 1) // BS] for i in rows], [(contexts[i] - 1) % BS for i in rows]]
+        return paged_attention(q[rows], k, v, cache, meta)
+
+    together = decode(list(range(len(contexts))))
+    for i in range(len(contexts)):
+        assert torch.equal(decode([i])[0], together[i]), f"row of context {contexts[i]}"
+    assert torch.equal(decode([0, 9])[0], together[0])           # padded to 1,536 keys, not 64
