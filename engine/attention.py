@@ -4,11 +4,14 @@ One step's tokens arrive as a flat list `[T = B + C]` tagged with their request.
 writes the step's new keys and values into their cache slots, then every request attends over
 its own context, read through its block table.
 
-Both kinds of segment run through torch's fused CPU attention kernel
+Decode rows (one query each) run in genserve's own kernel when it could be built
+(`engine/kernels.py`, `torch.ops.genserve.paged_decode`): per (row, KV head) it reads the keys
+and values in place through the block table, fp32 scores, softmax and P·V, the `group` query heads
+of a KV head together. Otherwise, and for prefill, torch's fused CPU attention kernel runs
 (`scaled_dot_product_attention`, which picks `_scaled_dot_product_flash_attention_for_cpu` for
 these inputs: online softmax, fp32 accumulation, no [queries × keys] matrix in memory):
 
-* decode rows (one query each) in one batched call: each row's blocks are gathered with one
+* decode rows (fallback) in one batched call: each row's blocks are gathered with one
   `index_select` into `[B, L, kv_heads, head_dim]`, viewed (no copy) as `[B, kv_heads, L,
   head_dim]`; the query heads that share a KV head are laid along the query axis
   (`[B, kv_heads, group, head_dim]`), so K and V are never repeated for GQA. L is padded to a
@@ -17,8 +20,9 @@ these inputs: online softmax, fp32 accumulation, no [queries × keys] matrix in 
   piece's exact context, GQA groups folded the same way and a causal additive mask.
 
 Both are exact with respect to batching on CPU — a request's output does not depend on which
-other requests share the step (the design's batch-invariance test): the kernel works per
-(batch, head), masked keys add exact zeros, and a piece is always computed with the same shape.
+other requests share the step (the design's batch-invariance test): both kernels work per
+(row, head) — genserve's over the row's exact context, SDPA's with masked keys adding exact zeros —
+and a prefill piece is always computed with the same shape. One process uses one decode path.
 A CUDA build would add an xformers `BlockDiagonalCausalWithOffsetPaddedKeysMask` path here
 behind the same `AttentionMetadata`.
 """
@@ -65,20 +69,24 @@ class AttentionMetadata:
         decode_blocks: int64 [B × nb], the decode rows' block tables, each padded with block 0 to
             nb = a multiple of DECODE_PAD_BLOCKS blocks, concatenated row after row.
         decode_bias: additive mask [B, 1, 1, nb × block_size] in the model dtype: -inf for keys
-            past a row's context, 0 elsewhere.
+            past a row's context, 0 elsewhere (SDPA path; [B, 1, 1, 0] on the kernel path).
+        decode_lens: int64 [B], each decode row's context length (keys it attends to).
         seqs: one `SeqSpan` per prefill piece, in flat-batch order (after the decode rows).
+        decode_kernel: decode rows run `torch.ops.genserve.paged_decode` (else SDPA).
     """
 
     slots: torch.Tensor
     num_decode: int
     decode_blocks: torch.Tensor
     decode_bias: torch.Tensor
+    decode_lens: torch.Tensor
     seqs: tuple[SeqSpan, ...]
+    decode_kernel: bool = False
 
     @classmethod
     def build(cls, spans: list[tuple[int, int, list[int] | tuple[int, ...], bool]],
-              block_size: int, group: int = 1, dtype: torch.dtype = torch.float32
-              ) -> "AttentionMetadata":
+              block_size: int, group: int = 1, dtype: torch.dtype = torch.float32,
+              decode_kernel: bool = False) -> "AttentionMetadata":
         """Metadata from `(start_position, num_tokens, block_table, is_decode)` per segment, in
         batch order; decode rows (one token each) must come first.
 
@@ -87,6 +95,7 @@ class AttentionMetadata:
             block_size: tokens per block.
             group: query heads per KV head (n_heads // n_kv_heads), to fold the masks.
             dtype: the model dtype (the masks' dtype must match the queries').
+            decode_kernel: build for genserve's decode kernel (no decode mask).
         Raises:
             ValueError: a block table does not cover its segment, or a decode row follows a
                 prefill piece.
@@ -119,12 +128,15 @@ class AttentionMetadata:
         nb = -(-nb // DECODE_PAD_BLOCKS) * DECODE_PAD_BLOCKS
         padded = [list(t) + [0] * (nb - len(t)) for t in tables]
         decode_blocks = torch.tensor(padded, dtype=torch.long).reshape(-1)
-        keys = torch.arange(nb * block_size)[None, :]
-        past = keys >= torch.tensor(lens, dtype=torch.long)[:, None]            # [B, L]
-        decode_bias = torch.zeros(len(tables), nb * block_size, dtype=dtype)
-        decode_bias.masked_fill_(past, float("-inf"))
+        decode_lens = torch.tensor(lens, dtype=torch.long)
+        if decode_kernel:
+            decode_bias = torch.zeros(len(tables), 0, dtype=dtype)
+        else:
+            past = torch.arange(nb * block_size)[None, :] >= decode_lens[:, None]   # [B, L]
+            decode_bias = torch.zeros(len(tables), nb * block_size, dtype=dtype)
+            decode_bias.masked_fill_(past, float("-inf"))
         return cls(torch.tensor(slots, dtype=torch.long), len(tables), decode_blocks,
-                   decode_bias[:, None, None, :], tuple(seqs))
+                   decode_bias[:, None, None, :], decode_lens, tuple(seqs), decode_kernel)
 
 
 def decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -137,12 +149,18 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetada
     Returns:
         [B, n_heads, head_dim] in q's dtype. Scale 1/sqrt(head_dim) (Vaswani et al. 2017).
 
-    Batch-invariant by construction (checked row by row against B = 1 with other paddings in
-    tests/engine/test_attention.py): every (row, KV head) is an independent problem of the kernel
-    and padded keys contribute exact zeros.
+    Runs `torch.ops.genserve.paged_decode` when `meta.decode_kernel` (keys read in place,
+    `decode_blocks` viewed as [B, nb] tables, `decode_lens` the contexts), else SDPA over the
+    gathered, padded keys. Batch-invariant by construction (checked row by row against B = 1 with
+    other paddings in tests/engine/test_attention.py, both paths): every (row, KV head) is an
+    independent problem and padded keys contribute exact zeros.
     """
     b, n_heads, hd = q.shape
     n_kv = cache.shape[-2]
+    if meta.decode_kernel:
+        tables = meta.decode_blocks.view(b, -1)
+        return torch.ops.genserve.paged_decode(q.contiguous(), cache[0], cache[1], tables,
+                                               meta.decode_lens, hd ** -0.5)
     length = meta.decode_bias.shape[-1]
     keys = cache[0].index_select(0, meta.decode_blocks).view(b, length, n_kv, hd).transpose(1, 2)
     values = cache[1].index_select(0, meta.decode_blocks).view(b, length, n_kv, hd).transpose(1, 2)

@@ -1,0 +1,142 @@
+// Paged decode attention on CPU: one query token per row, keys and values read in place from the
+// block pools through each row's block table (no gather copy, no padding).
+//
+//   out[b, h, :] = softmax_j(q[b, h] · k[b, j] * scale) · v[b, j],  j < context_lens[b]
+//
+// Work item = (row b, KV head); its `group` query heads share the keys and values (GQA). Scores,
+// softmax and the P·V accumulation are fp32. Every loop's order is fixed by the row's own context
+// length, so a row gives the same bits whatever else is in the batch (batch invariance).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+template <typename T, int G>
+void decode_kernel(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                   const at::Tensor& tables, const at::Tensor& lens, at::Tensor& out,
+                   double scale) {
+  constexpr int D = 64;                                   // head_dim (checked by the caller)
+  const int64_t heads = q.size(1);
+  const int64_t block = k_pool.size(1), kv_heads = k_pool.size(2), table_width = tables.size(1);
+  const int64_t block_stride = block * kv_heads * D, token_stride = kv_heads * D;
+  const T* qd = q.data_ptr<T>();
+  const T* kd = k_pool.data_ptr<T>();
+  const T* vd = v_pool.data_ptr<T>();
+  const int64_t* td = tables.data_ptr<int64_t>();
+  const int64_t* ld = lens.data_ptr<int64_t>();
+  T* od = out.data_ptr<T>();
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, q.size(0) * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    alignas(64) float qf[G][D], acc[G][D], kf[D];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / kv_heads, h = item % kv_heads, len = ld[b];
+      const int64_t* table = td + b * table_width;
+      scores.resize(G * len);
+      for (int g = 0; g < G; ++g)
+        for (int d = 0; d < D; ++d)
+          qf[g][d] = to_float(qd[(b * heads + h * G + g) * D + d]) * fscale;
+      float mx[G];
+      for (int g = 0; g < G; ++g) mx[g] = -std::numeric_limits<float>::max();
+      for (int64_t start = 0; start < len; start += block) {
+        const T* kb = kd + table[start / block] * block_stride + h * D;
+        const int64_t n = std::min(block, len - start);
+        for (int64_t t = 0; t < n; ++t) {
+          const T* kr = kb + t * token_stride;
+          for (int d = 0; d < D; ++d) kf[d] = to_float(kr[d]);
+          for (int g = 0; g < G; ++g) {
+            float s = 0.f;
+            for (int d = 0; d < D; ++d) s += qf[g][d] * kf[d];
+            scores[g * len + start + t] = s;
+            mx[g] = std::max(mx[g], s);
+          }
+        }
+      }
+      float inv_sum[G];
+      for (int g = 0; g < G; ++g) {
+        float* sg = scores.data() + g * len;
+        float sum = 0.f;
+        for (int64_t j = 0; j < len; ++j) {
+          sg[j] = std::exp(sg[j] - mx[g]);
+          sum += sg[j];
+        }
+        inv_sum[g] = 1.f / sum;
+      }
+      for (int g = 0; g < G; ++g)
+        for (int d = 0; d < D; ++d) acc[g][d] = 0.f;
+      for (int64_t start = 0; start < len; start += block) {
+        const T* vb = vd + table[start / block] * block_stride + h * D;
+        const int64_t n = std::min(block, len - start);
+        for (int64_t t = 0; t < n; ++t) {
+          const T* vr = vb + t * token_stride;
+          for (int d = 0; d < D; ++d) kf[d] = to_float(vr[d]);
+          for (int g = 0; g < G; ++g) {
+            const float pr = scores[g * len + start + t];
+            for (int d = 0; d < D; ++d) acc[g][d] += pr * kf[d];
+          }
+        }
+      }
+      for (int g = 0; g < G; ++g)
+        for (int d = 0; d < D; ++d)
+          od[(b * heads + h * G + g) * D + d] = static_cast<T>(acc[g][d] * inv_sum[g]);
+    }
+  });
+}
+
+template <typename T>
+void dispatch_group(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                    const at::Tensor& tables, const at::Tensor& lens, at::Tensor& out, double scale) {
+  switch (q.size(1) / k_pool.size(2)) {
+    case 1: return decode_kernel<T, 1>(q, k_pool, v_pool, tables, lens, out, scale);
+    case 2: return decode_kernel<T, 2>(q, k_pool, v_pool, tables, lens, out, scale);
+    case 3: return decode_kernel<T, 3>(q, k_pool, v_pool, tables, lens, out, scale);
+    case 4: return decode_kernel<T, 4>(q, k_pool, v_pool, tables, lens, out, scale);
+    case 8: return decode_kernel<T, 8>(q, k_pool, v_pool, tables, lens, out, scale);
+    default: TORCH_CHECK(false, "query heads per KV head must be 1, 2, 3, 4 or 8");
+  }
+}
+
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                        const at::Tensor& tables, const at::Tensor& lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 4 && v_pool.sizes() == k_pool.sizes(),
+              "q [B, H, D], pools [blocks, block, kv_heads, D]");
+  TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous() &&
+                  tables.is_contiguous() && lens.is_contiguous(), "contiguous inputs");
+  TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && q.scalar_type() == v_pool.scalar_type(),
+              "q and pools share a dtype");
+  TORCH_CHECK(tables.scalar_type() == at::kLong && lens.scalar_type() == at::kLong, "int64 tables");
+  TORCH_CHECK(q.size(2) == 64 && k_pool.size(3) == 64 && q.size(1) % k_pool.size(2) == 0,
+              "head_dim 64 and whole GQA groups");
+  at::Tensor out = at::empty_like(q);
+  if (q.scalar_type() == at::kBFloat16) {
+    dispatch_group<c10::BFloat16>(q, k_pool, v_pool, tables, lens, out, scale);
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kFloat, "bf16 or fp32");
+    dispatch_group<float>(q, k_pool, v_pool, tables, lens, out, scale);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(genserve, m) {
+  m.def("paged_decode(Tensor q, Tensor k_pool, Tensor v_pool, Tensor tables, Tensor lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(genserve, CPU, m) { m.impl("paged_decode", &paged_decode); }
