@@ -480,7 +480,7 @@ def markdown(results, summary, meta, images) -> str:
         L += [f"From [calibration.md](calibration.md) (`{cal.get('command', 'python -m loadgen.calibrate')}`, "
               f"run {cal.get('date', '?')}): the simulator with the cost model fitted to this machine's "
               "SmolLM2-135M step times, against the live server (REST+SSE) at the same rates and workload. "
-              f"*+ live path*: every step × {lp.get('step_slowdown', 1.0):.2f} and "
+              f"*+ live path*: every step + {lp.get('step_overhead_ms', 0.0):.1f} ms and "
               f"{lp.get('submit_delay_ms', 0.0):.0f} ms of request path, both fitted at the lowest rate "
               "(marked *fit*), checked at the others.", "",
               "| rate | metric | live | sim, engine only | error | sim + live path | error |",
