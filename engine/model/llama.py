@@ -117,29 +117,36 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, dim]
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight).to(x.dtype)
+        return F.rms_norm(x.float(), self.weight.shape, self.weight, self.eps).to(x.dtype)
 
 
-def rope_tables(args: ModelArgs) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [max_context, head_dim] fp32 for rotate-half RoPE (Su et al. 2021; HF Llama).
+def rope_tables(args: ModelArgs) -> torch.Tensor:
+    """RoPE rotations e^(i·p·θ_j) as complex64 [max_context, head_dim / 2] (Su et al. 2021).
 
-    inv_freq[i] = theta^(-2i / head_dim); the angle table is repeated over both halves.
+    θ_j = theta^(-2j / head_dim). Dimension pair j of a head is (2j, 2j + 1) — the interleaved
+    layout of the original Llama code; `Transformer.from_state_dict` reorders the Q and K rows of
+    Hugging Face's rotate-half layout (pair (j, j + head_dim / 2)) into it, which rotates the same
+    pairs by the same angles in one complex product.
     """
     hd = args.head_dim
     inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
     angles = torch.outer(torch.arange(args.max_context, dtype=torch.float32), inv_freq)
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos(), angles.sin()
+    return torch.polar(torch.ones_like(angles), angles)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, heads, hd] by cos/sin [T, hd] (fp32 math, result in x's dtype)."""
-    xf = x.float()
-    half = xf.shape[-1] // 2
-    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
-    return (xf * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
+def interleave_rope_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Reorder the rows of a Q or K projection [heads · hd, dim] from rotate-half order
+    (pair j = rows j and j + hd/2 of a head) to interleaved order (pair j = rows 2j, 2j + 1)."""
+    hd = w.shape[0] // heads
+    order = torch.stack([torch.arange(hd // 2), torch.arange(hd // 2) + hd // 2], dim=1).reshape(-1)
+    return w.view(heads, hd, -1)[:, order].reshape(w.shape)
+
+
+def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, heads, hd] (interleaved pairs) by freqs [T, hd / 2] complex64; fp32 math, result
+    in x's dtype: (a + ib)(cos + i sin) = (a cos − b sin) + i(a sin + b cos)."""
+    xc = torch.view_as_complex(x.float().view(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(xc * freqs[:, None]).flatten(-2).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -158,12 +165,12 @@ class Attention(nn.Module):
         """Attach oneDNN-packed weights where usable (see `pack_weight`)."""
         self.wqkv_packed, self.wo_packed = pack_weight(self.wqkv), pack_weight(self.wo)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor,
                 cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]                                                    # x: [T, dim]
         qk, v = linear(x, self.wqkv, self.wqkv_packed).split(
             [(self.n_heads + self.n_kv) * self.hd, self.n_kv * self.hd], dim=-1)
-        qk = apply_rope(qk.view(t, self.n_heads + self.n_kv, self.hd), cos, sin)  # [T, H+KVH, hd]
+        qk = apply_rope(qk.view(t, self.n_heads + self.n_kv, self.hd), freqs)  # [T, H+KVH, hd]
         q, k = qk.split([self.n_heads, self.n_kv], dim=1)               # [T, H, hd], [T, KVH, hd]
         o = paged_attention(q, k, v.reshape(t, self.n_kv, self.hd), cache, meta)
         return linear(o.reshape(t, -1), self.wo, self.wo_packed)                       # [T, dim]
@@ -199,8 +206,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
 
-    def forward(self, x, cos, sin, cache, meta):
-        h = x + self.attention(self.attention_norm(x), cos, sin, cache, meta)
+    def forward(self, x, freqs, cache, meta):
+        h = x + self.attention(self.attention_norm(x), freqs, cache, meta)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -220,9 +227,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Parameter(torch.empty(args.vocab_size, args.dim))
-        cos, sin = rope_tables(args)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        self.register_buffer("rope_freqs", rope_tables(args), persistent=False)
         self.output_packed: torch.Tensor | None = None
 
     @classmethod
@@ -230,9 +235,10 @@ class Transformer(nn.Module):
                         dtype: torch.dtype) -> "Transformer":
         """Build from loader names (`layers.{i}.attention.wq.weight` ...; see weights.py).
 
-        Q, K, V are concatenated into `wqkv` [(H + 2·KVH)·hd, dim] and gate, up into
-        `w13` [2·ffn, dim]. Norm weights stay fp32 (they scale fp32 activations); the RoPE
-        tables stay fp32. Raises KeyError on a missing tensor.
+        Q, K, V are concatenated into `wqkv` [(H + 2·KVH)·hd, dim] (Q and K rows reordered for
+        interleaved RoPE, see `rope_tables`; attention scores are unchanged since q and k share
+        the order) and gate, up into `w13` [2·ffn, dim]. Norm weights stay fp32 (they scale fp32
+        activations); the RoPE table stays complex64. Raises KeyError on a missing tensor.
         """
         with torch.device("meta"):
             model = cls(args)
@@ -243,8 +249,10 @@ class Transformer(nn.Module):
         }
         for i in range(args.n_layers):
             p = f"layers.{i}."
-            fused[p + "attention.wqkv"] = torch.cat(
-                [state[p + f"attention.{w}.weight"] for w in ("wq", "wk", "wv")])
+            fused[p + "attention.wqkv"] = torch.cat([
+                interleave_rope_rows(state[p + "attention.wq.weight"], args.n_heads),
+                interleave_rope_rows(state[p + "attention.wk.weight"], args.n_kv_heads),
+                state[p + "attention.wv.weight"]])
             fused[p + "attention.wo"] = state[p + "attention.wo.weight"]
             fused[p + "feed_forward.w13"] = torch.cat(
                 [state[p + "feed_forward.w1.weight"], state[p + "feed_forward.w3.weight"]])
@@ -254,8 +262,7 @@ class Transformer(nn.Module):
         fused = {k: (t.float() if k.endswith("norm.weight") else t.to(dtype)).contiguous()
                  for k, t in fused.items()}
         model.load_state_dict(fused, strict=False, assign=True)
-        cos, sin = rope_tables(args)
-        model.rope_cos, model.rope_sin = cos, sin
+        model.rope_freqs = rope_tables(args)
         model = model.eval().requires_grad_(False)
         model.pack()
         return model
@@ -284,9 +291,9 @@ class Transformer(nn.Module):
             [T, dim] final-norm hidden states in the model dtype.
         """
         x = self.tok_embeddings(token_ids)                               # [T, dim]
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]   # [T, hd] fp32
+        freqs = self.rope_freqs[positions]                               # [T, hd / 2] complex64
         for layer, cache in zip(self.layers, kv_layers):
-            x = layer(x, cos, sin, cache, meta)
+            x = layer(x, freqs, cache, meta)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
