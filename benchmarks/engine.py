@@ -35,7 +35,7 @@ What is measured:
   min_new_tokens) on the same static batches: 1 × 16-token prompts, 32 × 16, 32 × 512; tokens/s =
   generated tokens / wall time including prefill.
 
-A full run takes ~10 minutes on 2 cores, most of it prefilling the 48 long prompts. Other
+A full run takes ≈ 2–4 minutes on 2 cores, most of it prefilling the 48 long prompts. Other
 processes on the machine distort the figures far beyond their share of the CPU (torch's threads
 wait for each other at every one of the ~10,000 small ops of a step), so the header prints the
 load average and warns when something else ran.
