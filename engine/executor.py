@@ -93,8 +93,10 @@ class ModelExecutor:
             return SampledTokens([], [], [], time.perf_counter() - t0)
         logits = self.model.logits(hidden[sample_rows])              # [R, vocab] fp32
         draws = plan.draws
-        rows = torch.tensor([row for row, _ in draws], dtype=torch.long)
-        tokens, logprobs, top = sample(logits[rows], [r.sampling for _, r in draws],
+        rows = [row for row, _ in draws]
+        if rows != list(range(logits.shape[0])):       # n > 1: several draws share a row
+            logits = logits[torch.tensor(rows, dtype=torch.long)]
+        tokens, logprobs, top = sample(logits, [r.sampling for _, r in draws],
                                        [request_generator(r) for _, r in draws])
         return SampledTokens(tokens, logprobs, top, time.perf_counter() - t0)
 

@@ -59,3 +59,15 @@ def test_logprobs_only_for_rows_that_ask_and_they_are_log_softmax():
     ref = torch.log_softmax(logits[1], -1)
     assert math.isclose(logprobs[1], ref[tokens[1]].item(), abs_tol=1e-5)
     assert [t for t, _ in top[1]] == ref.topk(2).indices.tolist()
+
+
+def test_draws_across_chunks_follow_the_distribution():
+    # mass spread over four tokens in three different 1,024-token chunks, the vocabulary not a
+    # multiple of the chunk, the rest of the tokens nearly impossible
+    logits = torch.full((3000,), -40.0)
+    hot = torch.tensor([5, 1023, 1024, 2999])
+    logits[hot] = torch.tensor([1.0, 0.0, 0.5, -0.5])
+    want = torch.softmax(logits, -1)[hot]
+    got = draws(logits, SamplingParams(temperature=1.0), 20_000, seed=7)[hot]
+    tol = 4.5 * torch.sqrt(want * (1 - want) / 20_000)
+    assert ((got - want).abs() <= tol).all(), (got, want)
