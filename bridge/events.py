@@ -34,8 +34,16 @@ def sse_error(body: dict) -> str:
     return f"event: error\ndata: {_dumps(body)}\n\n"
 
 
+# Characters Python's str.splitlines() (and so httpx's `aiter_lines`) treats as line breaks that
+# JSON leaves unescaped (control characters below U+0020 are always escaped): a client splitting
+# an SSE stream with them would cut an event in two. The SSE spec breaks lines on CR and LF only;
+# escaping these three keeps the JSON equal and every client whole.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def _dumps(obj: dict) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    """Compact UTF-8 JSON for one SSE data line, with no character any client reads as a newline."""
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKS)
 
 
 @dataclass(slots=True)

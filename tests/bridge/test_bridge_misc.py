@@ -84,3 +84,20 @@ def test_importing_the_bridge_does_not_import_torch():
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_sse_data_lines_survive_clients_that_split_on_unicode_line_breaks():
+    # httpx's aiter_lines (like str.splitlines) breaks on U+0085, U+2028 and U+2029; a token's
+    # text may hold them. Seen live: the load generator failed to parse 2 of 1,492 streams.
+    import json as _json
+
+    from httpx._decoders import LineDecoder
+
+    from bridge.events import sse_data
+
+    text = "a\u2028b\x85c\u2029d — é 日本"
+    frame = sse_data({"text": text, "index": 0})
+    lines = LineDecoder().decode(frame)
+    data = [line for line in lines if line.startswith("data:")]
+    assert len(data) == 1
+    assert _json.loads(data[0][len("data:"):]) == {"text": text, "index": 0}
