@@ -1,7 +1,7 @@
 """genserve's own CPU kernel: paged decode attention (`engine/csrc/decode_attention.cpp`).
 
-Built on first use with `torch.utils.cpp_extension.load` (g++ and ninja; ≈ 8 s once, then cached
-under torch's extension directory, ~/.cache/torch_extensions) and registered as
+Built on first use with `torch.utils.cpp_extension.load` (g++ and ninja; ≈ 8 s once per CPU kind,
+then cached under torch's extension directory, ~/.cache/torch_extensions) and registered as
 `torch.ops.genserve.paged_decode`. Where it cannot be built (no compiler, another architecture,
 `GENSERVE_DECODE_KERNEL=0`), `decode_kernel_available()` is False and attention keeps torch's
 fused SDPA path; the engine logs which one it runs.
@@ -20,7 +20,9 @@ import functools
 import logging
 import os
 import pathlib
+import platform
 import sys
+import zlib
 
 import torch
 
@@ -28,6 +30,20 @@ log = logging.getLogger(__name__)
 
 SOURCE = pathlib.Path(__file__).with_name("csrc") / "decode_attention.cpp"
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+
+
+def _build_name() -> str:
+    """Extension name keyed by this CPU: the build uses -march=native, and torch's cache is keyed
+    by name, sources and flags only, so a home directory shared across CPU kinds must not reuse
+    another CPU's binary."""
+    cpu = platform.machine()
+    try:
+        info = pathlib.Path("/proc/cpuinfo").read_text()
+        cpu += "".join(line for line in info.splitlines()
+                       if line.startswith(("model name", "flags")))[:4096]
+    except OSError:
+        cpu += platform.processor()
+    return f"genserve_decode_{zlib.crc32(cpu.encode()):08x}"
 
 
 @functools.cache
@@ -47,7 +63,7 @@ def decode_kernel_available() -> bool:
         bin_dir = str(pathlib.Path(sys.executable).parent)
         if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
             os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-        cpp_extension.load(name="genserve_decode", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+        cpp_extension.load(name=_build_name(), sources=[str(SOURCE)], extra_cflags=CFLAGS,
                            is_python_module=False, verbose=False)
         log.info("decode kernel ready: torch.ops.genserve.paged_decode")
         return hasattr(torch.ops.genserve, "paged_decode")
