@@ -54,20 +54,27 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_pool, const at::Tens
           qf[g][d] = to_float(qd[(b * heads + h * G + g) * D + d]) * fscale;
       float mx[G];
       for (int g = 0; g < G; ++g) mx[g] = -std::numeric_limits<float>::max();
-      for (int64_t start = 0; start < len; start += block) {
-        const T* kb = kd + table[start / block] * block_stride + h * D;
-        const int64_t n = std::min(block, len - start);
-        for (int64_t t = 0; t < n; ++t) {
-          const T* kr = kb + t * token_stride;
-          for (int d = 0; d < D; ++d) kf[d] = to_float(kr[d]);
-          for (int g = 0; g < G; ++g) {
-            float s = 0.f;
-            for (int d = 0; d < D; ++d) s += qf[g][d] * kf[d];
-            scores[g * len + start + t] = s;
-            mx[g] = std::max(mx[g], s);
+      // Walks the row's context in position order through its block table; for each token j
+      // loads that token's head vector from `pool` into kf (fp32) and calls visit(j).
+      auto each_token = [&](const T* pool, auto&& visit) {
+        for (int64_t start = 0; start < len; start += block) {
+          const T* base = pool + table[start / block] * block_stride + h * D;
+          const int64_t n = std::min(block, len - start);
+          for (int64_t t = 0; t < n; ++t) {
+            const T* row = base + t * token_stride;
+            for (int d = 0; d < D; ++d) kf[d] = to_float(row[d]);
+            visit(start + t);
           }
         }
-      }
+      };
+      each_token(kd, [&](int64_t j) {
+        for (int g = 0; g < G; ++g) {
+          float s = 0.f;
+          for (int d = 0; d < D; ++d) s += qf[g][d] * kf[d];
+          scores[g * len + j] = s;
+          mx[g] = std::max(mx[g], s);
+        }
+      });
       float inv_sum[G];
       for (int g = 0; g < G; ++g) {
         float* sg = scores.data() + g * len;
@@ -80,18 +87,12 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_pool, const at::Tens
       }
       for (int g = 0; g < G; ++g)
         for (int d = 0; d < D; ++d) acc[g][d] = 0.f;
-      for (int64_t start = 0; start < len; start += block) {
-        const T* vb = vd + table[start / block] * block_stride + h * D;
-        const int64_t n = std::min(block, len - start);
-        for (int64_t t = 0; t < n; ++t) {
-          const T* vr = vb + t * token_stride;
-          for (int d = 0; d < D; ++d) kf[d] = to_float(vr[d]);
-          for (int g = 0; g < G; ++g) {
-            const float pr = scores[g * len + start + t];
-            for (int d = 0; d < D; ++d) acc[g][d] += pr * kf[d];
-          }
+      each_token(vd, [&](int64_t j) {
+        for (int g = 0; g < G; ++g) {
+          const float pr = scores[g * len + j];
+          for (int d = 0; d < D; ++d) acc[g][d] += pr * kf[d];
         }
-      }
+      });
       for (int g = 0; g < G; ++g)
         for (int d = 0; d < D; ++d)
           od[(b * heads + h * G + g) * D + d] = static_cast<T>(acc[g][d] * inv_sum[g]);
