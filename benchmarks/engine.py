@@ -26,8 +26,8 @@ What is measured:
   plan.num_prefill_tokens == 0`), the first `decode_skip` of each phase are dropped as warm-up;
   step time is the median listener time and tokens/s = rows / median step time.
 * step breakdown at 32 rows: `Engine.step()` wall time vs time inside `executor.model(...)`, the
-  logits projection and `sample`, and inside the forward the time in `linear`, `paged_attention`
-  and `apply_rope`. Measured by timing wrappers the benchmark installs around the model and those
+  logits projection and `sample`, and inside the forward the time in `linear`, `attend` and
+  `rope_store_kv`. Measured by timing wrappers the benchmark installs around the model and those
   module functions at run time; no engine code changes. The share outside the forward counts the
   logits projection (the LM head) as part of the forward; the rest — scheduling, building inputs,
   sampling, pushing events — is outside.
@@ -70,6 +70,7 @@ import torch
 
 import engine.attention as attention_mod
 import engine.executor as executor_mod
+import engine.model.layer_ops as layer_ops_mod
 import engine.model.llama as llama_mod
 from engine.block_pool import BlockPool
 from engine.builder import engine_from_weights, set_threads
@@ -245,14 +246,16 @@ class Probe:
 
     Installed at run time (module attributes and `executor.model` are swapped and restored), so
     the engine code is measured as it is. Inside a forward it accumulates seconds in `linear`
-    (every matrix product of the blocks), `attention` (`paged_attention`: cache write, decode
-    rows, prefill pieces), `decode_attention` (the batched decode rows, part of `attention`) and
-    `rope`; around it `forward`, `logits` and `sample`.
+    (every matrix product of the blocks), `attention` (`attend`: decode rows and prefill pieces),
+    `decode_attention` (the batched decode rows, part of `attention`) and `rope` (`rope_store_kv`
+    of either `layer_ops` implementation: RoPE and the K/V cache write); around it `forward`,
+    `logits` and `sample`.
     """
 
-    _PATCHES = ((llama_mod, "linear", "linear"), (llama_mod, "paged_attention", "attention"),
+    _PATCHES = ((llama_mod, "linear", "linear"), (llama_mod, "attend", "attention"),
                 (attention_mod, "decode_attention", "decode_attention"),
-                (llama_mod, "apply_rope", "rope"))
+                (layer_ops_mod.KernelLayerOps, "rope_store_kv", "rope"),
+                (layer_ops_mod.TorchLayerOps, "rope_store_kv", "rope"))
 
     def __init__(self, executor) -> None:
         self.executor = executor
@@ -657,13 +660,14 @@ def main(argv: list[str] | None = None) -> int:
                 f"{forward / wall:.1%} of wall")
         rep.add(f"{k}.linear_ms", ms(lin), f"{ctx} ctx:     linear (matmuls)", "ms",
                 f"{lin / forward:.1%} of forward")
-        rep.add(f"{k}.attention_ms", ms(att), f"{ctx} ctx:     paged_attention", "ms",
+        rep.add(f"{k}.attention_ms", ms(att), f"{ctx} ctx:     attention (attend)", "ms",
                 f"{att / forward:.1%} of forward")
         rep.add(f"{k}.decode_attention_ms", ms(dec_att), f"{ctx} ctx:       of which decode_attention",
-                "ms", "batched decode rows; the rest is the cache write")
-        rep.add(f"{k}.rope_ms", ms(rope), f"{ctx} ctx:     apply_rope", "ms", f"{rope / forward:.1%} of forward")
+                "ms", "batched decode rows; the rest is prefill pieces")
+        rep.add(f"{k}.rope_ms", ms(rope), f"{ctx} ctx:     RoPE + K/V write", "ms",
+                f"{rope / forward:.1%} of forward")
         rep.add(f"{k}.forward_other_ms", ms(forward - lin - att - rope), f"{ctx} ctx:     rest of forward",
-                "ms", "norms, embedding, SiLU, residuals, Python")
+                "ms", "norms + residual adds, embedding, SiLU·up, Python")
         rep.add(f"{k}.logits_ms", ms(logits), f"{ctx} ctx:   logits projection", "ms", f"{logits / wall:.1%} of wall")
         rep.add(f"{k}.sample_ms", ms(sample), f"{ctx} ctx:   sampling", "ms", f"{sample / wall:.1%} of wall")
         rep.add(f"{k}.inputs_ms", ms(execute - forward - logits - sample),

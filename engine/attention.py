@@ -1,8 +1,9 @@
 """Ragged-batch attention over the paged KV cache.
 
 One step's tokens arrive as a flat list `[T = B + C]` tagged with their request. Each layer
-writes the step's new keys and values into their cache slots, then every request attends over
-its own context, read through its block table.
+writes the step's new keys and values into their cache slots (`store_kv`, or fused with RoPE in
+`engine.model.layer_ops`), then every request attends over its own context, read through its
+block table (`attend`).
 
 Decode rows (one query each) run in genserve's own kernel when it could be built
 (`engine/kernels.py`, `torch.ops.genserve.paged_decode`): per (row, KV head) it reads the keys
@@ -72,7 +73,9 @@ class AttentionMetadata:
             past a row's context, 0 elsewhere (SDPA path; [B, 1, 1, 0] on the kernel path).
         decode_lens: int64 [B], each decode row's context length (keys it attends to).
         seqs: one `SeqSpan` per prefill piece, in flat-batch order (after the decode rows).
-        decode_kernel: decode rows run `torch.ops.genserve.paged_decode` (else SDPA).
+        kernels: the step runs genserve's CPU kernels (`engine.kernels`): decode rows in
+            `torch.ops.genserve.paged_decode` (else SDPA) and the model's per-token steps in
+            `KernelLayerOps` (else `TorchLayerOps`).
     """
 
     slots: torch.Tensor
@@ -81,12 +84,12 @@ class AttentionMetadata:
     decode_bias: torch.Tensor
     decode_lens: torch.Tensor
     seqs: tuple[SeqSpan, ...]
-    decode_kernel: bool = False
+    kernels: bool = False
 
     @classmethod
     def build(cls, spans: list[tuple[int, int, list[int] | tuple[int, ...], bool]],
               block_size: int, group: int = 1, dtype: torch.dtype = torch.float32,
-              decode_kernel: bool = False) -> "AttentionMetadata":
+              kernels: bool = False) -> "AttentionMetadata":
         """Metadata from `(start_position, num_tokens, block_table, is_decode)` per segment, in
         batch order; decode rows (one token each) must come first.
 
@@ -95,7 +98,7 @@ class AttentionMetadata:
             block_size: tokens per block.
             group: query heads per KV head (n_heads // n_kv_heads), to fold the masks.
             dtype: the model dtype (the masks' dtype must match the queries').
-            decode_kernel: build for genserve's decode kernel (no decode mask).
+            kernels: build for genserve's kernels (no decode mask).
         Raises:
             ValueError: a block table does not cover its segment, or a decode row follows a
                 prefill piece.
@@ -129,14 +132,14 @@ class AttentionMetadata:
         padded = [list(t) + [0] * (nb - len(t)) for t in tables]
         decode_blocks = torch.tensor(padded, dtype=torch.long).reshape(-1)
         decode_lens = torch.tensor(lens, dtype=torch.long)
-        if decode_kernel:
+        if kernels:
             decode_bias = torch.zeros(len(tables), 0, dtype=dtype)
         else:
             past = torch.arange(nb * block_size)[None, :] >= decode_lens[:, None]   # [B, L]
             decode_bias = torch.zeros(len(tables), nb * block_size, dtype=dtype)
             decode_bias.masked_fill_(past, float("-inf"))
         return cls(torch.tensor(slots, dtype=torch.long), len(tables), decode_blocks,
-                   decode_bias[:, None, None, :], decode_lens, tuple(seqs), decode_kernel)
+                   decode_bias[:, None, None, :], decode_lens, tuple(seqs), kernels)
 
 
 def decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -149,7 +152,7 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetada
     Returns:
         [B, n_heads, head_dim] in q's dtype. Scale 1/sqrt(head_dim) (Vaswani et al. 2017).
 
-    Runs `torch.ops.genserve.paged_decode` when `meta.decode_kernel` (keys read in place,
+    Runs `torch.ops.genserve.paged_decode` when `meta.kernels` (keys read in place,
     `decode_blocks` viewed as [B, nb] tables, `decode_lens` the contexts), else SDPA over the
     gathered, padded keys. Batch-invariant by construction (checked row by row against B = 1 with
     other paddings in tests/engine/test_attention.py, both paths): every (row, KV head) is an
@@ -157,7 +160,7 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetada
     """
     b, n_heads, hd = q.shape
     n_kv = cache.shape[-2]
-    if meta.decode_kernel:
+    if meta.kernels:
         tables = meta.decode_blocks.view(b, -1)
         return torch.ops.genserve.paged_decode(q.contiguous(), cache[0], cache[1], tables,
                                                meta.decode_lens, hd ** -0.5)
@@ -191,22 +194,30 @@ def prefill_attention(q: torch.Tensor, cache: torch.Tensor, span: SeqSpan) -> to
     return out.view(n_kv, group, ql, hd).permute(2, 0, 1, 3).reshape(ql, n_heads, hd)
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-    """Write the step's K/V into `cache`, then attend each request over its own context.
+def store_kv(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """Write the step's keys and values into their cache slots.
+
+    Args:
+        k, v: [T, n_kv_heads, head_dim] (RoPE already applied to k).
+        cache: one layer's pools [2, num_blocks, block_size, n_kv_heads, head_dim] (K, V).
+        slots: int64 [T], rows of the pools viewed as [num_blocks × block_size, ...].
+    """
+    rows = cache.view(2, -1, *cache.shape[-2:])               # [2, num_blocks·bs, kvh, hd]
+    rows[0].index_copy_(0, slots, k)
+    rows[1].index_copy_(0, slots, v)
+
+
+def attend(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """Every request of the step attends over its own context (this step's K/V already stored).
 
     Args:
         q: [T, n_heads, head_dim] queries of the flat batch (RoPE applied).
-        k, v: [T, n_kv_heads, head_dim] the step's new keys (RoPE applied) and values.
         cache: one layer's K and V pools, [2, num_blocks, block_size, n_kv_heads, head_dim];
             same dtype as q.
-        meta: slots and spans of this step.
+        meta: spans of this step.
     Returns:
         [T, n_heads, head_dim] attention output, dtype of q.
     """
-    rows = cache.view(2, -1, *cache.shape[-2:])               # [2, num_blocks·bs, kvh, hd]
-    rows[0].index_copy_(0, meta.slots, k)
-    rows[1].index_copy_(0, meta.slots, v)
     if not meta.seqs:
         return decode_attention(q, cache, meta)
     out = torch.empty_like(q)

@@ -16,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-from engine import kernels
+from engine import kernels as genserve_kernels
 from engine.attention import AttentionMetadata
 from engine.kv_cache import KVCache
 from engine.model.llama import Transformer
@@ -50,8 +50,9 @@ class ModelExecutor:
         model: the network (its dtype is the serving dtype).
         kv: the paged K/V tensors.
         cost_model: initial per-token costs; `calibrate()` measures real ones.
-        decode_kernel: run decode rows in genserve's kernel (`engine/kernels.py`); None: when it
-            builds here (CPU, head_dim 64), else torch SDPA.
+        kernels: run genserve's CPU kernels (`engine/kernels.py`: decode attention and the fused
+            per-token steps of each block); None: when they build here (CPU, head_dim 64), else
+            torch SDPA and plain torch ops.
 
     One step builds the flat batch `token_ids[B + C]`, `positions[B + C]` (the tokens of each
     segment, in plan order), runs the forward pass, projects to logits only the last position
@@ -59,14 +60,14 @@ class ModelExecutor:
     """
 
     def __init__(self, model: Transformer, kv: KVCache, cost_model: CostModel | None = None,
-                 decode_kernel: bool | None = None) -> None:
+                 kernels: bool | None = None) -> None:
         self.model = model
         self.kv = kv
         self.cost_model = cost_model or CostModel()
-        if decode_kernel is None:
-            decode_kernel = (model.args.head_dim == 64 and kv.layers[0].device.type == "cpu"
-                             and kernels.decode_kernel_available())
-        self.decode_kernel = decode_kernel
+        if kernels is None:
+            kernels = (model.args.head_dim == 64 and kv.layers[0].device.type == "cpu"
+                       and genserve_kernels.available())
+        self.kernels = kernels
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> SampledTokens:
@@ -86,7 +87,7 @@ class ModelExecutor:
         args = self.model.args
         meta = AttentionMetadata.build(
             [(s.start, s.length, s.block_table, s.decode) for s in plan.segments],
-            self.kv.block_size, args.n_heads // args.n_kv_heads, self.model.dtype, self.decode_kernel)
+            self.kv.block_size, args.n_heads // args.n_kv_heads, self.model.dtype, self.kernels)
         hidden = self.model(torch.tensor(token_ids, dtype=torch.long),
                             torch.tensor(positions, dtype=torch.long), self.kv.layers, meta)
         if not sample_rows:

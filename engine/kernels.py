@@ -1,12 +1,17 @@
-"""genserve's own CPU kernel: paged decode attention (`engine/csrc/decode_attention.cpp`).
+"""genserve's own CPU kernels, built on first use.
 
-Built on first use with `torch.utils.cpp_extension.load` (g++ and ninja; ≈ 8 s once per CPU kind,
-then cached under torch's extension directory, ~/.cache/torch_extensions) and registered as
-`torch.ops.genserve.paged_decode`. Where it cannot be built (no compiler, another architecture,
-`GENSERVE_DECODE_KERNEL=0`), `decode_kernel_available()` is False and attention keeps torch's
-fused SDPA path; the engine logs which one it runs.
+* `engine/csrc/decode_attention.cpp`: paged decode attention, `torch.ops.genserve.paged_decode`.
+* `engine/csrc/layer_ops.cpp`: the fused per-token steps of a block — `rms_norm`,
+  `add_rms_norm_` (residual add + norm), `rope_store_kv` (RoPE on Q and K, K and V written to
+  their cache slots) and `silu_mul` — used through `engine.model.layer_ops.KernelLayerOps`.
 
-Why a kernel of our own: one decode row attends with `group` (3) queries over a short run of
+Built with `torch.utils.cpp_extension.load` (g++ and ninja; ≈ 15 s once per CPU kind, then cached
+under torch's extension directory, ~/.cache/torch_extensions). Where they cannot be built (no
+compiler, another architecture, `GENSERVE_KERNELS=0`), `available()` is False and the engine runs
+the same steps as plain torch ops (`TorchLayerOps`) and attention through torch's fused SDPA; the
+engine logs which one it runs.
+
+Why a decode-attention kernel of our own: one decode row attends with `group` (3) queries over a short run of
 keys, a shape torch's CPU attention kernels handle at ≈ 2 µs of overhead per (row, KV head);
 this loop reads the keys and values in place through the block table (no gather copy, no
 padding) and was 5× faster than SDPA at 32 rows × 64 keys and 2.5–7× at 32 × 1,500 keys on
@@ -28,7 +33,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = pathlib.Path(__file__).with_name("csrc") / "decode_attention.cpp"
+SOURCES = [pathlib.Path(__file__).with_name("csrc") / name
+           for name in ("decode_attention.cpp", "layer_ops.cpp")]
+OPS = ("paged_decode", "rms_norm", "add_rms_norm_", "rope_store_kv", "silu_mul")
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 
 
@@ -43,17 +50,17 @@ def _build_name() -> str:
                        if line.startswith(("model name", "flags")))[:4096]
     except OSError:
         cpu += platform.processor()
-    return f"genserve_decode_{zlib.crc32(cpu.encode()):08x}"
+    return f"genserve_kernels_{zlib.crc32(cpu.encode()):08x}"
 
 
 @functools.cache
-def decode_kernel_available() -> bool:
-    """Build (or load the cached build of) the decode kernel once per process; True if usable.
+def available() -> bool:
+    """Build (or load the cached build of) the kernels once per process; True if usable.
 
-    Never raises: a failed build is logged and the SDPA path is used instead.
+    Never raises: a failed build is logged and the torch paths are used instead.
     """
-    if os.environ.get("GENSERVE_DECODE_KERNEL", "1") == "0":
-        log.info("decode kernel disabled by GENSERVE_DECODE_KERNEL=0; using torch SDPA")
+    if os.environ.get("GENSERVE_KERNELS", "1") == "0":
+        log.info("genserve kernels disabled by GENSERVE_KERNELS=0; using torch ops and SDPA")
         return False
     try:
         from torch.utils import cpp_extension
@@ -63,11 +70,11 @@ def decode_kernel_available() -> bool:
         bin_dir = str(pathlib.Path(sys.executable).parent)
         if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
             os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-        cpp_extension.load(name=_build_name(), sources=[str(SOURCE)], extra_cflags=CFLAGS,
+        cpp_extension.load(name=_build_name(), sources=[str(src) for src in SOURCES], extra_cflags=CFLAGS,
                            is_python_module=False, verbose=False)
-        log.info("decode kernel ready: torch.ops.genserve.paged_decode")
-        return hasattr(torch.ops.genserve, "paged_decode")
+        log.info("genserve kernels ready: torch.ops.genserve.%s", ", ".join(OPS))
+        return all(hasattr(torch.ops.genserve, op) for op in OPS)
     except Exception as exc:        # noqa: BLE001 — any build failure means: use the fallback
-        log.warning("decode kernel unavailable (%s: %s); using torch SDPA",
+        log.warning("genserve kernels unavailable (%s: %s); using torch ops and SDPA",
                     type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
         return False

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, paged_attention
+from engine.attention import AttentionMetadata, attend
+from engine.model.layer_ops import KernelLayerOps, TorchLayerOps
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +118,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, dim]
-        return F.rms_norm(x.float(), self.weight.shape, self.weight, self.eps).to(x.dtype)
+        return TorchLayerOps.rms_norm(x, self.weight, self.eps)
 
 
 def rope_tables(args: ModelArgs) -> torch.Tensor:
@@ -142,13 +143,6 @@ def interleave_rope_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.view(heads, hd, -1)[:, order].reshape(w.shape)
 
 
-def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, heads, hd] (interleaved pairs) by freqs [T, hd / 2] complex64; fp32 math, result
-    in x's dtype: (a + ib)(cos + i sin) = (a cos − b sin) + i(a sin + b cos)."""
-    xc = torch.view_as_complex(x.float().view(*x.shape[:-1], -1, 2))
-    return torch.view_as_real(xc * freqs[:, None]).flatten(-2).to(x.dtype)
-
-
 class Attention(nn.Module):
     """GQA self-attention with a fused QKV projection over the paged KV cache."""
 
@@ -165,15 +159,13 @@ class Attention(nn.Module):
         """Attach oneDNN-packed weights where usable (see `pack_weight`)."""
         self.wqkv_packed, self.wo_packed = pack_weight(self.wqkv), pack_weight(self.wo)
 
-    def forward(self, x: torch.Tensor, freqs: torch.Tensor,
-                cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        t = x.shape[0]                                                    # x: [T, dim]
-        qk, v = linear(x, self.wqkv, self.wqkv_packed).split(
-            [(self.n_heads + self.n_kv) * self.hd, self.n_kv * self.hd], dim=-1)
-        qk = apply_rope(qk.view(t, self.n_heads + self.n_kv, self.hd), freqs)  # [T, H+KVH, hd]
-        q, k = qk.split([self.n_heads, self.n_kv], dim=1)               # [T, H, hd], [T, KVH, hd]
-        o = paged_attention(q, k, v.reshape(t, self.n_kv, self.hd), cache, meta)
-        return linear(o.reshape(t, -1), self.wo, self.wo_packed)                       # [T, dim]
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, positions: torch.Tensor,
+                cache: torch.Tensor, meta: AttentionMetadata, ops: type[TorchLayerOps]) -> torch.Tensor:
+        qkv = linear(x, self.wqkv, self.wqkv_packed)                     # x: [T, dim]
+        q = ops.rope_store_kv(qkv, rope, positions, cache, meta.slots,   # [T, H, hd]; K, V stored
+                              self.n_heads, self.n_kv)
+        o = attend(q, cache, meta)
+        return linear(o.reshape(x.shape[0], -1), self.wo, self.wo_packed)             # [T, dim]
 
 
 class FeedForward(nn.Module):
@@ -191,13 +183,18 @@ class FeedForward(nn.Module):
         """Attach oneDNN-packed weights where usable (see `pack_weight`)."""
         self.w13_packed, self.w2_packed = pack_weight(self.w13), pack_weight(self.w2)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:                 # x: [T, dim]
-        gate, up = linear(x, self.w13, self.w13_packed).split(self.ffn, dim=-1)          # [T, ffn] each
-        return linear(F.silu(gate).mul_(up), self.w2, self.w2_packed)                   # [T, dim]
+    def forward(self, x: torch.Tensor, ops: type[TorchLayerOps]) -> torch.Tensor:    # x: [T, dim]
+        gate_up = linear(x, self.w13, self.w13_packed)                               # [T, 2·ffn]
+        return linear(ops.silu_mul(gate_up), self.w2, self.w2_packed)                # [T, dim]
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then + ffn(norm(x))."""
+    """Pre-norm transformer block: h + attn(norm(h)), then + ffn(norm(h)).
+
+    The residual stream h and its normed copy travel together (vLLM's fused add + norm): the
+    block takes h and attention_norm(h), and returns next_norm(h) after updating h in place, so
+    each residual add is fused with the norm that follows it.
+    """
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -206,11 +203,17 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
 
-    def forward(self, x, freqs, cache, meta):
+    def forward(self, h: torch.Tensor, x: torch.Tensor, rope: torch.Tensor,
+                positions: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
+                ops: type[TorchLayerOps], next_norm: RMSNorm) -> torch.Tensor:
+        """h [T, dim] residual stream (updated in place); x = attention_norm(h). Returns
+        next_norm(h) for the next block (or the final norm)."""
         # Sub-modules are called through .forward: nn.Module.__call__ (hook dispatch) costs a few
         # µs per call, ~150 calls a step, and this model registers no hooks.
-        h = x + self.attention.forward(self.attention_norm.forward(x), freqs, cache, meta)
-        return h + self.feed_forward.forward(self.ffn_norm.forward(h))
+        x = ops.add_rms_norm_(h, self.attention.forward(x, rope, positions, cache, meta, ops),
+                              self.ffn_norm.weight, self.ffn_norm.eps)
+        return ops.add_rms_norm_(h, self.feed_forward.forward(x, ops),
+                                 next_norm.weight, next_norm.eps)
 
 
 class Transformer(nn.Module):
@@ -288,15 +291,20 @@ class Transformer(nn.Module):
         Args:
             token_ids: int64 [T]; positions: int64 [T] (each token's position in its request).
             kv_layers: per-layer K and V pools `[2, num_blocks, block_size, kv_heads, hd]`.
-            meta: where to write this step's K/V and which context each request reads.
+            meta: where to write this step's K/V, which context each request reads, and whether
+                the step runs genserve's kernels (`KernelLayerOps`) or torch ops (`TorchLayerOps`).
         Returns:
             [T, dim] final-norm hidden states in the model dtype.
         """
-        x = self.tok_embeddings(token_ids)                               # [T, dim]
-        freqs = self.rope_freqs[positions]                               # [T, hd / 2] complex64
-        for layer, cache in zip(self.layers, kv_layers):
-            x = layer.forward(x, freqs, cache, meta)            # no hooks: see Block.forward
-        return self.norm.forward(x)
+        ops = KernelLayerOps if meta.kernels else TorchLayerOps
+        rope = torch.view_as_real(self.rope_freqs)                       # [ctx, hd / 2, 2] fp32
+        h = self.tok_embeddings(token_ids)                               # [T, dim] residual
+        first = self.layers[0].attention_norm
+        x = ops.rms_norm(h, first.weight, first.eps)
+        norms = [layer.attention_norm for layer in self.layers[1:]] + [self.norm]
+        for layer, cache, next_norm in zip(self.layers, kv_layers, norms):
+            x = layer.forward(h, x, rope, positions, cache, meta, ops, next_norm)  # no hooks
+        return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Output projection of the rows that sample: [R, dim] → fp32 [R, vocab]."""

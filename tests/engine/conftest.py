@@ -6,12 +6,22 @@ import itertools
 
 import pytest
 
+from engine import kernels as genserve_kernels
 from engine.builder import engine_from_weights
 from engine.config import EngineConfig
 from engine.loop import Engine
 from engine.request import Request, SamplingParams
 
 _ids = itertools.count()
+
+
+@pytest.fixture(params=["torch", "kernels"])
+def kernels(request) -> bool:
+    """Both compute paths: torch ops + SDPA, and genserve's CPU kernels (skipped, saying so, where
+    they cannot be built)."""
+    if request.param == "kernels" and not genserve_kernels.available():
+        pytest.skip("genserve's CPU kernels did not build here (g++/ninja missing?); torch path only")
+    return request.param == "kernels"
 
 
 @pytest.fixture(scope="session")

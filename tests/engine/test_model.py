@@ -22,7 +22,8 @@ def mixed_prompts(tokenizer) -> list[list[int]]:
     return prompts
 
 
-def test_logits_and_greedy_tokens_match_transformers(fp32_engine, hf_reference_model, gguf_tokenizer):
+def test_logits_and_greedy_tokens_match_transformers(fp32_engine, hf_reference_model, gguf_tokenizer,
+                                                     kernels):
     hf, _ = hf_reference_model
     prompt = gguf_tokenizer.encode(PARAGRAPH + "The capital of France is")[:32]
     assert len(prompt) == 32
@@ -30,16 +31,21 @@ def test_logits_and_greedy_tokens_match_transformers(fp32_engine, hf_reference_m
     ids = torch.tensor(prompt)
     with torch.inference_mode():
         args = executor.model.args
-        meta = AttentionMetadata.build([(0, 32, [0, 1], False)], 16,
-                                       args.n_heads // args.n_kv_heads, executor.model.dtype)
+        meta = AttentionMetadata.build([(0, 32, [0, 1], False)], 16, args.n_heads // args.n_kv_heads,
+                                       executor.model.dtype, kernels)
         ours = executor.model.logits(executor.model(ids, torch.arange(32), executor.kv.layers, meta))
         ref = hf(ids[None]).logits[0].float()
         diff = (ours - ref).abs().max().item()
-        print(f"parity: max |logit difference| over 32 positions = {diff:.3e}")
+        print(f"parity ({'kernels' if kernels else 'torch ops'}): max |logit difference| over "
+              f"32 positions = {diff:.3e}")
         assert diff < 1e-3
         ref_tokens = hf.generate(ids[None], max_new_tokens=32, do_sample=False,
                                  attention_mask=torch.ones(1, 32, dtype=torch.long))[0, 32:].tolist()
-    [ours_tokens] = generate(fp32_engine, [prompt], 32, temperature=0.0, ignore_eos=True)
+    saved, executor.kernels = executor.kernels, kernels           # the engine on this path too
+    try:
+        [ours_tokens] = generate(fp32_engine, [prompt], 32, temperature=0.0, ignore_eos=True)
+    finally:
+        executor.kernels = saved
     assert ours_tokens == ref_tokens
 
 

@@ -1,0 +1,96 @@
+"""The per-token steps of a Llama block between its matrix products, in two implementations.
+
+`TorchLayerOps` composes torch ops; `KernelLayerOps` calls genserve's fused CPU kernels
+(`engine/csrc/layer_ops.cpp`, built by `engine.kernels`), one pass over the rows per step instead
+of 3–12 torch ops with their dispatch and fp32 temporaries. Both compute the same formulas in fp32
+and round once to the activation dtype (the kernels round `silu(gate) · up` once where torch
+rounds `silu(gate)` first, so bf16 results may differ in the last bit); every row is computed
+alone, so neither makes a row depend on the rest of the batch. One process uses one of them,
+chosen with the decode-attention path (`AttentionMetadata.kernels`).
+
+Shapes: T tokens of the flat batch, D = dim, H / KVH query / KV heads, hd = head_dim,
+F = intermediate size. Activations are bf16 or fp32; norm weights and the RoPE table fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class TorchLayerOps:
+    """The block's elementwise steps as plain torch ops (the fallback; any device)."""
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x [T, D] / sqrt(mean(x²) + eps) · weight [D] fp32, in fp32, returned in x's dtype
+        (Zhang & Sennrich 2019; HF Llama's order)."""
+        return F.rms_norm(x.float(), weight.shape, weight, eps).to(x.dtype)
+
+    @staticmethod
+    def add_rms_norm_(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                      eps: float) -> torch.Tensor:
+        """h [T, D] += delta (in place, the residual stream), then `rms_norm(h)`."""
+        h.add_(delta)
+        return TorchLayerOps.rms_norm(h, weight, eps)
+
+    @staticmethod
+    def rope_store_kv(qkv: torch.Tensor, rope: torch.Tensor, positions: torch.Tensor,
+                      cache: torch.Tensor, slots: torch.Tensor, n_heads: int,
+                      n_kv_heads: int) -> torch.Tensor:
+        """RoPE (Su et al. 2021) on the Q and K parts of a fused projection; K and V stored.
+
+        Args:
+            qkv: [T, (H + 2·KVH)·hd], Q | K | V, Q and K in interleaved-pair order.
+            rope: fp32 [max_context, hd / 2, 2], (cos, sin) of position p, pair j.
+            positions: int64 [T]; slots: int64 [T], each token's row in the cache pools.
+            cache: one layer's pools [2, num_blocks, block_size, KVH, hd] (K, V), written.
+        Returns:
+            q [T, H, hd] rotated: (a, b) of pair j → (a·cos − b·sin, a·sin + b·cos).
+        """
+        t, hd = qkv.shape[0], cache.shape[-1]
+        qk, v = qkv.split([(n_heads + n_kv_heads) * hd, n_kv_heads * hd], dim=-1)
+        freqs = torch.view_as_complex(rope[positions])                       # [T, hd / 2]
+        xc = torch.view_as_complex(qk.float().reshape(t, n_heads + n_kv_heads, hd // 2, 2))
+        qk = torch.view_as_real(xc * freqs[:, None]).flatten(-2).to(qkv.dtype)
+        q, k = qk.split([n_heads, n_kv_heads], dim=1)
+        rows = cache.view(2, -1, n_kv_heads, hd)
+        rows[0].index_copy_(0, slots, k)
+        rows[1].index_copy_(0, slots, v.reshape(t, n_kv_heads, hd))
+        return q
+
+    @staticmethod
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        """SwiGLU's product (Shazeer 2020): gate_up [T, 2F] = gate | up → silu(gate) · up [T, F]."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate).mul_(up)
+
+
+class KernelLayerOps:
+    """The same steps in genserve's fused CPU kernels (`torch.ops.genserve.*`); same arguments,
+    shapes and errors as `TorchLayerOps` (RuntimeError on a bad shape, dtype, position or slot).
+    Only usable once `engine.kernels.available()` returned True."""
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """See `TorchLayerOps.rms_norm`."""
+        return torch.ops.genserve.rms_norm(x, weight, eps)
+
+    @staticmethod
+    def add_rms_norm_(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                      eps: float) -> torch.Tensor:
+        """See `TorchLayerOps.add_rms_norm_`."""
+        return torch.ops.genserve.add_rms_norm_(h, delta, weight, eps)
+
+    @staticmethod
+    def rope_store_kv(qkv: torch.Tensor, rope: torch.Tensor, positions: torch.Tensor,
+                      cache: torch.Tensor, slots: torch.Tensor, n_heads: int,
+                      n_kv_heads: int) -> torch.Tensor:
+        """See `TorchLayerOps.rope_store_kv`."""
+        return torch.ops.genserve.rope_store_kv(qkv, rope, positions, cache, slots,
+                                                n_heads, n_kv_heads)
+
+    @staticmethod
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        """See `TorchLayerOps.silu_mul`."""
+        return torch.ops.genserve.silu_mul(gate_up)
