@@ -18,7 +18,7 @@ these inputs: online softmax, fp32 accumulation, no [queries × keys] matrix in 
   (`[B, kv_heads, group, head_dim]`), so K and V are never repeated for GQA. L is padded to a
   multiple of 64 keys and the padding masked with -inf.
 * prefill pieces (at most `prefill_piece` tokens of one request) in one call per piece, over the
-  piece's exact context, GQA groups folded the same way and a causal additive mask.
+  piece's exact context, with `enable_gqa` (K/V not repeated) and a causal additive mask.
 
 Both are exact with respect to batching on CPU — a request's output does not depend on which
 other requests share the step (the design's batch-invariance test): both kernels work per
@@ -44,9 +44,9 @@ class SeqSpan:
         q_start, q_end: its tokens are rows [q_start, q_end) of the flat batch.
         context_len: keys it attends to, positions [0, context_len) (== its last position + 1).
         blocks: int64 [ceil(context_len / block_size)] block ids in position order.
-        bias: additive mask [1, 1, group × q_len, context_len] in the model dtype, 0 where query
-            i (of any head in the group) may attend key j (j <= its position), -inf elsewhere;
-            None for a single query (it attends every key).
+        bias: additive mask [1, 1, q_len, context_len] in the model dtype, 0 where query i may
+            attend key j (j <= its position), -inf elsewhere; None for a single query (it attends
+            every key).
     """
 
     q_start: int
@@ -88,7 +88,7 @@ class AttentionMetadata:
 
     @classmethod
     def build(cls, spans: list[tuple[int, int, list[int] | tuple[int, ...], bool]],
-              block_size: int, group: int = 1, dtype: torch.dtype = torch.float32,
+              block_size: int, dtype: torch.dtype = torch.float32,
               kernels: bool = False) -> "AttentionMetadata":
         """Metadata from `(start_position, num_tokens, block_table, is_decode)` per segment, in
         batch order; decode rows (one token each) must come first.
@@ -96,7 +96,6 @@ class AttentionMetadata:
         Args:
             spans: the step's segments.
             block_size: tokens per block.
-            group: query heads per KV head (n_heads // n_kv_heads), to fold the masks.
             dtype: the model dtype (the masks' dtype must match the queries').
             kernels: build for genserve's kernels (no decode mask).
         Raises:
@@ -122,7 +121,7 @@ class AttentionMetadata:
                     pos = torch.arange(start, end)
                     causal = torch.arange(end)[None, :] <= pos[:, None]          # [q_len, L]
                     bias = torch.zeros(length, end, dtype=dtype).masked_fill_(~causal, float("-inf"))
-                    bias = bias.repeat(group, 1)[None, None]                      # [1, 1, G·q, L]
+                    bias = bias[None, None]                                       # [1, 1, q, L]
                 nb_used = -(-end // block_size)
                 seqs.append(SeqSpan(q, q + length, end,
                                     torch.tensor(table[:nb_used], dtype=torch.long), bias))
@@ -178,20 +177,21 @@ def prefill_attention(q: torch.Tensor, cache: torch.Tensor, span: SeqSpan) -> to
     Args:
         q: [q_len, n_heads, head_dim] the piece's queries.
         cache: one layer's pools [2, num_blocks, block_size, n_kv_heads, head_dim].
-        span: the piece (context length, blocks, folded causal bias).
+        span: the piece (context length, blocks, causal bias).
     Returns:
         [q_len, n_heads, head_dim] in q's dtype; head h reads KV head h // group (GQA, Ainslie
-        et al. 2023).
+        et al. 2023; SDPA's `enable_gqa` reads the shared K/V without repeating them). Heads stay
+        separate rather than folded into the query axis: torch's CPU flash kernel splits the
+        work by (head, block of queries), and 9 heads × 4 blocks of 64 queries keep 2 threads
+        evenly busy where 3 folded heads × 3 blocks of 256 did not (≈ 3 % faster per piece).
     """
-    ql, n_heads, hd = q.shape
-    n_kv = cache.shape[-2]
-    group = n_heads // n_kv
+    n_kv, hd = cache.shape[-2], cache.shape[-1]
     length = span.context_len
     keys = cache[0].index_select(0, span.blocks).view(-1, n_kv, hd)[:length].transpose(0, 1)
     values = cache[1].index_select(0, span.blocks).view(-1, n_kv, hd)[:length].transpose(0, 1)
-    qg = q.view(ql, n_kv, group, hd).permute(1, 2, 0, 3).reshape(1, n_kv, group * ql, hd)
-    out = F.scaled_dot_product_attention(qg, keys[None], values[None], attn_mask=span.bias)
-    return out.view(n_kv, group, ql, hd).permute(2, 0, 1, 3).reshape(ql, n_heads, hd)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None],
+                                         attn_mask=span.bias, enable_gqa=True)   # [1, H, q, hd]
+    return out[0].transpose(0, 1)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:

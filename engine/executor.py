@@ -84,10 +84,9 @@ class ModelExecutor:
                 sample_rows.append(len(token_ids) - 1)
         for src, dst in plan.block_copies:      # copy-on-write of shared prompt blocks
             self.kv.copy_block(src, dst)
-        args = self.model.args
         meta = AttentionMetadata.build(
             [(s.start, s.length, s.block_table, s.decode) for s in plan.segments],
-            self.kv.block_size, args.n_heads // args.n_kv_heads, self.model.dtype, self.kernels)
+            self.kv.block_size, self.model.dtype, self.kernels)
         hidden = self.model(torch.tensor(token_ids, dtype=torch.long),
                             torch.tensor(positions, dtype=torch.long), self.kv.layers, meta)
         if not sample_rows:

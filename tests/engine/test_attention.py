@@ -49,7 +49,7 @@ def test_decode_and_prefill_match_dense_attention(dtype, tol, kernels):
         kv[name] = (k, v)
     spans = [(c - 1, 1, t, True) for c, t in zip(contexts, tables)]
     spans.append((prefill_start, prefill_ctx - prefill_start, prefill_table, False))
-    meta = AttentionMetadata.build(spans, BS, GROUP, dtype, kernels)
+    meta = AttentionMetadata.build(spans, BS, dtype, kernels)
     q = torch.randn(len(contexts) + 64, H, HD, generator=g).to(dtype)
     new_k = torch.cat([kv[i][0][-1:] for i in range(5)] + [kv["p"][0][prefill_start:]])
     new_v = torch.cat([kv[i][1][-1:] for i in range(5)] + [kv["p"][1][prefill_start:]])
@@ -74,7 +74,7 @@ def test_decode_row_bits_do_not_depend_on_batch_or_padding(kernels):
 
     def decode(rows: list[int]) -> torch.Tensor:
         meta = AttentionMetadata.build([(contexts[i] - 1, 1, tables[i], True) for i in rows],
-                                       BS, GROUP, torch.bfloat16, kernels)
+                                       BS, torch.bfloat16, kernels)
         k = cache[0, [tables[i][(contexts[i] - 1) // BS] for i in rows], [(contexts[i] - 1) % BS for i in rows]]
         v = cache[1, [tables[i][(contexts[i] - 1) // BS] for i in rows], [(contexts[i] - 1) % BS for i in rows]]
         store_kv(k, v, cache, meta.slots)

@@ -30,9 +30,7 @@ def test_logits_and_greedy_tokens_match_transformers(fp32_engine, hf_reference_m
     executor = fp32_engine.executor
     ids = torch.tensor(prompt)
     with torch.inference_mode():
-        args = executor.model.args
-        meta = AttentionMetadata.build([(0, 32, [0, 1], False)], 16, args.n_heads // args.n_kv_heads,
-                                       executor.model.dtype, kernels)
+        meta = AttentionMetadata.build([(0, 32, [0, 1], False)], 16, executor.model.dtype, kernels)
         ours = executor.model.logits(executor.model(ids, torch.arange(32), executor.kv.layers, meta))
         ref = hf(ids[None]).logits[0].float()
         diff = (ours - ref).abs().max().item()
