@@ -35,6 +35,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine import kernels as genserve_kernels
+
 
 @dataclass(frozen=True, slots=True)
 class SeqSpan:
@@ -223,6 +225,13 @@ def attend(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> tor
     out = torch.empty_like(q)
     if meta.num_decode:
         out[:meta.num_decode] = decode_attention(q[:meta.num_decode], cache, meta)
+    kernel = meta.kernels and q.dtype == torch.bfloat16 and q.shape[-1] == 64 \
+        and genserve_kernels.prefill_kernel_available()
     for s in meta.seqs:
-        out[s.q_start:s.q_end] = prefill_attention(q[s.q_start:s.q_end], cache, s)
+        piece = q[s.q_start:s.q_end]
+        if kernel:
+            out[s.q_start:s.q_end] = torch.ops.genserve.paged_prefill(
+                piece, cache[0], cache[1], s.blocks, s.context_len - len(piece), q.shape[-1] ** -0.5)
+        else:
+            out[s.q_start:s.q_end] = prefill_attention(piece, cache, s)
     return out

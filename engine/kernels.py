@@ -1,6 +1,9 @@
 """genserve's own CPU kernels, built on first use.
 
 * `engine/csrc/decode_attention.cpp`: paged decode attention, `torch.ops.genserve.paged_decode`.
+* `engine/csrc/prefill_attention.cpp`: causal prefill attention of one piece over its paged
+  context, `torch.ops.genserve.paged_prefill` — only where the compiler targets AVX512-BF16 (bf16,
+  head_dim 64); `prefill_kernel_available()` says whether this build has it.
 * `engine/csrc/layer_ops.cpp`: the fused per-token steps of a block — `rms_norm`,
   `add_rms_norm_` (residual add + norm), `rope_store_kv` (RoPE on Q and K, K and V written to
   their cache slots) and `silu_mul` — used through `engine.model.layer_ops.KernelLayerOps`.
@@ -34,7 +37,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = [pathlib.Path(__file__).with_name("csrc") / name
-           for name in ("decode_attention.cpp", "layer_ops.cpp")]
+           for name in ("decode_attention.cpp", "prefill_attention.cpp", "layer_ops.cpp")]
 OPS = ("paged_decode", "rms_norm", "add_rms_norm_", "rope_store_kv", "silu_mul")
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 
@@ -78,3 +81,9 @@ def available() -> bool:
         log.warning("genserve kernels unavailable (%s: %s); using torch ops and SDPA",
                     type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
         return False
+
+
+@functools.cache
+def prefill_kernel_available() -> bool:
+    """True if the kernels built and this CPU's build includes `paged_prefill` (AVX512-BF16)."""
+    return available() and hasattr(torch.ops.genserve, "paged_prefill")

@@ -1,0 +1,270 @@
+// Causal prefill attention of one piece over its paged context, bf16, head_dim 64, on CPUs with
+// AVX512-BF16 (vdpbf16ps): flash-attention style (Dao et al. 2022) online softmax in fp32.
+//
+//   out[t, h, :] = softmax_j(q[t, h] · k[j] * scale) · v[j],   j <= start + t
+//
+// Work item = (KV head, tile of 16 query positions): the tile's 16 · G query rows (its G = heads
+// per KV head, GQA) sit in the lanes of G zmm registers, so one key is broadcast against all of
+// them and the row max / sum of the softmax are lane-wise (no horizontal reductions):
+//
+//   S[j][r] = Σ_p (q[r][2p], q[r][2p+1]) · (k[j][2p], k[j][2p+1])       Q packed once per tile
+//   O[d][r] += Σ_jp (P[2jp][r], P[2jp+1][r]) · (v[2jp][d], v[2jp+1][d])   V packed once per piece
+//
+// Keys go 64 at a time: scores, causal mask (-inf past the row's position), new running max,
+// P = exp(S - max) (probabilities rounded to bf16 for P·V, as torch's flash kernel does), O and
+// the running sum rescaled, P·V accumulated in fp32. Blocks past a tile's last position are
+// skipped. Every loop runs in an order fixed by the piece alone, so the result never depends on
+// other requests in the step. Built only where the compiler targets AVX512-BF16; elsewhere the
+// op is absent and attention uses torch's SDPA.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int D = 64;        // head_dim
+constexpr int P = D / 2;     // bf16 pairs per head vector
+constexpr int TQ = 16;       // query positions per tile
+constexpr int KB = 64;       // keys per softmax block
+
+// e^x for x <= 0 (-inf gives 0), Cephes expf: x = n ln2 + r, |r| <= ln2 / 2, degree-6 polynomial
+// in r (relative error ~1e-7), scaled by 2^n with vscalefps.
+inline __m512 exp_ps(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.f);
+  const __mmask16 neg_inf = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  x = _mm512_max_ps(x, lo);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~neg_inf), _mm512_scalef_ps(p, n));
+}
+
+// Two fp32 vectors (keys 2i and 2i + 1 of 16 rows) as one vector of 16 bf16 pairs.
+inline __m512i interleave_bf16(__m512 even, __m512 odd) {
+  const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(odd, even);   // words 0-15 even, 16-31 odd
+  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                       24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                       16, 0);
+  return _mm512_permutexvar_epi16(idx, both);
+}
+
+struct Piece {
+  const uint32_t* q;         // [q_len, heads, P] bf16 pairs
+  const c10::BFloat16* k;    // pool [blocks, block, kv_heads, D]
+  const uint32_t* vpk;       // [kv_heads, len_pad / 2, D] pairs of consecutive keys' values
+  const int64_t* table;
+  c10::BFloat16* out;        // [q_len, heads, D]
+  int64_t q_len, start, heads, kv_heads, block, len_pad;
+  float scale;
+};
+
+template <int G>
+void tile(const Piece& pc, int64_t h, int64_t t0) {
+  constexpr int R = TQ * G;                            // rows: position-major, r = t · G + g
+  constexpr int KC = G <= 3 ? 8 : (G == 4 ? 6 : 3);    // keys per register block
+  alignas(64) uint32_t qp[P][R];
+  alignas(64) float s[KB][R];
+  alignas(64) uint32_t pp[KB / 2][R];
+  alignas(64) float o[D][R];
+  alignas(64) static const uint32_t zero_row[P] = {};
+  const int64_t rows_valid = std::min<int64_t>(TQ, pc.q_len - t0) * G;
+  for (int r = 0; r < R; ++r) {
+    const int64_t t = t0 + r / G;
+    const uint32_t* src = pc.q + (t * pc.heads + h * G + r % G) * P;
+    for (int p = 0; p < P; ++p) qp[p][r] = r < rows_valid ? src[p] : 0u;
+  }
+  __m512i qpos[G];                                     // each row's query position
+  for (int v = 0; v < G; ++v) {
+    alignas(64) int32_t pos[16];
+    for (int i = 0; i < 16; ++i)
+      pos[i] = static_cast<int32_t>(pc.start + t0 + std::min<int64_t>((v * 16 + i) / G, TQ - 1));
+    qpos[v] = _mm512_load_si512(pos);
+  }
+  __m512 m[G], l[G];
+  for (int v = 0; v < G; ++v) {
+    m[v] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    l[v] = _mm512_setzero_ps();
+  }
+  std::memset(o, 0, sizeof o);
+  const int64_t kend = pc.start + t0 + rows_valid / G;          // keys [0, kend) are needed
+  const int64_t token_stride = pc.kv_heads * D;
+  const uint32_t* vpk = pc.vpk + h * (pc.len_pad / 2) * D;
+  for (int64_t kb = 0; kb < kend; kb += KB) {
+    // S = Q · Kᵀ for keys [kb, kb + KB), KC keys at a time held in registers.
+    for (int k0 = 0; k0 < KB; k0 += KC) {
+      const uint32_t* key[KC];
+      for (int k = 0; k < KC; ++k) {
+        const int64_t j = kb + k0 + k;
+        key[k] = (k0 + k < KB && j < kend)
+                     ? reinterpret_cast<const uint32_t*>(
+                           pc.k + (pc.table[j / pc.block] * pc.block + j % pc.block) * token_stride +
+                           h * D)
+                     : zero_row;
+      }
+      __m512 acc[KC][G];
+      for (int k = 0; k < KC; ++k)
+        for (int v = 0; v < G; ++v) acc[k][v] = _mm512_setzero_ps();
+      for (int p = 0; p < P; ++p) {
+        __m512bh qv[G];
+        for (int v = 0; v < G; ++v) qv[v] = (__m512bh)_mm512_load_si512(&qp[p][v * 16]);
+        for (int k = 0; k < KC; ++k) {
+          const __m512bh b = (__m512bh)_mm512_set1_epi32(static_cast<int>(key[k][p]));
+          for (int v = 0; v < G; ++v) acc[k][v] = _mm512_dpbf16_ps(acc[k][v], qv[v], b);
+        }
+      }
+      for (int k = 0; k < KC && k0 + k < KB; ++k)
+        for (int v = 0; v < G; ++v) _mm512_store_ps(&s[k0 + k][v * 16], acc[k][v]);
+    }
+    // Scale, causal mask, running max.
+    const __m512 scale = _mm512_set1_ps(pc.scale);
+    const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    __m512 mnew[G];
+    for (int v = 0; v < G; ++v) mnew[v] = m[v];
+    for (int k = 0; k < KB; ++k) {
+      const __m512i j = _mm512_set1_epi32(static_cast<int32_t>(kb + k));
+      for (int v = 0; v < G; ++v) {
+        const __mmask16 past = _mm512_cmpgt_epi32_mask(j, qpos[v]);
+        const __m512 x = _mm512_mask_mov_ps(_mm512_mul_ps(_mm512_load_ps(&s[k][v * 16]), scale),
+                                            past, ninf);
+        _mm512_store_ps(&s[k][v * 16], x);
+        mnew[v] = _mm512_max_ps(mnew[v], x);
+      }
+    }
+    // P = exp(S - max), running sum, O rescaled by exp(old max - new max).
+    for (int v = 0; v < G; ++v) {
+      const __m512 corr = exp_ps(_mm512_sub_ps(m[v], mnew[v]));
+      l[v] = _mm512_mul_ps(l[v], corr);
+      if (kb > 0)
+        for (int d = 0; d < D; ++d)
+          _mm512_store_ps(&o[d][v * 16], _mm512_mul_ps(_mm512_load_ps(&o[d][v * 16]), corr));
+      m[v] = mnew[v];
+    }
+    for (int k = 0; k < KB; k += 2)
+      for (int v = 0; v < G; ++v) {
+        const __m512 p0 = exp_ps(_mm512_sub_ps(_mm512_load_ps(&s[k][v * 16]), m[v]));
+        const __m512 p1 = exp_ps(_mm512_sub_ps(_mm512_load_ps(&s[k + 1][v * 16]), m[v]));
+        const __m512i pair = interleave_bf16(p0, p1);
+        // The sum uses the rounded probabilities P·V will use, so the weights sum to exactly 1.
+        const __m512 r0 = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
+        const __m512 r1 = _mm512_castsi512_ps(_mm512_and_si512(pair, _mm512_set1_epi32(0xffff0000)));
+        l[v] = _mm512_add_ps(l[v], _mm512_add_ps(r0, r1));
+        _mm512_store_si512(&pp[k / 2][v * 16], pair);
+      }
+    // O += P · V, 8 head dimensions at a time held in registers.
+    const int jp_end = static_cast<int>(std::min<int64_t>(KB, kend - kb) + 1) / 2;
+    for (int d0 = 0; d0 < D; d0 += 8) {
+      __m512 acc[8][G];
+      for (int dd = 0; dd < 8; ++dd)
+        for (int v = 0; v < G; ++v) acc[dd][v] = _mm512_load_ps(&o[d0 + dd][v * 16]);
+      for (int jp = 0; jp < jp_end; ++jp) {
+        const uint32_t* vrow = vpk + (kb / 2 + jp) * D + d0;
+        __m512bh pv[G];
+        for (int v = 0; v < G; ++v) pv[v] = (__m512bh)_mm512_load_si512(&pp[jp][v * 16]);
+        for (int dd = 0; dd < 8; ++dd) {
+          const __m512bh b = (__m512bh)_mm512_set1_epi32(static_cast<int>(vrow[dd]));
+          for (int v = 0; v < G; ++v) acc[dd][v] = _mm512_dpbf16_ps(acc[dd][v], pv[v], b);
+        }
+      }
+      for (int dd = 0; dd < 8; ++dd)
+        for (int v = 0; v < G; ++v) _mm512_store_ps(&o[d0 + dd][v * 16], acc[dd][v]);
+    }
+  }
+  alignas(64) float inv_l[R];
+  for (int v = 0; v < G; ++v) _mm512_store_ps(&inv_l[v * 16], _mm512_div_ps(_mm512_set1_ps(1.f), l[v]));
+  for (int r = 0; r < rows_valid; ++r) {
+    c10::BFloat16* dst = pc.out + ((t0 + r / G) * pc.heads + h * G + r % G) * D;
+    for (int d = 0; d < D; ++d) dst[d] = static_cast<c10::BFloat16>(o[d][r] * inv_l[r]);
+  }
+}
+
+template <int G>
+void run(const Piece& pc) {
+  const int64_t tiles = (pc.q_len + TQ - 1) / TQ;
+  // Later tiles see more keys (causal): order tiles 0, T-1, 1, T-2, ... so the contiguous ranges
+  // at::parallel_for hands each thread carry about equal work.
+  std::vector<int64_t> order;
+  for (int64_t a = 0, b = tiles - 1; a <= b; ++a, --b) {
+    order.push_back(a);
+    if (a != b) order.push_back(b);
+  }
+  at::parallel_for(0, tiles * pc.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item)
+      tile<G>(pc, item % pc.kv_heads, order[item / pc.kv_heads] * TQ);
+  });
+}
+
+at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                         const at::Tensor& table, int64_t start, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 4 && v_pool.sizes() == k_pool.sizes(),
+              "q [T, H, D], pools [blocks, block, kv_heads, D]");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_pool.scalar_type() == at::kBFloat16 &&
+                  v_pool.scalar_type() == at::kBFloat16, "bf16 only");
+  TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous() &&
+                  table.is_contiguous() && table.scalar_type() == at::kLong, "contiguous inputs");
+  TORCH_CHECK(q.size(2) == D && k_pool.size(3) == D && q.size(1) % k_pool.size(2) == 0,
+              "head_dim 64 and whole GQA groups");
+  const int64_t q_len = q.size(0), kv_heads = k_pool.size(2), block = k_pool.size(1);
+  const int64_t len = start + q_len, len_pad = (len + KB - 1) / KB * KB;
+  TORCH_CHECK(start >= 0 && table.numel() * block >= len, "block table of ", table.numel(),
+              " blocks cannot hold ", len, " tokens");
+  const int64_t* tb = table.data_ptr<int64_t>();
+  for (int64_t i = 0; i < (len + block - 1) / block; ++i)
+    TORCH_CHECK(tb[i] >= 0 && tb[i] < k_pool.size(0), "block ", tb[i], " outside the pool");
+  // V as pairs of consecutive keys, [kv_heads, len_pad / 2, D] (zeros past the context).
+  at::Tensor vpk = at::empty({kv_heads, len_pad / 2, D}, q.options().dtype(at::kInt));
+  uint32_t* vp = reinterpret_cast<uint32_t*>(vpk.data_ptr<int32_t>());
+  const uint16_t* vsrc = reinterpret_cast<const uint16_t*>(v_pool.data_ptr<c10::BFloat16>());
+  at::parallel_for(0, kv_heads * (len_pad / 2), 64, [&](int64_t b, int64_t e) {
+    for (int64_t item = b; item < e; ++item) {
+      const int64_t h = item / (len_pad / 2), jp = item % (len_pad / 2);
+      uint32_t* dst = vp + item * D;
+      const uint16_t* row[2] = {nullptr, nullptr};
+      for (int i = 0; i < 2; ++i) {
+        const int64_t j = 2 * jp + i;
+        if (j < len) row[i] = vsrc + ((tb[j / block] * block + j % block) * kv_heads + h) * D;
+      }
+      for (int d = 0; d < D; ++d)
+        dst[d] = (row[0] ? row[0][d] : 0u) | (static_cast<uint32_t>(row[1] ? row[1][d] : 0u) << 16);
+    }
+  });
+  at::Tensor out = at::empty_like(q);
+  const Piece pc{reinterpret_cast<const uint32_t*>(q.data_ptr<c10::BFloat16>()),
+                 k_pool.data_ptr<c10::BFloat16>(), vp, tb, out.data_ptr<c10::BFloat16>(),
+                 q_len, start, q.size(1), kv_heads, block, len_pad, static_cast<float>(scale)};
+  switch (q.size(1) / kv_heads) {
+    case 1: run<1>(pc); break;
+    case 2: run<2>(pc); break;
+    case 3: run<3>(pc); break;
+    case 4: run<4>(pc); break;
+    case 8: run<8>(pc); break;
+    default: TORCH_CHECK(false, "query heads per KV head must be 1, 2, 3, 4 or 8");
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(genserve, m) {
+  m.def("paged_prefill(Tensor q, Tensor k_pool, Tensor v_pool, Tensor table, int start, "
+        "float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(genserve, CPU, m) { m.impl("paged_prefill", &paged_prefill); }
+
+#endif  // __AVX512BF16__ && __AVX512BW__
