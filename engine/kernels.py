@@ -43,9 +43,9 @@ CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 
 
 def _build_name() -> str:
-    """Extension name keyed by this CPU: the build uses -march=native, and torch's cache is keyed
-    by name, sources and flags only, so a home directory shared across CPU kinds must not reuse
-    another CPU's binary."""
+    """Extension name keyed by this CPU and the kernel code: the build uses -march=native, and
+    torch's cache is keyed by name, listed sources and flags only, so a home directory shared
+    across CPU kinds must not reuse another CPU's binary, nor a build from older headers."""
     cpu = platform.machine()
     try:
         info = pathlib.Path("/proc/cpuinfo").read_text()
@@ -53,7 +53,9 @@ def _build_name() -> str:
                        if line.startswith(("model name", "flags")))[:4096]
     except OSError:
         cpu += platform.processor()
-    return f"genserve_kernels_{zlib.crc32(cpu.encode()):08x}"
+    # torch keys its cache by the listed sources only; the headers they include count too.
+    code = b"".join(f.read_bytes() for f in sorted(SOURCES[0].parent.iterdir()) if f.is_file())
+    return f"genserve_kernels_{zlib.crc32(cpu.encode()):08x}_{zlib.crc32(code):08x}"
 
 
 @functools.cache

@@ -10,10 +10,13 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "avx512_math.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -100,9 +103,123 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_pool, const at::Tens
   });
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// The bf16 loop with AVX512-BF16: a key's 64 values are two zmm, q · k is two vdpbf16ps per query
+// head plus a lane sum; P·V runs in fp32 FMAs on the value row widened to four zmm. Same order
+// of operations for every row, so batch invariance holds as in the generic loop.
+constexpr int64_t PREFETCH_BLOCKS = 3;     // how far ahead the next rows are prefetched
+
+template <int G>
+void decode_kernel_avx512(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                          const at::Tensor& tables, const at::Tensor& lens, at::Tensor& out,
+                          double scale) {
+  constexpr int D = 64;
+  const int64_t heads = q.size(1);
+  const int64_t block = k_pool.size(1), kv_heads = k_pool.size(2), table_width = tables.size(1);
+  const int64_t block_stride = block * kv_heads * D, token_stride = kv_heads * D;
+  const uint16_t* qd = reinterpret_cast<const uint16_t*>(q.data_ptr<c10::BFloat16>());
+  const uint16_t* kd = reinterpret_cast<const uint16_t*>(k_pool.data_ptr<c10::BFloat16>());
+  const uint16_t* vd = reinterpret_cast<const uint16_t*>(v_pool.data_ptr<c10::BFloat16>());
+  const int64_t* td = tables.data_ptr<int64_t>();
+  const int64_t* ld = lens.data_ptr<int64_t>();
+  uint16_t* od = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, q.size(0) * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / kv_heads, h = item % kv_heads, len = ld[b];
+      const int64_t* table = td + b * table_width;
+      const int64_t padded = (len + 15) / 16 * 16;
+      scores.assign(G * padded, -std::numeric_limits<float>::infinity());
+      __m512bh qv[G][2];
+      for (int g = 0; g < G; ++g)
+        for (int i = 0; i < 2; ++i)
+          qv[g][i] = (__m512bh)_mm512_loadu_si512(qd + (b * heads + h * G + g) * D + 32 * i);
+      // The row's keys (then values) in position order through its block table. Blocks are
+      // scattered in the pool, which defeats the hardware prefetcher at every block boundary:
+      // the next block's rows are prefetched while this one is read.
+      auto each_token = [&](const uint16_t* pool, auto&& visit) {
+        for (int64_t start = 0; start < len; start += block) {
+          const uint16_t* base = pool + table[start / block] * block_stride + h * D;
+          const int64_t n = std::min(block, len - start);
+          const int64_t ahead = start + PREFETCH_BLOCKS * block;
+          if (ahead < len) {
+            const char* next = reinterpret_cast<const char*>(
+                pool + table[ahead / block] * block_stride + h * D);
+            for (int64_t t = 0; t < std::min(block, len - ahead); ++t) {
+              _mm_prefetch(next + t * token_stride * 2, _MM_HINT_T0);
+              _mm_prefetch(next + t * token_stride * 2 + 64, _MM_HINT_T0);
+            }
+          }
+          for (int64_t t = 0; t < n; ++t) visit(start + t, base + t * token_stride);
+        }
+      };
+      float mx[G];
+      for (int g = 0; g < G; ++g) mx[g] = -std::numeric_limits<float>::max();
+      each_token(kd, [&](int64_t j, const uint16_t* row) {
+        const __m512bh k0 = (__m512bh)_mm512_loadu_si512(row);
+        const __m512bh k1 = (__m512bh)_mm512_loadu_si512(row + 32);
+        for (int g = 0; g < G; ++g) {
+          const __m512 dot = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], k0),
+                                              qv[g][1], k1);
+          const float s = _mm512_reduce_add_ps(dot) * fscale;
+          scores[g * padded + j] = s;
+          mx[g] = std::max(mx[g], s);
+        }
+      });
+      float inv_sum[G];
+      for (int g = 0; g < G; ++g) {
+        float* sg = scores.data() + g * padded;
+        const __m512 m = _mm512_set1_ps(mx[g]);
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t j = 0; j < padded; j += 16) {
+          const __m512 p = genserve::exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sg + j), m));
+          _mm512_storeu_ps(sg + j, p);
+          sum = _mm512_add_ps(sum, p);
+        }
+        inv_sum[g] = 1.f / _mm512_reduce_add_ps(sum);
+      }
+      __m512 acc[G][4];
+      for (int g = 0; g < G; ++g)
+        for (int i = 0; i < 4; ++i) acc[g][i] = _mm512_setzero_ps();
+      each_token(vd, [&](int64_t j, const uint16_t* row) {
+        __m512 v[4];
+        for (int i = 0; i < 4; ++i)
+          v[i] = _mm512_castsi512_ps(_mm512_slli_epi32(
+              _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * i))), 16));
+        for (int g = 0; g < G; ++g) {
+          const __m512 p = _mm512_set1_ps(scores[g * padded + j]);
+          for (int i = 0; i < 4; ++i) acc[g][i] = _mm512_fmadd_ps(p, v[i], acc[g][i]);
+        }
+      });
+      for (int g = 0; g < G; ++g) {
+        const __m512 inv = _mm512_set1_ps(inv_sum[g]);
+        uint16_t* dst = od + (b * heads + h * G + g) * D;
+        for (int i = 0; i < 4; ++i)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * i),
+                              (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[g][i], inv)));
+      }
+    }
+  });
+}
+#endif  // __AVX512BF16__ && __AVX512BW__
+
 template <typename T>
 void dispatch_group(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                     const at::Tensor& tables, const at::Tensor& lens, at::Tensor& out, double scale) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    switch (q.size(1) / k_pool.size(2)) {
+      case 1: return decode_kernel_avx512<1>(q, k_pool, v_pool, tables, lens, out, scale);
+      case 2: return decode_kernel_avx512<2>(q, k_pool, v_pool, tables, lens, out, scale);
+      case 3: return decode_kernel_avx512<3>(q, k_pool, v_pool, tables, lens, out, scale);
+      case 4: return decode_kernel_avx512<4>(q, k_pool, v_pool, tables, lens, out, scale);
+      case 8: return decode_kernel_avx512<8>(q, k_pool, v_pool, tables, lens, out, scale);
+      default: TORCH_CHECK(false, "query heads per KV head must be 1, 2, 3, 4 or 8");
+    }
+  }
+#endif
   switch (q.size(1) / k_pool.size(2)) {
     case 1: return decode_kernel<T, 1>(q, k_pool, v_pool, tables, lens, out, scale);
     case 2: return decode_kernel<T, 2>(q, k_pool, v_pool, tables, lens, out, scale);
