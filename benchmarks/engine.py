@@ -26,8 +26,9 @@ What is measured:
   plan.num_prefill_tokens == 0`), the first `decode_skip` of each phase are dropped as warm-up;
   step time is the median listener time and tokens/s = rows / median step time.
 * step breakdown at 32 rows: `Engine.step()` wall time vs time inside `executor.model(...)`, the
-  logits projection and `sample`, and inside the forward the time in `linear`, `attend` and
-  `rope_store_kv`. Measured by timing wrappers the benchmark installs around the model and those
+  logits projection and `sample`; and, from `split_steps` more 32-row steps run through the
+  Python block loop (a pure-decode step's blocks otherwise run in one C++ call the probe cannot
+  see into), the forward's time in `linear`, `attend` and `rope_store_kv`. Measured by timing wrappers the benchmark installs around the model and those
   module functions at run time; no engine code changes. The share outside the forward counts the
   logits projection (the LM head) as part of the forward; the rest — scheduling, building inputs,
   sampling, pushing events — is outside.
@@ -102,6 +103,7 @@ class Sizes:
     decode_steps: int = 16        # counted steps per phase
     decode_skip: int = 2          # full-row steps dropped at the start of each phase
     profile_steps: int = 3
+    split_steps: int = 8          # 32-row steps run through the Python block loop for the split
     e2e_new_tokens: int = 64
     e2e_cases: tuple[tuple[str, int, int], ...] = (
         ("b1_short", 1, 16), ("b32_short", 32, 16), ("b32_long", 32, 512))
@@ -110,7 +112,7 @@ class Sizes:
 FULL = Sizes()
 QUICK = Sizes(gemm_n=256, gemm_repeats=2, copy_mib=16, copy_repeats=2, prefill_prompt=48,
               prefill_requests=2, short_prompt=16, long_prompt=64, decode_steps=2, decode_skip=1,
-              profile_steps=1, e2e_new_tokens=4,
+              profile_steps=1, split_steps=2, e2e_new_tokens=4,
               e2e_cases=(("b1_short", 1, 16), ("b32_short", 32, 16), ("b32_long", 32, 48)))
 
 
@@ -417,10 +419,17 @@ class Bench:
         rows = max(s.decode_phases)
         prefill_steps = -(-rows * prompt_len // s.decode_chunk) + rows
         return (prefill_steps + len(s.decode_phases) * (s.decode_skip + s.decode_steps + 2)
-                + s.profile_steps + 16)
+                + s.profile_steps + s.split_steps + 16)
 
-    def decode(self, prompt_len: int, profile: bool = False) -> dict[int, list[StepRecord]]:
+    def decode(self, prompt_len: int, profile: bool = False
+               ) -> tuple[dict[int, list[StepRecord]], list[StepRecord]]:
         """The decode sweep: rows go 48 → 32 → 8 → 1 by cancelling the newest requests.
+
+        Returns the counted steps per row count and `split_steps` more 32-row steps run through
+        the Python block loop (`model.decode_weights` set aside): the production path runs a
+        pure-decode step's blocks in one C++ call (`decode_layers`), inside which the probe
+        cannot time the matrix products and attention apart; the Python loop calls the same
+        kernels one by one, so its steps give the split (and its cost over the C++ loop).
 
         All requests are submitted at once and admitted together (max_rows 48); prefill carries
         `decode_chunk` prompt tokens a step, and each request decodes from the step after its
@@ -435,9 +444,19 @@ class Bench:
         max_tokens = self.decode_max_tokens(prompt_len)
         reqs = self.submit(eng, self.prompts(max(phases), prompt_len), max_tokens)
         counted: dict[int, list[StepRecord]] = {rows: [] for rows in phases}
-        st = {"phase": 0, "seen": 0, "prof": None, "prof_left": 0}
+        split: list[StepRecord] = []
+        st = {"phase": 0, "seen": 0, "prof": None, "prof_left": 0, "splitting": False}
+        saved_weights = self.model.decode_weights
 
         def on_record(rec: StepRecord) -> None:
+            if st["splitting"]:
+                if rec.rows == 32 and rec.prefill == 0:
+                    split.append(rec)
+                if len(split) >= s.split_steps:
+                    self.model.decode_weights = saved_weights
+                    st["splitting"] = False
+                    after_32()
+                return
             if st["prof"] is not None:
                 st["prof_left"] -= 1
                 if st["prof_left"] > 0:
@@ -457,12 +476,19 @@ class Bench:
                 if st["seen"] > s.decode_skip:
                     counted[rows].append(rec)
             if len(counted[rows]) >= s.decode_steps:
-                if profile and rows == 32:
-                    st["prof"] = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-                    st["prof"].__enter__()
-                    st["prof_left"] = s.profile_steps
+                if rows == 32:
+                    self.model.decode_weights = None
+                    st["splitting"] = True
                     return
                 advance()
+
+        def after_32() -> None:
+            if profile:
+                st["prof"] = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+                st["prof"].__enter__()
+                st["prof_left"] = s.profile_steps
+                return
+            advance()
 
         def advance() -> None:
             done = counted[phases[st["phase"]]]
@@ -475,11 +501,14 @@ class Bench:
             for req in [r for r in reqs if not r.finished][keep:]:
                 eng.cancel(req.request_id)
 
-        self.run(eng, on_record)
+        try:
+            self.run(eng, on_record)
+        finally:
+            self.model.decode_weights = saved_weights
         if st["phase"] < len(phases):
             raise RuntimeError(f"decode sweep ended in phase {st['phase']} "
                                f"({ {r: len(v) for r, v in counted.items()} } steps counted)")
-        return counted
+        return counted, split
 
     def end_to_end(self, batch: int, prompt_len: int, new_tokens: int) -> float:
         """Static batch through the default engine (32 rows, chunk 256): generated tokens/s."""
@@ -599,10 +628,10 @@ def main(argv: list[str] | None = None) -> int:
     rep.add("prefill.chunk_ratio", pre[c1]["tok_s"] / pre[c0]["tok_s"],
             f"prefill tok/s chunk {c1} / chunk {c0}", "×")
 
-    sweeps = {}
+    sweeps, splits = {}, {}
     for ctx, plen in (("short", s.short_prompt), ("long", s.long_prompt)):
         log(f"decode sweep, {ctx} context ({plen}-token prompts)")
-        sweeps[ctx] = bench.decode(plen, profile=opts.profile)
+        sweeps[ctx], splits[ctx] = bench.decode(plen, profile=opts.profile)
     dec: dict[tuple[str, int], dict[str, float]] = {}
     for ctx, counted in sweeps.items():
         for rows in sorted(counted):
@@ -644,30 +673,35 @@ def main(argv: list[str] | None = None) -> int:
                 dec["long", rows]["step_ms"] / dec["short", rows]["step_ms"],
                 f"long / short ctx step time, {rows:>2} rows", "×")
 
-    # where a 32-row step goes
+    # where a 32-row step goes: the production steps for the share outside the forward, the
+    # Python-loop steps (same kernels, called one by one) for the split inside it
     for ctx, counted in sweeps.items():
-        recs = counted[32]
-        n = len(recs)
-        tot = lambda key: sum(r.parts.get(key, 0.0) for r in recs)  # noqa: E731
-        wall, execute, forward = sum(r.wall_s for r in recs), sum(r.step_s for r in recs), tot("forward")
-        logits, sample = tot("logits"), tot("sample")
-        lin, att, rope = tot("linear"), tot("attention"), tot("rope")
-        dec_att = tot("decode_attention")
+        recs, split = counted[32], splits[ctx]
+        n, n_split = len(recs), len(split)
+        tot = lambda rs, key: sum(r.parts.get(key, 0.0) for r in rs)  # noqa: E731
+        wall, execute, forward = sum(r.wall_s for r in recs), sum(r.step_s for r in recs), tot(recs, "forward")
+        logits, sample = tot(recs, "logits"), tot(recs, "sample")
         k = f"step.{ctx}.rows32"
-        ms = lambda x: 1000 * x / n  # noqa: E731
+        ms = lambda x, count=n: 1000 * x / count  # noqa: E731
         rep.add(f"{k}.wall_ms", ms(wall), f"{ctx} ctx: Engine.step() wall", "ms", f"mean of {n}")
         rep.add(f"{k}.forward_ms", ms(forward), f"{ctx} ctx:   model forward", "ms",
-                f"{forward / wall:.1%} of wall")
-        rep.add(f"{k}.linear_ms", ms(lin), f"{ctx} ctx:     linear (matmuls)", "ms",
-                f"{lin / forward:.1%} of forward")
-        rep.add(f"{k}.attention_ms", ms(att), f"{ctx} ctx:     attention (attend)", "ms",
-                f"{att / forward:.1%} of forward")
-        rep.add(f"{k}.decode_attention_ms", ms(dec_att), f"{ctx} ctx:       of which decode_attention",
+                f"{forward / wall:.1%} of wall; blocks in one C++ call (decode_layers)")
+        py_forward = tot(split, "forward")
+        lin, att, rope = tot(split, "linear"), tot(split, "attention"), tot(split, "rope")
+        dec_att = tot(split, "decode_attention")
+        rep.add(f"{k}.python_loop_forward_ms", ms(py_forward, n_split),
+                f"{ctx} ctx:   same forward, Python block loop", "ms",
+                f"mean of {n_split}; split below")
+        rep.add(f"{k}.linear_ms", ms(lin, n_split), f"{ctx} ctx:     linear (matmuls)", "ms",
+                f"{lin / py_forward:.1%} of it")
+        rep.add(f"{k}.attention_ms", ms(att, n_split), f"{ctx} ctx:     attention (attend)", "ms",
+                f"{att / py_forward:.1%} of it")
+        rep.add(f"{k}.decode_attention_ms", ms(dec_att, n_split), f"{ctx} ctx:       of which decode_attention",
                 "ms", "batched decode rows; the rest is prefill pieces")
-        rep.add(f"{k}.rope_ms", ms(rope), f"{ctx} ctx:     RoPE + K/V write", "ms",
-                f"{rope / forward:.1%} of forward")
-        rep.add(f"{k}.forward_other_ms", ms(forward - lin - att - rope), f"{ctx} ctx:     rest of forward",
-                "ms", "norms + residual adds, embedding, SiLU·up, Python")
+        rep.add(f"{k}.rope_ms", ms(rope, n_split), f"{ctx} ctx:     RoPE + K/V write", "ms",
+                f"{rope / py_forward:.1%} of it")
+        rep.add(f"{k}.forward_other_ms", ms(py_forward - lin - att - rope, n_split),
+                f"{ctx} ctx:     rest of forward", "ms", "norms + residual adds, embedding, SiLU·up, Python")
         rep.add(f"{k}.logits_ms", ms(logits), f"{ctx} ctx:   logits projection", "ms", f"{logits / wall:.1%} of wall")
         rep.add(f"{k}.sample_ms", ms(sample), f"{ctx} ctx:   sampling", "ms", f"{sample / wall:.1%} of wall")
         rep.add(f"{k}.inputs_ms", ms(execute - forward - logits - sample),

@@ -30,7 +30,8 @@ EXPECTED_KEYS = (
                  "rows32_over_rows1", "rows48_over_rows32")]
     + [f"ratio.long_over_short.rows{r}" for r in ROWS]
     + [f"step.{c}.rows32.{k}" for c in CTXS
-       for k in ("wall_ms", "forward_ms", "linear_ms", "attention_ms", "decode_attention_ms",
+       for k in ("wall_ms", "forward_ms", "python_loop_forward_ms", "linear_ms", "attention_ms",
+                 "decode_attention_ms",
                  "rope_ms", "forward_other_ms", "logits_ms", "sample_ms", "inputs_ms",
                  "scheduler_ms", "outside_forward_share")]
     + [f"e2e.ours.{c}.tok_s" for c in ("b1_short", "b32_short", "b32_long")]

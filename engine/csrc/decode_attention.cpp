@@ -11,6 +11,7 @@
 #include <torch/library.h>
 
 #include "avx512_math.h"
+#include "genserve_ops.h"
 
 #include <cmath>
 #include <cstdint>
@@ -230,8 +231,11 @@ void dispatch_group(const at::Tensor& q, const at::Tensor& k_pool, const at::Ten
   }
 }
 
-at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
-                        const at::Tensor& tables, const at::Tensor& lens, double scale) {
+}  // namespace
+
+at::Tensor genserve::paged_decode(const at::Tensor& q, const at::Tensor& k_pool,
+                                  const at::Tensor& v_pool, const at::Tensor& tables,
+                                  const at::Tensor& lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 4 && v_pool.sizes() == k_pool.sizes(),
               "q [B, H, D], pools [blocks, block, kv_heads, D]");
   TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous() &&
@@ -251,10 +255,8 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at:
   return out;
 }
 
-}  // namespace
-
 TORCH_LIBRARY(genserve, m) {
   m.def("paged_decode(Tensor q, Tensor k_pool, Tensor v_pool, Tensor tables, Tensor lens, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(genserve, CPU, m) { m.impl("paged_decode", &paged_decode); }
+TORCH_LIBRARY_IMPL(genserve, CPU, m) { m.impl("paged_decode", &genserve::paged_decode); }

@@ -13,6 +13,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "genserve_ops.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -52,7 +54,20 @@ void norm_rows(const T* in, T* out, const float* w, int64_t rows, int64_t dim, f
   }
 }
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+// (a + ib)(c + is) over the interleaved pairs of one head vector, hd / 2 pairs; fp32 math.
+template <typename T>
+inline void rotate(const T* x, const float* cs, T* y, int64_t hd) {
+  for (int64_t j = 0; j < hd / 2; ++j) {
+    const float a = load(x[2 * j]), b = load(x[2 * j + 1]);
+    const float c = cs[2 * j], s = cs[2 * j + 1];
+    y[2 * j] = store<T>(a * c - b * s);
+    y[2 * j + 1] = store<T>(a * s + b * c);
+  }
+}
+
+}  // namespace
+
+at::Tensor genserve::rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows(x, "x");
   TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.numel() == x.size(1) &&
                   weight.is_contiguous(), "weight must be fp32 [D]");
@@ -67,7 +82,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out;
 }
 
-at::Tensor add_rms_norm_(at::Tensor h, const at::Tensor& delta, const at::Tensor& weight,
+at::Tensor genserve::add_rms_norm_(at::Tensor h, const at::Tensor& delta, const at::Tensor& weight,
                          double eps) {
   check_rows(h, "h");
   TORCH_CHECK(delta.sizes() == h.sizes() && delta.scalar_type() == h.scalar_type() &&
@@ -88,18 +103,7 @@ at::Tensor add_rms_norm_(at::Tensor h, const at::Tensor& delta, const at::Tensor
   return out;
 }
 
-// (a + ib)(c + is) over the interleaved pairs of one head vector, hd / 2 pairs; fp32 math.
-template <typename T>
-inline void rotate(const T* x, const float* cs, T* y, int64_t hd) {
-  for (int64_t j = 0; j < hd / 2; ++j) {
-    const float a = load(x[2 * j]), b = load(x[2 * j + 1]);
-    const float c = cs[2 * j], s = cs[2 * j + 1];
-    y[2 * j] = store<T>(a * c - b * s);
-    y[2 * j + 1] = store<T>(a * s + b * c);
-  }
-}
-
-at::Tensor rope_store_kv(const at::Tensor& qkv, const at::Tensor& rope, const at::Tensor& positions,
+at::Tensor genserve::rope_store_kv(const at::Tensor& qkv, const at::Tensor& rope, const at::Tensor& positions,
                          at::Tensor cache, const at::Tensor& slots, int64_t n_heads,
                          int64_t n_kv_heads) {
   check_rows(qkv, "qkv");
@@ -147,7 +151,7 @@ at::Tensor rope_store_kv(const at::Tensor& qkv, const at::Tensor& rope, const at
   return q;
 }
 
-at::Tensor silu_mul(const at::Tensor& gate_up) {
+at::Tensor genserve::silu_mul(const at::Tensor& gate_up) {
   check_rows(gate_up, "gate_up");
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up must hold gate and up halves");
   const int64_t f = gate_up.size(1) / 2;
@@ -168,8 +172,6 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
-}  // namespace
-
 TORCH_LIBRARY_FRAGMENT(genserve, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm_(Tensor(a!) h, Tensor delta, Tensor weight, float eps) -> Tensor");
@@ -179,8 +181,8 @@ TORCH_LIBRARY_FRAGMENT(genserve, m) {
 }
 
 TORCH_LIBRARY_IMPL(genserve, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("add_rms_norm_", &add_rms_norm_);
-  m.impl("rope_store_kv", &rope_store_kv);
-  m.impl("silu_mul", &silu_mul);
+  m.impl("rms_norm", &genserve::rms_norm);
+  m.impl("add_rms_norm_", &genserve::add_rms_norm_);
+  m.impl("rope_store_kv", &genserve::rope_store_kv);
+  m.impl("silu_mul", &genserve::silu_mul);
 }

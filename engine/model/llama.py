@@ -234,6 +234,7 @@ class Transformer(nn.Module):
         self.output = nn.Parameter(torch.empty(args.vocab_size, args.dim))
         self.register_buffer("rope_freqs", rope_tables(args), persistent=False)
         self.output_packed: torch.Tensor | None = None
+        self.decode_weights: tuple[list[torch.Tensor], ...] | None = None
 
     @classmethod
     def from_state_dict(cls, args: ModelArgs, state: dict[str, torch.Tensor],
@@ -278,6 +279,14 @@ class Transformer(nn.Module):
             layer.attention.pack()
             layer.feed_forward.pack()
         self.output_packed = pack_weight(self.output)
+        packed = [[layer.attention.wqkv_packed for layer in self.layers],
+                  [layer.attention.wo_packed for layer in self.layers],
+                  [layer.feed_forward.w13_packed for layer in self.layers],
+                  [layer.feed_forward.w2_packed for layer in self.layers]]
+        if all(w is not None for ws in packed for w in ws):
+            norms = [layer.ffn_norm.weight for layer in self.layers]
+            next_norms = [layer.attention_norm.weight for layer in self.layers[1:]] + [self.norm.weight]
+            self.decode_weights = (*packed, norms, next_norms)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -301,6 +310,13 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(token_ids)                               # [T, dim] residual
         first = self.layers[0].attention_norm
         x = ops.rms_norm(h, first.weight, first.eps)
+        if meta.kernels and not meta.seqs and self.decode_weights is not None:
+            # A pure-decode step: the loop below, run in C++ (engine/csrc/decode_layers.cpp).
+            args = self.args
+            return torch.ops.genserve.decode_layers(
+                h, x, *self.decode_weights, args.norm_eps, rope, positions, kv_layers, meta.slots,
+                meta.decode_blocks.view(meta.num_decode, -1), meta.decode_lens, args.n_heads,
+                args.n_kv_heads, args.head_dim ** -0.5)
         norms = [layer.attention_norm for layer in self.layers[1:]] + [self.norm]
         for layer, cache, next_norm in zip(self.layers, kv_layers, norms):
             x = layer.forward(h, x, rope, positions, cache, meta, ops, next_norm)  # no hooks

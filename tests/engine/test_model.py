@@ -3,9 +3,11 @@ and block accounting."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.kv_cache import KVCache
 from tests.engine.conftest import generate, new_request
 
 PARAGRAPH = ("Continuous batching rebuilds the batch at every decode step, so a short answer "
@@ -115,3 +117,30 @@ def test_preempted_requests_produce_the_tokens_of_an_unpreempted_run(gguf_weight
     shrunk = run(small)
     assert small.scheduler.num_preemptions > 0
     assert shrunk == full
+
+
+def test_decode_step_in_cpp_gives_the_python_loop_bits(bf16_engine, gguf_tokenizer):
+    """`torch.ops.genserve.decode_layers` (a pure-decode step's blocks in one C++ call) against
+    the Python loop over the same kernels: identical hidden states, at 1 row and at 5."""
+    model = bf16_engine.executor.model
+    if not bf16_engine.executor.kernels or model.decode_weights is None:
+        pytest.skip("genserve's CPU kernels or packed bf16 weights are not available here")
+    prompts = mixed_prompts(gguf_tokenizer)[:5]
+    kv = KVCache(model.args, 64, 16, torch.bfloat16)
+    tables = [list(range(10 * i, 10 * i + 10)) for i in range(len(prompts))]
+    with torch.inference_mode():
+        for p, table in zip(prompts, tables):              # prefill each prompt but its last token
+            meta = AttentionMetadata.build([(0, len(p) - 1, table, False)], 16, torch.bfloat16, True)
+            model(torch.tensor(p[:-1]), torch.arange(len(p) - 1), kv.layers, meta)
+        for rows in ([0], [0, 1, 2, 3, 4]):
+            spans = [(len(prompts[i]) - 1, 1, tables[i], True) for i in rows]
+            meta = AttentionMetadata.build(spans, 16, torch.bfloat16, True)
+            ids = torch.tensor([prompts[i][-1] for i in rows])
+            pos = torch.tensor([len(prompts[i]) - 1 for i in rows])
+            in_cpp = model(ids, pos, kv.layers, meta)
+            saved, model.decode_weights = model.decode_weights, None
+            try:
+                in_python = model(ids, pos, kv.layers, meta)
+            finally:
+                model.decode_weights = saved
+            assert torch.equal(in_cpp, in_python), f"{len(rows)} rows"
