@@ -11,6 +11,7 @@
 #include <torch/library.h>
 
 #include "avx512_math.h"
+#include "bf16.h"
 #include "genserve_ops.h"
 
 #include <cmath>
@@ -22,13 +23,7 @@
 
 namespace {
 
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+using genserve::to_float;
 
 template <typename T, int G>
 void decode_kernel(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,

@@ -13,6 +13,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "bf16.h"
 #include "genserve_ops.h"
 
 #include <cmath>
@@ -21,13 +22,7 @@
 
 namespace {
 
-inline float load(float x) { return x; }
-inline float load(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+using genserve::to_float;
 template <typename T> inline T store(float x) { return static_cast<T>(x); }
 
 // Rows per parallel task: at least ~16k elements each, so 32-row decode steps stay on one thread.
@@ -45,12 +40,12 @@ void norm_rows(const T* in, T* out, const float* w, int64_t rows, int64_t dim, f
     const T* x = in + r * dim;
     float ss = 0.f;
     for (int64_t i = 0; i < dim; ++i) {
-      const float v = load(x[i]);
+      const float v = to_float(x[i]);
       ss += v * v;
     }
     const float inv = 1.f / std::sqrt(ss / static_cast<float>(dim) + eps);
     T* y = out + r * dim;
-    for (int64_t i = 0; i < dim; ++i) y[i] = store<T>(load(x[i]) * inv * w[i]);
+    for (int64_t i = 0; i < dim; ++i) y[i] = store<T>(to_float(x[i]) * inv * w[i]);
   }
 }
 
@@ -58,7 +53,7 @@ void norm_rows(const T* in, T* out, const float* w, int64_t rows, int64_t dim, f
 template <typename T>
 inline void rotate(const T* x, const float* cs, T* y, int64_t hd) {
   for (int64_t j = 0; j < hd / 2; ++j) {
-    const float a = load(x[2 * j]), b = load(x[2 * j + 1]);
+    const float a = to_float(x[2 * j]), b = to_float(x[2 * j + 1]);
     const float c = cs[2 * j], s = cs[2 * j + 1];
     y[2 * j] = store<T>(a * c - b * s);
     y[2 * j + 1] = store<T>(a * s + b * c);
@@ -95,7 +90,7 @@ at::Tensor genserve::add_rms_norm_(at::Tensor h, const at::Tensor& delta, const 
     at::parallel_for(0, h.size(0), grain(dim), [&](int64_t b, int64_t e) {
       scalar_t* hp = h.data_ptr<scalar_t>() + b * dim;
       const scalar_t* dp = delta.data_ptr<scalar_t>() + b * dim;
-      for (int64_t i = 0; i < (e - b) * dim; ++i) hp[i] = store<scalar_t>(load(hp[i]) + load(dp[i]));
+      for (int64_t i = 0; i < (e - b) * dim; ++i) hp[i] = store<scalar_t>(to_float(hp[i]) + to_float(dp[i]));
       norm_rows(hp, out.data_ptr<scalar_t>() + b * dim, weight.data_ptr<float>(), e - b, dim,
                 static_cast<float>(eps));
     });
@@ -163,8 +158,8 @@ at::Tensor genserve::silu_mul(const at::Tensor& gate_up) {
         const scalar_t* u = g + f;
         scalar_t* y = out.data_ptr<scalar_t>() + r * f;
         for (int64_t i = 0; i < f; ++i) {
-          const float gv = load(g[i]);
-          y[i] = store<scalar_t>(gv / (1.f + std::exp(-gv)) * load(u[i]));
+          const float gv = to_float(g[i]);
+          y[i] = store<scalar_t>(gv / (1.f + std::exp(-gv)) * to_float(u[i]));
         }
       }
     });
