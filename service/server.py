@@ -82,7 +82,7 @@ class EngineServer:
         self.fail_once_file = fail_once_file
         self.build = build
         self.server = grpc.aio.server()
-        self.health = health.aio.HealthServicer()
+        self.health = EngineHealth(lambda: self.loaded is None or self.loaded.engine.alive)
         self.servicer = GenerateServicer(auth=auth or Authenticator.from_env(),
                                          max_buffered_events=max_buffered_events, tracer=tracer)
         self.loaded: LoadedEngine | None = None
@@ -188,6 +188,28 @@ class EngineServer:
     async def _set_health(self, status) -> None:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, status)
+
+
+class EngineHealth(health.aio.HealthServicer):
+    """grpc.health.v1 whose Check answers NOT_SERVING from the moment the engine has failed.
+
+    `Server.fail` sets NOT_SERVING once it notices the failure (it polls every ENGINE_POLL_S),
+    but the failure reaches clients first, as errors on their open streams; a client that then
+    asks for health must not be told SERVING in between (the bridge's /health would say 200).
+
+    Args:
+        alive: False once the engine can no longer serve (`Engine.alive`).
+    """
+
+    def __init__(self, alive: Callable[[], bool]) -> None:
+        super().__init__()
+        self._alive = alive
+
+    async def Check(self, request: health_pb2.HealthCheckRequest, context):
+        reply = await super().Check(request, context)
+        if reply.status == health_pb2.HealthCheckResponse.SERVING and not self._alive():
+            return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.NOT_SERVING)
+        return reply
 
 
 async def _on_daemon_thread(fn, *args):

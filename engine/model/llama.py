@@ -274,7 +274,12 @@ class Transformer(nn.Module):
         return model
 
     def pack(self) -> None:
-        """Attach oneDNN-packed copies of every matrix (bf16 on CPU only; see `pack_weight`)."""
+        """Attach oneDNN-packed copies of every matrix (bf16 on CPU only; see `pack_weight`).
+
+        When every block matrix packed, also sets `decode_weights`: the per-layer lists
+        (wqkv, wo, w13, w2 packed; ffn_norm and the next norm's weights) that
+        `torch.ops.genserve.decode_layers` takes for a pure-decode step.
+        """
         for layer in self.layers:
             layer.attention.pack()
             layer.feed_forward.pack()
