@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.attention import store_kv
+
 
 class TorchLayerOps:
     """The block's elementwise steps as plain torch ops (the fallback; any device)."""
@@ -54,9 +56,7 @@ class TorchLayerOps:
         xc = torch.view_as_complex(qk.float().reshape(t, n_heads + n_kv_heads, hd // 2, 2))
         qk = torch.view_as_real(xc * freqs[:, None]).flatten(-2).to(qkv.dtype)
         q, k = qk.split([n_heads, n_kv_heads], dim=1)
-        rows = cache.view(2, -1, n_kv_heads, hd)
-        rows[0].index_copy_(0, slots, k)
-        rows[1].index_copy_(0, slots, v.reshape(t, n_kv_heads, hd))
+        store_kv(k, v.reshape(t, n_kv_heads, hd), cache, slots)
         return q
 
     @staticmethod
