@@ -10,7 +10,7 @@
 * `engine/csrc/decode_layers.cpp`: all blocks of a pure-decode step in one call
   (`torch.ops.genserve.decode_layers`), the same ops in the same order as the Python loop.
 
-Built with `torch.utils.cpp_extension.load` (g++ and ninja; ≈ 15 s once per CPU kind, then cached
+Built with `torch.utils.cpp_extension.load` (g++ and ninja; ≈ 20 s once per CPU kind and checkout, then cached
 under torch's extension directory, ~/.cache/torch_extensions). Where they cannot be built (no
 compiler, another architecture, `GENSERVE_KERNELS=0`), `available()` is False and the engine runs
 the same steps as plain torch ops (`TorchLayerOps`) and attention through torch's fused SDPA; the
