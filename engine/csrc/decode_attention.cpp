@@ -100,32 +100,10 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_pool, const at::Tens
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-// v[k] holds 16 partial sums of key k's score; returns the 16 totals, key k in lane k. Pairs of
-// vectors are folded by unpack + add within 128-bit lanes, then across lanes by shuffle + add
-// (45 instructions for 16 keys, against 16 separate lane sums).
-inline __m512 sum_lanes_16(const __m512* v) {
-  __m512 s[8], r[4];
-  for (int i = 0; i < 8; ++i)        // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
-    s[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {      // per 128-bit lane: keys 4i .. 4i + 3, one partial each
-    const __m512d c = _mm512_castps_pd(s[2 * i]), d = _mm512_castps_pd(s[2 * i + 1]);
-    r[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(c, d)),
-                         _mm512_castpd_ps(_mm512_unpackhi_pd(c, d)));
-  }
-  const __m512 w01 = _mm512_add_ps(_mm512_shuffle_f32x4(r[0], r[1], 0x88),
-                                   _mm512_shuffle_f32x4(r[0], r[1], 0xDD));
-  const __m512 w23 = _mm512_add_ps(_mm512_shuffle_f32x4(r[2], r[3], 0x88),
-                                   _mm512_shuffle_f32x4(r[2], r[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, 0x88), _mm512_shuffle_f32x4(w01, w23, 0xDD));
-}
-
-constexpr int64_t PREFETCH_BLOCKS = 3;     // how far ahead the next rows are prefetched
-
 // The bf16 loop with AVX512-BF16: a key's 64 values are two zmm, q · k is two vdpbf16ps per query
-// head with the lane sums taken 16 keys at a time (`sum_lanes_16`); P·V runs in fp32 FMAs on the
-// value row widened to four zmm. Same order of operations for every row, so batch invariance
-// holds as in the generic loop.
+// head plus a lane sum; P·V runs in fp32 FMAs on the value row widened to four zmm. Same order
+// of operations for every row, so batch invariance holds as in the generic loop.
+constexpr int64_t PREFETCH_BLOCKS = 3;     // how far ahead the next rows are prefetched
 
 template <int G>
 void decode_kernel_avx512(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
@@ -173,39 +151,23 @@ void decode_kernel_avx512(const at::Tensor& q, const at::Tensor& k_pool, const a
           for (int64_t t = 0; t < n; ++t) visit(start + t, base + t * token_stride);
         }
       };
-      // q · k of 16 keys at a time: per key and head, two vdpbf16ps leave 16 partial sums; the
-      // 16 keys' partial-sum vectors are then reduced together into one vector of 16 scores.
-      __m512 part[G][16];
-      __m512 mxv[G];
-      for (int g = 0; g < G; ++g) mxv[g] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-      int filled = 0;
-      int64_t chunk = 0;
-      auto flush = [&]() {
-        const __mmask16 valid = static_cast<__mmask16>((1u << filled) - 1u);
-        for (int g = 0; g < G; ++g) {
-          for (int k = filled; k < 16; ++k) part[g][k] = _mm512_setzero_ps();
-          const __m512 s = _mm512_mask_mov_ps(
-              _mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid,
-              _mm512_mul_ps(sum_lanes_16(part[g]), _mm512_set1_ps(fscale)));
-          _mm512_storeu_ps(scores.data() + g * padded + chunk, s);
-          mxv[g] = _mm512_max_ps(mxv[g], s);
-        }
-        chunk += 16;
-        filled = 0;
-      };
-      each_token(kd, [&](int64_t, const uint16_t* row) {
+      float mx[G];
+      for (int g = 0; g < G; ++g) mx[g] = -std::numeric_limits<float>::max();
+      each_token(kd, [&](int64_t j, const uint16_t* row) {
         const __m512bh k0 = (__m512bh)_mm512_loadu_si512(row);
         const __m512bh k1 = (__m512bh)_mm512_loadu_si512(row + 32);
-        for (int g = 0; g < G; ++g)
-          part[g][filled] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], k0),
-                                             qv[g][1], k1);
-        if (++filled == 16) flush();
+        for (int g = 0; g < G; ++g) {
+          const __m512 dot = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], k0),
+                                              qv[g][1], k1);
+          const float s = _mm512_reduce_add_ps(dot) * fscale;
+          scores[g * padded + j] = s;
+          mx[g] = std::max(mx[g], s);
+        }
       });
-      if (filled > 0) flush();
       float inv_sum[G];
       for (int g = 0; g < G; ++g) {
         float* sg = scores.data() + g * padded;
-        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mxv[g]));
+        const __m512 m = _mm512_set1_ps(mx[g]);
         __m512 sum = _mm512_setzero_ps();
         for (int64_t j = 0; j < padded; j += 16) {
           const __m512 p = genserve::exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sg + j), m));
