@@ -34,6 +34,11 @@ void check_rows(const at::Tensor& x, const char* name) {
               name, " must be bf16 or fp32");
 }
 
+void check_norm_weight(const at::Tensor& weight, int64_t dim) {
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.numel() == dim && weight.is_contiguous(),
+              "weight must be fp32 [D]");
+}
+
 template <typename T>
 void norm_rows(const T* in, T* out, const float* w, int64_t rows, int64_t dim, float eps) {
   for (int64_t r = 0; r < rows; ++r) {
@@ -64,8 +69,7 @@ inline void rotate(const T* x, const float* cs, T* y, int64_t hd) {
 
 at::Tensor genserve::rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows(x, "x");
-  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.numel() == x.size(1) &&
-                  weight.is_contiguous(), "weight must be fp32 [D]");
+  check_norm_weight(weight, x.size(1));
   at::Tensor out = at::empty_like(x);
   const int64_t dim = x.size(1);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rms_norm", [&] {
@@ -77,20 +81,20 @@ at::Tensor genserve::rms_norm(const at::Tensor& x, const at::Tensor& weight, dou
   return out;
 }
 
-at::Tensor genserve::add_rms_norm_(at::Tensor h, const at::Tensor& delta, const at::Tensor& weight,
-                         double eps) {
+at::Tensor genserve::add_rms_norm_(at::Tensor h, const at::Tensor& delta,
+                                   const at::Tensor& weight, double eps) {
   check_rows(h, "h");
   TORCH_CHECK(delta.sizes() == h.sizes() && delta.scalar_type() == h.scalar_type() &&
                   delta.is_contiguous(), "delta must match h");
-  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.numel() == h.size(1) &&
-                  weight.is_contiguous(), "weight must be fp32 [D]");
+  check_norm_weight(weight, h.size(1));
   at::Tensor out = at::empty_like(h);
   const int64_t dim = h.size(1);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, h.scalar_type(), "add_rms_norm_", [&] {
     at::parallel_for(0, h.size(0), grain(dim), [&](int64_t b, int64_t e) {
       scalar_t* hp = h.data_ptr<scalar_t>() + b * dim;
       const scalar_t* dp = delta.data_ptr<scalar_t>() + b * dim;
-      for (int64_t i = 0; i < (e - b) * dim; ++i) hp[i] = store<scalar_t>(to_float(hp[i]) + to_float(dp[i]));
+      for (int64_t i = 0; i < (e - b) * dim; ++i)
+        hp[i] = store<scalar_t>(to_float(hp[i]) + to_float(dp[i]));
       norm_rows(hp, out.data_ptr<scalar_t>() + b * dim, weight.data_ptr<float>(), e - b, dim,
                 static_cast<float>(eps));
     });
