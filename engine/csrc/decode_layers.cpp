@@ -1,7 +1,9 @@
 // Every block of a pure-decode step in one call: the same ops, in the same order, on the same
-// tensors as `Transformer.forward`'s Python loop with `KernelLayerOps` — oneDNN's packed matrix
-// products (a one-row input doubled, as `llama.linear` does), `rope_store_kv`, `paged_decode`,
-// `add_rms_norm_`, `silu_mul` — so a row's bits are the ones the Python loop gives (tested), but
+// tensors as `Transformer.forward`'s Python loop with `KernelLayerOps` — the packed matrix
+// products as `llama.linear` runs them (genserve's `packed_linear` up to `max_rows` rows where
+// the weight kind has a k chunk, else oneDNN with a one-row input doubled), `rope_store_kv`,
+// `paged_decode`, `add_rms_norm_`, `silu_mul` — so a row's bits are the ones the Python loop
+// gives (tested), but
 // without ~25 Python calls per layer: at 1 row those cost ≈ 2.5 ms of a 9 ms step.
 //
 //   for each layer i:  x = next_norm_i(h += W2 silu_mul(W13 ffn_norm_i(h += Wo attn(Wqkv x))))
@@ -16,8 +18,12 @@
 
 namespace {
 
-// x [M, in] @ packed weight → [M, out], exactly as `llama.linear` with a packed weight.
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed) {
+// x [M, in] @ packed weight → [M, out], exactly as `llama.linear` with a packed weight whose
+// k chunk is `k_chunk` (0: none).
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t k_chunk, int64_t max_rows) {
+#ifdef GENSERVE_PACKED_LINEAR
+  if (k_chunk > 0 && x.size(0) <= max_rows) return genserve::packed_linear(x, packed, k_chunk);
+#endif
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
@@ -37,22 +43,24 @@ at::Tensor decode_layers(at::Tensor h, at::Tensor x, at::TensorList wqkv, at::Te
                          const at::Tensor& positions, at::TensorList caches,
                          const at::Tensor& slots, const at::Tensor& tables,
                          const at::Tensor& lens, int64_t n_heads, int64_t n_kv_heads,
-                         double scale) {
+                         double scale, at::IntArrayRef k_chunks, int64_t max_rows) {
   const size_t layers = wqkv.size();
   TORCH_CHECK(wo.size() == layers && w13.size() == layers && w2.size() == layers &&
                   ffn_norm.size() == layers && next_norm.size() == layers &&
                   caches.size() == layers, "one weight of each kind and one cache per layer");
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == h.size(0) && lens.numel() == h.size(0),
               "tables [B, nb] and lens [B] for the B decode rows");
+  TORCH_CHECK(k_chunks.size() == 4, "one k chunk for each of wqkv, wo, w13, w2");
   const int64_t rows = h.size(0);
   for (size_t i = 0; i < layers; ++i) {
-    const at::Tensor qkv = packed_linear(x, wqkv[i]);
+    const at::Tensor qkv = linear(x, wqkv[i], k_chunks[0], max_rows);
     const at::Tensor q = genserve::rope_store_kv(qkv, rope, positions, caches[i], slots, n_heads,
                                                  n_kv_heads);
     const at::Tensor o = genserve::paged_decode(q, caches[i][0], caches[i][1], tables, lens, scale);
-    x = genserve::add_rms_norm_(h, packed_linear(o.reshape({rows, -1}), wo[i]), ffn_norm[i], eps);
-    const at::Tensor act = genserve::silu_mul(packed_linear(x, w13[i]));
-    x = genserve::add_rms_norm_(h, packed_linear(act, w2[i]), next_norm[i], eps);
+    x = genserve::add_rms_norm_(h, linear(o.reshape({rows, -1}), wo[i], k_chunks[1], max_rows),
+                                ffn_norm[i], eps);
+    const at::Tensor act = genserve::silu_mul(linear(x, w13[i], k_chunks[2], max_rows));
+    x = genserve::add_rms_norm_(h, linear(act, w2[i], k_chunks[3], max_rows), next_norm[i], eps);
   }
   return x;
 }
@@ -63,7 +71,7 @@ TORCH_LIBRARY_FRAGMENT(genserve, m) {
   m.def("decode_layers(Tensor(a!) h, Tensor x, Tensor[] wqkv, Tensor[] wo, Tensor[] w13, "
         "Tensor[] w2, Tensor[] ffn_norm, Tensor[] next_norm, float eps, Tensor rope, "
         "Tensor positions, Tensor[] caches, Tensor slots, Tensor tables, Tensor lens, "
-        "int n_heads, int n_kv_heads, float scale) -> Tensor");
+        "int n_heads, int n_kv_heads, float scale, int[] k_chunks, int max_rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(genserve, CPU, m) { m.impl("decode_layers", &decode_layers); }

@@ -16,4 +16,9 @@ at::Tensor rope_store_kv(const at::Tensor& qkv, const at::Tensor& rope, const at
                          int64_t n_kv_heads);
 at::Tensor silu_mul(const at::Tensor& gate_up);
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define GENSERVE_PACKED_LINEAR 1
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t k_chunk);
+#endif
+
 }  // namespace genserve

@@ -1,0 +1,143 @@
+// y = x @ W^T for a few rows, read straight from oneDNN's packed copy of W, with oneDNN's bits.
+//
+// A decode step multiplies a handful of rows by every weight matrix, so it is bound by reading
+// the weights. oneDNN's bf16 kernel (brg_matmul:avx512_core_bf16) streams them at ≈ 45 GB/s at
+// M = 2 on the dev machine (2-core EPYC, read bandwidth ≈ 83 GB/s), and takes a different,
+// differently rounded kernel at M = 1, which `llama.linear` avoids by doubling the row. This
+// kernel streams the same packed bytes at ≈ 70 GB/s for one row (SmolLM2-135M's block matrices:
+// 3.0 ms against 5.7–6.7 ms) and stays faster than oneDNN up to 48 rows (32 rows: 10.2 against
+// 12.2 ms), and it rounds exactly as oneDNN does, so it can replace oneDNN for any row count
+// without changing a bit:
+//
+//   * the packed layout is oneDNN's AB16b64a2b for [N, K]: blocks of 64 output columns, each
+//     [K/2][64][2] — for every pair of k, the 64 columns' two weights side by side, the vdpbf16ps
+//     ("VNNI") order. One zmm is 16 columns × one k pair.
+//   * oneDNN sums k in chunks of `k_chunk` (512 for K = 576, 1024 for K = 1536 here): each
+//     chunk is one chain of vdpbf16ps from zero, k pairs in order, and the chunks' sums are
+//     added in order; the result is rounded to bf16 once (vcvtneps2bf16, round to nearest even).
+//     This kernel does the same operations in the same order, so every output is the same bits.
+//
+// `k_chunk` and the layout are not documented oneDNN behaviour: `engine.model.llama.pack_weight`
+// finds the chunk by comparing this kernel with oneDNN on random rows, and uses this kernel only
+// for a weight where some chunk reproduced oneDNN exactly (see there).
+//
+// Each row is computed alone (its chains never mix with another row's), so a row's bits do not
+// depend on the batch. Work: blocks of 64 columns split across threads (at::parallel_for); in a
+// block, rows go 6 at a time (24 accumulators + 4 weight registers of the 32 zmm).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace {
+
+constexpr int64_t BLOCK_N = 64;       // output columns per packed block
+constexpr int64_t BLOCK_K = 32;       // k per packed block
+constexpr int COLS = BLOCK_N / 16;    // zmm registers per block row (16 fp32 columns each)
+constexpr int ROWS = 6;               // rows per pass over a block
+
+// `R` rows of x (bf16 pairs, `kp` per row) times one packed block [kp][64][2] -> y[R][64].
+template <int R>
+void block_rows(const uint32_t* x, const uint16_t* block, int64_t kp, int64_t chunk_pairs,
+                c10::BFloat16* y, int64_t y_stride) {
+  __m512 total[R][COLS];
+  for (int64_t c0 = 0; c0 < kp; c0 += chunk_pairs) {
+    __m512 acc[R][COLS];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < COLS; ++c) acc[r][c] = _mm512_setzero_ps();
+    const int64_t c1 = std::min(kp, c0 + chunk_pairs);
+    for (int64_t j = c0; j < c1; ++j) {
+      const uint16_t* w_row = block + j * BLOCK_N * 2;
+      __m512bh w[COLS];
+      for (int c = 0; c < COLS; ++c) w[c] = (__m512bh)_mm512_loadu_si512(w_row + c * 32);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * kp + j]));
+        for (int c = 0; c < COLS; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a, w[c]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < COLS; ++c)
+        total[r][c] = c0 == 0 ? acc[r][c] : _mm512_add_ps(total[r][c], acc[r][c]);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < COLS; ++c)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * y_stride + c * 16),
+                          (__m256i)_mm512_cvtneps_pbh(total[r][c]));
+}
+
+template <int R>
+void block_rows_upto(int rows, const uint32_t* x, const uint16_t* block, int64_t kp,
+                     int64_t chunk_pairs, c10::BFloat16* y, int64_t y_stride) {
+  if constexpr (R > 1) {
+    if (rows < R) return block_rows_upto<R - 1>(rows, x, block, kp, chunk_pairs, y, y_stride);
+  }
+  block_rows<R>(x, block, kp, chunk_pairs, y, y_stride);
+}
+
+// Raw bytes of an opaque oneDNN tensor (torch's own mkldnn::data_ptr and mkldnn::_nbytes).
+const uint16_t* packed_bytes(const at::Tensor& packed, int64_t expect_bytes) {
+  static const auto data_ptr = c10::Dispatcher::singleton()
+                                   .findSchemaOrThrow("mkldnn::data_ptr", "")
+                                   .typed<int64_t(const at::Tensor&)>();
+  static const auto nbytes = c10::Dispatcher::singleton()
+                                 .findSchemaOrThrow("mkldnn::_nbytes", "")
+                                 .typed<int64_t(const at::Tensor&)>();
+  TORCH_CHECK(nbytes.call(packed) == expect_bytes, "packed_linear: packed weight holds ",
+              nbytes.call(packed), " bytes, expected ", expect_bytes, " (padded layout?)");
+  return reinterpret_cast<const uint16_t*>(data_ptr.call(packed));
+}
+
+}  // namespace
+
+namespace genserve {
+
+// x: bf16 [M, K] contiguous; packed: `torch.ops.mkldnn._reorder_linear_weight(W, ...)` of a bf16
+// W [N, K] in layout AB16b64a2b (N % 64 == 0, K % 32 == 0); k_chunk: oneDNN's k chunk (even,
+// > 0). Returns bf16 [M, N], equal bit for bit to oneDNN's product when layout and k_chunk are
+// oneDNN's. Raises (RuntimeError) on another dtype, shape or a padded packed weight.
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t k_chunk) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
+              "packed_linear: x must be a contiguous bf16 [M, K] tensor");
+  TORCH_CHECK(packed.is_mkldnn() && packed.dim() == 2 && packed.scalar_type() == at::kBFloat16,
+              "packed_linear: packed must be oneDNN's bf16 [N, K] weight");
+  const int64_t m = x.size(0), k = x.size(1), n = packed.size(0);
+  TORCH_CHECK(packed.size(1) == k, "packed_linear: x has K = ", k, ", weight ", packed.size(1));
+  TORCH_CHECK(n % BLOCK_N == 0 && k % BLOCK_K == 0, "packed_linear: N must be a multiple of ",
+              BLOCK_N, " and K of ", BLOCK_K, ", got N = ", n, ", K = ", k);
+  TORCH_CHECK(k_chunk > 0 && k_chunk % 2 == 0, "packed_linear: k_chunk must be even and > 0");
+  const uint16_t* w = packed_bytes(packed, n * k * 2);
+  at::Tensor y = at::empty({m, n}, x.options());
+  if (m == 0) return y;
+  const auto* xs = reinterpret_cast<const uint32_t*>(x.data_ptr());
+  c10::BFloat16* ys = y.data_ptr<c10::BFloat16>();
+  const int64_t kp = k / 2, chunk_pairs = k_chunk / 2;
+  at::parallel_for(0, n / BLOCK_N, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const uint16_t* block = w + b * kp * BLOCK_N * 2;
+      for (int64_t r = 0; r < m; r += ROWS) {
+        const int rows = static_cast<int>(std::min<int64_t>(ROWS, m - r));
+        block_rows_upto<ROWS>(rows, xs + r * kp, block, kp, chunk_pairs, ys + r * n + b * BLOCK_N,
+                              n);
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace genserve
+
+TORCH_LIBRARY_FRAGMENT(genserve, m) {
+  m.def("packed_linear(Tensor x, Tensor packed, int k_chunk) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(genserve, CPU, m) { m.impl("packed_linear", &genserve::packed_linear); }
+// The packed weight is a oneDNN (MkldnnCPU) tensor, whose dispatch key wins over CPU's.
+TORCH_LIBRARY_IMPL(genserve, MkldnnCPU, m) { m.impl("packed_linear", &genserve::packed_linear); }
+
+#endif  // __AVX512BF16__ && __AVX512BW__
