@@ -101,3 +101,15 @@ def test_sse_data_lines_survive_clients_that_split_on_unicode_line_breaks():
     data = [line for line in lines if line.startswith("data:")]
     assert len(data) == 1
     assert _json.loads(data[0][len("data:"):]) == {"text": text, "index": 0}
+
+
+async def test_responses_are_counted_by_route_and_status(client):
+    """`genserve_bridge_http_responses_total`: one count per response, streamed or not, by the
+    matched route (\"other\" where none matched)."""
+    for stream in (False, True):
+        resp = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "stream": stream})
+        assert resp.status_code == 200
+    assert (await client.get("/no/such/path")).status_code == 404
+    text = (await client.get("/metrics")).text
+    assert 'genserve_bridge_http_responses_total{code="200",route="/v1/completions"} 2.0' in text
+    assert 'genserve_bridge_http_responses_total{code="404",route="other"} 1.0' in text
