@@ -5,9 +5,9 @@
 // M = 2 on the dev machine (2-core EPYC, read bandwidth ≈ 83 GB/s), and takes a different,
 // differently rounded kernel at M = 1, which `llama.linear` avoids by doubling the row. This
 // kernel streams the same packed bytes at ≈ 70 GB/s for one row (SmolLM2-135M's block matrices:
-// 3.0 ms against 5.7–6.7 ms) and stays faster than oneDNN up to 48 rows (32 rows: 10.2 against
-// 12.2 ms), and it rounds exactly as oneDNN does, so it can replace oneDNN for any row count
-// without changing a bit:
+// 3.0 ms against 5.7–6.7 ms) and stays faster than oneDNN up to 64 rows (32 rows, with the next
+// block prefetched: ≈ 900 GFLOP/s on cached weights against oneDNN's 580–830), and it rounds
+// exactly as oneDNN does, so it can replace oneDNN for any row count without changing a bit:
 //
 //   * the packed layout is oneDNN's AB16b64a2b for [N, K]: blocks of 64 output columns, each
 //     [K/2][64][2] — for every pair of k, the 64 columns' two weights side by side, the vdpbf16ps
@@ -23,7 +23,8 @@
 //
 // Each row is computed alone (its chains never mix with another row's), so a row's bits do not
 // depend on the batch. Work: blocks of 64 columns split across threads (at::parallel_for); in a
-// block, rows go 6 at a time (24 accumulators + 4 weight registers of the 32 zmm).
+// block, rows go 6 at a time (24 accumulators + 4 weight registers of the 32 zmm); with 12 or
+// more rows each pass also prefetches part of the thread's next block.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -42,19 +43,39 @@ constexpr int64_t BLOCK_N = 64;       // output columns per packed block
 constexpr int64_t BLOCK_K = 32;       // k per packed block
 constexpr int COLS = BLOCK_N / 16;    // zmm registers per block row (16 fp32 columns each)
 constexpr int ROWS = 6;               // rows per pass over a block
+// From this many rows on (two full passes per block), the passes prefetch the thread's next
+// block, which is otherwise read from memory by the first pass alone. SmolLM2's 30 layers +
+// output projection, A/B in one run: 32 rows 13.0 -> 10.5 ms, 16 rows 8.3 -> 6.3, 12 rows
+// 6.9 -> 6.0; with fewer rows the products are memory-bound and a prefetching second pass of 1-2
+// rows only competed with the first (8 rows: 5.8 -> 6.5 ms), so they leave it to the hardware.
+constexpr int64_t PREFETCH_MIN_ROWS = 2 * ROWS;
+
+// Where a pass over a block prefetches rows of the thread's next block: rows first, first + step,
+// ... of it (the row groups of a block take turns, so the next block is fetched once, spread
+// over the passes), or nothing.
+struct Prefetch {
+  const char* next = nullptr;   // the next block's bytes, or nullptr
+  int64_t first = 0, step = 1;
+};
 
 // `R` rows of x (bf16 pairs, `kp` per row) times one packed block [kp][64][2] -> y[R][64].
 template <int R>
 void block_rows(const uint32_t* x, const uint16_t* block, int64_t kp, int64_t chunk_pairs,
-                c10::BFloat16* y, int64_t y_stride) {
+                c10::BFloat16* y, int64_t y_stride, const Prefetch& pf) {
   __m512 total[R][COLS];
   for (int64_t c0 = 0; c0 < kp; c0 += chunk_pairs) {
     __m512 acc[R][COLS];
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < COLS; ++c) acc[r][c] = _mm512_setzero_ps();
     const int64_t c1 = std::min(kp, c0 + chunk_pairs);
+    int64_t next_pf = c0 + ((pf.first - c0) % pf.step + pf.step) % pf.step;   // first >= c0
     for (int64_t j = c0; j < c1; ++j) {
       const uint16_t* w_row = block + j * BLOCK_N * 2;
+      if (pf.next != nullptr && j == next_pf) {
+        for (int c = 0; c < COLS; ++c)
+          _mm_prefetch(pf.next + (j * BLOCK_N * 2 + c * 32) * 2, _MM_HINT_T0);
+        next_pf += pf.step;
+      }
       __m512bh w[COLS];
       for (int c = 0; c < COLS; ++c) w[c] = (__m512bh)_mm512_loadu_si512(w_row + c * 32);
       for (int r = 0; r < R; ++r) {
@@ -74,11 +95,11 @@ void block_rows(const uint32_t* x, const uint16_t* block, int64_t kp, int64_t ch
 
 template <int R>
 void block_rows_upto(int rows, const uint32_t* x, const uint16_t* block, int64_t kp,
-                     int64_t chunk_pairs, c10::BFloat16* y, int64_t y_stride) {
+                     int64_t chunk_pairs, c10::BFloat16* y, int64_t y_stride, const Prefetch& pf) {
   if constexpr (R > 1) {
-    if (rows < R) return block_rows_upto<R - 1>(rows, x, block, kp, chunk_pairs, y, y_stride);
+    if (rows < R) return block_rows_upto<R - 1>(rows, x, block, kp, chunk_pairs, y, y_stride, pf);
   }
-  block_rows<R>(x, block, kp, chunk_pairs, y, y_stride);
+  block_rows<R>(x, block, kp, chunk_pairs, y, y_stride, pf);
 }
 
 // Raw bytes of an opaque oneDNN tensor (torch's own mkldnn::data_ptr and mkldnn::_nbytes).
@@ -118,13 +139,17 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   const auto* xs = reinterpret_cast<const uint32_t*>(x.data_ptr());
   c10::BFloat16* ys = y.data_ptr<c10::BFloat16>();
   const int64_t kp = k / 2, chunk_pairs = k_chunk / 2;
+  const int64_t groups = (m + ROWS - 1) / ROWS;
   at::parallel_for(0, n / BLOCK_N, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const uint16_t* block = w + b * kp * BLOCK_N * 2;
       for (int64_t r = 0; r < m; r += ROWS) {
         const int rows = static_cast<int>(std::min<int64_t>(ROWS, m - r));
+        Prefetch pf;
+        if (m >= PREFETCH_MIN_ROWS && b + 1 < end)
+          pf = {reinterpret_cast<const char*>(block + kp * BLOCK_N * 2), r / ROWS, groups};
         block_rows_upto<ROWS>(rows, xs + r * kp, block, kp, chunk_pairs, ys + r * n + b * BLOCK_N,
-                              n);
+                              n, pf);
       }
     }
   });
