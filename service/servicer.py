@@ -119,9 +119,9 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
         tracer: OpenTelemetry tracer (default: the global provider's; a no-op unless tracing
             was set up, see `genserve.telemetry`).
 
-    The engine's scheduler thread hands each `TokenEvent` to the loop through a `LoopHandoff`
-    (one wake-up per batch of events), so token ids reach the request's buffer without the loop
-    ever waiting on this server.
+    The engine's scheduler thread hands each `TokenEvent` to the loop through a `LoopHandoff`,
+    flushed by a step listener after each step's events (one loop wake-up per step), so token ids
+    reach the request's buffer without the loop ever waiting on this server.
     """
 
     def __init__(self, engine: Engine | None = None, tokenizer=None, validator: Validator | None = None,
@@ -151,6 +151,13 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
         self.metrics = metrics
         self.spans = SpanTracker(engine)
         self.engine = engine
+        engine.step_listeners.append(self._flush_events)
+
+    def _flush_events(self, _plan, _events, _step_s) -> None:
+        """Step listener (scheduler thread): the step's events were queued; wake the loop once."""
+        handoff = self._handoff
+        if handoff is not None:
+            handoff.flush()
 
     @property
     def num_open(self) -> int:
