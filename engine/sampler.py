@@ -44,7 +44,8 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     chunk's mass) picks the token by the cumulative sum inside the chunk (`torch.searchsorted`,
     right side: a zero-weight chunk or token is never drawn, no renormalising needed). Every
     operation works row by row, so a row's draw does not depend on the other rows. On 2 CPU
-    cores a 32-row draw over 49,152 tokens takes ≈ 2 ms (≈ 7 ms with a full-vocabulary cumsum).
+    cores a 32-row draw over 49,152 tokens takes ≈ 0.5 ms (≈ 7 ms with a full-vocabulary
+    cumsum); with top_p 0.9 on SmolLM2's logits ≈ 3.5 ms (`keep_top_p_`; 100 ms with a sort).
     """
     tokens = [0] * len(params)
     greedy = [row for row, p in enumerate(params) if p.temperature == 0.0]
@@ -79,6 +80,37 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
 
 
 CHUNK = 1024     # tokens per first-level chunk of the two-level inverse CDF
+# Tokens the first top-p pass looks at (`keep_top_p_`); an LLM's nucleus is almost always smaller.
+TOP_P_FIRST_K = 256
+
+
+def keep_top_p_(w: torch.Tensor, rows: list[int], top_ps: list[float]) -> None:
+    """Top-p (nucleus, Holtzman et al. 2019) in place: in each of `rows` of `w` (fp32 [S, vocab],
+    probabilities), keep the most likely tokens while the mass before them is < top_p, zero the rest.
+
+    The same kept set as sorting the whole row (the first token always stays), without the sort:
+    a descending sort of 49,152 probabilities took ≈ 3 ms a row on 2 CPU cores — 100 ms for a
+    32-row step with top_p set, the common client default. Here the rows' `TOP_P_FIRST_K` most
+    likely tokens come from one batched `torch.topk` (sorted), the running mass is summed over
+    them in the same order a sorted row would be, and only a row whose nucleus is larger than
+    that (a nearly flat distribution) takes k 8× larger, then the full sort.
+    """
+    vocab = w.shape[-1]
+    k = min(TOP_P_FIRST_K, vocab)
+    pending = list(range(len(rows)))
+    while pending:
+        sub_rows = [rows[j] for j in pending]
+        p = torch.tensor([top_ps[j] for j in pending], dtype=w.dtype)[:, None]
+        values, ids = torch.topk(w[sub_rows], k, dim=-1)                      # [P, k], sorted
+        before = values.cumsum(dim=-1) - values                               # mass before each
+        done = (before[:, -1:] >= p)[:, 0] | (k == vocab)     # the nucleus ends inside the top k
+        kept = torch.zeros(len(pending), vocab, dtype=w.dtype)
+        kept.scatter_(1, ids, torch.where(before < p, values, 0.0))
+        finished = done.nonzero()[:, 0].tolist()
+        if finished:
+            w[[sub_rows[j] for j in finished]] = kept[finished]
+        pending = [pending[j] for j in range(len(pending)) if not done[j]]
+        k = min(8 * k, vocab)
 
 
 def _draw(logits: torch.Tensor, params: Sequence[SamplingParams],
@@ -89,17 +121,19 @@ def _draw(logits: torch.Tensor, params: Sequence[SamplingParams],
     if any(t != 1.0 for t in temps):
         x = x / torch.tensor(temps, dtype=x.dtype)[:, None]
     vocab = x.shape[-1]
-    top_k = [(i, params[r].top_k) for i, r in enumerate(rows) if 0 < params[r].top_k < vocab]
-    if top_k:
-        x = x.clone() if x is logits else x
-        for i, k in top_k:
-            x[i].masked_fill_(x[i] < torch.topk(x[i], k).values[-1], float("-inf"))
-    w = torch.softmax(x, dim=-1)                                                # [S, vocab]
+    by_k: dict[int, list[int]] = {}
     for i, r in enumerate(rows):
-        if params[r].top_p < 1.0:
-            sorted_p, order = torch.sort(w[i], descending=True)
-            drop = (torch.cumsum(sorted_p, dim=-1) - sorted_p) >= params[r].top_p  # keeps the first
-            w[i].index_fill_(0, order[drop], 0.0)
+        if 0 < params[r].top_k < vocab:
+            by_k.setdefault(params[r].top_k, []).append(i)
+    if by_k:
+        x = x.clone() if x is logits else x
+        for k, same_k in by_k.items():              # one batched topk per distinct k
+            sub = x[same_k]
+            x[same_k] = sub.masked_fill_(sub < torch.topk(sub, k, dim=-1).values[:, -1:], float("-inf"))
+    w = torch.softmax(x, dim=-1)                                                # [S, vocab]
+    top_p = [(i, params[r].top_p) for i, r in enumerate(rows) if params[r].top_p < 1.0]
+    if top_p:
+        keep_top_p_(w, [i for i, _ in top_p], [p for _, p in top_p])
     pad = -vocab % CHUNK
     if pad:
         w = torch.nn.functional.pad(w, (0, pad))

@@ -7,7 +7,7 @@ import math
 import torch
 
 from engine.request import SamplingParams
-from engine.sampler import make_generator, sample
+from engine.sampler import keep_top_p_, make_generator, sample
 
 
 def draws(logits: torch.Tensor, p: SamplingParams, n: int, seed: int = 0) -> torch.Tensor:
@@ -71,3 +71,44 @@ def test_draws_across_chunks_follow_the_distribution():
     got = draws(logits, SamplingParams(temperature=1.0), 20_000, seed=7)[hot]
     tol = 4.5 * torch.sqrt(want * (1 - want) / 20_000)
     assert ((got - want).abs() <= tol).all(), (got, want)
+
+
+def sorted_top_p(w: torch.Tensor, p: float) -> torch.Tensor:
+    """The reference: sort the whole row, keep tokens while the mass before them is < p."""
+    sorted_p, order = torch.sort(w, descending=True)
+    out = w.clone()
+    out[order[(torch.cumsum(sorted_p, dim=-1) - sorted_p) >= p]] = 0.0
+    return out
+
+
+def test_top_p_keeps_what_a_full_sort_keeps_for_peaked_and_flat_rows():
+    """`keep_top_p_` looks at the top 256 tokens first and widens only when the nucleus is larger:
+    rows from one token to ~20,000 tokens of nucleus, 1.5k-token rows and the whole 49k row."""
+    torch.manual_seed(3)
+    scales = [40.0, 8.0, 3.0, 1.0, 0.3, 0.05, 8.0, 0.0]      # 0.0: exactly flat (ties everywhere)
+    w = torch.softmax(torch.randn(len(scales), 49152) * torch.tensor(scales)[:, None], dim=-1)
+    ps = [0.9, 0.95, 0.5, 0.99, 0.9, 0.7, 0.0001, 0.9]
+    rows = [0, 1, 2, 3, 4, 5, 6]                               # the flat row 7 is checked below
+    got = w.clone()
+    keep_top_p_(got, rows, [ps[r] for r in rows])
+    sizes = []
+    for r in rows:
+        want = sorted_top_p(w[r], ps[r])
+        assert torch.equal(got[r], want), r
+        sizes.append(int((want > 0).sum()))
+    assert sizes[0] == 1 and sizes[6] == 1 and max(sizes) > 2048   # both fast path and widening
+    assert torch.equal(got[7], w[7])                                 # untouched rows stay
+    flat = w[7:8].clone()
+    keep_top_p_(flat, [0], [0.9])
+    assert int((flat > 0).sum()) == int((sorted_top_p(w[7], 0.9) > 0).sum())   # ties: same count
+
+
+def test_top_k_rows_with_different_k_in_one_step():
+    torch.manual_seed(4)
+    logits = torch.randn(4, 1000)
+    params = [SamplingParams(temperature=1.0, top_k=k) for k in (1, 5, 5, 0)]
+    for seed in range(20):
+        tokens = sample(logits, params, [make_generator(seed * 10 + i) for i in range(4)])[0]
+        assert tokens[0] == int(logits[0].argmax())
+        assert tokens[1] in logits[1].topk(5).indices.tolist()
+        assert tokens[2] in logits[2].topk(5).indices.tolist()
