@@ -7,7 +7,8 @@ Run from the repository root::
 Starts `genserve serve` on free localhost ports (engine, gRPC service and HTTP bridge, as
 `make serve` does, on the embedded model), sends one warm-up round, then `rounds` rounds of
 `streams` simultaneous `POST /v1/completions` with `stream: true`, `max_tokens = tokens`,
-`ignore_eos: true`, greedy, each with a distinct `prompt`-token synthetic prompt (one API key).
+`ignore_eos: true`, sampled at the API defaults (temperature 1, no top-k / top-p) with a seed per
+stream, each with a distinct `prompt`-token synthetic prompt (one API key).
 Per round, output tokens/s = tokens received by all streams / wall time from sending the first
 request to the last stream's end; the best and median rounds are printed with per-stream TTFT and
 TPOT, and the ratio to llama.cpp's server on the same GGUF and machine kind: ≈ 350 tokens/s for 32
