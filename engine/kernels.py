@@ -59,6 +59,7 @@ SOURCES = [pathlib.Path(__file__).with_name("csrc") / name
            for name in ("decode_attention.cpp", "prefill_attention.cpp", "layer_ops.cpp",
                         "packed_linear.cpp", "decode_layers.cpp")]
 OPS = ("paged_decode", "rms_norm", "add_rms_norm_", "rope_store_kv", "silu_mul", "decode_layers")
+AVX512_BF16_OPS = ("paged_prefill", "packed_linear")     # built only where the CPU has AVX512-BF16
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 
 
@@ -97,7 +98,8 @@ def available() -> bool:
             os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
         cpp_extension.load(name=_build_name(), sources=[str(src) for src in SOURCES], extra_cflags=CFLAGS,
                            is_python_module=False, verbose=False)
-        log.info("genserve kernels ready: torch.ops.genserve.%s", ", ".join(OPS))
+        built = [op for op in (*OPS, *AVX512_BF16_OPS) if hasattr(torch.ops.genserve, op)]
+        log.info("genserve kernels ready: torch.ops.genserve.%s", ", ".join(built))
         return all(hasattr(torch.ops.genserve, op) for op in OPS)
     except Exception as exc:        # noqa: BLE001 — any build failure means: use the fallback
         log.warning("genserve kernels unavailable (%s: %s); using torch ops and SDPA",
