@@ -5,9 +5,10 @@
 // M = 2 on the dev machine (2-core EPYC, read bandwidth ≈ 83 GB/s), and takes a different,
 // differently rounded kernel at M = 1, which `llama.linear` avoids by doubling the row. This
 // kernel streams the same packed bytes at ≈ 70 GB/s for one row (SmolLM2-135M's block matrices:
-// 3.0 ms against 5.7–6.7 ms) and stays faster than oneDNN up to 64 rows (32 rows, with the next
-// block prefetched: ≈ 900 GFLOP/s on cached weights against oneDNN's 580–830), and it rounds
-// exactly as oneDNN does, so it can replace oneDNN for any row count without changing a bit:
+// 3.0 ms against 5.7–6.7 ms) and stays faster than oneDNN up to a few hundred rows (32 rows:
+// ≈ 900 GFLOP/s on cached weights against oneDNN's 580–830; see llama.PACKED_LINEAR_MAX_ROWS),
+// and it rounds exactly as oneDNN does, so it can replace oneDNN for any row count without
+// changing a bit:
 //
 //   * the packed layout is oneDNN's AB16b64a2b for [N, K]: blocks of 64 output columns, each
 //     [K/2][64][2] — for every pair of k, the 64 columns' two weights side by side, the vdpbf16ps

@@ -13,9 +13,13 @@ from engine.attention import AttentionMetadata, attend
 from engine.model.layer_ops import KernelLayerOps, TorchLayerOps
 
 # Most rows a product runs through genserve's `packed_linear` instead of oneDNN (same bits either
-# way; see `linear`). Measured on the 2-core dev machine (SmolLM2-135M's block matrices, time per
-# step's products): 1 row 3.0 vs 5.7-6.7 ms, 32 rows 10.2 vs 12.2, 48 rows 13.9 vs 16.2; prefill
-# pieces (hundreds of rows) are arithmetic-bound, where oneDNN's blocking wins.
+# way; see `linear`). Measured on the 2-core dev machine, SmolLM2-135M's 30 layers + output
+# projection, time per step's products, A/B in one run: 1 row 3.0 against 5.7-6.7 ms (block
+# matrices only), 32 rows 10.3 against 14.9, 64 rows 18.9 against 24.4, 128 rows 37.8 against
+# 44.8, 256 rows 74.7 against 82.1, 512 rows 154.5 against 156.0, 1,024 rows 312.5 against 298.9
+# (oneDNN's blocking wins once the products are long enough). In the model, though, 256-token
+# prefill steps took the same time either way (1,024 tokens in 345 against 349 ms, A/B in one
+# process), so prefill stays on oneDNN and the limit covers decode steps and small mixed steps.
 PACKED_LINEAR_MAX_ROWS = 64
 
 
@@ -138,12 +142,11 @@ def pack_weight(weight: torch.Tensor,
                 return None
     except (RuntimeError, AttributeError):
         return None
+    k_chunks = {} if k_chunks is None else k_chunks
     shape = (weight.shape[0], weight.shape[1])
-    if k_chunks is None or shape not in k_chunks:
-        chunk = onednn_k_chunk(packed)
-        if k_chunks is not None:
-            k_chunks[shape] = chunk
-    return PackedWeight(packed, k_chunks[shape] if k_chunks is not None else chunk)
+    if shape not in k_chunks:
+        k_chunks[shape] = onednn_k_chunk(packed)
+    return PackedWeight(packed, k_chunks[shape])
 
 
 def onednn_k_chunk(packed: torch.Tensor) -> int:
@@ -151,10 +154,10 @@ def onednn_k_chunk(packed: torch.Tensor) -> int:
 
     oneDNN's bf16 kernel sums k in chunks (one vdpbf16ps chain per chunk, the chunks' sums added
     in order); the chunk length depends on the shape and is not documented, so it is found here:
-    candidates go powers of two first, largest first (512 and 1,024 are what the dev machine's oneDNN 3.12
-    uses for in = 576 and 1,536), then every other multiple of 32 up to `in`, and the first whose
-    products equal oneDNN's on ≥ 2^20 random outputs (and on one row alone) is taken. Wrong
-    chunks differ in ≈ 1 of 10^4 bf16 outputs, so the probe tells them apart. 0 when
+    candidates go powers of two first, largest first (512 and 1,024 are what oneDNN 3.12 uses for
+    in = 576 and 1,536 on the dev machine), then every other multiple of 32 up to `in`, and the
+    first whose products equal oneDNN's on ≥ 2^20 random outputs (and on one row alone) is
+    taken. Wrong chunks differ in ≈ 1 of 10^4 bf16 outputs, so the probe tells them apart. 0 when
     `packed_linear` is not built or no chunk matches (then oneDNN runs every product).
     """
     if not kernels.packed_linear_available():

@@ -79,10 +79,12 @@ def test_one_row_alone_equals_that_row_in_a_batch_above_the_row_limit(model):
 
 def test_a_decode_row_has_the_same_hidden_state_beside_a_long_prefill_piece(model, gguf_tokenizer):
     """The real activations through the whole model: a decode row alone (packed_linear, in the
-    C++ decode loop) and the same row in a step with a 100-token prefill piece (101 rows: oneDNN,
-    in the Python loop) give identical final hidden states."""
+    C++ decode loop) and the same row in a step with a prefill piece long enough that the step's
+    products run on oneDNN (the Python loop) give identical final hidden states."""
     prompts = mixed_prompts(gguf_tokenizer)
     p, long_prompt = prompts[6], prompts[7]
+    piece = PACKED_LINEAR_MAX_ROWS + 64
+    assert len(long_prompt) >= piece
     kv = KVCache(model.args, 64, 16, torch.bfloat16)
     table, other = list(range(0, 16)), list(range(16, 64))
     with torch.inference_mode():
@@ -91,9 +93,9 @@ def test_a_decode_row_has_the_same_hidden_state_beside_a_long_prefill_piece(mode
         decode = (len(p) - 1, 1, table, True)
         meta = AttentionMetadata.build([decode], 16, torch.bfloat16, True)
         alone = model(torch.tensor([p[-1]]), torch.tensor([len(p) - 1]), kv.layers, meta)
-        meta = AttentionMetadata.build([decode, (0, 100, other, False)], 16, torch.bfloat16, True)
-        ids = torch.tensor([p[-1]] + long_prompt[:100])
-        pos = torch.cat([torch.tensor([len(p) - 1]), torch.arange(100)])
+        meta = AttentionMetadata.build([decode, (0, piece, other, False)], 16, torch.bfloat16, True)
+        ids = torch.tensor([p[-1]] + long_prompt[:piece])
+        pos = torch.cat([torch.tensor([len(p) - 1]), torch.arange(piece)])
         mixed = model(ids, pos, kv.layers, meta)
     assert torch.equal(alone[0], mixed[0])
 
