@@ -3,8 +3,8 @@
 // products as `llama.linear` runs them (genserve's `packed_linear` up to `max_rows` rows where
 // the weight kind has a k chunk, else oneDNN with a one-row input doubled), `rope_store_kv`,
 // `paged_decode`, `add_rms_norm_`, `silu_mul` — so a row's bits are the ones the Python loop
-// gives (tested), but
-// without ~25 Python calls per layer: at 1 row those cost ≈ 2.5 ms of a 9 ms step.
+// gives (tested), but without ~25 Python calls per layer: at 1 row those cost ≈ 2.5 ms of a 9 ms
+// step.
 //
 //   for each layer i:  x = next_norm_i(h += W2 silu_mul(W13 ffn_norm_i(h += Wo attn(Wqkv x))))
 //
@@ -20,7 +20,8 @@ namespace {
 
 // x [M, in] @ packed weight → [M, out], exactly as `llama.linear` with a packed weight whose
 // k chunk is `k_chunk` (0: none).
-at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t k_chunk, int64_t max_rows) {
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t k_chunk,
+                  int64_t max_rows) {
 #ifdef GENSERVE_PACKED_LINEAR
   if (k_chunk > 0 && x.size(0) <= max_rows) return genserve::packed_linear(x, packed, k_chunk);
 #endif

@@ -86,7 +86,8 @@ class PackedWeight:
     k_chunk: int
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor,
+           packed: PackedWeight | None = None) -> torch.Tensor:
     """`x @ weight.T` whose rows do not depend on how many rows there are.
 
     With `packed` (`pack_weight`) the product reads the packed copy: for up to
