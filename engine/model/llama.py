@@ -112,10 +112,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
     if one_row:
         x = torch.cat([x, x])
     if packed is not None:
-        y = torch.ops.mkldnn._linear_pointwise(x, packed.tensor, None, "none", [], "")
+        y = onednn_linear(x, packed.tensor)
     else:
         y = F.linear(x, weight)
     return y[:1] if one_row else y
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x [M, in] @ Wᵀ through oneDNN's packed copy of W (`torch.ops.mkldnn._reorder_linear_weight`),
+    [M, out] in x's dtype; no bias, no fused activation."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
 def pack_weight(weight: torch.Tensor,
@@ -138,7 +144,7 @@ def pack_weight(weight: torch.Tensor,
                             ).to(weight.dtype)
         want = F.linear(probe, weight)
         for m in (2, 7, 64):
-            got = torch.ops.mkldnn._linear_pointwise(probe[:m], packed, None, "none", [], "")
+            got = onednn_linear(probe[:m], packed)
             if not torch.equal(got, want[:m]):
                 return None
     except (RuntimeError, AttributeError):
@@ -168,7 +174,7 @@ def onednn_k_chunk(packed: torch.Tensor) -> int:
         return 0
     rows = min(4096, max(64, -(-(1 << 20) // n)))
     probe = torch.randn(rows, k, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-    want = torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "")
+    want = onednn_linear(probe, packed)
     powers = [2 ** i for i in range(k.bit_length() - 1, 4, -1)]        # ≤ k, largest first
     for chunk in powers + [c for c in range(32, k + 1, 32) if c not in powers]:
         try:
