@@ -22,8 +22,8 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 from urllib.parse import urlsplit
 
+import aiohttp
 import grpc
-import httpx
 
 from genserve.v1 import generate_pb2 as pb
 from genserve.v1 import generate_pb2_grpc as pb_grpc
@@ -79,32 +79,42 @@ class Client(Protocol):
 
 
 class RestClient:
-    """POST /v1/completions with `stream: true`, reading the SSE events.
+    """POST /v1/completions with `stream: true`, reading the SSE events (aiohttp).
 
     Args:
         base_url: the bridge, e.g. "http://127.0.0.1:8000" (localhost only).
         timeout_s: per request, arrival to last token.
         seed: sampling seed base (seed + item index).
         prompt_seed: seed of synthetic prompt ids (`WorkItem.prompt_ids`).
-        transport: an httpx transport in place of the network (tests: the bridge app over ASGI).
 
-    Each item's `api_key` goes out as `Authorization: Bearer <key>`.
+    Each item's `api_key` goes out as `Authorization: Bearer <key>`. The session is made on the
+    first send, inside the event loop that runs the workload.
+
+    aiohttp, as vLLM's `benchmark_serving` uses: the client shares the server's cores, and its
+    C HTTP parser reads an SSE event in ≈ 35 µs of CPU against httpx's ≈ 90 (httpcore opens an
+    anyio cancel scope per socket read); measured in one run of 32 streams × 128 tokens.
     """
 
     def __init__(self, base_url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S, seed: int = 0,
-                 prompt_seed: int = 0, transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 prompt_seed: int = 0) -> None:
         self.base_url = require_localhost(base_url).rstrip("/")
         self.timeout_s = timeout_s
         self.seed = seed
         self.prompt_seed = prompt_seed
-        self.http = httpx.AsyncClient(
-            base_url=self.base_url,
-            timeout=httpx.Timeout(timeout_s, pool=None),
-            limits=httpx.Limits(max_connections=MAX_CONNECTIONS, max_keepalive_connections=64),
-            transport=transport)
+        self._session: aiohttp.ClientSession | None = None
+
+    def session(self) -> aiohttp.ClientSession:
+        """The shared session (up to MAX_CONNECTIONS connections, `timeout_s` per request)."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                self.base_url, connector=aiohttp.TCPConnector(limit=MAX_CONNECTIONS),
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+        return self._session
 
     async def aclose(self) -> None:
-        await self.http.aclose()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
 
     def body(self, item: WorkItem) -> dict:
         """The JSON body for `item`: its prompt, max_tokens = output_tokens, ignore_eos, stream."""
@@ -122,30 +132,30 @@ class RestClient:
         if item.api_key:
             headers["Authorization"] = f"Bearer {item.api_key}"
         try:
-            async with self.http.stream("POST", "/v1/completions", json=self.body(item), headers=headers) as resp:
-                rec.status = resp.status_code
-                if resp.status_code != 200:
-                    text = (await resp.aread()).decode(errors="replace")
-                    rec.error = _error_message(text) or f"HTTP {resp.status_code}"
+            async with self.session().post("/v1/completions", json=self.body(item), headers=headers) as resp:
+                rec.status = resp.status
+                if resp.status != 200:
+                    text = (await resp.read()).decode(errors="replace")
+                    rec.error = _error_message(text) or f"HTTP {resp.status}"
                     rec.e2e_s = time.perf_counter() - arrival
-                    if resp.status_code == STATUS_REJECTED:
-                        return _retry_after(resp.headers.get("retry-after"))
+                    if resp.status == STATUS_REJECTED:
+                        return _retry_after(resp.headers.get("Retry-After"))
                     return None
-                rec.request_id = resp.headers.get("x-request-id", rec.request_id)
+                rec.request_id = resp.headers.get("X-Request-Id", rec.request_id)
                 error_next = False
-                async for line in resp.aiter_lines():
-                    if line.startswith("event:"):
-                        error_next = line[6:].strip() == "error"
+                async for raw in resp.content:              # one line, with its b"\n"
+                    if raw.startswith(b"event:"):
+                        error_next = raw[6:].strip() == b"error"
                         continue
-                    if not line.startswith("data:"):
+                    if not raw.startswith(b"data:"):
                         continue
-                    data = line[5:].strip()
+                    data = raw[5:].strip()
                     now = time.perf_counter()
-                    if data == "[DONE]":
+                    if data == b"[DONE]":
                         break
                     event = json.loads(data)
                     if error_next:
-                        rec.error = _error_message(data) or "error event"
+                        rec.error = _error_message(data.decode(errors="replace")) or "error event"
                         break
                     if event.get("usage") is not None or event.get("finish_reason"):
                         rec.finish_reason = event.get("finish_reason")
@@ -158,10 +168,11 @@ class RestClient:
                     if item.disconnect_after is not None and timer.count >= item.disconnect_after:
                         rec.disconnected = True
                         rec.e2e_s = now - arrival
-                        break                      # leaving the block closes the connection
+                        resp.close()                        # closes the connection mid-stream
+                        break
                 if rec.finish_reason is None and not rec.disconnected and not rec.error:
                     rec.error = "the stream ended without a final event"
-        except (httpx.HTTPError, OSError, ValueError) as exc:
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
             rec.error = f"{type(exc).__name__}: {exc}"[:200]
             if rec.status == STATUS_OK and not timer.count:
                 rec.status = STATUS_ERROR
