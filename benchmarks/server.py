@@ -3,9 +3,11 @@
 Run from the repository root::
 
     python -m benchmarks.server [--streams 32] [--tokens 128] [--prompt 16] [--rounds 3] [--json PATH]
+                                [--url http://127.0.0.1:8000]
 
 Starts `genserve serve` on free localhost ports (engine, gRPC service and HTTP bridge, as
-`make serve` does, on the embedded model), sends one warm-up round, then `rounds` rounds of
+`make serve` does, on the embedded model), or with `--url` uses a genserve already running on
+this machine, sends one warm-up round, then `rounds` rounds of
 `streams` simultaneous `POST /v1/completions` with `stream: true`, `max_tokens = tokens`,
 `ignore_eos: true`, sampled at the API defaults (temperature 1, no top-k / top-p) with a seed per
 stream, each with a distinct `prompt`-token synthetic prompt (one API key).
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import pathlib
@@ -73,16 +76,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=128, help="output tokens per stream")
     p.add_argument("--prompt", type=int, default=16, help="prompt tokens per stream")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--threads", type=int, default=0, help="engine threads (genserve serve --threads)")
+    p.add_argument("--threads", type=int, default=0, help="engine threads of the server it starts (genserve serve --threads)")
     p.add_argument("--json", type=pathlib.Path, help="also write the figures as JSON here")
+    p.add_argument("--url", help="a genserve bridge already running on this machine (default: start one)")
     opts = p.parse_args(argv)
     load_start = os.getloadavg()[0]
-    with LiveServer(queue_budget_s=1e6, extra_args=["--threads", str(opts.threads)]) as server:
+    with contextlib.ExitStack() as stack:
+        url = opts.url or stack.enter_context(
+            LiveServer(queue_budget_s=1e6, extra_args=["--threads", str(opts.threads)])).url
         print(f"[server] warm-up round ({opts.streams} streams)", file=sys.stderr, flush=True)
-        one_round(server.url, opts.streams, 8, opts.prompt, 0)
+        one_round(url, opts.streams, 8, opts.prompt, 0)
         rounds = []
         for i in range(1, opts.rounds + 1):
-            rounds.append(one_round(server.url, opts.streams, opts.tokens, opts.prompt, i))
+            rounds.append(one_round(url, opts.streams, opts.tokens, opts.prompt, i))
             print(f"[server] round {i}: {rounds[-1]['tok_s']:.0f} tok/s", file=sys.stderr, flush=True)
     best = max(rounds, key=lambda r: r["tok_s"])
     median = statistics.median(r["tok_s"] for r in rounds)
