@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 
 from engine import kernels as genserve_kernels
-from engine.attention import AttentionMetadata
+from engine.attention import AttentionMetadata, GatherBuffer
 from engine.kv_cache import KVCache
 from engine.model.llama import Transformer
 from engine.request import Request
@@ -68,6 +68,7 @@ class ModelExecutor:
             kernels = (model.args.head_dim == 64 and kv.layers[0].device.type == "cpu"
                        and genserve_kernels.available())
         self.kernels = kernels
+        self.gather = None if kernels else GatherBuffer()   # the SDPA decode path's keys, values
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> SampledTokens:
@@ -86,7 +87,7 @@ class ModelExecutor:
             self.kv.copy_block(src, dst)
         meta = AttentionMetadata.build(
             [(s.start, s.length, s.block_table, s.decode) for s in plan.segments],
-            self.kv.block_size, self.model.dtype, self.kernels)
+            self.kv.block_size, self.model.dtype, self.kernels, self.gather)
         hidden = self.model(torch.tensor(token_ids, dtype=torch.long),
                             torch.tensor(positions, dtype=torch.long), self.kv.layers, meta)
         if not sample_rows:

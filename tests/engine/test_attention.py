@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata, attend, prefill_attention, store_kv
+from engine.attention import AttentionMetadata, GatherBuffer, attend, prefill_attention, store_kv
 
 BS, KVH, HD, GROUP = 16, 3, 64, 3          # SmolLM2's shape: 9 query heads over 3 KV heads
 H = KVH * GROUP
@@ -49,7 +49,8 @@ def test_decode_and_prefill_match_dense_attention(dtype, tol, kernels):
         kv[name] = (k, v)
     spans = [(c - 1, 1, t, True) for c, t in zip(contexts, tables)]
     spans.append((prefill_start, prefill_ctx - prefill_start, prefill_table, False))
-    meta = AttentionMetadata.build(spans, BS, dtype, kernels)
+    gather = None if kernels else GatherBuffer()       # as the executor builds it
+    meta = AttentionMetadata.build(spans, BS, dtype, kernels, gather)
     q = torch.randn(len(contexts) + 64, H, HD, generator=g).to(dtype)
     new_k = torch.cat([kv[i][0][-1:] for i in range(5)] + [kv["p"][0][prefill_start:]])
     new_v = torch.cat([kv[i][1][-1:] for i in range(5)] + [kv["p"][1][prefill_start:]])
@@ -71,10 +72,13 @@ def test_decode_row_bits_do_not_depend_on_batch_or_padding(kernels):
         tables.append(list(range(nxt, nxt + -(-c // BS))))
         nxt += len(tables[-1])
     q = torch.randn(len(contexts), H, HD, generator=g).bfloat16()
+    # The SDPA path gathers into one buffer across calls, as across steps: the first (largest)
+    # call leaves stale keys behind for the smaller ones.
+    gather = None if kernels else GatherBuffer()
 
     def decode(rows: list[int]) -> torch.Tensor:
         meta = AttentionMetadata.build([(contexts[i] - 1, 1, tables[i], True) for i in rows],
-                                       BS, torch.bfloat16, kernels)
+                                       BS, torch.bfloat16, kernels, gather)
         k = cache[0, [tables[i][(contexts[i] - 1) // BS] for i in rows], [(contexts[i] - 1) % BS for i in rows]]
         v = cache[1, [tables[i][(contexts[i] - 1) // BS] for i in rows], [(contexts[i] - 1) % BS for i in rows]]
         store_kv(k, v, cache, meta.slots)
@@ -84,6 +88,19 @@ def test_decode_row_bits_do_not_depend_on_batch_or_padding(kernels):
     for i in range(len(contexts)):
         assert torch.equal(decode([i])[0], together[i]), f"row of context {contexts[i]}"
     assert torch.equal(decode([0, 9])[0], together[0])           # padded to 1,536 keys, not 64
+
+
+def test_gather_buffer_is_reused_until_a_step_needs_more():
+    buf = GatherBuffer()
+    first = buf.take(1000, torch.bfloat16)
+    assert first.shape == (1000,) and first.dtype == torch.bfloat16
+    same = buf.take(1250, torch.bfloat16)                      # within the 1.25× headroom
+    assert same.data_ptr() == first.data_ptr() and same.numel() == 1250
+    assert buf.take(10, torch.bfloat16).data_ptr() == first.data_ptr()
+    grown = buf.take(1251, torch.bfloat16)
+    assert grown.data_ptr() != first.data_ptr() and grown.numel() == 1251
+    assert buf.take(1500, torch.bfloat16).data_ptr() == grown.data_ptr()     # 1.25 × 1,251
+    assert buf.take(100, torch.float32).dtype == torch.float32
 
 
 @pytest.mark.parametrize("start,length", [(0, 1), (0, 13), (5, 7), (0, 256), (256, 256),
