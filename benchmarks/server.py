@@ -44,7 +44,12 @@ LLAMA_CPP_TOK_S = 350.0      # llama.cpp server, 32 concurrent streams, this mac
 
 
 def one_round(url: str, streams: int, tokens: int, prompt: int, round_no: int) -> dict:
-    """`streams` simultaneous streams; returns tokens, wall seconds and per-stream figures."""
+    """`streams` simultaneous streams of `tokens` tokens after `prompt`-token prompts.
+
+    Returns {"tokens", "wall_s", "tok_s", "client_cpu_us_per_token" (this process's CPU time —
+    the client, and the thread that reads a started server's log — per token received),
+    "ttft_ms_p50", "tpot_ms_p50"}. Raises RuntimeError if any stream failed or was rejected.
+    """
     items = [WorkItem(index=round_no * 1000 + i, arrival_s=0.0, api_key="", prompt_tokens=prompt,
                       output_tokens=tokens) for i in range(streams)]
 

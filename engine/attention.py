@@ -66,25 +66,27 @@ GATHER_GROWTH = 1.25      # a GatherBuffer grows to 1.25× what a step asked for
 class GatherBuffer:
     """Memory for the SDPA decode path's gathered keys and values, reused by every layer of every
     step; it only grows (to `GATHER_GROWTH` × the largest request, so contexts that grow a block
-    at a time do not reallocate every few steps).
+    at a time do not reallocate every few steps) and is never shrunk: it holds ≈ 1.25 × the
+    largest step's gather until the executor goes. Used from the scheduler thread only.
 
     Each layer gathers B rows × L keys of K and of V (32 rows × 1,216 keys × 3 KV heads × 64 bf16
-    = 2 × 15 MB for SmolLM2). Allocated per layer, glibc hands buffers that size back to the OS
-    on free (mmap threshold / heap trim), and touching them again page-faults: 229,000 minor
-    faults a step, and a 32-row step at 1,200-token contexts took 410 ms instead of ≈ 160 ms
-    (measured on the 2-core dev machine with `GENSERVE_KERNELS=0`).
+    = 2 × 15 MB for SmolLM2). Allocated per layer, glibc handed buffers that size back to the OS
+    on free (mmap threshold / heap trim), and touching them again page-faulted: 229,000 minor
+    faults a step, and a 32-row step at 1,200-token contexts took 440 ms instead of ≈ 125 ms
+    (medians over 24 steps, 2-core dev machine, `GENSERVE_KERNELS=0`; the faults came in 2 of 3
+    runs, as glibc's adaptive threshold happened to fall).
     """
 
     def __init__(self) -> None:
         self._buf = torch.empty(0)
 
-    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A 1-D tensor of `numel` elements of `dtype` (contents undefined), valid until the next
-        call; raises RuntimeError (from torch) if the allocation fails."""
-        if self._buf.dtype != dtype or self._buf.numel() < numel:
-            self._buf = torch.empty(int(numel * GATHER_GROWTH), dtype=dtype)
-        return self._buf[:numel]
-
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+        """A 1-D tensor of `numel` elements of `dtype` on `device` (contents undefined), valid
+        until the next call; raises RuntimeError (from torch) if the allocation fails."""
+        buf = self._buf
+        if buf.dtype != dtype or buf.device != torch.device(device) or buf.numel() < numel:
+            self._buf = buf = torch.empty(int(numel * GATHER_GROWTH), dtype=dtype, device=device)
+        return buf[:numel]
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,7 +204,7 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetada
     if meta.gather is None:
         kv = pools.index_select(1, meta.decode_blocks)
     else:
-        kv = meta.gather.take(gathered.numel(), cache.dtype).view(gathered)
+        kv = meta.gather.take(gathered.numel(), cache.dtype, cache.device).view(gathered)
         torch.index_select(pools[0], 0, meta.decode_blocks, out=kv[0])
         torch.index_select(pools[1], 0, meta.decode_blocks, out=kv[1])
     keys = kv[0].view(b, length, n_kv, hd).transpose(1, 2)             # [B, kvh, L, hd]

@@ -6,6 +6,7 @@ import logging
 import os
 import pathlib
 import statistics
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -39,18 +40,33 @@ class LoadedEngine:
 def set_threads(config: EngineConfig) -> int:
     """Set torch's intra-op threads to `config.num_threads`, or to the usable cores when 0.
 
-    Logs a warning when OpenMP thread binding is on (`OMP_PROC_BIND` other than false): the
-    service's event loop and the bridge run on the same cores, and a pinned engine thread cannot
-    move away from them while they run. 32 live streams on the 2-core dev machine, in one run:
-    1,010–1,050 tokens/s with OMP_PROC_BIND=true against 1,415–1,490 without.
+    Logs a warning when OpenMP pins its threads (`threads_bound`): the service's event loop and
+    the bridge run on the same cores, and a pinned engine thread cannot move away from them while
+    they run. 32 live streams on the 2-core dev machine, A/B in one run: 1,010–1,050 tokens/s
+    with OMP_PROC_BIND=true against 1,415–1,490 without.
     """
     n = config.num_threads or len(os.sched_getaffinity(0))
     torch.set_num_threads(n)
-    bind = os.environ.get("OMP_PROC_BIND", "").strip().lower()
-    if bind and bind != "false":
-        log.warning("OMP_PROC_BIND=%s pins the engine's threads to cores the bridge and the event "
-                    "loop share; unset it (live throughput ≈ 30 %% lower with it on 2 cores)", bind)
+    bound = threads_bound(os.environ)
+    if bound:
+        log.warning("%s pins the engine's threads to cores the bridge and the event loop share; "
+                    "unset it (live throughput ≈ 30 %% lower with it on 2 cores)", bound)
     return n
+
+
+def threads_bound(env: Mapping[str, str]) -> str | None:
+    """The setting that makes OpenMP (libgomp) bind threads to places, as "NAME=value", or None.
+
+    libgomp binds when OMP_PROC_BIND is set to anything but "false", and, when OMP_PROC_BIND is
+    unset, when OMP_PLACES or GOMP_CPU_AFFINITY is set (libgomp manual, "OMP_PROC_BIND").
+    """
+    bind = env.get("OMP_PROC_BIND", "").strip()
+    if bind:
+        return None if bind.lower() == "false" else f"OMP_PROC_BIND={bind}"
+    for name in ("OMP_PLACES", "GOMP_CPU_AFFINITY"):
+        if env.get(name, "").strip():
+            return f"{name}={env[name].strip()}"
+    return None
 
 
 def build_engine(config: EngineConfig, gguf_path: str | pathlib.Path | None = None,

@@ -228,7 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = sub.add_parser("run", help="open-loop load against a live server on localhost")
     p.add_argument("--url", default=None, help="REST+SSE bridge, e.g. http://127.0.0.1:8000")
     p.add_argument("--grpc", default=None, help="gRPC engine service, e.g. 127.0.0.1:50051")
-    p.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
+    p.add_argument("--timeout", type=float, default=600.0, help="per request, seconds from sending it to its last token")
     p.add_argument("--drain-timeout", type=float, default=300.0,
                    help="seconds to wait for open requests after the last arrival")
     _common(p)

@@ -23,6 +23,7 @@ from typing import Protocol
 from urllib.parse import urlsplit
 
 import aiohttp
+import aiohttp.http_exceptions
 import grpc
 
 from genserve.v1 import generate_pb2 as pb
@@ -82,8 +83,9 @@ class RestClient:
     """POST /v1/completions with `stream: true`, reading the SSE events (aiohttp).
 
     Args:
-        base_url: the bridge, e.g. "http://127.0.0.1:8000" (localhost only).
-        timeout_s: per request, arrival to last token.
+        base_url: the bridge, e.g. "http://127.0.0.1:8000" or "http://localhost:8000/prefix"
+            (localhost only; raises ValueError otherwise or without the http:// scheme).
+        timeout_s: per request, from sending it to its last byte.
         seed: sampling seed base (seed + item index).
         prompt_seed: seed of synthetic prompt ids (`WorkItem.prompt_ids`).
 
@@ -98,20 +100,26 @@ class RestClient:
     def __init__(self, base_url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S, seed: int = 0,
                  prompt_seed: int = 0) -> None:
         self.base_url = require_localhost(base_url).rstrip("/")
+        if urlsplit(self.base_url).scheme != "http":
+            raise ValueError(f"base_url must be an http:// URL, not {base_url!r}")
+        self.url = f"{self.base_url}/v1/completions"
         self.timeout_s = timeout_s
         self.seed = seed
         self.prompt_seed = prompt_seed
         self._session: aiohttp.ClientSession | None = None
 
     def session(self) -> aiohttp.ClientSession:
-        """The shared session (up to MAX_CONNECTIONS connections, `timeout_s` per request)."""
+        """The shared session: up to MAX_CONNECTIONS connections; a request gets `timeout_s` in
+        all, from sending to its last byte (as the gRPC client's deadline). Bound to the running
+        event loop: `aclose` it in the same loop."""
         if self._session is None:
             self._session = aiohttp.ClientSession(
-                self.base_url, connector=aiohttp.TCPConnector(limit=MAX_CONNECTIONS),
+                connector=aiohttp.TCPConnector(limit=MAX_CONNECTIONS),
                 timeout=aiohttp.ClientTimeout(total=self.timeout_s))
         return self._session
 
     async def aclose(self) -> None:
+        """Close the session and its connections (in the event loop that used it)."""
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -132,7 +140,7 @@ class RestClient:
         if item.api_key:
             headers["Authorization"] = f"Bearer {item.api_key}"
         try:
-            async with self.session().post("/v1/completions", json=self.body(item), headers=headers) as resp:
+            async with self.session().post(self.url, json=self.body(item), headers=headers) as resp:
                 rec.status = resp.status
                 if resp.status != 200:
                     text = (await resp.read()).decode(errors="replace")
@@ -172,8 +180,12 @@ class RestClient:
                         break
                 if rec.finish_reason is None and not rec.disconnected and not rec.error:
                     rec.error = "the stream ended without a final event"
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
-            rec.error = f"{type(exc).__name__}: {exc}"[:200]
+        except (asyncio.TimeoutError, aiohttp.ClientError, OSError, ValueError,
+                aiohttp.http_exceptions.HttpProcessingError) as exc:   # e.g. LineTooLong
+            if isinstance(exc, asyncio.TimeoutError):
+                rec.error = f"timeout: the stream did not end within {self.timeout_s:g} s"
+            else:
+                rec.error = f"{type(exc).__name__}: {exc}"[:200]
             if rec.status == STATUS_OK and not timer.count:
                 rec.status = STATUS_ERROR
         finally:
@@ -213,6 +225,7 @@ class GrpcClient:
         self.stub = pb_grpc.GenerateServiceStub(self.channel)
 
     async def aclose(self) -> None:
+        """Close the channel (in the event loop that used it)."""
         await self.channel.close()
 
     def request(self, item: WorkItem, request_id: str) -> pb.GenerateRequest:

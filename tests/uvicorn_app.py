@@ -19,12 +19,16 @@ async def served(app) -> AsyncIterator[str]:
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
     task = asyncio.create_task(server.serve(sockets=[sock]))
+    for _ in range(500):
+        if server.started or task.done():
+            break
+        await asyncio.sleep(0.01)
+    if not server.started:
+        task.cancel()
+        [outcome] = await asyncio.gather(task, return_exceptions=True)
+        sock.close()
+        raise AssertionError(f"uvicorn did not start: {outcome!r}")
     try:
-        for _ in range(500):
-            if server.started or task.done():
-                break
-            await asyncio.sleep(0.01)
-        assert server.started, "uvicorn did not start"
         yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from engine.builder import set_threads
+from engine.builder import set_threads, threads_bound
 from engine.config import EngineConfig
 
 
@@ -19,15 +19,25 @@ def restore_threads():
     torch.set_num_threads(before)
 
 
-def test_threads_default_to_the_usable_cores(restore_threads, monkeypatch):
-    monkeypatch.delenv("OMP_PROC_BIND", raising=False)
+def test_threads_default_to_the_usable_cores(restore_threads):
     assert set_threads(EngineConfig(num_threads=1)) == 1 and torch.get_num_threads() == 1
     cores = len(os.sched_getaffinity(0))
     assert set_threads(EngineConfig()) == cores and torch.get_num_threads() == cores
 
 
-@pytest.mark.parametrize("bind,warns", [("true", True), ("close", True), ("FALSE", False), ("", False)])
+@pytest.mark.parametrize("env,bound", [
+    ({"OMP_PROC_BIND": "true"}, "OMP_PROC_BIND=true"), ({"OMP_PROC_BIND": "close"}, "OMP_PROC_BIND=close"),
+    ({"OMP_PROC_BIND": "FALSE"}, None), ({}, None), ({"OMP_PLACES": "cores"}, "OMP_PLACES=cores"),
+    ({"GOMP_CPU_AFFINITY": "0-1"}, "GOMP_CPU_AFFINITY=0-1"),
+    ({"OMP_PROC_BIND": "false", "OMP_PLACES": "cores"}, None)])
+def test_bound_threads_are_told_apart(env, bound):
+    assert threads_bound(env) == bound
+
+
+@pytest.mark.parametrize("bind,warns", [("true", True), ("FALSE", False)])
 def test_pinned_threads_are_warned_about(restore_threads, monkeypatch, caplog, bind, warns):
+    for name in ("OMP_PLACES", "GOMP_CPU_AFFINITY"):
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("OMP_PROC_BIND", bind)
     with caplog.at_level(logging.WARNING, logger="engine.builder"):
         set_threads(EngineConfig(num_threads=1))

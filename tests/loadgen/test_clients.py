@@ -45,7 +45,7 @@ class ScriptedService(pb_grpc.GenerateServiceServicer):
             for i in range(request.max_tokens):
                 await asyncio.sleep(TOKEN_DELAY_S)
                 yield pb.GenerateResponse(request_id=rid, token=pb.Token(text=f" t{i}", token_id=100 + i, position=i))
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):   # cancelled at an await, or at a yield
             self.cancelled.append(rid)
             raise
         yield pb.GenerateResponse(request_id=rid, finished=pb.Finished(
@@ -117,14 +117,15 @@ async def test_a_workload_gives_one_record_per_item(which, service, rest, grpc_c
     assert sorted(svc.keys) == ["alice", "alice", "alice", "bob", "full"]
     # The gRPC client cancels the call, the REST client closes its connection (the bridge then
     # cancels the call): either way the service sees the request cancelled.
-    for _ in range(100):
+    for _ in range(500):
         if svc.cancelled:
             break
         await asyncio.sleep(0.01)
     assert svc.cancelled == [r3.request_id]
 
 
-async def test_429_is_retried_after_retry_after(grpc_client, monkeypatch):
+@pytest.mark.parametrize("which", ["rest", "grpc"])
+async def test_429_is_retried_after_retry_after(which, rest, grpc_client, monkeypatch):
     sleeps = []
     real_sleep = asyncio.sleep
 
@@ -135,5 +136,51 @@ async def test_429_is_retried_after_retry_after(grpc_client, monkeypatch):
         await real_sleep(s, *a)
 
     monkeypatch.setattr("loadgen.clients.asyncio.sleep", fake_sleep)
-    [rec] = await run_open_loop([WorkItem(0, 0.0, "full", 3, 2)], grpc_client, max_retries=2)
+    client = rest if which == "rest" else grpc_client
+    [rec] = await run_open_loop([WorkItem(0, 0.0, "full", 3, 2)], client, max_retries=2)
     assert rec.status == 429 and rec.retries == 2 and sleeps == [1.0, 1.0]
+    assert "queued" in rec.error and rec.output_tokens == 0
+
+
+def test_rest_urls_keep_their_path_and_need_http():
+    assert RestClient("http://127.0.0.1:1/x/").url == "http://127.0.0.1:1/x/v1/completions"
+    for bad in ("127.0.0.1:8000", "https://localhost:1"):
+        with pytest.raises(ValueError, match="http://"):
+            RestClient(bad)
+
+
+async def test_rest_timeout_is_recorded_as_such(service):
+    _, target = service
+    async with served(create_app(target)) as url:
+        client = RestClient(url, timeout_s=1.0)
+        try:
+            [rec] = await run_open_loop([WorkItem(0, 0.0, "alice", 4, 2000)], client)
+        finally:
+            await client.aclose()
+    # 2,000 tokens 2 ms apart take 4 s: the stream started (200, tokens), then timed out.
+    assert rec.status == 200 and 0 < rec.output_tokens < 2000
+    assert rec.error == "timeout: the stream did not end within 1 s" and rec.finish_reason is None
+
+
+async def _sse_app_with_a_long_line(scope, receive, send):
+    """A bare ASGI app whose SSE stream has one token event, then a 1 MiB line."""
+    if scope["type"] == "lifespan":
+        while (msg := await receive())["type"] != "lifespan.shutdown":
+            await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+        return
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"text/event-stream")]})
+    await send({"type": "http.response.body", "more_body": True,
+                "body": b'data: {"choices": [{"text": " a"}]}\n\n'})
+    await send({"type": "http.response.body", "body": b"data: " + b"x" * (1 << 20) + b"\n\n"})
+
+
+async def test_rest_line_over_the_limit_is_an_error_not_a_clean_record():
+    async with served(_sse_app_with_a_long_line) as url:
+        client = RestClient(url)
+        try:
+            [rec] = await run_open_loop([WorkItem(0, 0.0, "", 4, 3)], client)
+        finally:
+            await client.aclose()
+    assert rec.status == 200 and rec.output_tokens == 1 and rec.error and rec.finish_reason is None
