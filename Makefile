@@ -9,7 +9,7 @@ $(STAMP): pyproject.toml scripts/bootstrap.sh
 	VENV=$(VENV) bash scripts/bootstrap.sh
 
 serve: $(STAMP)
-	$(VENV)/bin/genserve serve
+	$(VENV)/bin/genserve serve $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q

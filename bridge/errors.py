@@ -37,6 +37,8 @@ ERROR_TYPE_OF_HTTP: dict[int, str] = {
 # Retry-After when a RESOURCE_EXHAUSTED or UNAVAILABLE status carries no `retry-after` metadata
 # (UNAVAILABLE: the engine is loading, draining, restarting, or unreachable).
 DEFAULT_RETRY_AFTER_S = 1
+# Trailing metadata of an INVALID_ARGUMENT naming the offending request field -> the error's `param`.
+INVALID_FIELD = "invalid-field"
 RETRY_AFTER_STATUSES = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
 
 
@@ -93,11 +95,16 @@ def retry_after_s(metadata: Iterable[tuple[str, str | bytes]] | None) -> int:
 
 
 def from_grpc(err: grpc.aio.AioRpcError) -> ApiError:
-    """Translate a failed gRPC call into the bridge's error."""
+    """Translate a failed gRPC call into the bridge's error: HTTP status by `HTTP_STATUS_OF_GRPC`,
+    `Retry-After` from `retry-after` metadata, `param` from an INVALID_ARGUMENT's `invalid-field`
+    metadata (generate.proto)."""
     status = err.code()
     http_status = HTTP_STATUS_OF_GRPC.get(status, 500)
     headers = {}
     if status in RETRY_AFTER_STATUSES:
         headers["Retry-After"] = str(retry_after_s(err.trailing_metadata()))
+    param = None
+    if status == grpc.StatusCode.INVALID_ARGUMENT:
+        param = next((str(v) for k, v in err.trailing_metadata() or () if k.lower() == INVALID_FIELD), None)
     message = err.details() or status.name.lower().replace("_", " ")
-    return ApiError(http_status, message, code=status.name.lower(), headers=headers)
+    return ApiError(http_status, message, code=status.name.lower(), param=param, headers=headers)

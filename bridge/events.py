@@ -184,9 +184,9 @@ class CompletionBuilder:
         timing = None
         if timings:
             timing = {
-                "queue_ms": max(t.queue_ms for t in timings),
-                "ttft_ms": min(t.ttft_ms for t in timings),
-                "e2e_ms": max(t.e2e_ms for t in timings),
+                "queue_ms": round(max(t.queue_ms for t in timings), TIMING_DECIMALS),
+                "ttft_ms": round(min(t.ttft_ms for t in timings), TIMING_DECIMALS),
+                "e2e_ms": round(max(t.e2e_ms for t in timings), TIMING_DECIMALS),
             }
         return {
             "id": self.request_id,
@@ -204,5 +204,10 @@ class CompletionBuilder:
         }
 
 
+TIMING_DECIMALS = 3     # timing values in ms, to the microsecond (finer digits are clock noise)
+
+
 def _timing(timing: pb.Timing) -> dict:
-    return {"queue_ms": timing.queue_ms, "ttft_ms": timing.ttft_ms, "e2e_ms": timing.e2e_ms}
+    """A sample's {"queue_ms", "ttft_ms", "e2e_ms"}, in ms to the microsecond."""
+    return {"queue_ms": round(timing.queue_ms, TIMING_DECIMALS), "ttft_ms": round(timing.ttft_ms, TIMING_DECIMALS),
+            "e2e_ms": round(timing.e2e_ms, TIMING_DECIMALS)}

@@ -74,6 +74,8 @@ def serve(args: argparse.Namespace) -> int:
     bridge_argv = [sys.executable, "-m", "bridge", "--grpc-target", target, "--host", args.host,
                    "--port", str(args.port), "--log-level", "warning",
                    "--engine-metrics-url", f"http://127.0.0.1:{args.metrics_port}/metrics"]
+    if args.max_body_bytes is not None:
+        bridge_argv += ["--max-body-bytes", str(args.max_body_bytes)]
     children = [Child("engine", engine_argv), Child("bridge", bridge_argv)]
     stopping = False
 
@@ -143,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ready-timeout-s", type=float, default=180.0)
     p.add_argument("--threads", type=int, default=0,
                    help="torch intra-op threads of the engine (0: every usable core)")
+    p.add_argument("--max-body-bytes", type=int, default=None,
+                   help="largest request body the bridge reads, bytes (413 above; default 1 MiB)")
     args = parser.parse_args(argv)
     return serve(args)
 

@@ -51,6 +51,8 @@ log = logging.getLogger(__name__)
 MAX_BUFFERED_EVENTS = 512
 # Seconds a client should wait before retrying an UNAVAILABLE (engine loading, draining, failed).
 RETRY_AFTER_UNAVAILABLE_S = 1
+# Trailing metadata of an INVALID_ARGUMENT naming the offending request field (generate.proto).
+INVALID_FIELD_METADATA = "invalid-field"
 GENERATE_SPAN = "genserve.v1.GenerateService/Generate"
 
 
@@ -201,6 +203,7 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
         try:
             valid = self.validator.validate(request)
         except ValidationError as exc:
+            context.set_trailing_metadata(((INVALID_FIELD_METADATA, exc.field),))
             await self._reject(context, "400", grpc.StatusCode.INVALID_ARGUMENT, str(exc), span)
         request_id = request.request_id or f"cmpl-{uuid.uuid4().hex}"
         REQUEST_ID.set(request_id)
@@ -232,6 +235,7 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
             await self._unavailable(context, str(exc), span)
         except ValueError as exc:
             self.spans.untrack(req)
+            context.set_trailing_metadata(((INVALID_FIELD_METADATA, "request_id"),))
             await self._reject(context, "400", grpc.StatusCode.INVALID_ARGUMENT, f"request_id: {exc}", span)
         span.add_event("queued")
 

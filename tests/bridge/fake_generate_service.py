@@ -6,6 +6,7 @@ behaves according to the prompt text:
 
     "error:<CODE>"             abort with that gRPC status before Started
     "error:<CODE>:<seconds>"   ... with trailing metadata retry-after=<seconds>
+    "error:<CODE>:<key>=<val>" ... with trailing metadata <key>=<val>
     "midstream-error:<CODE>"   Started, one token, then abort with that status
     "hang"                     Started, one token, then wait until cancelled
     "hang-before-token"        Started, then wait until cancelled
@@ -30,7 +31,7 @@ from genserve.v1 import generate_pb2_grpc as pb_grpc
 # (text, token_id) of every fake completion.
 TOKENS = [("Hello", 101), (",", 102), (" world", 103), ("!", 104)]
 FULL_TEXT = "".join(text for text, _ in TOKENS)
-TIMING = pb.Timing(queue_ms=1.5, ttft_ms=12.25, e2e_ms=40.0)
+TIMING = pb.Timing(queue_ms=1.5004321, ttft_ms=12.2500004, e2e_ms=40.0)   # the bridge rounds to µs
 INFO = pb.InfoResponse(
     model_name="fake-model", max_context=8192, max_new_tokens=1000,
     vocab_size=49152, block_size=16, num_kv_blocks=7152,
@@ -62,8 +63,11 @@ class FakeGenerateService(pb_grpc.GenerateServiceServicer):
         self.metadata.append(dict(context.invocation_metadata()))
         prompt = request.prompt
         if prompt.startswith("error:"):
-            _, code, *retry = prompt.split(":")
-            trailing = (("retry-after", retry[0]),) if retry else ()
+            _, code, *extra = prompt.split(":")
+            trailing = ()
+            if extra:
+                key, _, value = extra[0].rpartition("=")
+                trailing = ((key or "retry-after", value),)
             await context.abort(grpc.StatusCode[code], f"fake {code}", trailing_metadata=trailing)
         request_id = request.request_id or f"fake-{next(self._ids)}"
         cancel_flag = self._cancel_flags[request_id] = asyncio.Event()

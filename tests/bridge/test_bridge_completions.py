@@ -7,7 +7,7 @@ import json
 import pytest
 
 from tests.bridge.sse import MODEL_NAME, data_events, parse_sse
-from tests.bridge.fake_generate_service import FULL_TEXT, TIMING, TOKENS
+from tests.bridge.fake_generate_service import FULL_TEXT, TOKENS
 
 CHUNK_KEYS = {"id", "object", "created", "model", "choices", "request_id", "index"}
 
@@ -33,7 +33,7 @@ async def test_stream_events_are_design_events_and_openai_chunks(client, fake):
     assert finish["finish_reason"] == "stop"
     assert finish["choices"] == [{"index": 0, "text": "", "logprobs": None, "finish_reason": "stop"}]
     assert finish["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
-    assert finish["timing"] == {"queue_ms": TIMING.queue_ms, "ttft_ms": TIMING.ttft_ms, "e2e_ms": TIMING.e2e_ms}
+    assert finish["timing"] == {"queue_ms": 1.5, "ttft_ms": 12.25, "e2e_ms": 40.0}      # TIMING to the µs
     assert finish["id"] == request_id and "detail" not in finish
 
 
@@ -89,7 +89,7 @@ async def test_non_stream_completion(client):
         {"index": i, "text": "Hello,", "logprobs": None, "finish_reason": "length"} for i in range(2)
     ]
     assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6}
-    assert body["timing"] == {"queue_ms": TIMING.queue_ms, "ttft_ms": TIMING.ttft_ms, "e2e_ms": TIMING.e2e_ms}
+    assert body["timing"] == {"queue_ms": 1.5, "ttft_ms": 12.25, "e2e_ms": 40.0}        # TIMING to the µs
 
 
 async def test_non_stream_logprobs(client):

@@ -51,6 +51,15 @@ async def test_429_retry_after_from_trailing_metadata(client, metadata_value, he
     assert resp.headers["retry-after"] == header
 
 
+async def test_invalid_argument_names_the_field_in_param(client):
+    resp = await client.post("/v1/completions", json={"prompt": "error:INVALID_ARGUMENT:invalid-field=top_p"})
+    assert assert_error_body(resp, 400, "invalid_argument")["param"] == "top_p"
+    resp = await client.post("/v1/completions", json={"prompt": "error:INVALID_ARGUMENT"})
+    assert assert_error_body(resp, 400, "invalid_argument")["param"] is None
+    resp = await client.post("/v1/completions", json={"prompt": "error:NOT_FOUND:invalid-field=top_p"})
+    assert assert_error_body(resp, 404, "not_found")["param"] is None      # only for a 400
+
+
 @pytest.mark.parametrize(
     "body, field",
     [

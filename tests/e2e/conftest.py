@@ -15,6 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 START_TIMEOUT_S = 240.0
+KEYED_MAX_BODY_BYTES = 65_536   # keyed_server's body limit
 
 
 def free_port() -> int:
@@ -105,9 +106,11 @@ API_KEYS = {"key-alice": "alice", "key-bob": "bob"}
 
 @pytest.fixture(scope="session")
 def keyed_server():
-    """API keys configured through GENSERVE_API_KEYS; a small queue budget to provoke 429s."""
+    """API keys configured through GENSERVE_API_KEYS; a small queue budget to provoke 429s; request
+    bodies up to KEYED_MAX_BODY_BYTES (`genserve serve --max-body-bytes`)."""
     keys = ",".join(f"{k}={v}" for k, v in API_KEYS.items())
-    yield from start_server("--queue-budget-s", "2", "--num-blocks", "256", env={"GENSERVE_API_KEYS": keys})
+    yield from start_server("--queue-budget-s", "2", "--num-blocks", "256",
+                            "--max-body-bytes", str(KEYED_MAX_BODY_BYTES), env={"GENSERVE_API_KEYS": keys})
 
 
 def sse_events(lines) -> list:

@@ -6,7 +6,7 @@ import asyncio
 
 import httpx
 
-from tests.e2e.conftest import sse_events
+from tests.e2e.conftest import KEYED_MAX_BODY_BYTES, sse_events
 
 PROMPT = "The capital of France is"
 ALICE = {"Authorization": "Bearer key-alice"}
@@ -26,6 +26,15 @@ def test_unknown_or_missing_key_is_401_before_any_work(keyed_server):
     ok = httpx.post(f"{keyed_server.base_url}/v1/completions", headers=ALICE,
                     json={"prompt": PROMPT, "max_tokens": 2, "temperature": 0}, timeout=60)
     assert ok.status_code == 200
+
+
+def test_serve_passes_the_body_limit_to_the_bridge(keyed_server):
+    url = f"{keyed_server.base_url}/v1/completions"
+    big = {"prompt": "a " * KEYED_MAX_BODY_BYTES, "max_tokens": 1}             # > the limit
+    reply = httpx.post(url, headers=ALICE, json=big, timeout=30)
+    assert reply.status_code == 413 and str(KEYED_MAX_BODY_BYTES) in reply.json()["error"]["message"]
+    small = {"prompt": "a " * (KEYED_MAX_BODY_BYTES // 4), "max_tokens": 1}      # under it: not a 413
+    assert httpx.post(url, headers=ALICE, json=small, timeout=60).status_code != 413
 
 
 def test_delete_with_another_key_is_404_and_the_stream_goes_on(keyed_server):

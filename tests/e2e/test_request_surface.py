@@ -106,7 +106,8 @@ def test_sampling_edge_values(server):
 def test_wrong_types_unknown_fields_and_out_of_range_are_400s(server, body, field):
     reply = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": PROMPT, **body}, timeout=30)
     assert reply.status_code == 400, reply.text
-    assert field in reply.json()["error"]["message"]
+    error = reply.json()["error"]
+    assert field in error["message"] and error["param"] == field
 
 
 def test_multibyte_answers_stream_without_replacement_characters(server):

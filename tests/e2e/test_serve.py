@@ -55,6 +55,17 @@ def test_grpc_gives_the_same_tokens_as_rest(server):
     assert msgs[-1].finished.usage.completion_tokens == 8
 
 
+def test_grpc_bad_input_names_the_field_in_trailing_metadata(server):
+    with grpc.insecure_channel(server.grpc_target) as channel:
+        stub = pb_grpc.GenerateServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(pb.GenerateRequest(prompt=PROMPT, max_tokens=4,
+                                                  sampling=pb.SamplingParams(top_p=1.5)), timeout=60))
+    err = info.value
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_p" in err.details()
+    assert ("invalid-field", "top_p") in tuple(err.trailing_metadata())
+
+
 def test_openai_sdk_streams_from_the_bridge(server):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
@@ -128,7 +139,7 @@ def test_bad_input_is_a_400_naming_the_field_and_the_server_keeps_serving(server
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
     assert field in error["message"] and words in error["message"]
-    assert set(error) >= {"message", "type", "code"}
+    assert set(error) >= {"message", "type", "code"} and error["param"] == field
     ok = httpx.post(f"{server.base_url}/v1/completions",
                     json={"prompt": PROMPT, "max_tokens": 2, "temperature": 0}, timeout=60)
     assert ok.status_code == 200 and ok.json()["choices"][0]["text"].startswith(" Paris")
