@@ -95,10 +95,16 @@ def retry_after_s(metadata: Iterable[tuple[str, str | bytes]] | None) -> int:
 
 
 def from_grpc(err: grpc.aio.AioRpcError) -> ApiError:
-    """Translate a failed gRPC call into the bridge's error: HTTP status by `HTTP_STATUS_OF_GRPC`,
-    `Retry-After` from `retry-after` metadata, `param` from an INVALID_ARGUMENT's `invalid-field`
-    metadata (generate.proto)."""
+    """Translate a failed gRPC call into the bridge's error: HTTP status by `HTTP_STATUS_OF_GRPC`
+    (a CANCELLED counts as UNAVAILABLE: 503), `Retry-After` from `retry-after` metadata, `param`
+    from an INVALID_ARGUMENT's `invalid-field` metadata (generate.proto)."""
     status = err.code()
+    message = err.details() or status.name.lower().replace("_", " ")
+    if status == grpc.StatusCode.CANCELLED:
+        # The bridge cancels a call only when its own client has gone, and then answers nothing;
+        # a CANCELLED it reads came from the service, whose server cancels the calls in flight
+        # as it stops (after an engine failure, or at the end of a drain): retry elsewhere/later.
+        status, message = grpc.StatusCode.UNAVAILABLE, "the generation service stopped during the call; retry"
     http_status = HTTP_STATUS_OF_GRPC.get(status, 500)
     headers = {}
     if status in RETRY_AFTER_STATUSES:
@@ -106,5 +112,4 @@ def from_grpc(err: grpc.aio.AioRpcError) -> ApiError:
     param = None
     if status == grpc.StatusCode.INVALID_ARGUMENT:
         param = next((str(v) for k, v in err.trailing_metadata() or () if k.lower() == INVALID_FIELD), None)
-    message = err.details() or status.name.lower().replace("_", " ")
     return ApiError(http_status, message, code=status.name.lower(), param=param, headers=headers)

@@ -51,6 +51,16 @@ async def test_429_retry_after_from_trailing_metadata(client, metadata_value, he
     assert resp.headers["retry-after"] == header
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_cancel_from_the_service_is_a_503_to_retry(client, stream):
+    """The service's server cancels calls in flight as it stops; the bridge never answers its own
+    cancels (its client is gone), so a CANCELLED it reads means "retry", not an internal error."""
+    resp = await client.post("/v1/completions", json={"prompt": "error:CANCELLED", "stream": stream})
+    error = assert_error_body(resp, 503, "unavailable")
+    assert error["type"] == "service_unavailable_error" and "retry" in error["message"]
+    assert resp.headers["retry-after"] == "1"
+
+
 async def test_invalid_argument_names_the_field_in_param(client):
     resp = await client.post("/v1/completions", json={"prompt": "error:INVALID_ARGUMENT:invalid-field=top_p"})
     assert assert_error_body(resp, 400, "invalid_argument")["param"] == "top_p"
