@@ -22,6 +22,7 @@ FINISH_REASON_NAME: dict[int, str] = {
 }
 
 SSE_DONE = "data: [DONE]\n\n"
+TIMING_DECIMALS = 3     # final events' timing values, ms to the microsecond (finer digits are clock noise)
 
 
 def sse_data(event: dict) -> str:
@@ -183,11 +184,8 @@ class CompletionBuilder:
         timings = [s.timing for s in self._samples.values() if s.timing is not None]
         timing = None
         if timings:
-            timing = {
-                "queue_ms": round(max(t.queue_ms for t in timings), TIMING_DECIMALS),
-                "ttft_ms": round(min(t.ttft_ms for t in timings), TIMING_DECIMALS),
-                "e2e_ms": round(max(t.e2e_ms for t in timings), TIMING_DECIMALS),
-            }
+            timing = _timing_ms(max(t.queue_ms for t in timings), min(t.ttft_ms for t in timings),
+                                max(t.e2e_ms for t in timings))
         return {
             "id": self.request_id,
             "object": "text_completion",
@@ -204,10 +202,12 @@ class CompletionBuilder:
         }
 
 
-TIMING_DECIMALS = 3     # timing values in ms, to the microsecond (finer digits are clock noise)
-
-
 def _timing(timing: pb.Timing) -> dict:
-    """A sample's {"queue_ms", "ttft_ms", "e2e_ms"}, in ms to the microsecond."""
-    return {"queue_ms": round(timing.queue_ms, TIMING_DECIMALS), "ttft_ms": round(timing.ttft_ms, TIMING_DECIMALS),
-            "e2e_ms": round(timing.e2e_ms, TIMING_DECIMALS)}
+    """A sample's {"queue_ms", "ttft_ms", "e2e_ms"} (see `_timing_ms`)."""
+    return _timing_ms(timing.queue_ms, timing.ttft_ms, timing.e2e_ms)
+
+
+def _timing_ms(queue_ms: float, ttft_ms: float, e2e_ms: float) -> dict:
+    """The `timing` object of a final event, in ms rounded to TIMING_DECIMALS."""
+    return {"queue_ms": round(queue_ms, TIMING_DECIMALS), "ttft_ms": round(ttft_ms, TIMING_DECIMALS),
+            "e2e_ms": round(e2e_ms, TIMING_DECIMALS)}
