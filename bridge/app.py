@@ -339,7 +339,7 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         builder = CompletionBuilder(
-            model=body.model or model_name,
+            model=model_name,            # the model that answers, whatever `model` the body named
             created=int(time.time()),
             num_samples=body.num_samples,
             logprobs=body.logprobs is not None,

@@ -43,7 +43,7 @@ class CompletionRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: StrictStr | None = None
+    model: StrictStr | None = None     # accepted (OpenAI clients send it); responses name the served model
     # Text, or token ids (OpenAI also allows a one-element list of either).
     prompt: str | list[int] | None = None
     prompt_token_ids: list[Uint32] | None = None

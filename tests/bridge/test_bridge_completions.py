@@ -38,12 +38,12 @@ async def test_stream_events_are_design_events_and_openai_chunks(client, fake):
 
 
 async def test_stream_n_samples_with_logprobs(client):
-    body = {"prompt": "hi", "stream": True, "n": 2, "logprobs": 2, "max_tokens": 3, "model": "echo-me"}
+    body = {"prompt": "hi", "stream": True, "n": 2, "logprobs": 2, "max_tokens": 3, "model": "gpt-4"}
     resp = await client.post("/v1/completions", json=body)
     events = data_events(resp.text)
     by_index = {0: [], 1: []}
     for event in events:
-        assert event["model"] == "echo-me"
+        assert event["model"] == MODEL_NAME           # the served model, not the name the body gave
         by_index[event["index"]].append(event)
     for index, sample in by_index.items():
         tokens, finish = sample[:-1], sample[-1]
