@@ -201,12 +201,10 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetada
     length = meta.decode_bias.shape[-1]
     pools = cache.view(2, cache.shape[1], -1)                   # [2, num_blocks, block elements]
     gathered = torch.Size((2, meta.decode_blocks.numel(), pools.shape[-1]))
-    if meta.gather is None:
-        kv = pools.index_select(1, meta.decode_blocks)
-    else:
-        kv = meta.gather.take(gathered.numel(), cache.dtype, cache.device).view(gathered)
-        torch.index_select(pools[0], 0, meta.decode_blocks, out=kv[0])
-        torch.index_select(pools[1], 0, meta.decode_blocks, out=kv[1])
+    buffer = meta.gather if meta.gather is not None else GatherBuffer()    # None: this layer's own
+    kv = buffer.take(gathered.numel(), cache.dtype, cache.device).view(gathered)
+    torch.index_select(pools[0], 0, meta.decode_blocks, out=kv[0])
+    torch.index_select(pools[1], 0, meta.decode_blocks, out=kv[1])
     keys = kv[0].view(b, length, n_kv, hd).transpose(1, 2)             # [B, kvh, L, hd]
     values = kv[1].view(b, length, n_kv, hd).transpose(1, 2)
     qg = q.view(b, n_kv, n_heads // n_kv, hd)              # [B, kvh, group, hd]: group as queries
