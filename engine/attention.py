@@ -22,7 +22,7 @@ these inputs: online softmax, fp32 accumulation, no [queries × keys] matrix in 
   piece's exact context, with `enable_gqa` (K/V not repeated) and a causal additive mask.
 
 Both are exact with respect to batching on CPU — a request's output does not depend on which
-other requests share the step (the design's batch-invariance test): both kernels work per
+other requests share the step (the batch-invariance test, docs/design.md): both kernels work per
 (row, head) — genserve's over the row's exact context, SDPA's with masked keys adding exact zeros —
 and a prefill piece is always computed with the same shape. One process uses one decode path.
 A CUDA build would add an xformers `BlockDiagonalCausalWithOffsetPaddedKeysMask` path here

@@ -108,7 +108,7 @@ def measure_costs(engine: Engine, rows: int = 32, prompt_len: int = 16,
 
     Runs `rows` requests of `prompt_len` tokens generating `new_tokens` each: prefill cost is
     prefill step time / prompt tokens in it; decode cost is the median full-batch decode step
-    time / rows (the design's 40 ms / 32 rows = 1.25 ms per output token, measured here).
+    time / rows (docs/design.md's 40 ms / 32 rows = 1.25 ms per output token, measured here).
     """
     engine.submit(Request("warmup-first", "warmup", list(range(10, 10 + prompt_len)), 2,
                           SamplingParams(temperature=0.0, ignore_eos=True), 0.0, 0.0))

@@ -10,7 +10,7 @@ from engine.model.llama import ModelArgs
 def bytes_per_block(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
     """Bytes one block takes across all layers: layers × 2 (K, V) × block × kv_heads × head_dim × elem.
 
-    For the design's 7B model in fp16: 32 × 2 × 16 × 32 × 128 × 2 = 8,388,608 bytes (8.39 MB);
+    For the reference 7B model in fp16 (docs/design.md): 32 × 2 × 16 × 32 × 128 × 2 = 8,388,608 bytes (8.39 MB);
     for SmolLM2-135M in bf16: 30 × 2 × 16 × 3 × 64 × 2 = 368,640 bytes.
     """
     elem = torch.tensor([], dtype=dtype).element_size()

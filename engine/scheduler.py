@@ -1,8 +1,9 @@
 """Scheduling policy: fair per-key queues, admission control, chunked prefill, preemption.
 
-Pure policy (design steps 2, 4, 5, 6, 10): it takes the time as an argument, never calls `time.*`,
-never touches a tensor, and so runs unchanged in virtual time under the simulator. It is the only
-code that changes `Request.state`; block ids come from `BlockPool`.
+Pure policy for the loop's admit, leave, join, build and preempt steps (docs/design.md, "The
+loop"): it takes the time as an argument, never calls `time.*`, never touches a tensor, and so
+runs unchanged in virtual time under the simulator. It is the only code that changes
+`Request.state`; block ids come from `BlockPool`.
 
 One pass of the engine loop is::
 
@@ -14,7 +15,7 @@ Prefill pieces are aligned to multiples of `prefill_piece` (64) within each requ
 [0, 64), [64, 128), ...), so a request's prompt is cut at the same places whether it runs alone
 or beside 31 others; a step carries pieces of several requests up to its prefill budget. Together
 with per-piece attention this makes every token's arithmetic independent of its batch neighbours
-(the design's batch-invariance test). A preempted request re-prefills its prompt in the same
+(the batch-invariance test of docs/design.md). A preempted request re-prefills its prompt in the same
 pieces, then replays the tokens it had already produced
 as one-token rows without sampling, so its cache — and its later tokens — are bit-identical to a
 run without preemption.
@@ -36,9 +37,10 @@ from engine.step import SampledTokens, Segment, StepPlan, TokenEvent
 class CostModel:
     """Device cost per token used for admission control, in milliseconds.
 
-    Defaults are the design card's assumptions for a 7B model on one 80 GB GPU: prefill at 10,000
-    tokens/s (0.1 ms per prompt token) and a 32-row decode step of 40 ms (1.25 ms per output
-    token). The `ModelExecutor` replaces them with measured values.
+    Defaults are the reference deployment's assumptions for a 7B model on one 80 GB GPU
+    (docs/design.md, "The numbers"): prefill at 10,000 tokens/s (0.1 ms per prompt token) and a
+    32-row decode step of 40 ms (1.25 ms per output token). The `ModelExecutor` replaces them
+    with measured values.
     """
 
     prefill_ms_per_token: float = 0.1
@@ -49,7 +51,7 @@ class CostModel:
 
         Only clean samples count: a pure prefill step of at least 64 tokens updates the prefill
         cost; a pure decode step with at least half of `full_rows` rows updates the decode cost
-        (per output token near the row cap, the design's 40 ms / 32).
+        (per output token near the row cap: 40 ms / 32 rows in docs/design.md's numbers).
         """
         alpha = 0.05
         if num_rows == 0 and num_prefill_tokens >= 64:
@@ -111,14 +113,14 @@ class Scheduler:
         self.usage: dict[str, KeyUsage] = {}
         self.by_id: dict[str, Request] = {}
         self.queued_device_ms = 0.0
-        self.avg_output_tokens = 300.0             # design: average answer of 300 tokens
+        self.avg_output_tokens = 300.0             # docs/design.md: average answer of 300 tokens
         self.num_preemptions = 0
         self.num_cancelled_tokens = 0
         self.num_rejected = 0
         self.num_finished = 0
         self.margin_blocks = math.ceil(config.free_margin * pool.num_blocks)
         # Batch formation (config.batching): the gate in front of join, and whether prefill is
-        # chunked. "continuous" is the design's policy; the others exist for the comparison.
+        # chunked. "continuous" is the default policy; the others exist for the comparison.
         self.join_wait_s = {"continuous": self._join_wait_continuous,
                             "continuous_unchunked": self._join_wait_continuous,
                             "static": self._join_wait_static,
@@ -162,7 +164,7 @@ class Scheduler:
         self.queued_device_ms += req.est_device_ms
 
     def _over_budget(self, req: Request, budget_ms: float) -> bool:
-        """Whether queueing `req` passes the budget (design step 2), with a fair share per key.
+        """Whether queueing `req` passes the budget (the admit step), with a fair share per key.
 
         Over the budget, a key whose own queued work (with `req`) stays within budget / active
         keys is still admitted, so one key's backlog cannot make everyone else's requests 429;
@@ -187,7 +189,7 @@ class Scheduler:
 
     # -- one step -----------------------------------------------------------------------------
     def schedule(self, now: float) -> StepPlan:
-        """Leave, join and build the next step (design steps 4–6 and 10).
+        """Leave, join and build the next step, preempting when blocks run out.
 
         Args:
             now: the current time in seconds on the engine's clock.
@@ -336,7 +338,7 @@ class Scheduler:
         return None
 
     def _leave(self, now: float, events: list[TokenEvent]) -> None:
-        """Design step 4: drop stopped, cancelled and expired rows and queued requests."""
+        """Leave: drop stopped, cancelled and expired rows and queued requests."""
         for req in list(self.running) + [r for q in self.waiting.values() for r in q]:
             if req.stop_requested:
                 self._finish(req, FinishReason.STOP, "stop string", now, events)
@@ -345,7 +347,7 @@ class Scheduler:
                 self._finish(req, FinishReason.CANCELLED, detail, now, events)
 
     def _join(self, now: float, plan: StepPlan) -> None:
-        """Design step 5: admit from the least-served key while rows and blocks allow.
+        """Join: admit from the least-served key while rows and blocks allow.
 
         When the least-served key's next request does not fit and another key holds more than
         `per_key_rows` rows, that key's newest row is preempted: a key may use more than its cap
@@ -400,7 +402,7 @@ class Scheduler:
         return self.waiting[key][0]
 
     def _build(self, plan: StepPlan) -> None:
-        """Design step 6: one token per decoding row, then prefill pieces within the budget
+        """Build: one token per decoding row, then prefill pieces within the budget
         (no budget unless `config.batching` is "continuous": whole prompts in one step).
 
         Prefill goes to the least-served key first (at a tie, to the request with less of its
@@ -450,7 +452,7 @@ class Scheduler:
         return True
 
     def _preempt(self, req: Request, plan: StepPlan) -> None:
-        """Design step 10: free the newest request's blocks and queue it first for its key."""
+        """Preempt: free the newest request's blocks and queue it first for its key."""
         own = set(self.pool.table(req.request_id))
         plan.block_copies[:] = [(s, d) for s, d in plan.block_copies if d not in own]
         self.pool.free(req.request_id)

@@ -6,7 +6,7 @@ generator cannot hide queueing, i.e. no coordinated omission):
 * TTFT: arrival → first token received.
 * TPOT: (last token − first token) / (tokens − 1), the mean time per output token after the
   first; None for answers of one token.
-* max gap: the longest time between two consecutive tokens (the design's stall alarm).
+* max gap: the longest time between two consecutive tokens (the stall alarm of docs/design.md).
 * queue wait: the server's own ``timing.queue_ms`` from the final event (arrival → admission).
 * end-to-end: arrival → final event (or the disconnect).
 
@@ -22,7 +22,7 @@ SLO attainment: the share of all requests sent (a 429 or an error counts as a mi
 ≤ the TTFT target and whose TPOT ≤ the TPOT target (a one-token answer has no TPOT and passes
 that half). A request the load generator disconnected on purpose is judged on what it received.
 
-Goodput (the design's capacity number): the highest tested arrival rate at which at least 95 %
+Goodput (the capacity figure of docs/design.md): the highest tested arrival rate at which at least 95 %
 of requests meet both targets. It is taken conservatively: the highest rate r such that every
 tested rate ≤ r meets the target, so a lucky run above a failing one does not count.
 """
@@ -41,7 +41,7 @@ PERCENTILES = (50, 95, 99)
 PERCENTILE_METHOD = "linear"
 GOODPUT_QUANTILE = 0.95
 DEFAULT_SLO_TTFT_MS = 3000.0   # an 8,000-token prompt needs ≈ 2.1 s of chunked prefill alone
-DEFAULT_SLO_TPOT_MS = 70.0     # design: a 32-row step + 256-token chunk is 65.6 ms, target 70 ms
+DEFAULT_SLO_TPOT_MS = 70.0     # a 32-row step + 256-token chunk is 65.6 ms (docs/design.md), target 70 ms
 
 STATUS_OK = 200
 STATUS_REJECTED = 429

@@ -15,7 +15,7 @@ because users that wait for their replies hide the queue):
 Both stop at ``duration_s`` (arrivals at t < duration_s) or after ``num_requests``, whichever
 comes first.
 
-Synthetic length mix (`LengthMix.design`), following the design card: prompts of 50..8,000 tokens
+Synthetic length mix (`LengthMix.design`), following docs/design.md: prompts of 50..8,000 tokens
 with mean ≈ 1,250, answers of 1..1,000 tokens with mean ≈ 300, long-tailed. Each length is a
 clipped lognormal, ``clip(rint(exp(mu + sigma * z)), lo, hi)`` with z ~ N(0, 1):
 
@@ -48,7 +48,7 @@ from dataclasses import asdict, dataclass, replace
 import numpy as np
 
 DEFAULT_API_KEY = "loadgen"
-MAX_CONTEXT = 8192            # design: prompt + max_tokens limit
+MAX_CONTEXT = 8192            # prompt + max_tokens limit (docs/design.md)
 MAX_REQUESTS = 1_000_000      # hard bound on one workload's size
 # Synthetic prompt ids are drawn from this range: ordinary tokens in both the design's 32,000-token
 # vocabulary and SmolLM2's 49,152 (away from the special tokens at the start).
@@ -164,7 +164,7 @@ class LengthMix:
 
     @classmethod
     def design(cls, scale: float = 1.0) -> "LengthMix":
-        """The design card's mix, with lengths multiplied by `scale` (0 < scale <= 1)."""
+        """The reference mix of docs/design.md, with lengths multiplied by `scale` (0 < scale <= 1)."""
         if not 0 < scale <= 1:
             raise ValueError(f"scale must be in (0, 1], got {scale}")
         base = cls()
