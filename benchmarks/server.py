@@ -14,8 +14,9 @@ stream, each with a distinct `prompt`-token synthetic prompt (one API key).
 Per round, output tokens/s = tokens received by all streams / wall time from sending the first
 request to the last stream's end; the best and median rounds are printed with per-stream TTFT and
 TPOT, and the ratio to llama.cpp's server on the same GGUF and machine kind: ≈ 350 tokens/s for 32
-concurrent streams (Q4_1 kernels, 2 threads, 32 slots; the figure issue 6 gives for this machine
-kind, not measured here: no llama.cpp binary is installable from this machine's registries).
+concurrent streams (Q4_1 kernels, 2 threads, 32 slots), a figure recorded on another day for this
+machine kind and not measured in this run, so the ratio is only indicative (the host's GEMM rate
+and bandwidth move by up to 2× between days).
 
 Everything (client, bridge, service, engine) shares this machine's cores, as it would in a
 one-box deployment; the client's share is part of the figure, and each round prints the client's
@@ -40,7 +41,7 @@ from loadgen.calibrate import LiveServer
 from loadgen.clients import RestClient, run_open_loop
 from loadgen.workload import WorkItem
 
-LLAMA_CPP_TOK_S = 350.0      # llama.cpp server, 32 concurrent streams, this machine kind (issue 6)
+LLAMA_CPP_TOK_S = 350.0      # llama.cpp server, 32 concurrent streams, this machine kind, another day
 
 
 def one_round(url: str, streams: int, tokens: int, prompt: int, round_no: int) -> dict:
