@@ -21,8 +21,7 @@ from engine.model.weights import default_gguf_path, load_gguf, open_gguf
 from engine.request import Request, SamplingParams
 from engine.scheduler import CostModel
 from engine.tokenizer import Tokenizer
-
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+from genserve.model_name import DEFAULT_MODEL_NAME
 
 log = logging.getLogger(__name__)
 
@@ -106,10 +105,13 @@ def measure_costs(engine: Engine, rows: int = 32, prompt_len: int = 16,
                   new_tokens: int = 8) -> CostModel:
     """Warm up and measure per-token device costs on the stopped engine (ms per token).
 
-    Runs `rows` requests of `prompt_len` tokens generating `new_tokens` each: prefill cost is
-    prefill step time / prompt tokens in it; decode cost is the median full-batch decode step
-    time / rows (docs/design.md's 40 ms / 32 rows = 1.25 ms per output token, measured here).
+    Runs `rows` requests (at most the row cap) of `prompt_len` tokens generating `new_tokens`
+    each: prefill cost is prefill step time / prompt tokens in it; decode cost is the median time
+    of the fullest pure-decode steps / their rows (docs/design.md's 40 ms / 32 rows = 1.25 ms per
+    output token, measured here). The fullest steps may hold fewer than `rows` rows when the pool
+    is too small for all of them at once.
     """
+    rows = min(rows, engine.config.max_rows)
     engine.submit(Request("warmup-first", "warmup", list(range(10, 10 + prompt_len)), 2,
                           SamplingParams(temperature=0.0, ignore_eos=True), 0.0, 0.0))
     engine.run_until_idle()                       # first passes allocate and pick kernels
@@ -124,6 +126,7 @@ def measure_costs(engine: Engine, rows: int = 32, prompt_len: int = 16,
     engine.scheduler.usage.pop("warmup", None)
     engine.pool.check_all_free()
     prefill = [s / c for b, c, s in steps if c and not b]
-    decode = [s / b for b, c, s in steps if b == rows and not c]
+    fullest = max(b for b, c, _ in steps if not c)
+    decode = [s / b for b, c, s in steps if b == fullest and not c]
     return CostModel(prefill_ms_per_token=1000 * statistics.median(prefill),
                      decode_ms_per_token=1000 * statistics.median(decode))

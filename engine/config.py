@@ -1,6 +1,6 @@
 """Engine configuration: every dial of the scheduler and the KV pool, with its unit.
 
-The defaults are the design card's numbers (`spec/serving-design.txt`): 16-token blocks, a row cap
+The defaults are the design's numbers (docs/design.md): 16-token blocks, a row cap
 of 32, a 256-token prefill chunk, an 8,192-token context limit, a 5 % free-block margin at
 admission, 8 rows per API key while others wait, and 2 device-seconds of queued work before 429.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 BATCHING_MODES = ("continuous", "continuous_unchunked", "static", "dynamic")
+DTYPES = ("bfloat16", "float32")
 
 
 @dataclass(slots=True)
@@ -29,7 +30,7 @@ class EngineConfig:
         max_context: prompt + max_tokens limit in tokens (8,192, the model's context).
         max_new_tokens: upper bound for a request's max_tokens (1,000).
         kv_pool_bytes: memory budget of the paged K/V tensors in bytes (2 GiB on CPU).
-        num_blocks: if set, the pool's size in blocks, overriding kv_pool_bytes (tests shrink it).
+        num_blocks: if set, the pool's size in blocks, overriding `kv_pool_bytes` (tests shrink it).
         free_margin: share of the pool kept free when admitting (0.05 = 5 %).
         per_key_rows: most running rows one API key may hold while another key waits (8).
         queue_budget_s: device-seconds of queued work above which submit answers 429 (2.0 s).
@@ -90,8 +91,8 @@ class EngineConfig:
             raise ValueError(f"free_margin must be in [0, 1), got {self.free_margin}")
         if self.num_blocks is not None and self.num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2, got {self.num_blocks}")
-        if self.dtype not in ("bfloat16", "float32"):
-            raise ValueError(f"dtype must be 'bfloat16' or 'float32', got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.queue_budget_s <= 0 or self.default_deadline_s <= 0:
             raise ValueError("queue_budget_s and default_deadline_s must be positive")
         if self.batching not in BATCHING_MODES:

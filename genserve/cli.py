@@ -22,18 +22,27 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from service.command_line import (HelpFormatter, add_engine_args, config_from_args, options_from_args,
+                                  service_argv)
+
 BACKOFF_START_S = 1.0
 BACKOFF_MAX_S = 30.0
 HEALTHY_RUN_S = 60.0          # a child that ran this long restarts with the initial back-off
 STOP_TIMEOUT_S = 15.0         # after SIGTERM (and the engine's drain grace): then SIGKILL
+ENGINE_HOST = "127.0.0.1"     # the engine child serves gRPC on localhost only; the bridge faces out
+ENGINE_METRICS_PORT = 9400    # --metrics-port's default here (python -m service: none unless given)
 
 
 @dataclass
 class Child:
-    """One supervised process: its command, the live process, and its back-off state."""
+    """One supervised process: its command, the live process, and its back-off state.
+
+    `stop_timeout_s` is how long it may take to exit after SIGTERM before it is killed, seconds.
+    """
 
     name: str
     argv: list[str]
+    stop_timeout_s: float = STOP_TIMEOUT_S
     proc: subprocess.Popen | None = None
     backoff_s: float = BACKOFF_START_S
     restart_at: float = 0.0
@@ -60,23 +69,32 @@ def wait_engine_ready(target: str, timeout_s: float) -> bool:
     return False
 
 
-def serve(args: argparse.Namespace) -> int:
-    """Run engine + bridge until interrupted. Returns the exit code."""
-    target = f"127.0.0.1:{args.grpc_port}"
-    engine_argv = [sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(args.grpc_port),
-                   "--dtype", args.dtype, "--kv-pool-gib", str(args.kv_pool_gib),
-                   "--queue-budget-s", str(args.queue_budget_s), "--metrics-port", str(args.metrics_port),
-                   "--drain-grace-s", str(args.drain_grace_s), "--threads", str(args.threads)]
-    if args.model:
-        engine_argv += ["--model", args.model]
-    if args.num_blocks:
-        engine_argv += ["--num-blocks", str(args.num_blocks)]
-    bridge_argv = [sys.executable, "-m", "bridge", "--grpc-target", target, "--host", args.host,
-                   "--port", str(args.port), "--log-level", "warning",
-                   "--engine-metrics-url", f"http://127.0.0.1:{args.metrics_port}/metrics"]
+def engine_argv(args: argparse.Namespace) -> list[str]:
+    """The engine child's command line for the parsed `genserve serve` flags: `python -m service`
+    with the same engine flags (`service.command_line.service_argv`), serving gRPC on localhost.
+
+    Raises:
+        ValueError: the engine dials are not a valid EngineConfig (the message says which).
+    """
+    argv = service_argv(config_from_args(args), options_from_args(args), host=ENGINE_HOST,
+                        port=args.grpc_port)
+    return [sys.executable, "-m", "service", *argv]
+
+
+def bridge_argv(args: argparse.Namespace) -> list[str]:
+    """The bridge child's command line for the parsed `genserve serve` flags."""
+    argv = [sys.executable, "-m", "bridge", "--grpc-target", f"{ENGINE_HOST}:{args.grpc_port}",
+            "--host", args.host, "--port", str(args.port), "--log-level", "warning",
+            "--engine-metrics-url", f"http://{ENGINE_HOST}:{args.metrics_port}/metrics"]
     if args.max_body_bytes is not None:
-        bridge_argv += ["--max-body-bytes", str(args.max_body_bytes)]
-    children = [Child("engine", engine_argv), Child("bridge", bridge_argv)]
+        argv += ["--max-body-bytes", str(args.max_body_bytes)]
+    return argv
+
+
+def serve(args: argparse.Namespace, children: list[Child]) -> int:
+    """Start `children`, supervise them until SIGINT/SIGTERM, then stop them one by one in list
+    order (the engine first: it drains while the bridge still answers 503). Returns the exit code."""
+    target = f"{ENGINE_HOST}:{args.grpc_port}"
     stopping = False
 
     def stop(signum, frame):  # noqa: ARG001
@@ -107,48 +125,60 @@ def serve(args: argparse.Namespace) -> int:
             elif child.proc is None and now >= child.restart_at:
                 child.start()
         time.sleep(0.2)
-    engine, bridge = children
-    stop_child(engine, args.drain_grace_s + STOP_TIMEOUT_S)   # drains while the bridge answers 503
-    stop_child(bridge, STOP_TIMEOUT_S)
+    for child in children:
+        stop_child(child)
     return 0
 
 
-def stop_child(child: Child, timeout_s: float) -> None:
-    """SIGTERM `child`, wait up to `timeout_s`, then SIGKILL."""
+def stop_child(child: Child) -> None:
+    """SIGTERM `child`, wait up to its `stop_timeout_s`, then SIGKILL."""
     if child.proc is None or child.proc.poll() is not None:
         return
     child.proc.terminate()
     try:
-        child.proc.wait(timeout_s)
+        child.proc.wait(child.stop_timeout_s)
     except subprocess.TimeoutExpired:
-        print(f"genserve: {child.name} did not stop in {timeout_s:g} s; killing it", flush=True)
+        print(f"genserve: {child.name} did not stop in {child.stop_timeout_s:g} s; killing it", flush=True)
         child.proc.kill()
         child.proc.wait()
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the `genserve` command."""
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of the `genserve` command and its `serve` subcommand.
+
+    `serve` takes the bridge's flags, the supervisor's, and the engine process's flags shared with
+    `python -m service` (`service.command_line.add_engine_args`, which also adds one flag per
+    EngineConfig dial).
+    """
     parser = argparse.ArgumentParser(prog="genserve")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("serve", help="start engine + bridge on localhost")
-    p.add_argument("--host", default="127.0.0.1", help="bridge address")
-    p.add_argument("--port", type=int, default=8000, help="bridge (REST+SSE) port")
-    p.add_argument("--grpc-port", type=int, default=50051, help="engine gRPC port")
-    p.add_argument("--metrics-port", type=int, default=9400, help="engine Prometheus port")
-    p.add_argument("--model", default=None, help="GGUF file (default: the embedded SmolLM2-135M)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks")
-    p.add_argument("--kv-pool-gib", type=float, default=2.0)
-    p.add_argument("--queue-budget-s", type=float, default=2.0)
-    p.add_argument("--drain-grace-s", type=float, default=30.0,
-                   help="on SIGTERM, how long open streams may run on before they are ended")
-    p.add_argument("--ready-timeout-s", type=float, default=180.0)
-    p.add_argument("--threads", type=int, default=0,
-                   help="torch intra-op threads of the engine (0: every usable core)")
-    p.add_argument("--max-body-bytes", type=int, default=None,
-                   help="largest request body the bridge reads, bytes (413 above; default 1 MiB)")
+    p = sub.add_parser("serve", help="start engine + bridge on localhost", description=__doc__,
+                       formatter_class=HelpFormatter)
+    bridge = p.add_argument_group("bridge (REST+SSE)")
+    bridge.add_argument("--host", default="127.0.0.1", help="bridge address. Default: %(default)s.")
+    bridge.add_argument("--port", type=int, default=8000, help="bridge (REST+SSE) port. Default: %(default)s.")
+    bridge.add_argument("--max-body-bytes", type=int, default=None,
+                        help="largest request body the bridge reads, bytes (413 above). Default: 1 MiB.")
+    supervisor = p.add_argument_group("supervisor")
+    supervisor.add_argument("--ready-timeout-s", type=float, default=180.0,
+                            help="seconds to wait for the engine's first SERVING before printing that it "
+                                 "is not ready yet (supervision goes on). Default: %(default)s.")
+    engine = add_engine_args(p, metrics_port=ENGINE_METRICS_PORT)
+    engine.add_argument("--grpc-port", type=int, default=50051,
+                        help=f"engine gRPC port, on {ENGINE_HOST}. Default: %(default)s.")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `genserve` command. Returns the exit code (2: invalid flags)."""
+    parser = build_parser()
     args = parser.parse_args(argv)
-    return serve(args)
+    try:
+        engine = Child("engine", engine_argv(args), stop_timeout_s=args.drain_grace_s + STOP_TIMEOUT_S)
+        children = [engine, Child("bridge", bridge_argv(args))]
+    except ValueError as exc:
+        parser.exit(2, f"genserve {args.command}: error: {exc}\n")
+    return serve(args, children)
 
 
 if __name__ == "__main__":

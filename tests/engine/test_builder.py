@@ -43,3 +43,16 @@ def test_pinned_threads_are_warned_about(restore_threads, monkeypatch, caplog, b
         set_threads(EngineConfig(num_threads=1))
     warned = [r.getMessage() for r in caplog.records if "OMP_PROC_BIND" in r.getMessage()]
     assert bool(warned) == warns, warned
+
+
+@pytest.mark.parametrize("config", [dict(max_rows=8), dict(num_blocks=24)])
+def test_cost_measurement_fits_a_small_row_cap_or_pool(config):
+    """The start-up measurement runs at most the row cap's rows and reads the decode cost off the
+    fullest decode steps the pool allowed, so a small --max-rows or --num-blocks still starts."""
+    from engine.builder import measure_costs
+    from tests.engine.sim import sim_engine
+
+    engine, _ = sim_engine(**{"num_blocks": 512, **config})
+    cost = measure_costs(engine)
+    assert cost.prefill_ms_per_token >= 0 and cost.decode_ms_per_token >= 0
+    assert engine.pool.num_free == engine.pool.num_blocks

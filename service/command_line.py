@@ -1,0 +1,99 @@
+"""The engine process's flags, declared once for `python -m service` and `genserve serve`.
+
+Two kinds: the process's own settings (`ProcessOptions`: --model, --metrics-port,
+--drain-grace-s) and one flag per EngineConfig dial, generated from the dataclass by
+`engine.config_cli`. `genserve serve` adds these same flags to its parser and starts its engine
+child with `service_argv`, the inverse of parsing them, so neither command restates the other's
+flags. Imports no torch (the `genserve serve` supervisor loads none).
+"""
+
+from __future__ import annotations
+
+import argparse
+import textwrap
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from engine.config_cli import add_engine_config_args, engine_config_argv, engine_config_from_args
+from genserve.model_name import DEFAULT_MODEL_NAME
+
+DRAIN_GRACE_S = 30.0          # SIGTERM: how long open streams may run on, seconds
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessOptions:
+    """Settings of one engine process that are not engine dials.
+
+    Attributes:
+        model_path: GGUF file to serve (None: the embedded model, DEFAULT_MODEL_NAME).
+        metrics_port: port of the engine's Prometheus /metrics (None: not served).
+        drain_grace_s: on SIGTERM, seconds open streams may run on before they are ended.
+    """
+
+    model_path: str | None = None
+    metrics_port: int | None = None
+    drain_grace_s: float = DRAIN_GRACE_S
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """argparse's help layout, with the description printed as written and help texts never
+    wrapped at a hyphen (a flag named in a help text stays whole: not "--kv-" / "pool-gib")."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
+def add_engine_args(parser: argparse.ArgumentParser, *,
+                    metrics_port: int | None = None) -> argparse._ArgumentGroup:
+    """Add the engine process's flags to `parser`: ProcessOptions', then one per EngineConfig dial.
+
+    Args:
+        parser: the command's parser.
+        metrics_port: --metrics-port's default (None: metrics off unless the flag is given).
+
+    Returns:
+        The "engine process" argument group, where a command adds its own engine-process flags
+        (`genserve serve --grpc-port`).
+    """
+    group = parser.add_argument_group("engine process")
+    group.add_argument("--model", dest="model_path", default=None, metavar="PATH",
+                       help=f"GGUF file to serve. Default: the embedded {DEFAULT_MODEL_NAME}.")
+    group.add_argument("--metrics-port", type=int, default=metrics_port, metavar="PORT",
+                       help="serve the engine's Prometheus metrics on this port. Default: "
+                            + ("off." if metrics_port is None else "%(default)s."))
+    group.add_argument("--drain-grace-s", type=float, default=DRAIN_GRACE_S, metavar="SECONDS",
+                       help="on SIGTERM, how long open streams may run on before they are ended. "
+                            "Default: %(default)s.")
+    add_engine_config_args(parser)
+    return group
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig given by the flags of `add_engine_args`.
+
+    Raises:
+        ValueError: the values are not a valid EngineConfig (the message says which).
+    """
+    return engine_config_from_args(args)
+
+
+def options_from_args(args: argparse.Namespace) -> ProcessOptions:
+    """The ProcessOptions given by the flags of `add_engine_args`."""
+    return ProcessOptions(model_path=args.model_path, metrics_port=args.metrics_port,
+                          drain_grace_s=args.drain_grace_s)
+
+
+def service_argv(config: EngineConfig, options: ProcessOptions, *, host: str, port: int) -> list[str]:
+    """Arguments of `python -m service` (what follows it) for an engine with `config` and
+    `options`, serving gRPC on `host`:`port`. Parsing them gives `config` and `options` back.
+
+    Raises:
+        ValueError: `config` holds a value the command line cannot spell (see
+            `engine.config_cli.engine_config_argv`).
+    """
+    argv = [f"--host={host}", f"--port={port}", f"--drain-grace-s={options.drain_grace_s!r}"]
+    if options.model_path is not None:
+        argv.append(f"--model={options.model_path}")
+    if options.metrics_port is not None:
+        argv.append(f"--metrics-port={options.metrics_port}")
+    return argv + engine_config_argv(config)

@@ -1,0 +1,84 @@
+"""The engine process's command line, shared by `python -m service` and `genserve serve`: the
+supervisor hands its flags to the engine child without losing or changing any."""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.config_cli import engine_config_argv
+from genserve import cli
+from service.command_line import (DRAIN_GRACE_S, ProcessOptions, config_from_args, options_from_args,
+                                  service_argv)
+from service.server import build_parser
+from tests.test_config_cli import NON_DEFAULT
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def parse_service(argv: list[str]):
+    """What `python -m service argv` would run: (config, options, host, port)."""
+    args = build_parser().parse_args(argv)
+    return config_from_args(args), options_from_args(args), args.host, args.port
+
+
+def test_service_argv_round_trip():
+    options = ProcessOptions(model_path="/models/x.gguf", metrics_port=9555, drain_grace_s=2.5)
+    argv = service_argv(NON_DEFAULT, options, host="0.0.0.0", port=6000)
+    assert parse_service(argv) == (NON_DEFAULT, options, "0.0.0.0", 6000)
+
+
+def test_service_argv_of_defaults():
+    argv = service_argv(EngineConfig(), ProcessOptions(), host="127.0.0.1", port=50051)
+    assert parse_service(argv) == (EngineConfig(), ProcessOptions(), "127.0.0.1", 50051)
+    assert parse_service([]) == (EngineConfig(), ProcessOptions(), "127.0.0.1", 50051)
+
+
+def test_genserve_serve_hands_its_engine_flags_to_the_engine_child():
+    args = cli.build_parser().parse_args(
+        ["serve", "--grpc-port", "6001", "--port", "8001", "--model", "m.gguf", "--drain-grace-s", "4",
+         *engine_config_argv(NON_DEFAULT)])
+    argv = cli.engine_argv(args)
+    assert argv[:3] == [sys.executable, "-m", "service"]
+    assert parse_service(argv[3:]) == (
+        NON_DEFAULT,
+        ProcessOptions(model_path="m.gguf", metrics_port=cli.ENGINE_METRICS_PORT, drain_grace_s=4.0),
+        cli.ENGINE_HOST, 6001)
+
+
+def test_genserve_serve_defaults():
+    args = cli.build_parser().parse_args(["serve"])
+    assert parse_service(cli.engine_argv(args)[3:]) == (
+        EngineConfig(), ProcessOptions(metrics_port=9400, drain_grace_s=DRAIN_GRACE_S), "127.0.0.1", 50051)
+    assert cli.bridge_argv(args)[3:] == [
+        "--grpc-target", "127.0.0.1:50051", "--host", "127.0.0.1", "--port", "8000", "--log-level", "warning",
+        "--engine-metrics-url", "http://127.0.0.1:9400/metrics"]
+
+
+def test_genserve_serve_refuses_invalid_dials_before_starting_anything(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["serve", "--num-blocks", "1"])
+    assert exit_info.value.code == 2
+    assert "num_blocks must be >= 2" in capsys.readouterr().err
+
+
+def test_both_commands_have_the_same_engine_flags():
+    def engine_flags(parser) -> set[str]:
+        return {opt for group in parser._action_groups if group.title.startswith("engine")
+                for action in group._group_actions for opt in action.option_strings}
+
+    serve_parser = cli.build_parser()._subparsers._group_actions[0].choices["serve"]
+    assert engine_flags(serve_parser) - engine_flags(build_parser()) == {"--grpc-port"}
+    assert engine_flags(build_parser()) <= engine_flags(serve_parser)
+
+
+def test_the_supervisor_imports_no_torch():
+    code = ("import sys, genserve.cli, service.command_line, engine.config_cli\n"
+            "assert 'torch' not in sys.modules\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True,
+                            timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
