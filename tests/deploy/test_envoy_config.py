@@ -1,0 +1,218 @@
+"""The one Envoy configuration (charts/genserve/files/envoy.yaml): every rendered variant passes
+`envoy --mode validate`, and its routes, retries, health checks and limits are the ones the
+deployment relies on. genserve.envoy renders the same template for the local loopback layout.
+"""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from genserve import envoy
+from tests.deploy.helpers import NAMESPACE, RELEASE, VARIANTS, tool
+
+LOCAL = dict(listen_host="127.0.0.1", listen_port=8000, admin_port=9901,
+             bridge=[("127.0.0.1", 8001)], engines=[("127.0.0.1", 50061), ("127.0.0.1", 50062)])
+
+
+@pytest.fixture(scope="module")
+def local_config() -> str:
+    tool("helm")
+    return envoy.render_envoy_config(**LOCAL)
+
+
+def parse(text: str) -> dict:
+    return yaml.safe_load(text)
+
+
+def cluster(config: dict, name: str) -> dict:
+    (found,) = [c for c in config["static_resources"]["clusters"] if c["name"] == name]
+    return found
+
+
+def hcm(config: dict) -> dict:
+    (listener,) = config["static_resources"]["listeners"]
+    (chain,) = listener["filter_chains"]
+    (manager,) = chain["filters"]
+    assert manager["name"] == "envoy.filters.network.http_connection_manager"
+    return manager["typed_config"]
+
+
+def routes(config: dict) -> dict[str, dict]:
+    (vhost,) = hcm(config)["route_config"]["virtual_hosts"]
+    return {r["name"]: r for r in vhost["routes"]}
+
+
+def endpoints(c: dict) -> list[tuple[str, int]]:
+    return [(e["endpoint"]["address"]["socket_address"]["address"],
+             e["endpoint"]["address"]["socket_address"]["port_value"])
+            for group in c["load_assignment"]["endpoints"] for e in group["lb_endpoints"]]
+
+
+# ---- envoy --mode validate ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_rendered_configmap_validates(rendered, variant):
+    tool("envoy")
+    envoy.validate_envoy_config(rendered[variant].envoy_config())
+
+
+def test_local_layout_validates(local_config):
+    tool("envoy")
+    envoy.validate_envoy_config(local_config)
+
+
+def test_validate_reports_envoys_error(local_config):
+    tool("envoy")
+    with pytest.raises(envoy.EnvoyConfigError, match="unknown enum value: 'MOST_REQUEST'"):
+        envoy.validate_envoy_config(local_config.replace("LEAST_REQUEST", "MOST_REQUEST", 1))
+
+
+# ---- genserve.envoy ---------------------------------------------------------------------------------
+
+def test_local_layout_has_loopback_endpoints(local_config):
+    config = parse(local_config)
+    assert endpoints(cluster(config, "engines")) == LOCAL["engines"]
+    assert endpoints(cluster(config, "bridge")) == LOCAL["bridge"]
+    (listener,) = config["static_resources"]["listeners"]
+    assert listener["address"]["socket_address"] == {"address": "127.0.0.1", "port_value": 8000}
+    assert config["admin"]["address"]["socket_address"] == {"address": "127.0.0.1", "port_value": 9901}
+
+
+def test_extra_values_reach_the_template():
+    tool("helm")
+    text = envoy.render_envoy_config(**LOCAL, extra_values={"envoy": {
+        "accessLog": False, "engines": {"lbPolicy": "ROUND_ROBIN"}, "listen": {"port": 1}}})
+    config = parse(text)
+    assert cluster(config, "engines")["lb_policy"] == "ROUND_ROBIN"
+    assert "access_log" not in hcm(config)
+    # The explicit arguments win over extra_values.
+    assert config["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] == 8000
+
+
+def test_render_rejects_what_the_chart_schema_rejects():
+    tool("helm")
+    with pytest.raises(envoy.EnvoyConfigError, match="/envoy/admin/port"):
+        envoy.render_envoy_config(**{**LOCAL, "admin_port": 70000})
+
+
+@pytest.mark.parametrize("bad", [{"engines": []}, {"bridge": [("", 8001)]},
+                                 {"engines": [("127.0.0.1", 0)]}])
+def test_render_rejects_bad_endpoints(bad):
+    with pytest.raises(ValueError):
+        envoy.render_envoy_config(**{**LOCAL, **bad})
+
+
+def test_missing_tool_names_the_install_command(tmp_path, monkeypatch):
+    monkeypatch.setenv("GENSERVE_TOOLS_DIR", str(tmp_path))
+    with pytest.raises(envoy.ToolMissingError, match="bash scripts/tools.sh") as err:
+        envoy.render_envoy_config(**LOCAL)
+    assert str(tmp_path / "bin" / "helm") in str(err.value)
+    with pytest.raises(envoy.ToolMissingError, match="envoy is not installed"):
+        envoy.validate_envoy_config("admin: {}")
+    with pytest.raises(ValueError, match="unknown tool"):
+        envoy.tool_path("docker")
+
+
+def test_tool_path_follows_genserve_tools_dir(tmp_path, monkeypatch):
+    (tmp_path / "bin").mkdir()
+    fake = tmp_path / "bin" / "kubectl"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("GENSERVE_TOOLS_DIR", str(tmp_path))
+    assert envoy.tool_path("kubectl") == fake
+
+
+# ---- what the configuration says --------------------------------------------------------------------
+
+@pytest.fixture(scope="module", params=["kubernetes", "local"])
+def config(request, rendered, local_config) -> dict:
+    return parse(rendered["cpu"].envoy_config() if request.param == "kubernetes" else local_config)
+
+
+def test_kubernetes_upstreams_are_the_charts_services(rendered):
+    config = parse(rendered["multi"].envoy_config())
+    domain = f"{NAMESPACE}.svc.cluster.local"
+    assert endpoints(cluster(config, "engines")) == [(f"{RELEASE}-genserve-engine.{domain}", 50051)]
+    assert endpoints(cluster(config, "bridge")) == [(f"{RELEASE}-genserve-bridge.{domain}", 8080)]
+    (listener,) = config["static_resources"]["listeners"]
+    assert listener["address"]["socket_address"] == {"address": "0.0.0.0", "port_value": 8000}
+
+
+def test_admin_listens_on_loopback_only(config):
+    assert config["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
+
+
+def test_one_listener_codec_auto_and_stream_timeouts(config):
+    manager = hcm(config)
+    assert manager["codec_type"] == "AUTO"
+    assert manager["stream_idle_timeout"] == "300s"
+    assert manager["request_timeout"] == "0s"
+    # Only the router: no buffer filter, no compressor (SSE and gRPC stream through).
+    assert [f["name"] for f in manager["http_filters"]] == ["envoy.filters.http.router"]
+
+
+def test_routes_split_grpc_from_rest(config):
+    r = routes(config)
+    assert list(r) == ["grpc", "rest"]                   # order matters: first match wins
+    assert r["grpc"]["match"]["headers"] == [
+        {"name": "content-type", "string_match": {"prefix": "application/grpc"}}]
+    assert r["grpc"]["match"]["prefix"] == "/"
+    assert r["grpc"]["route"]["cluster"] == "engines"
+    assert r["rest"]["match"] == {"prefix": "/"}
+    assert r["rest"]["route"]["cluster"] == "bridge"
+    for route in r.values():
+        assert route["route"]["timeout"] == "0s"
+
+
+def test_retries_only_where_safe(config):
+    r = routes(config)
+    grpc = r["grpc"]["route"]["retry_policy"]
+    assert grpc["retry_on"].split(",") == ["resource-exhausted", "unavailable", "connect-failure",
+                                           "refused-stream"]
+    assert grpc["num_retries"] == 1
+    assert grpc["host_selection_retry_max_attempts"] == 3
+    assert [p["name"] for p in grpc["retry_host_predicate"]] == ["envoy.retry_host_predicates.previous_hosts"]
+    rest = r["rest"]["route"]["retry_policy"]
+    assert rest["retry_on"].split(",") == ["connect-failure", "refused-stream"]
+    assert rest["num_retries"] == 1
+
+
+def test_engines_cluster(config):
+    c = cluster(config, "engines")
+    assert c["lb_policy"] == "LEAST_REQUEST"
+    assert c["cluster_type"]["name"] == "envoy.clusters.dns"
+    assert c["cluster_type"]["typed_config"]["all_addresses_in_single_endpoint"] is False   # strict
+    protocol = c["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
+    assert "http2_protocol_options" in protocol["explicit_http_config"]
+    (hc,) = c["health_checks"]
+    assert hc["grpc_health_check"] == {"service_name": "genserve.v1.GenerateService"}
+    assert (hc["interval"], hc["timeout"], hc["unhealthy_threshold"], hc["healthy_threshold"]) == \
+        ("0.5s", "1s", 2, 1)
+    assert hc["no_traffic_interval"] == "1s"
+    assert c["common_lb_config"]["update_merge_window"] == "0s"   # health reaches workers at once
+    outlier = c["outlier_detection"]
+    assert outlier["consecutive_gateway_failure"] == 3
+    assert outlier["enforcing_consecutive_gateway_failure"] == 100
+    assert outlier["enforcing_consecutive_5xx"] == 0
+    (thresholds,) = c["circuit_breakers"]["thresholds"]
+    assert thresholds["retry_budget"] == {"budget_percent": {"value": 20}, "min_retry_concurrency": 3}
+
+
+def test_bridge_cluster_never_ejects_on_answers(config):
+    """A bridge's 503 (engines down) must reach the client: only connection failures eject."""
+    c = cluster(config, "bridge")
+    protocol = c["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
+    assert "http_protocol_options" in protocol["explicit_http_config"]
+    assert "health_checks" not in c
+    outlier = c["outlier_detection"]
+    assert outlier["split_external_local_origin_errors"] is True
+    assert outlier["enforcing_consecutive_5xx"] == 0
+    assert outlier["enforcing_consecutive_gateway_failure"] == 0
+    assert outlier["enforcing_success_rate"] == 0
+
+
+def test_envoys_own_503s_carry_retry_after(config):
+    (mapper,) = hcm(config)["local_reply_config"]["mappers"]
+    assert mapper["filter"]["status_code_filter"]["comparison"]["value"]["default_value"] == 503
+    assert mapper["headers_to_add"][0]["header"] == {"key": "retry-after", "value": "1"}
