@@ -1,1 +1,3 @@
-"""genserve engine: everything that touches tensors (model, KV pool, scheduler, sampler, loop)."""
+"""genserve engine: the scheduling core (scheduler, block pool, request records, step types,
+loop; no torch) and everything that touches tensors (model, KV cache, attention, sampler,
+executor, kernels)."""

@@ -1,9 +1,10 @@
 """The scheduler thread: the only thread that calls the executor.
 
-Each pass is schedule → execute → update → push (design steps 3–9). `submit` and `cancel` are
-thread-safe; they take the engine lock only for the scheduler's bookkeeping, never across a
-forward pass, and the loop pushes token ids through each request's `on_event` callback, which
-must not block (the service hands them to its event loop), so the loop never waits on a socket.
+Each pass is schedule → execute → update → push: the loop's leave, join, build, forward, sample
+and push steps (docs/design.md, "The loop"). `submit` and `cancel` are thread-safe; they take the
+engine lock only for the scheduler's bookkeeping, never across a forward pass, and the loop pushes
+token ids through each request's `on_event` callback, which must not block (the service hands them
+to its event loop), so the loop never waits on a socket.
 """
 
 from __future__ import annotations
@@ -15,10 +16,9 @@ from collections.abc import Callable
 
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig
-from engine.executor import Executor
 from engine.request import Request
 from engine.scheduler import Scheduler, SchedulerStats
-from engine.step import StepPlan, TokenEvent
+from engine.step import Executor, StepPlan, TokenEvent
 
 log = logging.getLogger(__name__)
 

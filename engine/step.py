@@ -1,10 +1,18 @@
-"""Dataclasses that cross the engine's stage boundaries: schedule → execute → update → push."""
+"""What crosses the engine's stage boundaries: schedule → execute → update → push.
+
+The dataclasses each stage hands the next, and the `Executor` interface of the execute stage.
+Torch-free, so the scheduler, the loop and the virtual-time simulator load without the model.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 from engine.request import FinishReason, Request
+
+if TYPE_CHECKING:
+    from engine.scheduler import CostModel
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +123,21 @@ class SampledTokens:
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     forward_s: float = 0.0
+
+
+class Executor(Protocol):
+    """Runs the forward and sample stages of one step: `ModelExecutor` (engine/executor.py) runs the
+    network, `SimExecutor` (engine/sim_executor.py) a cost model in virtual time.
+
+    Attributes:
+        cost_model: per-token costs that feed the scheduler's admission control.
+    """
+
+    cost_model: CostModel
+
+    def execute(self, plan: StepPlan) -> SampledTokens:
+        """Compute `plan`'s tokens and sample one token per draw (`plan.draws`, in order)."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -66,7 +66,7 @@ def measure_grid(rows: Sequence[int] = GRID_ROWS, prefill: Sequence[int] = GRID_
     """Step samples of the real model: [{rows, prefill, context, pairs, ms}], and engine facts."""
     from engine.builder import build_engine
     from engine.config import EngineConfig
-    from engine.executor import SimExecutor
+    from engine.sim_executor import SimExecutor
     from engine.request import Request, SamplingParams
 
     # The server's defaults, except a row cap above 32 so a probe can join 32 decoding rows.
@@ -246,8 +246,8 @@ class LiveServer:
 
 def capacity_rps(fields: dict[str, float], mix: LengthMix, rows: int = 32) -> float:
     """Requests/s the fitted model serves when full: 1 / (device time of an average request with
-    `rows` rows sharing each decode step; the design card's 2 requests/s for its own numbers)."""
-    from engine.executor import SimExecutor
+    `rows` rows sharing each decode step; docs/design.md's 2 requests/s for its own numbers)."""
+    from engine.sim_executor import SimExecutor
 
     sim = SimExecutor(**fields)
     ctx = mix.prompt_mean + mix.output_mean / 2
@@ -258,7 +258,7 @@ def capacity_rps(fields: dict[str, float], mix: LengthMix, rows: int = 32) -> fl
 
 def cpu_slo_ms(fields: dict[str, float], mix: LengthMix) -> tuple[float, float]:
     """(TTFT, TPOT) targets for this machine, scaled from the design's 3 s / 70 ms (see the docstring)."""
-    from engine.executor import SimExecutor
+    from engine.sim_executor import SimExecutor
 
     sim = SimExecutor(**fields)
     ctx = int(mix.prompt_mean + mix.output_mean / 2)
@@ -275,7 +275,7 @@ def _round_rate(r: float) -> float:
 def compare(fields: dict[str, float], facts: dict[str, Any], *, scale: float, rates: Sequence[float],
             duration_s: float, seed: int, slo: tuple[float, float], progress: bool = True) -> dict[str, Any]:
     """Live runs at `rates` (one server), then the same items in the simulator; errors per metric."""
-    from engine.executor import SimExecutor
+    from engine.sim_executor import SimExecutor
     from loadgen.clients import RestClient, run_open_loop
     from loadgen.sim import design_config, simulate
 
@@ -378,7 +378,7 @@ def plot_fit(samples, fields, out: pathlib.Path) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from engine.executor import SimExecutor
+    from engine.sim_executor import SimExecutor
 
     sim = SimExecutor(**fields)
     y = np.array([s["ms"] for s in samples])
@@ -412,7 +412,7 @@ def markdown(cal: dict[str, Any]) -> str:
          "## Fitted cost model", "",
          f"`{cal['files']['cost_model']}` (load with `SimExecutor.from_json` or "
          f"`genserve-loadgen sim --cost-model {cal['files']['cost_model']}`):", "",
-         "| field | this machine | design card (7B, 80 GB GPU) |", "|---|---:|---:|"]
+         "| field | this machine | reference deployment (7B, 80 GB GPU) |", "|---|---:|---:|"]
     design = {"step_base_ms": 0.0, "decode_1_ms": 25.0, "decode_32_ms": 40.0, "prefill_ms_per_token": 0.1,
               "decode_ms_per_context_token": 0.0, "prefill_ms_per_kpair": 0.0}
     for k, v in f.items():

@@ -136,7 +136,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_sim(args: argparse.Namespace) -> int:
     """The same workload through the real scheduler in virtual time, one run per rate."""
-    from engine.executor import SimExecutor
+    from engine.sim_executor import SimExecutor
     from loadgen.sim import design_config, simulate
 
     if args.duration is None and args.num_requests is None and not args.trace:
@@ -235,7 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.set_defaults(func=cmd_run)
 
     s = sub.add_parser("sim", help="the same workload through the real scheduler in virtual time")
-    e = s.add_argument_group("engine (defaults: the design card)")
+    e = s.add_argument_group("engine (defaults: the reference deployment of docs/design.md)")
     e.add_argument("--num-blocks", type=int, default=7152, help="KV pool, blocks")
     e.add_argument("--block-size", type=int, default=16, help="tokens per block")
     e.add_argument("--max-rows", type=int, default=32, help="row cap")

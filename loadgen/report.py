@@ -4,8 +4,9 @@
 
 writes ``README.md`` (the report), ``results.json`` (every number in it) and three PNG plots.
 Every run is `loadgen.sim.simulate`: the real `Scheduler`, block pool, admission control and
-fair queueing over `SimExecutor` with the design card's costs (25 ms for a 1-row decode step,
-40 ms for 32 rows, 0.1 ms per prefill token), on 7,152 blocks of 16 tokens. Virtual time makes
+fair queueing over `SimExecutor` with the reference deployment's costs of docs/design.md (25 ms
+for a 1-row decode step, 40 ms for 32 rows, 0.1 ms per prefill token), on 7,152 blocks of 16
+tokens. Virtual time makes
 the numbers deterministic: the same command gives the same tables on any machine.
 
 What runs (defaults; each run has ``--minutes`` (10) virtual minutes of Poisson arrivals, seed 0,
@@ -62,7 +63,8 @@ DISCONNECT_FRACTION = 0.2
 FAIR_LONG = (100, 6000, 1000)    # key A: requests, prompt tokens, answer tokens, all at t = 0
 FAIR_SHORT = (100, 20)           # key B: prompt tokens, answer tokens, one per second
 FAIR_RETRIES = 100
-STALL_TARGET_MS = 200.0          # our extra target: longest gap between two tokens (≈ 3 design steps)
+# Our extra target: the longest gap between two tokens (≈ 3 reference steps of 65.6 ms).
+STALL_TARGET_MS = 200.0
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,7 @@ def fairness_workload(seconds: float) -> list[WorkItem]:
 
 def run_point(p: Point) -> dict[str, Any]:
     """Simulate one point; its summary (latencies in ms) plus the engine's numbers."""
-    from engine.executor import SimExecutor
+    from engine.sim_executor import SimExecutor
     from loadgen.sim import design_config, simulate
 
     if p.group == "fairness":
@@ -346,7 +348,7 @@ def markdown(results, summary, meta, images) -> str:
           "preemption) and block pool, driven by `loadgen.sim.simulate` over `SimExecutor` in virtual time. "
           "Design scale: 7,152 KV blocks of 16 tokens, row cap 32, prefill chunk 256 (1,024 while ≤ 4 rows "
           "decode), 8 rows per key while another key waits, 5 % free-block margin.",
-          "- **Cost model**: the design card's assumptions, `SimExecutor()` defaults: a decode step takes "
+          "- **Cost model**: the reference deployment's assumptions ([../design.md](../design.md)), `SimExecutor()` defaults: a decode step takes "
           "25 ms for 1 row and 40 ms for 32 (linear between), plus 0.1 ms per prefill token; no context term. "
           "A model measured on this machine (CPU, SmolLM2-135M) is in [calibration.md](calibration.md).",
           f"- **Trace**: the design's length mix (`LengthMix.design()`: prompts 50..8,000 tokens, mean ≈ 1,250; "
@@ -371,7 +373,7 @@ def markdown(results, summary, meta, images) -> str:
           "or the oldest has waited 10 ms; both prefill each batch whole, and no request joins a running batch. "
           "Continuous batching admits between any two steps, with whole-prompt or 256-token chunked prefill.", "",
           f"*Goodput + stall* adds a target of our own, the longest gap between two tokens ≤ "
-          f"{STALL_TARGET_MS:g} ms (≈ 3 design steps): TPOT is a mean and does not see a stream frozen "
+          f"{STALL_TARGET_MS:g} ms (≈ 3 reference steps of 65.6 ms): TPOT is a mean and does not see a stream frozen "
           "by someone else's prefill, which is what chunked prefill exists for.", "",
           "| mode | goodput | goodput + stall | " + " | ".join(f"SLO met at {r:g}" for r in rates)
           + " | max gap p95 at " + " / ".join(f"{r:g}" for r in rates) + " (ms) |",

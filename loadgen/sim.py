@@ -2,7 +2,7 @@
 
 `simulate(items)` runs a workload through `engine.loop.Engine` — the same `Scheduler`, block pool,
 admission control, fair queueing, chunked prefill and preemption as the server — over
-`engine.executor.SimExecutor`, whose step time is the design's cost model (25 ms for one decode
+`engine.sim_executor.SimExecutor`, whose step time is the design's cost model (25 ms for one decode
 row to 40 ms for 32, plus 0.1 ms per prefill token). Nothing sleeps: a virtual clock jumps by each
 step's modelled time (`SimExecutor.last_step_s`) and, when the engine is idle, to the next arrival
 (or, under static/dynamic batching, to when the batcher's window closes: `Scheduler.join_wait_s`).
@@ -39,7 +39,7 @@ import numpy as np
 
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig
-from engine.executor import SimExecutor
+from engine.sim_executor import SimExecutor
 from engine.loop import Engine
 from engine.request import FinishReason, Request, SamplingParams
 from engine.scheduler import AdmissionRejected
@@ -52,7 +52,7 @@ DESIGN_NUM_BLOCKS = 7152
 
 
 def design_config(**overrides: Any) -> EngineConfig:
-    """The design card's engine: 7,152 blocks of 16 tokens, 32 rows, 256-token prefill chunk."""
+    """The reference deployment's engine (docs/design.md): 7,152 blocks of 16 tokens, 32 rows, 256-token prefill chunk."""
     settings: dict[str, Any] = dict(num_blocks=DESIGN_NUM_BLOCKS, block_size=16, max_rows=32, prefill_chunk=256)
     settings.update(overrides)
     return EngineConfig(**settings)

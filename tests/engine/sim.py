@@ -6,7 +6,7 @@ import itertools
 
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig
-from engine.executor import SimExecutor
+from engine.sim_executor import SimExecutor
 from engine.loop import Engine
 from engine.request import Request, SamplingParams
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.executor import SimExecutor
+from engine.sim_executor import SimExecutor
 from loadgen.calibrate import capacity_rps, cpu_slo_ms, fit_cost_model
 from loadgen.workload import LengthMix
 

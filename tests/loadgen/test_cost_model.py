@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from engine.executor import SimExecutor
+from engine.sim_executor import SimExecutor
 from engine.request import Request, SamplingParams
 from engine.step import Segment, StepPlan
 from loadgen.sim import design_config, simulate

@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from engine.block_pool import BlockPool
 from engine.builder import LoadedEngine
 from engine.config import EngineConfig
-from engine.executor import SimExecutor
+from engine.sim_executor import SimExecutor
 from engine.loop import Engine
 from genserve.v1 import generate_pb2 as pb
 from genserve.v1 import generate_pb2_grpc as pb_grpc
