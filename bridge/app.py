@@ -28,9 +28,11 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Annotated
 
 import grpc
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from fastapi.exceptions import RequestValidationError
@@ -44,18 +46,18 @@ from bridge.errors import DEFAULT_RETRY_AFTER_S, ApiError, from_grpc
 from bridge.events import SSE_DONE, CompletionBuilder, sse_data, sse_error
 from bridge.metrics import BridgeMetrics
 from bridge.schemas import CompletionRequest
+from genserve.model_name import DEFAULT_MODEL_NAME
 from genserve.telemetry import REQUEST_ID, inject_metadata
 from genserve.v1 import generate_pb2 as pb
 from genserve.v1 import generate_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # The name the service registers with grpc.health.v1 (falls back to Info if absent).
 HEALTH_SERVICE_NAME = "genserve.v1.GenerateService"
 HEALTH_TIMEOUT_S = 2.0
 CANCEL_TIMEOUT_S = 5.0
-# The design: cancel a client that reads nothing for 30 s.
+# Cancel a client that reads nothing for 30 s (docs/design.md, "Fairness, cancellation and streaming").
 SLOW_CLIENT_TIMEOUT_S = 30.0
 # Largest request body accepted (413 above). A full 8,192-token prompt is well under 100 KB.
 MAX_BODY_BYTES = 1024 * 1024
@@ -277,6 +279,44 @@ def _is_json_type(content_type: str) -> bool:
     return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
+@dataclass(slots=True)
+class BridgeState:
+    """What the endpoints share, one per app: `create_app` stores it on `app.state.bridge` and the
+    `bridge_state` dependency hands it to each endpoint.
+
+    Attributes:
+        grpc_target: the GenerateService's address, "host:port".
+        model_name: the one model served (every completion names it, whatever the body asked).
+        created_at: Unix time (s) the app was built: the model's `created` in `GET /v1/models`.
+        slow_client_timeout_s: a stream whose client reads nothing this long is cancelled (s).
+        tracer: OpenTelemetry tracer of the request spans.
+        metrics: the bridge's Prometheus metrics (and the engine's, appended to `GET /metrics`).
+        backend: the gRPC channel and stubs: opened by the lifespan at startup (closed at
+            shutdown), or by `connect` on first use when the app runs without its lifespan
+            (bare ASGI use); None before either.
+    """
+
+    grpc_target: str
+    model_name: str
+    created_at: int
+    slow_client_timeout_s: float
+    tracer: trace.Tracer
+    metrics: BridgeMetrics
+    backend: _Backend | None = None
+
+    def connect(self) -> _Backend:
+        """The gRPC backend, opened here when the lifespan has not opened one."""
+        if self.backend is None:
+            self.backend = _Backend(self.grpc_target)
+        return self.backend
+
+
+async def bridge_state(request: Request) -> BridgeState:
+    """FastAPI dependency: the app's `BridgeState`. A coroutine so that FastAPI calls it on the
+    event loop (a plain function would be run in its thread pool)."""
+    return request.app.state.bridge
+
+
 def create_app(
     grpc_target: str,
     model_name: str = DEFAULT_MODEL_NAME,
@@ -292,132 +332,167 @@ def create_app(
     `max_body_bytes` bounds request bodies (413 above). `tracer`: OpenTelemetry tracer for
     request spans (default: the global provider's, a no-op unless tracing was set up).
     """
-    created_at = int(time.time())
-    tracer = tracer or trace.get_tracer("genserve.bridge")
     metrics = BridgeMetrics(engine_metrics_url)
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.backend = _Backend(grpc_target)
-        try:
-            yield
-        finally:
-            await app.state.backend.close()
-
-    app = FastAPI(title="genserve bridge", lifespan=lifespan)
+    app = FastAPI(title="genserve bridge", lifespan=_lifespan)
+    app.state.bridge = BridgeState(
+        grpc_target=grpc_target,
+        model_name=model_name,
+        created_at=int(time.time()),
+        slow_client_timeout_s=slow_client_timeout_s,
+        tracer=tracer or trace.get_tracer("genserve.bridge"),
+        metrics=metrics,
+    )
     app.add_middleware(BodyGuard, max_body_bytes=max_body_bytes)
     app.add_middleware(ResponseCounter, metrics=metrics)
-
-    def backend() -> _Backend:
-        if getattr(app.state, "backend", None) is None:  # run without lifespan (bare ASGI use)
-            app.state.backend = _Backend(grpc_target)
-        return app.state.backend
-
-    # ---- errors: always {"error": {...}} ------------------------------------------
-
-    @app.exception_handler(ApiError)
-    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return exc.response()
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc.errors()).response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        err = ApiError(exc.status_code, str(exc.detail), code=code, headers=dict(exc.headers or {}))
-        return err.response()
-
-    @app.exception_handler(Exception)
-    async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error in the bridge")
-        return ApiError(500, f"internal error: {type(exc).__name__}", code="internal").response()
-
-    # ---- routes ----------------------------------------------------------------------
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        builder = CompletionBuilder(
-            model=model_name,            # the model that answers, whatever `model` the body named
-            created=int(time.time()),
-            num_samples=body.num_samples,
-            logprobs=body.logprobs is not None,
-        )
-        span = tracer.start_span("POST /v1/completions", kind=SpanKind.SERVER, attributes={
-            "http.request.method": "POST", "http.route": "/v1/completions", "genserve.stream": bool(body.stream)})
-        call = backend().generate.Generate(
-            body.to_proto(request_id=request.headers.get("x-request-id", "")),
-            metadata=inject_metadata(_auth_metadata(request), span),
-        )
-        streaming = False
-        try:
-            # Read up to Started before answering, so that errors the service finds
-            # before it starts (validation, auth, 429) are plain HTTP errors.
-            builder.on_message(await _read_first(request, call))
-            REQUEST_ID.set(builder.request_id)
-            span.set_attribute("genserve.request_id", builder.request_id)
-            span.add_event("started")
-            headers = {"X-Request-Id": builder.request_id}
-            if body.stream:
-                response = SSEResponse(
-                    _sse_events(call, builder, _SpanNotes(span)),
-                    call=call,
-                    write_timeout_s=slow_client_timeout_s,
-                    headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                    span=span,
-                )
-                streaming = True          # the response ends the span when the stream ends
-                return response
-            async with _cancel_on_disconnect(request, call):
-                try:
-                    await _drain(call, builder, _SpanNotes(span))
-                except grpc.aio.AioRpcError as err:
-                    raise from_grpc(err) from None
-                except asyncio.CancelledError:
-                    if not _read_cancelled_by_us():
-                        raise
-                    span.add_event("client_disconnected")
-                    return Response(status_code=499)  # the client is gone; nobody reads this
-            return JSONResponse(builder.completion(), headers=headers)
-        except BaseException as exc:
-            call.cancel()  # never leave a request generating for nobody
-            if isinstance(exc, ApiError):
-                _span_error(span, exc.status_code, exc.message)
-            raise
-        finally:
-            if not streaming:
-                span.end()
-
-    @app.delete("/v1/requests/{request_id}")
-    async def cancel(request_id: str, request: Request) -> JSONResponse:
-        try:
-            await backend().generate.Cancel(
-                pb.CancelRequest(request_id=request_id),
-                metadata=_auth_metadata(request),
-                timeout=CANCEL_TIMEOUT_S,
-            )
-        except grpc.aio.AioRpcError as err:
-            raise from_grpc(err) from None
-        return JSONResponse({"request_id": request_id, "cancelled": True})
-
-    @app.get("/health")
-    async def health(request: Request) -> JSONResponse:
-        if await _healthy(backend(), _auth_metadata(request)):
-            return JSONResponse({"status": "ok"})
-        return ApiError(503, "the generation service is not serving", code="unavailable",
-                        headers={"Retry-After": str(DEFAULT_RETRY_AFTER_S)}).response()
-
-    @app.get("/metrics")
-    async def prometheus_metrics() -> Response:
-        return Response(await metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    @app.get("/v1/models")
-    async def models() -> JSONResponse:
-        model = {"id": model_name, "object": "model", "created": created_at, "owned_by": "genserve"}
-        return JSONResponse({"object": "list", "data": [model]})
-
+    # Errors always answer {"error": {...}}.
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _internal_error)
+    _add_routes(app.router)
     return app
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    """Open the gRPC backend at startup and close it at shutdown."""
+    state: BridgeState = app.state.bridge
+    state.backend = _Backend(state.grpc_target)
+    try:
+        yield
+    finally:
+        await state.backend.close()
+
+
+def _add_routes(router: APIRouter) -> None:
+    """Register the bridge's endpoints (the module docstring lists them) on `router`, the app's
+    own, so that each path is one route of the app (`include_router` would add a nested router
+    the request is matched through)."""
+    # FastAPI publishes an endpoint's docstring as its OpenAPI description unless given one; it
+    # cuts a description at the first form feed, so "\f" publishes none: the docstrings are
+    # written for readers of this module.
+    no_description = "\f"
+    router.add_api_route("/v1/completions", completions, methods=["POST"], description=no_description)
+    router.add_api_route("/v1/requests/{request_id}", cancel, methods=["DELETE"],
+                         description=no_description)
+    router.add_api_route("/health", health, methods=["GET"], description=no_description)
+    router.add_api_route("/metrics", prometheus_metrics, methods=["GET"], description=no_description)
+    router.add_api_route("/v1/models", models, methods=["GET"], description=no_description)
+
+
+# ---- errors: always {"error": {...}} ----------------------------------------------------------
+
+async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+    return exc.response()
+
+
+async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    return validation_error(exc.errors()).response()
+
+
+async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    err = ApiError(exc.status_code, str(exc.detail), code=code, headers=dict(exc.headers or {}))
+    return err.response()
+
+
+async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error in the bridge")
+    return ApiError(500, f"internal error: {type(exc).__name__}", code="internal").response()
+
+
+# ---- endpoints -------------------------------------------------------------------------------
+
+async def completions(body: CompletionRequest, request: Request,
+                      state: Annotated[BridgeState, Depends(bridge_state)]) -> Response:
+    """POST /v1/completions: one Generate call, answered as JSON or (`stream`) as SSE.
+
+    Raises ApiError: the Generate call failed before it started (its status mapped by
+    `from_grpc`), or, without `stream`, while it ran.
+    """
+    builder = CompletionBuilder(
+        model=state.model_name,      # the model that answers, whatever `model` the body named
+        created=int(time.time()),
+        num_samples=body.num_samples,
+        logprobs=body.logprobs is not None,
+    )
+    span = state.tracer.start_span("POST /v1/completions", kind=SpanKind.SERVER, attributes={
+        "http.request.method": "POST", "http.route": "/v1/completions", "genserve.stream": bool(body.stream)})
+    call = state.connect().generate.Generate(
+        body.to_proto(request_id=request.headers.get("x-request-id", "")),
+        metadata=inject_metadata(_auth_metadata(request), span),
+    )
+    streaming = False
+    try:
+        # Read up to Started before answering, so that errors the service finds
+        # before it starts (validation, auth, 429) are plain HTTP errors.
+        builder.on_message(await _read_first(request, call))
+        REQUEST_ID.set(builder.request_id)
+        span.set_attribute("genserve.request_id", builder.request_id)
+        span.add_event("started")
+        headers = {"X-Request-Id": builder.request_id}
+        if body.stream:
+            response = SSEResponse(
+                _sse_events(call, builder, _SpanNotes(span)),
+                call=call,
+                write_timeout_s=state.slow_client_timeout_s,
+                headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                span=span,
+            )
+            streaming = True          # the response ends the span when the stream ends
+            return response
+        async with _cancel_on_disconnect(request, call):
+            try:
+                await _drain(call, builder, _SpanNotes(span))
+            except grpc.aio.AioRpcError as err:
+                raise from_grpc(err) from None
+            except asyncio.CancelledError:
+                if not _read_cancelled_by_us():
+                    raise
+                span.add_event("client_disconnected")
+                return Response(status_code=499)  # the client is gone; nobody reads this
+        return JSONResponse(builder.completion(), headers=headers)
+    except BaseException as exc:
+        call.cancel()  # never leave a request generating for nobody
+        if isinstance(exc, ApiError):
+            _span_error(span, exc.status_code, exc.message)
+        raise
+    finally:
+        if not streaming:
+            span.end()
+
+
+async def cancel(request_id: str, request: Request,
+                 state: Annotated[BridgeState, Depends(bridge_state)]) -> JSONResponse:
+    """DELETE /v1/requests/{request_id}: the Cancel call. Raises ApiError when it fails."""
+    try:
+        await state.connect().generate.Cancel(
+            pb.CancelRequest(request_id=request_id),
+            metadata=_auth_metadata(request),
+            timeout=CANCEL_TIMEOUT_S,
+        )
+    except grpc.aio.AioRpcError as err:
+        raise from_grpc(err) from None
+    return JSONResponse({"request_id": request_id, "cancelled": True})
+
+
+async def health(request: Request, state: Annotated[BridgeState, Depends(bridge_state)]) -> JSONResponse:
+    """GET /health: 200 while the service is serving, else 503 with Retry-After."""
+    if await _healthy(state.connect(), _auth_metadata(request)):
+        return JSONResponse({"status": "ok"})
+    return ApiError(503, "the generation service is not serving", code="unavailable",
+                    headers={"Retry-After": str(DEFAULT_RETRY_AFTER_S)}).response()
+
+
+async def prometheus_metrics(state: Annotated[BridgeState, Depends(bridge_state)]) -> Response:
+    """GET /metrics: the Prometheus text exposition (version 0.0.4)."""
+    return Response(await state.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+async def models(state: Annotated[BridgeState, Depends(bridge_state)]) -> JSONResponse:
+    """GET /v1/models: the one served model, OpenAI's list shape."""
+    model = {"id": state.model_name, "object": "model", "created": state.created_at, "owned_by": "genserve"}
+    return JSONResponse({"object": "list", "data": [model]})
 
 
 def validation_error(errors: list[dict]) -> ApiError:

@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -241,11 +241,6 @@ def report(runs: Sequence[dict[str, Any]], *, title: str = "genserve load test",
             "goodput_rps": goodput(points), "goodput_quantile": GOODPUT_QUANTILE,
             "slo_ttft_ms": slo.get("ttft_ms"), "slo_tpot_ms": slo.get("tpot_ms"),
             "percentile_method": f"numpy.percentile(method={PERCENTILE_METHOD!r})"}
-
-
-def records_json(records: Iterable[RequestRecord]) -> list[dict[str, Any]]:
-    """Records as plain dicts."""
-    return [asdict(r) for r in records]
 
 
 def dumps(obj: Any) -> str:

@@ -1,6 +1,6 @@
 """The gRPC servicer: authenticate, validate, submit, stream tokens back, cancel on disconnect.
 
-Failure and shutdown (issue 4):
+Failure and shutdown:
 
 * While the engine loads, `Generate` and `Info` answer UNAVAILABLE ("engine is loading").
 * When the engine loop fails, every open stream receives its ERROR event and ends with status
@@ -25,6 +25,7 @@ import contextlib
 import logging
 import uuid
 from collections import deque
+from typing import NoReturn
 
 import grpc
 from opentelemetry import trace
@@ -327,19 +328,19 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
         return key
 
     async def _reject(self, context: grpc.aio.ServicerContext, code: str,
-                      status: grpc.StatusCode, message: str, span: trace.Span | None = None) -> None:
+                      status: grpc.StatusCode, message: str, span: trace.Span | None = None) -> NoReturn:
         """Count the rejection under its HTTP-equivalent code and end the call (raises)."""
         if self.metrics is not None:
             self.metrics.rejected.labels(code).inc()
         await self._abort(context, status, message, span)
 
     async def _unavailable(self, context: grpc.aio.ServicerContext, message: str,
-                           span: trace.Span | None = None) -> None:
+                           span: trace.Span | None = None) -> NoReturn:
         await self._reject(context, "503", grpc.StatusCode.UNAVAILABLE, message, span)
 
     @staticmethod
     async def _abort(context: grpc.aio.ServicerContext, status: grpc.StatusCode, message: str,
-                     span: trace.Span | None = None) -> None:
+                     span: trace.Span | None = None) -> NoReturn:
         """End the call with `status` (raises); UNAVAILABLE carries `retry-after`."""
         if span is not None:
             span.set_attribute("rpc.grpc.status_code", status.value[0])

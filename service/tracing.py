@@ -19,7 +19,6 @@ from opentelemetry import trace
 from engine.loop import Engine
 from engine.request import Request, RequestState
 
-_WAITING = (RequestState.QUEUED, RequestState.PREEMPTED)
 _RUNNING = (RequestState.PREFILL, RequestState.DECODE)
 
 
