@@ -13,8 +13,8 @@ What is measured:
 * machine: best-of-N 2048³ `torch.matmul` rate in bf16 and fp32 (GFLOP/s); the bandwidth of a
   large tensor copy counting bytes read + written (GB/s); and the read bandwidth, best-of-N
   `torch.sum` over 256 MiB of fp32 (bytes read / s; a reduction reads and hardly writes). The
-  1-row decode floor is weight bytes / read bandwidth; issue 6 derived its ≈ 8 ms from half the
-  copy rate (the copy's read share), printed beside it.
+  1-row decode floor is weight bytes / read bandwidth; an older estimate took half the copy rate
+  (the copy's read share) instead, printed beside it.
 * prefill: 1,024-token prompts (max_tokens 1) at `prefill_chunk` 256 and 1,024 (and
   `prefill_chunk_few_rows` set equal, so the budget holds with no decode row); time per step from
   `Engine.step_listeners` (the executor's time), only steps that carry no decode row.
@@ -25,13 +25,17 @@ What is measured:
   decode at the phase's row count are counted (`plan.num_decode_rows == rows and
   plan.num_prefill_tokens == 0`), the first `decode_skip` of each phase are dropped as warm-up;
   step time is the median listener time and tokens/s = rows / median step time.
-* step breakdown at 32 rows: `Engine.step()` wall time vs time inside `executor.model(...)`, the
-  logits projection and `sample`; and, from `split_steps` more 32-row steps run through the
-  Python block loop (a pure-decode step's blocks otherwise run in one C++ call the probe cannot
-  see into), the forward's time in `linear`, `attend` and `rope_store_kv`. Measured by timing wrappers the benchmark installs around the model and those
-  module functions at run time; no engine code changes. The share outside the forward counts the
-  logits projection (the LM head) as part of the forward; the rest — scheduling, building inputs,
-  sampling, pushing events — is outside.
+* step breakdown at 32 rows: `Engine.step()` wall time vs time inside the model's forward, the
+  logits projection and `sample`, over `breakdown_steps` 32-row steps run after the counted ones;
+  and, from `split_steps` more 32-row steps run through the Python block loop (a pure-decode
+  step's blocks otherwise run in one C++ call the profiler cannot see into), the forward's time
+  in `linear`, `attend` and `rope_store_kv`. Measured with `torch.profiler` (CPU activity, no
+  shapes), started and stopped around each of those steps only, so the profiler's cost per op
+  is in their times but not in the decode figures: the executor's ranges "genserve.forward",
+  "genserve.logits" and "genserve.sample" (`ModelExecutor.execute`) give the breakdown; for the
+  split the profiler also records Python calls (`with_stack=True`), and the calls of those
+  functions inside the forward are summed. The share outside the forward counts the logits projection (the LM head) as part
+  of the forward; the rest — scheduling, building inputs, sampling, pushing events — is outside.
 * end to end: the engine and transformers' `generate` (bf16, greedy, 64 new tokens forced with
   min_new_tokens) on the same static batches: 1 × 16-token prompts, 32 × 16, 32 × 512; tokens/s =
   generated tokens / wall time including prefill.
@@ -41,7 +45,7 @@ processes on the machine distort the figures far beyond their share of the CPU (
 wait for each other at every one of the ~10,000 small ops of a step), so the header prints the
 load average and warns when something else ran.
 
-Model FLOPs (useful work; the duplicated row `engine.model.llama.linear` adds for 1-row inputs is
+Model FLOPs (useful work; the duplicated row `engine.model.linear.linear` adds for 1-row inputs is
 not counted)::
 
     N_blocks = n_layers · (dim·(n_heads + 2·n_kv_heads)·head_dim + n_heads·head_dim·dim + 3·dim·ffn)
@@ -60,23 +64,24 @@ import json
 import math
 import os
 import pathlib
+import re
 import statistics
 import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
-import engine.attention as attention_mod
-import engine.executor as executor_mod
-import engine.model.layer_ops as layer_ops_mod
-import engine.model.llama as llama_mod
+from engine.attention import attend, decode_attention
 from engine.block_pool import BlockPool
 from engine.builder import engine_from_weights, set_threads
 from engine.config import EngineConfig
 from engine.loop import Engine
+from engine.model.layer_ops import KernelLayerOps, TorchLayerOps
+from engine.model.linear import linear
 from engine.model.llama import ModelArgs
 from engine.model.weights import default_gguf_path, load_gguf, open_gguf
 from engine.request import Request, SamplingParams
@@ -103,6 +108,7 @@ class Sizes:
     decode_steps: int = 16        # counted steps per phase
     decode_skip: int = 2          # full-row steps dropped at the start of each phase
     profile_steps: int = 3
+    breakdown_steps: int = 16     # profiled 32-row steps for the step breakdown
     split_steps: int = 8          # 32-row steps run through the Python block loop for the split
     e2e_new_tokens: int = 64
     e2e_cases: tuple[tuple[str, int, int], ...] = (
@@ -112,7 +118,7 @@ class Sizes:
 FULL = Sizes()
 QUICK = Sizes(gemm_n=256, gemm_repeats=2, copy_mib=16, copy_repeats=2, prefill_prompt=48,
               prefill_requests=2, short_prompt=16, long_prompt=64, decode_steps=2, decode_skip=1,
-              profile_steps=1, split_steps=2, e2e_new_tokens=4,
+              profile_steps=1, breakdown_steps=2, split_steps=2, e2e_new_tokens=4,
               e2e_cases=(("b1_short", 1, 16), ("b32_short", 32, 16), ("b32_long", 32, 48)))
 
 
@@ -215,89 +221,66 @@ def matmul_weight_bytes(model: torch.nn.Module) -> int:
                if p.dim() == 2 and not name.startswith("tok_embeddings"))
 
 
-# -- timing probe --------------------------------------------------------------------------------
-class _TimedModel:
-    """Stands in for `executor.model`: times the forward (`__call__`) and `logits`."""
-
-    def __init__(self, probe: "Probe", model: torch.nn.Module) -> None:
-        self._probe, self._model = probe, model
-
-    def __call__(self, *args, **kwargs):
-        p = self._probe
-        p.in_forward = True
-        t0 = time.perf_counter()
-        try:
-            return self._model(*args, **kwargs)
-        finally:
-            p.acc["forward"] += time.perf_counter() - t0
-            p.in_forward = False
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        t0 = time.perf_counter()
-        try:
-            return self._model.logits(hidden)
-        finally:
-            self._probe.acc["logits"] += time.perf_counter() - t0
-
-    def __getattr__(self, name: str):
-        return getattr(self._model, name)
+# -- step profile -------------------------------------------------------------------------------
+# Breakdown part -> the `torch.profiler.record_function` range of `ModelExecutor.execute` it sums
+# (the rest of execute is reported as building inputs).
+EXECUTE_RANGES = (("forward", "genserve.forward"), ("logits", "genserve.logits"),
+                  ("sample", "genserve.sample"))
+FORWARD_RANGE = "genserve.forward"
+# Forward split part -> the engine functions whose calls inside the forward it sums: `linear`
+# (every matrix product of the blocks), `attend` (decode rows and prefill pieces),
+# `decode_attention` (the batched decode rows, part of `attend`) and `rope_store_kv` of either
+# `layer_ops` implementation (RoPE and the K/V cache write).
+FORWARD_SPLIT = (("linear", (linear,)), ("attention", (attend,)),
+                 ("decode_attention", (decode_attention,)),
+                 ("rope", (TorchLayerOps.rope_store_kv, KernelLayerOps.rope_store_kv)))
 
 
-class Probe:
-    """Timing wrappers around the model, the sampler and three model-module functions.
+# torch.profiler's name for a Python call (`with_stack=True`): "<file>(<first line>): <function>",
+# the file relative to the sys.path entry it was imported from.
+PYTHON_EVENT = re.compile(r"(?P<file>.+)\((?P<line>\d+)\): (?P<name>\w+)")
 
-    Installed at run time (module attributes and `executor.model` are swapped and restored), so
-    the engine code is measured as it is. Inside a forward it accumulates seconds in `linear`
-    (every matrix product of the blocks), `attention` (`attend`: decode rows and prefill pieces),
-    `decode_attention` (the batched decode rows, part of `attention`) and `rope` (`rope_store_kv`
-    of either `layer_ops` implementation: RoPE and the K/V cache write); around it `forward`,
-    `logits` and `sample`.
-    """
 
-    _PATCHES = ((llama_mod, "linear", "linear"), (llama_mod, "attend", "attention"),
-                (attention_mod, "decode_attention", "decode_attention"),
-                (layer_ops_mod.KernelLayerOps, "rope_store_kv", "rope"),
-                (layer_ops_mod.TorchLayerOps, "rope_store_kv", "rope"))
+def split_part(event_name: str) -> str | None:
+    """The `FORWARD_SPLIT` part a profiler event is a call of (None when it is none): its
+    function name and first line match one of the part's functions, and its file ends that
+    function's file."""
+    m = PYTHON_EVENT.fullmatch(event_name)
+    if m is None:
+        return None
+    for part, fns in FORWARD_SPLIT:
+        for fn in fns:
+            code = fn.__code__
+            if (code.co_name == m["name"] and code.co_firstlineno == int(m["line"])
+                    and os.path.normpath(code.co_filename).endswith(os.path.normpath(m["file"]))):
+                return part
+    return None
 
-    def __init__(self, executor) -> None:
-        self.executor = executor
-        self.acc: dict[str, float] = defaultdict(float)
-        self.in_forward = False
-        self._saved: list[tuple[object, str, object]] = []
 
-    def _wrap(self, fn, key: str, forward_only: bool):
-        acc = self.acc
-
-        def timed(*args, **kwargs):
-            if forward_only and not self.in_forward:
-                return fn(*args, **kwargs)
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                acc[key] += time.perf_counter() - t0
-        return timed
-
-    def install(self) -> None:
-        self._saved.append((self.executor, "model", self.executor.model))
-        self.executor.model = _TimedModel(self, self.executor.model)
-        for mod, name, key in self._PATCHES:
-            if not hasattr(mod, name):          # the engine changed: that figure reads 0
+def profiled_parts(prof: torch.profiler.profile, split: bool) -> dict[str, float]:
+    """Seconds per part of the steps `prof` recorded: each `EXECUTE_RANGES` part; with `split`
+    (a profile taken with `with_stack=True`) also each `FORWARD_SPLIT` part, the calls of its
+    functions inside the forward range, a call inside another call of the same part counted once.
+    A part none of whose ranges or functions ran is left out."""
+    ranges = {name: part for part, name in EXECUTE_RANGES}
+    parts: dict[str, float] = defaultdict(float)
+    events = prof.events()
+    calls = {ev.name: split_part(ev.name) for ev in events} if split else {}
+    for ev in events:
+        part = ranges.get(ev.name)
+        if part is None:
+            part = calls.get(ev.name)
+            if part is None:
                 continue
-            self._saved.append((mod, name, getattr(mod, name)))
-            setattr(mod, name, self._wrap(getattr(mod, name), key, forward_only=True))
-        self._saved.append((executor_mod, "sample", executor_mod.sample))
-        executor_mod.sample = self._wrap(executor_mod.sample, "sample", forward_only=False)
-
-    def uninstall(self) -> None:
-        while self._saved:
-            obj, name, value = self._saved.pop()
-            setattr(obj, name, value)
-
-    def take(self) -> dict[str, float]:
-        out = dict(self.acc)
-        self.acc.clear()
-        return out
+            outer = []                                      # the names of the enclosing events
+            parent = ev.cpu_parent
+            while parent is not None:
+                outer.append(parent.name)
+                parent = parent.cpu_parent
+            if FORWARD_RANGE not in outer or any(calls.get(name) == part for name in outer):
+                continue
+        parts[part] += ev.cpu_time_total / 1e6             # FunctionEvent times are in µs
+    return dict(parts)
 
 
 # -- driving the engine --------------------------------------------------------------------------
@@ -311,7 +294,7 @@ class StepRecord:
     context: float        # mean keys attended by the decode rows
     step_s: float         # the listener's time: executor.execute
     wall_s: float         # Engine.step() wall time
-    parts: dict[str, float]
+    parts: dict[str, float]   # seconds per `profiled_parts` part; empty when not profiled
 
 
 class Bench:
@@ -331,8 +314,9 @@ class Bench:
         del state
         self.executor = base.executor
         self.model = base.executor.model
-        self.probe = Probe(self.executor)
-        self.probe.install()
+        # Whether `run` profiles the next step: "execute" (the executor's ranges), "split" (and
+        # the forward's Python calls) or None; the decode sweep sets it between steps.
+        self.profiling: Literal["execute", "split"] | None = None
         self._ids = 0
 
     def engine(self, **overrides) -> Engine:
@@ -370,11 +354,20 @@ class Bench:
                     if not engine.scheduler.has_work:
                         break
                 ran.clear()
-                self.probe.take()
-                t0 = time.perf_counter()
-                engine.step()
-                wall = time.perf_counter() - t0
-                parts = self.probe.take()
+                prof = None
+                if self.profiling is not None:
+                    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                                  record_shapes=False,
+                                                  with_stack=self.profiling == "split")
+                    prof.start()
+                try:
+                    t0 = time.perf_counter()
+                    engine.step()
+                    wall = time.perf_counter() - t0
+                finally:
+                    if prof is not None:
+                        prof.stop()
+                parts = {} if prof is None else profiled_parts(prof, split=self.profiling == "split")
                 plans = [(p, s) for p, s in ran if not p.empty]
                 if not plans:
                     continue
@@ -419,17 +412,19 @@ class Bench:
         rows = max(s.decode_phases)
         prefill_steps = -(-rows * prompt_len // s.decode_chunk) + rows
         return (prefill_steps + len(s.decode_phases) * (s.decode_skip + s.decode_steps + 2)
-                + s.profile_steps + s.split_steps + 16)
+                + s.profile_steps + s.breakdown_steps + s.split_steps + 16)
 
     def decode(self, prompt_len: int, profile: bool = False
-               ) -> tuple[dict[int, list[StepRecord]], list[StepRecord]]:
+               ) -> tuple[dict[int, list[StepRecord]], list[StepRecord], list[StepRecord]]:
         """The decode sweep: rows go 48 → 32 → 8 → 1 by cancelling the newest requests.
 
-        Returns the counted steps per row count and `split_steps` more 32-row steps run through
-        the Python block loop (`model.decode_weights` set aside): the production path runs a
-        pure-decode step's blocks in one C++ call (`decode_layers`), inside which the probe
-        cannot time the matrix products and attention apart; the Python loop calls the same
-        kernels one by one, so its steps give the split (and its cost over the C++ loop).
+        Returns the counted steps per row count; `breakdown_steps` more 32-row steps, profiled
+        (`profiled_parts`: forward, logits, sample); and `split_steps` more 32-row steps run
+        through the Python block loop (`model.decode_weights` set aside), profiled with the
+        forward split: the production path runs a pure-decode step's blocks in one C++ call
+        (`decode_layers`), inside which the profiler cannot time the matrix products and
+        attention apart; the Python loop calls the same kernels one by one, so its steps give the
+        split (and its cost over the C++ loop).
 
         All requests are submitted at once and admitted together (max_rows 48); prefill carries
         `decode_chunk` prompt tokens a step, and each request decodes from the step after its
@@ -444,16 +439,28 @@ class Bench:
         max_tokens = self.decode_max_tokens(prompt_len)
         reqs = self.submit(eng, self.prompts(max(phases), prompt_len), max_tokens)
         counted: dict[int, list[StepRecord]] = {rows: [] for rows in phases}
+        breakdown: list[StepRecord] = []
         split: list[StepRecord] = []
-        st = {"phase": 0, "seen": 0, "prof": None, "prof_left": 0, "splitting": False}
+        st = {"phase": 0, "seen": 0, "prof": None, "prof_left": 0, "breakdown": False,
+              "splitting": False}
         saved_weights = self.model.decode_weights
 
         def on_record(rec: StepRecord) -> None:
+            if st["breakdown"]:
+                if rec.rows == 32 and rec.prefill == 0 and rec.parts:
+                    breakdown.append(rec)
+                if len(breakdown) >= s.breakdown_steps:
+                    st["breakdown"] = False
+                    self.model.decode_weights = None
+                    self.profiling = "split"
+                    st["splitting"] = True
+                return
             if st["splitting"]:
-                if rec.rows == 32 and rec.prefill == 0:
+                if rec.rows == 32 and rec.prefill == 0 and rec.parts:
                     split.append(rec)
                 if len(split) >= s.split_steps:
                     self.model.decode_weights = saved_weights
+                    self.profiling = None
                     st["splitting"] = False
                     after_32()
                 return
@@ -477,8 +484,8 @@ class Bench:
                     counted[rows].append(rec)
             if len(counted[rows]) >= s.decode_steps:
                 if rows == 32:
-                    self.model.decode_weights = None
-                    st["splitting"] = True
+                    self.profiling = "execute"
+                    st["breakdown"] = True
                     return
                 advance()
 
@@ -505,10 +512,11 @@ class Bench:
             self.run(eng, on_record)
         finally:
             self.model.decode_weights = saved_weights
+            self.profiling = None
         if st["phase"] < len(phases):
             raise RuntimeError(f"decode sweep ended in phase {st['phase']} "
                                f"({ {r: len(v) for r, v in counted.items()} } steps counted)")
-        return counted, split
+        return counted, breakdown, split
 
     def end_to_end(self, batch: int, prompt_len: int, new_tokens: int) -> float:
         """Static batch through the default engine (32 rows, chunk 256): generated tokens/s."""
@@ -628,10 +636,10 @@ def main(argv: list[str] | None = None) -> int:
     rep.add("prefill.chunk_ratio", pre[c1]["tok_s"] / pre[c0]["tok_s"],
             f"prefill tok/s chunk {c1} / chunk {c0}", "×")
 
-    sweeps, splits = {}, {}
+    sweeps, breakdowns, splits = {}, {}, {}
     for ctx, plen in (("short", s.short_prompt), ("long", s.long_prompt)):
         log(f"decode sweep, {ctx} context ({plen}-token prompts)")
-        sweeps[ctx], splits[ctx] = bench.decode(plen, profile=opts.profile)
+        sweeps[ctx], breakdowns[ctx], splits[ctx] = bench.decode(plen, profile=opts.profile)
     dec: dict[tuple[str, int], dict[str, float]] = {}
     for ctx, counted in sweeps.items():
         for rows in sorted(counted):
@@ -650,7 +658,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # ratios
     rep.add("ratio.rows1_floor_ms", floor_ms, "1-row bandwidth floor", "ms", "weight bytes / read GB/s")
-    rep.add("ratio.rows1_floor_copy_ms", floor_copy_ms, "1-row floor, issue 6's way", "ms",
+    rep.add("ratio.rows1_floor_copy_ms", floor_copy_ms, "1-row floor from half the copy rate", "ms",
             "weight bytes / (copy GB/s ÷ 2)")
     for ctx in sweeps:
         rep.add(f"ratio.{ctx}.rows1_over_floor", dec[ctx, 1]["step_ms"] / floor_ms,
@@ -675,8 +683,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # where a 32-row step goes: the production steps for the share outside the forward, the
     # Python-loop steps (same kernels, called one by one) for the split inside it
-    for ctx, counted in sweeps.items():
-        recs, split = counted[32], splits[ctx]
+    for ctx in sweeps:
+        recs, split = breakdowns[ctx], splits[ctx]
         n, n_split = len(recs), len(split)
         tot = lambda rs, key: sum(r.parts.get(key, 0.0) for r in rs)  # noqa: E731
         wall, execute, forward = sum(r.wall_s for r in recs), sum(r.step_s for r in recs), tot(recs, "forward")
@@ -718,7 +726,6 @@ def main(argv: list[str] | None = None) -> int:
         ours[name] = rep.add(f"e2e.ours.{name}.tok_s", bench.end_to_end(batch, plen, s.e2e_new_tokens),
                              f"genserve {batch:>2} × {plen}-token prompts", "tok/s",
                              f"{s.e2e_new_tokens} new tokens, wall incl. prefill")
-    bench.probe.uninstall()
     if not opts.skip_transformers:
         cases = [(name, bench.prompts(batch, plen)) for name, batch, plen in s.e2e_cases]
         del bench

@@ -69,12 +69,9 @@ class GatherBuffer:
     at a time do not reallocate every few steps) and is never shrunk: it holds ≈ 1.25 × the
     largest step's gather until the executor goes. Used from the scheduler thread only.
 
-    Each layer gathers B rows × L keys of K and of V (32 rows × 1,216 keys × 3 KV heads × 64 bf16
-    = 2 × 15 MB for SmolLM2). Allocated per layer, glibc handed buffers that size back to the OS
-    on free (mmap threshold / heap trim), and touching them again page-faulted: 229,000 minor
-    faults a step, and a 32-row step at 1,200-token contexts took 440 ms instead of ≈ 125 ms
-    (medians over 24 steps, 2-core dev machine, `GENSERVE_KERNELS=0`; the faults came in 2 of 3
-    runs, as glibc's adaptive threshold happened to fall).
+    Each layer gathers B rows × L keys of K and of V (bytes: 2 · B · L · kv_heads · head_dim ·
+    itemsize). Buffers that size, allocated per layer, are handed back to the OS by glibc on free
+    and page-faulted in again on the next touch; why that mattered is in docs/benchmarks/kernels.md.
     """
 
     def __init__(self) -> None:

@@ -7,38 +7,20 @@
 * `engine/csrc/layer_ops.cpp`: the fused per-token steps of a block — `rms_norm`,
   `add_rms_norm_` (residual add + norm), `rope_store_kv` (RoPE on Q and K, K and V written to
   their cache slots) and `silu_mul` — used through `engine.model.layer_ops.KernelLayerOps`.
-* `engine/csrc/packed_linear.cpp`: x @ Wᵀ for a few rows read straight from oneDNN's packed
-  weight, bit for bit oneDNN's result, `torch.ops.genserve.packed_linear` — AVX512-BF16 builds
-  only; `packed_linear_available()` says whether this build has it.
+* `engine/csrc/packed_linear.cpp`: x @ Wᵀ read from a weight packed in oneDNN's AB16b64a2b layout
+  (oneDNN's own copy, bit for bit oneDNN's result, or genserve's `linear.vnni_pack`),
+  `torch.ops.genserve.packed_linear` — AVX512-BF16 builds only; `packed_linear_available()` says
+  whether this build has it.
 * `engine/csrc/decode_layers.cpp`: all blocks of a pure-decode step in one call
   (`torch.ops.genserve.decode_layers`), the same ops in the same order as the Python loop.
 
-Built with `torch.utils.cpp_extension.load` (g++ and ninja; ≈ 20 s once per CPU kind and checkout, then cached
-under torch's extension directory, ~/.cache/torch_extensions). Where they cannot be built (no
-compiler, another architecture, `GENSERVE_KERNELS=0`), `available()` is False and the engine runs
-the same steps as plain torch ops (`TorchLayerOps`) and attention through torch's fused SDPA; the
-engine logs which one it runs.
+Built with `torch.utils.cpp_extension.load` (g++ and ninja; once per CPU kind and kernel source,
+then cached under torch's extension directory, ~/.cache/torch_extensions). Where they cannot be
+built (no compiler, another architecture, `GENSERVE_KERNELS=0`), `available()` is False and the
+engine runs the same steps as plain torch ops (`TorchLayerOps`) and attention through torch's
+fused SDPA; the engine logs which one it runs.
 
-Why kernels of our own (measured on the 2-core dev machine, SmolLM2-135M, bf16):
-
-* decode attention: one decode row attends with `group` (3) queries over a short run of keys, a
-  shape torch's CPU attention kernels handle at ≈ 2 µs of overhead per (row, KV head); reading
-  keys and values in place through the block table (no gather copy, no padding) was 5× faster
-  than SDPA at 32 rows × 64 keys; with vdpbf16ps and prefetching the next blocks, 32 rows ×
-  1,536 keys take ≈ 1.0 ms per layer (SDPA over gathered keys: ≈ 6 ms).
-* prefill attention: torch's CPU flash kernel reaches ≈ 150 GFLOP/s at head_dim 64, a third of a
-  plain bf16 matmul; the AVX512-BF16 kernel is 4–7× faster per piece (0.9 vs 4.4 ms for 256
-  queries over 1,024 keys), taking a 256-token prefill step from 0.41–0.47 to 0.69–0.80 of the
-  bf16 GEMM rate.
-* layer ops: the ~25 small torch ops per layer between the matrix products (norms in fp32 with
-  casts, complex RoPE, index copies, SiLU, adds) cost more than their arithmetic; fused, a
-  32-row decode step went from 27 to 18.5 ms and a 1-row step from 11.7 to 8.5 ms.
-* packed linear: oneDNN reads bf16 weights at ≈ 45 GB/s for 2 rows (and rounds 1 row
-  differently, so `llama.linear` doubled it); streaming the same packed bytes with vdpbf16ps
-  reaches ≈ 70 GB/s for 1 row (SmolLM2's block matrices: 3.0 against 5.7–6.7 ms) and stays
-  faster up to 48 rows (32 rows: 10.2 against 12.2 ms), with oneDNN's bits.
-* decode layers: what was left of a 1-row step beyond the matrix products was ≈ 25 Python calls
-  per layer (≈ 2.5 ms of 9); one C++ loop over the blocks removes them.
+Why each kernel exists, with what it measured against torch's ops: docs/benchmarks/kernels.md.
 """
 
 from __future__ import annotations

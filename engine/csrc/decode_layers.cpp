@@ -1,6 +1,6 @@
 // Every block of a pure-decode step in one call: the same ops, in the same order, on the same
 // tensors as `Transformer.forward`'s Python loop with `KernelLayerOps` — the packed matrix
-// products as `llama.linear` runs them (genserve's `packed_linear` up to `max_rows` rows where
+// products as `linear.linear` runs them (genserve's `packed_linear` up to `max_rows` rows where
 // the weight kind has a k chunk, else oneDNN with a one-row input doubled), `rope_store_kv`,
 // `paged_decode`, `add_rms_norm_`, `silu_mul` — so a row's bits are the ones the Python loop
 // gives (tested), but without ~25 Python calls per layer: at 1 row those cost ≈ 2.5 ms of a 9 ms
@@ -18,7 +18,7 @@
 
 namespace {
 
-// x [M, in] @ packed weight → [M, out], exactly as `llama.linear` with a packed weight whose
+// x [M, in] @ packed weight → [M, out], exactly as `linear.linear` with a packed weight whose
 // k chunk is `k_chunk` (0: none).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t k_chunk,
                   int64_t max_rows) {

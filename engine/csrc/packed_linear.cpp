@@ -3,10 +3,10 @@
 // A decode step multiplies a handful of rows by every weight matrix, so it is bound by reading
 // the weights. oneDNN's bf16 kernel (brg_matmul:avx512_core_bf16) streams them at ≈ 45 GB/s at
 // M = 2 on the dev machine (2-core EPYC, read bandwidth ≈ 83 GB/s), and takes a different,
-// differently rounded kernel at M = 1, which `llama.linear` avoids by doubling the row. This
+// differently rounded kernel at M = 1, which `linear.linear` avoids by doubling the row. This
 // kernel streams the same packed bytes at ≈ 70 GB/s for one row (SmolLM2-135M's block matrices:
 // 3.0 ms against 5.7–6.7 ms) and stays faster than oneDNN up to a few hundred rows (32 rows:
-// ≈ 900 GFLOP/s on cached weights against oneDNN's 580–830; see llama.PACKED_LINEAR_MAX_ROWS),
+// ≈ 900 GFLOP/s on cached weights against oneDNN's 580–830; see linear.PACKED_LINEAR_MAX_ROWS),
 // and it rounds exactly as oneDNN does, so it can replace oneDNN for any row count without
 // changing a bit:
 //
@@ -18,9 +18,10 @@
 //     added in order; the result is rounded to bf16 once (vcvtneps2bf16, round to nearest even).
 //     This kernel does the same operations in the same order, so every output is the same bits.
 //
-// `k_chunk` and the layout are not documented oneDNN behaviour: `engine.model.llama.pack_weight`
-// finds the chunk by comparing this kernel with oneDNN on random rows, and uses this kernel only
-// for a weight where some chunk reproduced oneDNN exactly (see there).
+// `k_chunk` and the layout are not documented oneDNN behaviour: `engine.model.linear` finds the
+// chunk by comparing this kernel with oneDNN on random rows. Where oneDNN picks another layout,
+// or its own rows depend on the batch, genserve packs the weight itself in this layout and runs
+// every product here (see `engine.model.linear.pack_model`).
 //
 // Each row is computed alone (its chains never mix with another row's), so a row's bits do not
 // depend on the batch. Work: blocks of 64 columns split across threads (at::parallel_for); in a
@@ -103,8 +104,14 @@ void block_rows_upto(int rows, const uint32_t* x, const uint16_t* block, int64_t
   block_rows<R>(x, block, kp, chunk_pairs, y, y_stride, pf);
 }
 
-// Raw bytes of an opaque oneDNN tensor (torch's own mkldnn::data_ptr and mkldnn::_nbytes).
+// Raw bytes of the packed weight: an opaque oneDNN tensor (torch's own mkldnn::data_ptr and
+// mkldnn::_nbytes), or a dense bf16 tensor holding the same layout (`linear.vnni_pack`).
 const uint16_t* packed_bytes(const at::Tensor& packed, int64_t expect_bytes) {
+  if (!packed.is_mkldnn()) {
+    TORCH_CHECK(packed.is_contiguous() && packed.numel() * 2 == expect_bytes,
+                "packed_linear: a dense packed weight must be contiguous [N, K]");
+    return reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  }
   static const auto data_ptr = c10::Dispatcher::singleton()
                                    .findSchemaOrThrow("mkldnn::data_ptr", "")
                                    .typed<int64_t(const at::Tensor&)>();
@@ -120,15 +127,16 @@ const uint16_t* packed_bytes(const at::Tensor& packed, int64_t expect_bytes) {
 
 namespace genserve {
 
-// x: bf16 [M, K] contiguous; packed: `torch.ops.mkldnn._reorder_linear_weight(W, ...)` of a bf16
-// W [N, K] in layout AB16b64a2b (N % 64 == 0, K % 32 == 0); k_chunk: oneDNN's k chunk (even,
-// > 0). Returns bf16 [M, N], equal bit for bit to oneDNN's product when layout and k_chunk are
-// oneDNN's. Raises (RuntimeError) on another dtype, shape or a padded packed weight.
+// x: bf16 [M, K] contiguous; packed: a bf16 W [N, K] in layout AB16b64a2b (N % 64 == 0,
+// K % 32 == 0), either `torch.ops.mkldnn._reorder_linear_weight(W, ...)` where oneDNN chose that
+// layout, or a dense tensor genserve packed itself (`engine.model.linear.vnni_pack`); k_chunk:
+// the k chunk (even, > 0). Returns bf16 [M, N], equal bit for bit to oneDNN's product when layout
+// and k_chunk are oneDNN's. Raises (RuntimeError) on another dtype, shape or a padded weight.
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t k_chunk) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
               "packed_linear: x must be a contiguous bf16 [M, K] tensor");
-  TORCH_CHECK(packed.is_mkldnn() && packed.dim() == 2 && packed.scalar_type() == at::kBFloat16,
-              "packed_linear: packed must be oneDNN's bf16 [N, K] weight");
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kBFloat16,
+              "packed_linear: packed must be a bf16 [N, K] weight");
   const int64_t m = x.size(0), k = x.size(1), n = packed.size(0);
   TORCH_CHECK(packed.size(1) == k, "packed_linear: x has K = ", k, ", weight ", packed.size(1));
   TORCH_CHECK(n % BLOCK_N == 0 && k % BLOCK_K == 0, "packed_linear: N must be a multiple of ",

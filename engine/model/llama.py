@@ -5,22 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from engine import kernels
 from engine.attention import AttentionMetadata, attend
 from engine.model.layer_ops import KernelLayerOps, TorchLayerOps
-
-# Most rows a product runs through genserve's `packed_linear` instead of oneDNN (same bits either
-# way; see `linear`). Measured on the 2-core dev machine, SmolLM2-135M's 30 layers + output
-# projection, time per step's products, A/B in one run: 1 row 3.0 against 5.7-6.7 ms (block
-# matrices only), 32 rows 10.3 against 14.9, 64 rows 18.9 against 24.4, 128 rows 37.8 against
-# 44.8, 256 rows 74.7 against 82.1, 512 rows 154.5 against 156.0, 1,024 rows 312.5 against 298.9
-# (oneDNN's blocking wins once the products are long enough). In the model, though, 256-token
-# prefill steps took the same time either way (1,024 tokens in 345 against 349 ms, A/B in one
-# process), so prefill stays on oneDNN and the limit covers decode steps and small mixed steps.
-PACKED_LINEAR_MAX_ROWS = 64
+from engine.model.linear import DecodeWeights, PackedWeight, linear, pack_weights
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,143 +59,6 @@ class ModelArgs:
                    vocab_size=32000, max_context=4096, rope_theta=10000.0, norm_eps=1e-5)
 
 
-@dataclass(frozen=True)
-class PackedWeight:
-    """oneDNN's packed (blocked) copy of a bf16 CPU weight [out, in], from `pack_weight`.
-
-    Attributes:
-        tensor: the oneDNN tensor (`torch.ops.mkldnn._reorder_linear_weight`), 2 · out · in bytes.
-        k_chunk: how many k oneDNN's kernel sums in one chain before adding the chains' sums
-            (512 for in = 576, 1,024 for in = 1,536 on the dev machine), found by `pack_weight`;
-            with it genserve's `packed_linear` reproduces oneDNN's bits. 0 where it does not
-            (no AVX512-BF16 kernels, another layout or rounding), and oneDNN runs every product.
-    """
-
-    tensor: torch.Tensor
-    k_chunk: int
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor,
-           packed: PackedWeight | None = None) -> torch.Tensor:
-    """`x @ weight.T` whose rows do not depend on how many rows there are.
-
-    With `packed` (`pack_weight`) the product reads the packed copy: for up to
-    `PACKED_LINEAR_MAX_ROWS` rows, when the weight has a `k_chunk`, through genserve's
-    `packed_linear` (engine/csrc/packed_linear.cpp; ≈ 1.6× oneDNN's weight-read rate for few
-    rows), else through oneDNN. The two give the same bits (`pack_weight` checks it), and on this
-    CPU oneDNN is faster than `F.linear` at every row count and gives `F.linear`'s bits. oneDNN
-    and `F.linear` take a different kernel for a single row whose low bits differ from the
-    many-row kernel's on some inputs (seen on real down-projection inputs of SmolLM2, not on
-    random ones; every M >= 2 agrees), so there a one-row input is doubled: a decode step of 1 row
-    computes exactly what the same row computes inside a batch of 32.
-
-    Args:
-        x: [M, in_features]; weight: [out_features, in_features], same dtype; packed: None or
-            `pack_weight(weight)`.
-    Returns:
-        [M, out_features].
-    """
-    if packed is not None and packed.k_chunk and x.shape[0] <= PACKED_LINEAR_MAX_ROWS:
-        return torch.ops.genserve.packed_linear(x.contiguous(), packed.tensor, packed.k_chunk)
-    one_row = x.shape[0] == 1
-    if one_row:
-        x = torch.cat([x, x])
-    if packed is not None:
-        y = onednn_linear(x, packed.tensor)
-    else:
-        y = F.linear(x, weight)
-    return y[:1] if one_row else y
-
-
-def onednn_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """x [M, in] @ Wᵀ through oneDNN's packed copy of W (`torch.ops.mkldnn._reorder_linear_weight`),
-    [M, out] in x's dtype; no bias, no fused activation."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-
-
-def pack_weight(weight: torch.Tensor,
-                k_chunks: dict[tuple[int, int], int] | None = None) -> PackedWeight | None:
-    """oneDNN's packed (blocked) copy of a bf16 CPU weight [out, in] for `linear`, or None.
-
-    None when the weight is not bf16 on CPU, this torch has no oneDNN linear, or the packed
-    product fails the check that makes it usable: on random rows, its M = 2, 7 and 64 results
-    must equal `F.linear` at M = 64 bit for bit (so packed and unpacked engines, and rows of any
-    batch, agree). Costs one more copy of the weight (bytes = 2 · out · in). The k chunk for
-    genserve's `packed_linear` comes from `onednn_k_chunk`, or from `k_chunks` (shape → chunk,
-    filled in here) when an earlier weight had the same shape: oneDNN picks its blocking from
-    the shape, not the values.
-    """
-    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
-        return None
-    try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
-        probe = torch.randn(64, weight.shape[1], generator=torch.Generator().manual_seed(0)
-                            ).to(weight.dtype)
-        want = F.linear(probe, weight)
-        for m in (2, 7, 64):
-            got = onednn_linear(probe[:m], packed)
-            if not torch.equal(got, want[:m]):
-                return None
-    except (RuntimeError, AttributeError):
-        return None
-    k_chunks = {} if k_chunks is None else k_chunks
-    shape = (weight.shape[0], weight.shape[1])
-    if shape not in k_chunks:
-        k_chunks[shape] = onednn_k_chunk(packed)
-    return PackedWeight(packed, k_chunks[shape])
-
-
-def onednn_k_chunk(packed: torch.Tensor) -> int:
-    """The k chunk with which genserve's `packed_linear` gives oneDNN's bits for `packed`, or 0.
-
-    oneDNN's bf16 kernel sums k in chunks (one vdpbf16ps chain per chunk, the chunks' sums added
-    in order); the chunk length depends on the shape and is not documented, so it is found here:
-    candidates go powers of two first, largest first (512 and 1,024 are what oneDNN 3.12 uses for
-    in = 576 and 1,536 on the dev machine), then every other multiple of 32 up to `in`, and the
-    first whose products equal oneDNN's on ≥ 2^20 random outputs (and on one row alone) is
-    taken. Wrong chunks differ in ≈ 1 of 10^4 bf16 outputs, so the probe tells them apart. 0 when
-    `packed_linear` is not built or no chunk matches (then oneDNN runs every product).
-    """
-    if not kernels.packed_linear_available():
-        return 0
-    n, k = packed.shape
-    if n % 64 or k % 32:
-        return 0
-    rows = min(4096, max(64, -(-(1 << 20) // n)))
-    probe = torch.randn(rows, k, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-    want = onednn_linear(probe, packed)
-    powers = [2 ** i for i in range(k.bit_length() - 1, 4, -1)]        # ≤ k, largest first
-    for chunk in powers + [c for c in range(32, k + 1, 32) if c not in powers]:
-        try:
-            if (torch.equal(torch.ops.genserve.packed_linear(probe, packed, chunk), want) and
-                    torch.equal(torch.ops.genserve.packed_linear(probe[:1], packed, chunk),
-                                want[:1])):
-                return chunk
-        except RuntimeError:        # a padded layout: not the one packed_linear reads
-            return 0
-    return 0
-
-
-@dataclass(frozen=True)
-class DecodeWeights:
-    """What `torch.ops.genserve.decode_layers` takes of the model, one entry per layer.
-
-    Attributes:
-        wqkv, wo, w13, w2: the oneDNN packed matrices (`PackedWeight.tensor`).
-        ffn_norm: fp32 [dim] weights of each layer's FFN norm; next_norm: of the norm after each
-            layer (the next layer's attention norm, the final norm after the last).
-        k_chunks: the `PackedWeight.k_chunk` of wqkv, wo, w13, w2 (0: oneDNN runs that kind).
-    """
-
-    wqkv: list[torch.Tensor]
-    wo: list[torch.Tensor]
-    w13: list[torch.Tensor]
-    w2: list[torch.Tensor]
-    ffn_norm: list[torch.Tensor]
-    next_norm: list[torch.Tensor]
-    k_chunks: list[int]
-
-
 class RMSNorm(nn.Module):
     """x / sqrt(mean(x²) + eps) · weight, computed in fp32 (Zhang & Sennrich 2019; HF Llama)."""
 
@@ -253,11 +105,6 @@ class Attention(nn.Module):
         self.wqkv_packed: PackedWeight | None = None
         self.wo_packed: PackedWeight | None = None
 
-    def pack(self, k_chunks: dict[tuple[int, int], int] | None = None) -> None:
-        """Attach oneDNN-packed weights where usable (see `pack_weight`)."""
-        self.wqkv_packed = pack_weight(self.wqkv, k_chunks)
-        self.wo_packed = pack_weight(self.wo, k_chunks)
-
     def forward(self, x: torch.Tensor, rope: torch.Tensor, positions: torch.Tensor,
                 cache: torch.Tensor, meta: AttentionMetadata, ops: type[TorchLayerOps]) -> torch.Tensor:
         qkv = linear(x, self.wqkv, self.wqkv_packed)                     # x: [T, dim]
@@ -277,11 +124,6 @@ class FeedForward(nn.Module):
         self.w2 = nn.Parameter(torch.empty(args.dim, args.intermediate_size))
         self.w13_packed: PackedWeight | None = None
         self.w2_packed: PackedWeight | None = None
-
-    def pack(self, k_chunks: dict[tuple[int, int], int] | None = None) -> None:
-        """Attach oneDNN-packed weights where usable (see `pack_weight`)."""
-        self.w13_packed = pack_weight(self.w13, k_chunks)
-        self.w2_packed = pack_weight(self.w2, k_chunks)
 
     def forward(self, x: torch.Tensor, ops: type[TorchLayerOps]) -> torch.Tensor:    # x: [T, dim]
         gate_up = linear(x, self.w13, self.w13_packed)                               # [T, 2·ffn]
@@ -374,28 +216,16 @@ class Transformer(nn.Module):
         return model
 
     def pack(self) -> None:
-        """Attach oneDNN-packed copies of every matrix (bf16 on CPU only; see `pack_weight`).
-
-        When every block matrix packed, also sets `decode_weights`: the per-layer lists
-        (wqkv, wo, w13, w2 packed; ffn_norm and the next norm's weights; the k chunks) that
-        `torch.ops.genserve.decode_layers` takes for a pure-decode step.
-        """
-        k_chunks: dict[tuple[int, int], int] = {}      # one probe per shape
-        for layer in self.layers:
-            layer.attention.pack(k_chunks)
-            layer.feed_forward.pack(k_chunks)
-        self.output_packed = pack_weight(self.output, k_chunks)
-        packed = [[layer.attention.wqkv_packed for layer in self.layers],
-                  [layer.attention.wo_packed for layer in self.layers],
-                  [layer.feed_forward.w13_packed for layer in self.layers],
-                  [layer.feed_forward.w2_packed for layer in self.layers]]
-        if all(w is not None for ws in packed for w in ws):
-            norms = [layer.ffn_norm.weight for layer in self.layers]
-            next_norms = [layer.attention_norm.weight for layer in self.layers[1:]] + [self.norm.weight]
-            # One k chunk per kind: oneDNN's chunk follows the shape, which the layers share.
-            chunks = [ws[0].k_chunk if len({w.k_chunk for w in ws}) == 1 else 0 for ws in packed]
-            self.decode_weights = DecodeWeights(*([w.tensor for w in ws] for ws in packed),
-                                                norms, next_norms, chunks)
+        """Attach packed copies of every matrix (bf16 on CPU only; see `linear.pack_weights`)
+        and, when every block matrix packed, `decode_weights`: what the C++ decode loop takes."""
+        attn = [layer.attention for layer in self.layers]
+        ffn = [layer.feed_forward for layer in self.layers]
+        owners = ([(a, "wqkv") for a in attn] + [(a, "wo") for a in attn] + [(f, "w13") for f in ffn]
+                  + [(f, "w2") for f in ffn] + [(self, "output")])
+        packed = pack_weights([getattr(module, name) for module, name in owners])
+        for (module, name), p in zip(owners, packed):
+            setattr(module, name + "_packed", p)
+        self.decode_weights = DecodeWeights.from_model(self)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -421,12 +251,7 @@ class Transformer(nn.Module):
         x = ops.rms_norm(h, first.weight, first.eps)
         if meta.kernels and not meta.seqs and self.decode_weights is not None:
             # A pure-decode step: the loop below, run in C++ (engine/csrc/decode_layers.cpp).
-            args, w = self.args, self.decode_weights
-            return torch.ops.genserve.decode_layers(
-                h, x, w.wqkv, w.wo, w.w13, w.w2, w.ffn_norm, w.next_norm, args.norm_eps, rope,
-                positions, kv_layers, meta.slots, meta.decode_blocks.view(meta.num_decode, -1),
-                meta.decode_lens, args.n_heads, args.n_kv_heads, args.head_dim ** -0.5,
-                w.k_chunks, PACKED_LINEAR_MAX_ROWS)
+            return self.decode_weights.run(h, x, rope, positions, kv_layers, meta)
         norms = [layer.attention_norm for layer in self.layers[1:]] + [self.norm]
         for layer, cache, next_norm in zip(self.layers, kv_layers, norms):
             x = layer.forward(h, x, rope, positions, cache, meta, ops, next_norm)  # no hooks

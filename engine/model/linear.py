@@ -1,0 +1,257 @@
+"""The model's matrix products: oneDNN's packed weights, genserve's `packed_linear` for few rows,
+and the per-model arguments of the C++ decode loop (`torch.ops.genserve.decode_layers`).
+
+Every path here gives a row the same bits whatever else is in the batch (see `linear`); which
+path runs is a speed choice, measured in docs/benchmarks/linear.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from engine import kernels
+
+if TYPE_CHECKING:
+    from engine.attention import AttentionMetadata
+    from engine.model.llama import Transformer
+
+# Rows up to which `linear` (and the C++ decode loop) runs genserve's `packed_linear`; above,
+# oneDNN. Both give the same bits, so this is a speed choice only, chosen by measurement (see
+# docs/benchmarks/linear.md): it covers decode steps and small mixed steps; prefill runs on oneDNN.
+PACKED_LINEAR_MAX_ROWS = 64
+# `PackedWeight.max_rows` of a weight genserve packed itself: `packed_linear` runs every product.
+ANY_ROWS = 1 << 62
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A packed (blocked) copy of a bf16 CPU weight [out, in], from `pack_weights`.
+
+    Attributes:
+        tensor: 2 · out · in bytes: oneDNN's tensor (`torch.ops.mkldnn._reorder_linear_weight`),
+            or a dense bf16 [out, in] tensor in `packed_linear`'s layout (`vnni_pack`).
+        k_chunk: how many k `packed_linear` sums in one chain before adding the chains' sums;
+            for a oneDNN tensor the chunk oneDNN uses (`onednn_k_chunk`), so the two give the
+            same bits. 0: `packed_linear` cannot reproduce oneDNN here, and oneDNN runs every
+            product.
+        max_rows: rows up to which `linear` runs `packed_linear` (`PACKED_LINEAR_MAX_ROWS` for a
+            oneDNN tensor, above which oneDNN runs; `ANY_ROWS` for genserve's own layout, which
+            oneDNN cannot read).
+    """
+
+    tensor: torch.Tensor
+    k_chunk: int
+    max_rows: int = PACKED_LINEAR_MAX_ROWS
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor,
+           packed: PackedWeight | None = None) -> torch.Tensor:
+    """`x @ weight.T` whose rows do not depend on how many rows there are.
+
+    With `packed` (`pack_weight`) the product reads the packed copy: for up to
+    `PACKED_LINEAR_MAX_ROWS` rows, when the weight has a `k_chunk`, through genserve's
+    `packed_linear` (engine/csrc/packed_linear.cpp), else through oneDNN. The two give the same
+    bits, and oneDNN gives `F.linear`'s bits (`pack_weight` checks both); which is faster where
+    is in docs/benchmarks/linear.md. oneDNN and `F.linear` take a different kernel for a single
+    row whose low bits differ from the many-row kernel's on some inputs (seen on real
+    down-projection inputs of SmolLM2, not on random ones; every M >= 2 agrees), so there a
+    one-row input is doubled: a decode step of 1 row computes exactly what the same row computes
+    inside a batch of 32.
+
+    Args:
+        x: [M, in_features]; weight: [out_features, in_features], same dtype; packed: None or
+            `pack_weight(weight)`.
+    Returns:
+        [M, out_features].
+    """
+    if packed is not None and packed.k_chunk and x.shape[0] <= packed.max_rows:
+        return torch.ops.genserve.packed_linear(x.contiguous(), packed.tensor, packed.k_chunk)
+    one_row = x.shape[0] == 1
+    if one_row:
+        x = torch.cat([x, x])
+    if packed is not None:
+        y = onednn_linear(x, packed.tensor)
+    else:
+        y = F.linear(x, weight)
+    return y[:1] if one_row else y
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x [M, in] @ Wᵀ through oneDNN's packed copy of W (`torch.ops.mkldnn._reorder_linear_weight`),
+    [M, out] in x's dtype; no bias, no fused activation."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+def pack_weight(weight: torch.Tensor,
+                k_chunks: dict[tuple[int, int], int] | None = None) -> PackedWeight | None:
+    """oneDNN's packed (blocked) copy of a bf16 CPU weight [out, in] for `linear`, or None.
+
+    None when the weight is not bf16 on CPU, this torch has no oneDNN linear, or the packed
+    product fails the check that makes it usable: on random rows, its M = 2, 7 and 64 results
+    must equal `F.linear` at M = 64 bit for bit (so packed and unpacked engines, and rows of any
+    batch, agree). Costs one more copy of the weight (bytes = 2 · out · in). The k chunk for
+    genserve's `packed_linear` comes from `onednn_k_chunk`, or from `k_chunks` (shape → chunk,
+    filled in here) when an earlier weight had the same shape: oneDNN picks its blocking from
+    the shape, not the values.
+    """
+    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+        return None
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
+        probe = torch.randn(64, weight.shape[1], generator=torch.Generator().manual_seed(0)
+                            ).to(weight.dtype)
+        want = F.linear(probe, weight)
+        for m in (2, 7, 64):
+            got = onednn_linear(probe[:m], packed)
+            if not torch.equal(got, want[:m]):
+                return None
+    except (RuntimeError, AttributeError):
+        return None
+    k_chunks = {} if k_chunks is None else k_chunks
+    shape = (weight.shape[0], weight.shape[1])
+    if shape not in k_chunks:
+        k_chunks[shape] = onednn_k_chunk(packed)
+    return PackedWeight(packed, k_chunks[shape])
+
+
+def vnni_pack(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [N, K] bf16 in `packed_linear`'s layout, as a dense [N, K] tensor of the same bytes.
+
+    The layout is oneDNN's AB16b64a2b: blocks of 64 output columns, each [K / 2][64][2], i.e. for
+    every pair of k the 64 columns' two weights side by side (the vdpbf16ps order). Raises
+    ValueError unless N is a multiple of 64 and K of 32.
+    """
+    n, k = weight.shape
+    if n % 64 or k % 32:
+        raise ValueError(f"vnni_pack: N must be a multiple of 64 and K of 32, got N = {n}, K = {k}")
+    return weight.view(n // 64, 64, k // 2, 2).permute(0, 2, 1, 3).contiguous().view(n, k)
+
+
+def pack_weights(weights: list[torch.Tensor]) -> list[PackedWeight | None]:
+    """Packed copies of a model's matrices [out, in], chosen for the whole model at once.
+
+    Where oneDNN packs every matrix with rows that do not depend on the batch (`pack_weight`'s
+    check) and `packed_linear` reproduces it (a k chunk for every matrix), the copies are
+    oneDNN's: `packed_linear` up to `PACKED_LINEAR_MAX_ROWS` rows, oneDNN above, the same bits.
+    Otherwise, when `packed_linear` is built and every matrix fits its blocks (bf16, N a multiple
+    of 64, K of 32), genserve packs them itself (`vnni_pack`) and `packed_linear` runs every
+    product, one chain over all of k: each row is computed alone, so its bits never depend on the
+    batch, whatever oneDNN does on this CPU (its blocking, and so its rounding, can change with
+    the row count and the CPU). Otherwise oneDNN's copies where `pack_weight` gave one, else None
+    (`F.linear`). Costs one more copy of each weight (2 · out · in bytes).
+    """
+    k_chunks: dict[tuple[int, int], int] = {}         # one probe per shape
+    onednn = [pack_weight(w, k_chunks) for w in weights]
+    if all(p is not None and p.k_chunk for p in onednn):
+        return onednn
+    own_layout = kernels.packed_linear_available() and all(
+        w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.shape[0] % 64 == 0
+        and w.shape[1] % 32 == 0 for w in weights)
+    if own_layout:
+        return [PackedWeight(vnni_pack(w), w.shape[1], ANY_ROWS) for w in weights]
+    return onednn
+
+
+def onednn_k_chunk(packed: torch.Tensor) -> int:
+    """The k chunk with which genserve's `packed_linear` gives oneDNN's bits for `packed`, or 0.
+
+    oneDNN's bf16 kernel sums k in chunks (one vdpbf16ps chain per chunk, the chunks' sums added
+    in order); the chunk length depends on the shape and is not documented, so it is found here:
+    candidates go powers of two first, largest first, then every other multiple of 32 up to
+    `in`, and the first whose products equal oneDNN's on ≥ 2^20 random outputs (and on one row
+    alone) is taken. A wrong chunk rounds some outputs differently, so the probe tells it apart
+    (how often, and the chunks found, in docs/benchmarks/linear.md). 0 when `packed_linear` is
+    not built or no chunk matches (then oneDNN runs every product).
+    """
+    if not kernels.packed_linear_available():
+        return 0
+    n, k = packed.shape
+    if n % 64 or k % 32:
+        return 0
+    rows = min(4096, max(64, -(-(1 << 20) // n)))
+    probe = torch.randn(rows, k, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    want = onednn_linear(probe, packed)
+    powers = [2 ** i for i in range(k.bit_length() - 1, 4, -1)]        # ≤ k, largest first
+    for chunk in powers + [c for c in range(32, k + 1, 32) if c not in powers]:
+        try:
+            if (torch.equal(torch.ops.genserve.packed_linear(probe, packed, chunk), want) and
+                    torch.equal(torch.ops.genserve.packed_linear(probe[:1], packed, chunk),
+                                want[:1])):
+                return chunk
+        except RuntimeError:        # a padded layout: not the one packed_linear reads
+            return 0
+    return 0
+
+
+@dataclass(frozen=True)
+class DecodeWeights:
+    """The per-model arguments of `torch.ops.genserve.decode_layers`
+    (engine/csrc/decode_layers.cpp), built once at pack time by `from_model`; `run` makes a
+    pure-decode step's call.
+
+    Attributes:
+        wqkv, wo, w13, w2: per layer, the oneDNN packed matrices (`PackedWeight.tensor`).
+        ffn_norm: per layer, fp32 [dim] weights of the FFN norm; next_norm: of the norm after the
+            layer (the next layer's attention norm, the final norm after the last).
+        eps: RMSNorm epsilon of every norm.
+        n_heads, n_kv_heads: query and key/value heads.
+        scale: attention score scale, head_dim ** -0.5.
+        k_chunks: the `PackedWeight.k_chunk` of wqkv, wo, w13, w2 (0: oneDNN runs that kind).
+        max_rows: rows up to which the products run `packed_linear` (the weights' least
+            `PackedWeight.max_rows`); above, oneDNN.
+    """
+
+    wqkv: list[torch.Tensor]
+    wo: list[torch.Tensor]
+    w13: list[torch.Tensor]
+    w2: list[torch.Tensor]
+    ffn_norm: list[torch.Tensor]
+    next_norm: list[torch.Tensor]
+    eps: float
+    n_heads: int
+    n_kv_heads: int
+    scale: float
+    k_chunks: list[int]
+    max_rows: int = PACKED_LINEAR_MAX_ROWS
+
+    @classmethod
+    def from_model(cls, model: Transformer) -> DecodeWeights | None:
+        """From a packed model (`Transformer.pack`); None unless every block matrix packed."""
+        layers, args = model.layers, model.args
+        packed = [[layer.attention.wqkv_packed for layer in layers],
+                  [layer.attention.wo_packed for layer in layers],
+                  [layer.feed_forward.w13_packed for layer in layers],
+                  [layer.feed_forward.w2_packed for layer in layers]]
+        if any(w is None for ws in packed for w in ws):
+            return None
+        wqkv, wo, w13, w2 = ([w.tensor for w in ws] for ws in packed)
+        # One k chunk per kind: oneDNN's chunk follows the shape, which the layers share.
+        chunks = [ws[0].k_chunk if len({w.k_chunk for w in ws}) == 1 else 0 for ws in packed]
+        next_norm = [layer.attention_norm.weight for layer in layers[1:]] + [model.norm.weight]
+        return cls(wqkv, wo, w13, w2,
+                   ffn_norm=[layer.ffn_norm.weight for layer in layers], next_norm=next_norm,
+                   eps=args.norm_eps, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads,
+                   scale=args.head_dim ** -0.5, k_chunks=chunks,
+                   max_rows=min(w.max_rows for ws in packed for w in ws))
+
+    def run(self, h: torch.Tensor, x: torch.Tensor, rope: torch.Tensor, positions: torch.Tensor,
+            kv_layers: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """Every block of a pure-decode step in one C++ call: the same ops, in the same order and
+        with the same bits, as `Transformer.forward`'s Python loop with `KernelLayerOps`.
+
+        Args:
+            h: [B, dim] residual stream, updated in place; x: attention_norm_0(h) [B, dim].
+            rope: [max_context, head_dim / 2, 2] fp32; positions: int64 [B].
+            kv_layers: per-layer K and V pools; meta: a pure-decode step's metadata (B rows).
+        Returns:
+            [B, dim] final-norm hidden states.
+        """
+        return torch.ops.genserve.decode_layers(
+            h, x, self.wqkv, self.wo, self.w13, self.w2, self.ffn_norm, self.next_norm, self.eps,
+            rope, positions, kv_layers, meta.slots, meta.decode_blocks.view(meta.num_decode, -1),
+            meta.decode_lens, self.n_heads, self.n_kv_heads, self.scale, self.k_chunks,
+            self.max_rows)

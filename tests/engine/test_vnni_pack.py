@@ -1,0 +1,59 @@
+"""genserve's own packed weight layout: `packed_linear` over `vnni_pack`ed weights, and the
+model-wide choice between oneDNN's packed copies and genserve's own (`pack_weights`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import kernels
+from engine.model import linear as lin
+
+needs_packed_linear = pytest.mark.skipif(not kernels.packed_linear_available(),
+                                         reason="packed_linear needs an AVX512-BF16 CPU and g++")
+
+
+def _weights(*shapes: tuple[int, int]) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(*s, generator=g) * 0.05).to(torch.bfloat16) for s in shapes]
+
+
+def test_vnni_pack_is_the_blocked_pair_layout():
+    w = torch.arange(128 * 64, dtype=torch.float32).view(128, 64).to(torch.bfloat16)
+    p = lin.vnni_pack(w).view(2, 32, 64, 2)        # [N/64][K/2][64][2]
+    # block b, k pair j, column c, element e is W[64 b + c, 2 j + e]
+    assert p[1, 5, 7, 1] == w[64 + 7, 11] and p[0, 31, 63, 0] == w[63, 62]
+    with pytest.raises(ValueError, match="N must be a multiple of 64"):
+        lin.vnni_pack(w[:100])
+
+
+@needs_packed_linear
+@pytest.mark.parametrize("shape", [(1536, 576), (576, 1536), (192, 576)])
+def test_own_layout_products_are_exact_and_batch_invariant(shape):
+    (w,) = _weights(shape)
+    packed = lin.PackedWeight(lin.vnni_pack(w), shape[1], lin.ANY_ROWS)
+    x = torch.randn(300, shape[1], generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    y = lin.linear(x, w, packed)
+    ref = x.float() @ w.float().T
+    # one fp32 chain per output, one rounding to bf16: within bf16's half-ulp of the exact sum
+    assert torch.allclose(y.float(), ref, rtol=2 ** -8, atol=1e-3)
+    # every row alone, in a batch of 7 and of 228 gives the same bits as in the batch of 300
+    parts = [lin.linear(x[a:b], w, packed) for a, b in ((0, 1), (1, 8), (8, 72), (72, 300))]
+    assert torch.equal(torch.cat(parts), y)
+
+
+@needs_packed_linear
+def test_pack_weights_falls_back_to_the_own_layout_for_the_whole_model(monkeypatch):
+    weights = _weights((192, 64), (64, 192))
+    # oneDNN's copy of the second matrix is not usable (its rows depended on the batch):
+    # every matrix then takes genserve's own layout, never a mix.
+    real = lin.pack_weight
+    monkeypatch.setattr(lin, "pack_weight", lambda w, k=None: None if w.shape[0] == 64 else real(w, k))
+    packed = lin.pack_weights(weights)
+    assert all(p.max_rows == lin.ANY_ROWS and not p.tensor.is_mkldnn for p in packed)
+    assert all(torch.equal(p.tensor, lin.vnni_pack(w)) for p, w in zip(packed, weights))
+
+
+def test_pack_weights_leaves_fp32_to_f_linear():
+    (w,) = _weights((192, 64))
+    assert lin.pack_weights([w.float()]) == [None]
