@@ -3,7 +3,14 @@
 Run from the repository root::
 
     python -m benchmarks.server [--streams 32] [--tokens 128] [--prompt 16] [--rounds 3] [--json PATH]
-                                [--url http://127.0.0.1:8000]
+                                [--url http://127.0.0.1:8000] [--serve-args '--replicas 2']
+                                [--compare-no-envoy]
+
+`--compare-no-envoy` measures what Envoy costs: besides the server it starts (Envoy in front, as
+`make serve` runs it) it starts a second bridge wired straight to the same engine, as
+`genserve serve --no-envoy` wires it, and alternates the rounds between the two paths
+(client -> Envoy -> bridge -> Envoy -> engine, and client -> bridge -> engine), so both see the
+same engine and the same moment of the machine.
 
 Starts `genserve serve` on free localhost ports (engine, gRPC service and HTTP bridge, as
 `make serve` does, on the embedded model), or with `--url` uses a genserve already running on
@@ -33,7 +40,10 @@ import contextlib
 import json
 import os
 import pathlib
+import shlex
+import socket
 import statistics
+import subprocess
 import sys
 import time
 
@@ -76,6 +86,79 @@ def one_round(url: str, streams: int, tokens: int, prompt: int, round_no: int) -
             "tpot_ms_p50": 1000 * statistics.median(r.tpot_s for r in records if r.tpot_s is not None)}
 
 
+@contextlib.contextmanager
+def direct_bridge(grpc_target: str, timeout_s: float = 60.0):
+    """A bridge (`python -m bridge`) on a free localhost port calling `grpc_target` directly;
+    yields its URL once GET /health answers 200, stops it afterwards.
+
+    Raises:
+        RuntimeError: it did not answer within `timeout_s`.
+    """
+    import httpx
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "bridge", "--grpc-target", grpc_target, "--host",
+                             "127.0.0.1", "--port", str(port), "--log-level", "warning"])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the direct bridge to {grpc_target} did not start")
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def summary(rounds: list[dict]) -> dict:
+    """Best and median tokens/s of `rounds`."""
+    return {"best_tok_s": max(r["tok_s"] for r in rounds),
+            "median_tok_s": statistics.median(r["tok_s"] for r in rounds)}
+
+
+def compare(opts: argparse.Namespace, server, load_start: float) -> int:
+    """Alternate rounds through Envoy and straight to the engine (see the module docstring)."""
+    with direct_bridge(f"127.0.0.1:{server.grpc_port}") as direct_url:
+        paths = {"envoy": server.url, "direct": direct_url}
+        for name, url in paths.items():
+            print(f"[server] warm-up round via {name}", file=sys.stderr, flush=True)
+            one_round(url, opts.streams, 8, opts.prompt, 0)
+        rounds: dict[str, list[dict]] = {name: [] for name in paths}
+        for i in range(1, opts.rounds + 1):
+            order = list(paths) if i % 2 else list(reversed(paths))
+            for name in order:
+                r = one_round(paths[name], opts.streams, opts.tokens, opts.prompt, i)
+                rounds[name].append(r)
+                print(f"[server] round {i} via {name}: {r['tok_s']:.0f} tok/s", file=sys.stderr, flush=True)
+    out = {"streams": opts.streams, "tokens": opts.tokens, "prompt": opts.prompt,
+           "serve_args": opts.serve_args, "rounds": rounds,
+           **{name: summary(rs) for name, rs in rounds.items()},
+           "loadavg_1min": [load_start, os.getloadavg()[0]]}
+    out["envoy_over_direct_median"] = out["envoy"]["median_tok_s"] / out["direct"]["median_tok_s"]
+    print(f"genserve through Envoy vs straight to the engine — {opts.streams} concurrent REST+SSE "
+          f"streams × {opts.tokens} tokens ({opts.prompt}-token prompts), {opts.rounds} alternating rounds "
+          f"each, load average {load_start:.1f} → {os.getloadavg()[0]:.1f}")
+    for name in paths:
+        for i, r in enumerate(rounds[name], 1):
+            print(f"  {name:6s} round {i}: {r['tokens']} tokens in {r['wall_s']:.2f} s = {r['tok_s']:7.1f} tok/s; "
+                  f"TTFT p50 {r['ttft_ms_p50']:.0f} ms, TPOT p50 {r['tpot_ms_p50']:.1f} ms; "
+                  f"client CPU {r['client_cpu_us_per_token']:.0f} µs/token")
+        print(f"  {name:6s} best {out[name]['best_tok_s']:.1f} tok/s, median {out[name]['median_tok_s']:.1f} tok/s")
+    print(f"  Envoy / direct (medians): {out['envoy_over_direct_median']:.3f}")
+    if opts.json:
+        opts.json.write_text(json.dumps(out, indent=2))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.server", description=__doc__.split("\n")[0])
     p.add_argument("--streams", type=int, default=32)
@@ -85,11 +168,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=0, help="engine threads of the server it starts (genserve serve --threads)")
     p.add_argument("--json", type=pathlib.Path, help="also write the figures as JSON here")
     p.add_argument("--url", help="a genserve bridge already running on this machine (default: start one)")
+    p.add_argument("--serve-args", default="",
+                   help="more flags for the genserve serve it starts, one string (e.g. '--no-envoy' or "
+                        "'--replicas 2 --lb-policy ROUND_ROBIN')")
+    p.add_argument("--compare-no-envoy", action="store_true",
+                   help="alternate rounds through Envoy and through a bridge wired straight to the engine")
     opts = p.parse_args(argv)
+    if opts.compare_no_envoy and opts.url:
+        p.error("--compare-no-envoy starts its own server; drop --url")
     load_start = os.getloadavg()[0]
     with contextlib.ExitStack() as stack:
-        url = opts.url or stack.enter_context(
-            LiveServer(queue_budget_s=1e6, extra_args=["--threads", str(opts.threads)])).url
+        extra_args = ["--threads", str(opts.threads), *shlex.split(opts.serve_args)]
+        if opts.compare_no_envoy:
+            return compare(opts, stack.enter_context(LiveServer(queue_budget_s=1e6, extra_args=extra_args)),
+                           load_start)
+        url = opts.url or stack.enter_context(LiveServer(queue_budget_s=1e6, extra_args=extra_args)).url
         print(f"[server] warm-up round ({opts.streams} streams)", file=sys.stderr, flush=True)
         one_round(url, opts.streams, 8, opts.prompt, 0)
         rounds = []

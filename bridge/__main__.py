@@ -24,16 +24,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=int(os.environ.get("BRIDGE_PORT", "8000")))
     parser.add_argument("--model-name", default=os.environ.get("GENSERVE_MODEL_NAME", DEFAULT_MODEL_NAME))
     parser.add_argument("--log-level", default="info")
-    parser.add_argument("--engine-metrics-url", default=os.environ.get("GENSERVE_ENGINE_METRICS_URL"),
-                        help="the engine's /metrics URL, shown in the bridge's /metrics too")
+    parser.add_argument("--engine-metrics-url", action="append", default=None,
+                        help="an engine's /metrics URL, shown in the bridge's /metrics too; repeat it "
+                             "once per engine replica (their samples then get a `replica` label, the "
+                             "flag's position from 0). Default: GENSERVE_ENGINE_METRICS_URL, else none")
     parser.add_argument("--max-body-bytes", type=int,
                         default=int(os.environ.get("GENSERVE_MAX_BODY_BYTES", MAX_BODY_BYTES)),
                         help="largest request body, bytes (413 above; default: %(default)s)")
     args = parser.parse_args(argv)
+    engine_metrics_urls = args.engine_metrics_url or \
+        [url for url in [os.environ.get("GENSERVE_ENGINE_METRICS_URL")] if url]
     setup_logging(args.log_level.upper())
     setup_tracing("genserve-bridge")
     run(args.grpc_target, args.host, args.port, model_name=args.model_name, log_level=args.log_level,
-        engine_metrics_url=args.engine_metrics_url, max_body_bytes=args.max_body_bytes)
+        engine_metrics_url=engine_metrics_urls, max_body_bytes=args.max_body_bytes)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Annotated
@@ -322,13 +322,14 @@ def create_app(
     model_name: str = DEFAULT_MODEL_NAME,
     *,
     slow_client_timeout_s: float = SLOW_CLIENT_TIMEOUT_S,
-    engine_metrics_url: str | None = None,
+    engine_metrics_url: str | Sequence[str] | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
     tracer: trace.Tracer | None = None,
 ) -> FastAPI:
     """Build the bridge app for the GenerateService at `grpc_target` ("host:port").
 
-    `engine_metrics_url`, when given, is scraped and appended to `GET /metrics`.
+    `engine_metrics_url`, when given, is scraped and appended to `GET /metrics`; with several
+    URLs (one per engine replica) each engine's series get a `replica` label (`BridgeMetrics`).
     `max_body_bytes` bounds request bodies (413 above). `tracer`: OpenTelemetry tracer for
     request spans (default: the global provider's, a no-op unless tracing was set up).
     """

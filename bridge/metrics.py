@@ -1,24 +1,36 @@
-"""The bridge's own Prometheus metrics, and the engine's, on one `GET /metrics`."""
+"""The bridge's own Prometheus metrics, and the engines', on one `GET /metrics`."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Iterator, Sequence
+
 import httpx
 from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 ENGINE_SCRAPE_TIMEOUT_S = 2.0
+REPLICA_LABEL = "replica"
 
 
 class BridgeMetrics:
     """HTTP responses by route and status code, in the bridge's own registry.
 
     Args:
-        engine_metrics_url: the engine's Prometheus endpoint (e.g. http://127.0.0.1:9400/metrics),
-            appended to the bridge's own output; None to show only the bridge's metrics.
+        engine_metrics_url: the engines' Prometheus endpoints (e.g. http://127.0.0.1:9400/metrics),
+            appended to the bridge's own output: one URL (a string or a one-item sequence) is
+            appended as it is; with several, every engine sample gets a `replica` label, the
+            URL's position in the sequence ("0", "1", ...), so the series stay distinct. None
+            or empty to show only the bridge's metrics.
     """
 
-    def __init__(self, engine_metrics_url: str | None = None) -> None:
+    def __init__(self, engine_metrics_url: str | Sequence[str] | None = None) -> None:
         self.registry = CollectorRegistry()
-        self.engine_metrics_url = engine_metrics_url
+        if isinstance(engine_metrics_url, str):
+            engine_metrics_url = [engine_metrics_url]
+        self.engine_metrics_urls: list[str] = list(engine_metrics_url or ())
         self.responses = Counter("genserve_bridge_http_responses", "HTTP responses sent by the bridge.",
                                  ["route", "code"], registry=self.registry)
         self.engine_scrape_errors = Counter("genserve_bridge_engine_scrape_errors",
@@ -26,14 +38,45 @@ class BridgeMetrics:
                                             registry=self.registry)
 
     async def exposition(self) -> bytes:
-        """Prometheus text format: the bridge's metrics, then the engine's (if reachable)."""
-        engine_text = b""
-        if self.engine_metrics_url:
-            try:
-                async with httpx.AsyncClient(timeout=ENGINE_SCRAPE_TIMEOUT_S) as client:
-                    reply = await client.get(self.engine_metrics_url)
-                    reply.raise_for_status()
-                    engine_text = reply.content
-            except httpx.HTTPError:
-                self.engine_scrape_errors.inc()
-        return generate_latest(self.registry) + engine_text
+        """Prometheus text format: the bridge's metrics, then the engines' (those reachable)."""
+        if not self.engine_metrics_urls:
+            return generate_latest(self.registry)
+        async with httpx.AsyncClient(timeout=ENGINE_SCRAPE_TIMEOUT_S) as client:
+            texts = await asyncio.gather(*(self._scrape(client, url) for url in self.engine_metrics_urls))
+        if len(texts) == 1:
+            return generate_latest(self.registry) + (texts[0] or b"")
+        merged = CollectorRegistry()
+        merged.register(_ReplicaCollector(texts))
+        return generate_latest(self.registry) + generate_latest(merged)
+
+    async def _scrape(self, client: httpx.AsyncClient, url: str) -> bytes | None:
+        """One engine's exposition, or None (counted in engine_scrape_errors) when unreachable."""
+        try:
+            reply = await client.get(url)
+            reply.raise_for_status()
+            return reply.content
+        except httpx.HTTPError:
+            self.engine_scrape_errors.inc()
+            return None
+
+
+class _ReplicaCollector:
+    """Several engines' expositions as one: each family once, every sample labelled with its
+    replica's index in `texts` (None: that engine was unreachable and adds nothing)."""
+
+    def __init__(self, texts: Sequence[bytes | None]) -> None:
+        self.texts = texts
+
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, Metric] = {}
+        for replica, text in enumerate(self.texts):
+            if text is None:
+                continue
+            for family in text_string_to_metric_families(text.decode()):
+                merged = families.get(family.name)
+                if merged is None:
+                    merged = families[family.name] = Metric(family.name, family.documentation,
+                                                            family.type, family.unit)
+                merged.samples += [Sample(s.name, {**s.labels, REPLICA_LABEL: str(replica)}, s.value,
+                                          s.timestamp, s.exemplar) for s in family.samples]
+        yield from families.values()

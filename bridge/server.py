@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import uvicorn
 
 from bridge.app import DEFAULT_MODEL_NAME, MAX_BODY_BYTES, create_app
@@ -14,7 +16,7 @@ def run(
     *,
     model_name: str = DEFAULT_MODEL_NAME,
     log_level: str = "info",
-    engine_metrics_url: str | None = None,
+    engine_metrics_url: str | Sequence[str] | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
 ) -> None:
     """Serve the bridge on host:port until interrupted, talking to grpc_target.

@@ -1,27 +1,46 @@
-"""`genserve serve`: start the engine (gRPC) and the bridge (REST+SSE) on localhost, supervised.
+"""`genserve serve`: Envoy, the bridge (REST+SSE) and the engine replicas (gRPC) on localhost, supervised.
 
-The engine and the bridge run as two child processes, as they would in two containers. The
-supervisor restarts a child that dies, with exponential back-off (1 s doubling to 30 s; a child
-that ran for a minute starts again from 1 s). While the engine is down the bridge answers 503
-with Retry-After and reconnects on its own when the engine is back.
+Layout (the Kubernetes deployment's, on one machine):
 
-SIGINT/SIGTERM stop both in order: the engine first, which drains (refuses new requests, lets
-open streams finish for up to `--drain-grace-s`), while the bridge still answers (503 for new
-requests); then the bridge. The bridge never imports torch.
+    client -> Envoy (--host:--port; REST+SSE and gRPC on one port)
+                 REST+SSE -> bridge (127.0.0.1:--bridge-port) -> Envoy -> engines
+                 gRPC     -> engines (127.0.0.1:--grpc-port + i, i < --replicas)
+
+Envoy's configuration is the Helm chart's one template (`charts/genserve/files/envoy.yaml`),
+rendered by `genserve.envoy` with loopback upstreams: the same routes, retries, health checks
+(a killed or draining replica leaves rotation within about 2 s) and Cancel sweep across replicas.
+`--no-envoy` runs without it: the bridge on --host:--port talks to the one engine directly.
+
+Every process is a child, as it would be a container. The supervisor restarts a child that dies,
+with exponential back-off (1 s doubling to 30 s; a child that ran for a minute starts again from
+1 s). While no engine serves, the bridge answers 503 with Retry-After and the engines cluster
+takes a restarted replica back once its health check says SERVING.
+
+SIGINT/SIGTERM stop them in order: the engines first, together, which drain (refuse new requests,
+let open streams finish for up to `--drain-grace-s`) while the bridge and Envoy still answer (503
+for new requests); then the bridge; then Envoy. The bridge never imports torch.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
+import pathlib
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from genserve import envoy
 from service.command_line import (HelpFormatter, add_engine_args, config_from_args, options_from_args,
                                   service_argv)
 
@@ -29,8 +48,11 @@ BACKOFF_START_S = 1.0
 BACKOFF_MAX_S = 30.0
 HEALTHY_RUN_S = 60.0          # a child that ran this long restarts with the initial back-off
 STOP_TIMEOUT_S = 15.0         # after SIGTERM (and the engine's drain grace): then SIGKILL
-ENGINE_HOST = "127.0.0.1"     # the engine child serves gRPC on localhost only; the bridge faces out
+ENGINE_HOST = "127.0.0.1"     # engines, the bridge behind Envoy and Envoy's admin: localhost only
 ENGINE_METRICS_PORT = 9400    # --metrics-port's default here (python -m service: none unless given)
+ENVOY_CONCURRENCY = 1         # Envoy worker threads: loopback traffic needs one; the engines need the cores
+CANCEL_RETRIES = 7            # the chart's envoy.cancel.numRetries, raised for many replicas
+LB_POLICIES = ("LEAST_REQUEST", "ROUND_ROBIN", "RANDOM")
 
 
 @dataclass
@@ -43,14 +65,50 @@ class Child:
     name: str
     argv: list[str]
     stop_timeout_s: float = STOP_TIMEOUT_S
+    stage: int = 0                # SIGTERM order: lower stages stop first, a stage's children together
     proc: subprocess.Popen | None = None
     backoff_s: float = BACKOFF_START_S
     restart_at: float = 0.0
     started_at: float = field(default=0.0)
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(self.argv)
+        # Its own process group: a terminal's Ctrl-C (sent to the foreground group) reaches only
+        # the supervisor, which stops the children in order.
+        self.proc = subprocess.Popen(self.argv, process_group=0)
         self.started_at = time.monotonic()
+        print(f"genserve: started {self.name} (pid {self.proc.pid})", flush=True)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the OS's pick)."""
+    with socket.socket() as s:
+        s.bind((ENGINE_HOST, 0))
+        return s.getsockname()[1]
+
+
+def dial_host(host: str) -> str:
+    """The address to dial for a listener bound to `host`: loopback for a wildcard address,
+    brackets around an IPv6 address."""
+    if host in ("", "0.0.0.0"):
+        return ENGINE_HOST
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
+
+
+def public_target(args: argparse.Namespace) -> str:
+    """host:port where the bridge and the readiness check reach Envoy's public listener."""
+    return f"{dial_host(args.host)}:{args.port}"
+
+
+def engine_ports(args: argparse.Namespace) -> list[int]:
+    """The engine replicas' gRPC ports: --grpc-port, --grpc-port + 1, ..."""
+    return [args.grpc_port + i for i in range(args.replicas)]
+
+
+def engine_metrics_ports(args: argparse.Namespace) -> list[int]:
+    """The engine replicas' metrics ports: --metrics-port + i; none when metrics are off."""
+    return [args.metrics_port + i for i in range(args.replicas)] if args.metrics_port else []
 
 
 def wait_engine_ready(target: str, timeout_s: float) -> bool:
@@ -69,32 +127,131 @@ def wait_engine_ready(target: str, timeout_s: float) -> bool:
     return False
 
 
-def engine_argv(args: argparse.Namespace) -> list[str]:
-    """The engine child's command line for the parsed `genserve serve` flags: `python -m service`
-    with the same engine flags (`service.command_line.service_argv`), serving gRPC on localhost.
+def engine_argv(args: argparse.Namespace, replica: int = 0) -> list[str]:
+    """The command line of engine replica `replica` (0-based) for the parsed `genserve serve`
+    flags: `python -m service` with the same engine flags (`service.command_line.service_argv`),
+    serving gRPC on localhost at --grpc-port + replica, metrics at --metrics-port + replica.
 
     Raises:
         ValueError: the engine dials are not a valid EngineConfig (the message says which).
     """
-    argv = service_argv(config_from_args(args), options_from_args(args), host=ENGINE_HOST,
-                        port=args.grpc_port)
+    options = options_from_args(args)
+    if options.metrics_port:
+        options = dataclasses.replace(options, metrics_port=options.metrics_port + replica)
+    argv = service_argv(config_from_args(args), options, host=ENGINE_HOST, port=args.grpc_port + replica)
     return [sys.executable, "-m", "service", *argv]
 
 
 def bridge_argv(args: argparse.Namespace) -> list[str]:
-    """The bridge child's command line for the parsed `genserve serve` flags."""
-    argv = [sys.executable, "-m", "bridge", "--grpc-target", f"{ENGINE_HOST}:{args.grpc_port}",
-            "--host", args.host, "--port", str(args.port), "--log-level", "warning",
-            "--engine-metrics-url", f"http://{ENGINE_HOST}:{args.metrics_port}/metrics"]
+    """The bridge child's command line for the parsed `genserve serve` flags (after
+    `resolve_ports`): behind Envoy on 127.0.0.1:--bridge-port, calling the engines through
+    Envoy's listener; with --no-envoy on --host:--port, calling the engine directly. It reads
+    every replica's metrics."""
+    if args.no_envoy:
+        target, host, port = f"{ENGINE_HOST}:{args.grpc_port}", args.host, args.port
+    else:
+        target, host, port = public_target(args), ENGINE_HOST, args.bridge_port
+    argv = [sys.executable, "-m", "bridge", "--grpc-target", target,
+            "--host", host, "--port", str(port), "--log-level", "warning"]
+    for metrics_port in engine_metrics_ports(args):
+        argv += ["--engine-metrics-url", f"http://{ENGINE_HOST}:{metrics_port}/metrics"]
     if args.max_body_bytes is not None:
         argv += ["--max-body-bytes", str(args.max_body_bytes)]
     return argv
 
 
+def resolve_ports(args: argparse.Namespace) -> None:
+    """Pick the ports left to the supervisor (0: a free port now): --bridge-port and
+    --envoy-admin-port. A restarted child gets the same ports."""
+    if not args.no_envoy:
+        args.bridge_port = args.bridge_port or free_port()
+        args.envoy_admin_port = args.envoy_admin_port or free_port()
+
+
+def envoy_config(args: argparse.Namespace) -> str:
+    """Envoy's configuration for the parsed flags (after `resolve_ports`): the chart's template
+    with the public listener on --host:--port, the bridge and the engine replicas as loopback
+    upstreams, the admin interface on 127.0.0.1:--envoy-admin-port, no access log; checked with
+    `envoy --mode validate`.
+
+    Raises:
+        ToolMissingError: Envoy or Helm is not installed.
+        EnvoyConfigError: Helm or Envoy rejected the configuration (their output is the message).
+    """
+    text = envoy.render_envoy_config(
+        listen_host=args.host, listen_port=args.port, admin_port=args.envoy_admin_port,
+        bridge=[(ENGINE_HOST, args.bridge_port)], engines=[(ENGINE_HOST, p) for p in engine_ports(args)],
+        extra_values={"envoy": {"accessLog": False,
+                                # a refused call is retried on another replica; with one replica
+                                # a retry would only ask the same engine again
+                                "engines": {"lbPolicy": args.lb_policy,
+                                            "numRetries": 1 if args.replicas > 1 else 0},
+                                # enough tries to reach every replica despite the balancer
+                                # re-picking tried ones
+                                "cancel": {"numRetries": max(CANCEL_RETRIES, 2 * (args.replicas - 1))}}})
+    envoy.validate_envoy_config(text)
+    return text
+
+
+def envoy_argv(config_path: pathlib.Path, base_id: int) -> list[str]:
+    """Envoy's command line: `config_path`, no hot restart, warnings and errors only, and
+    `base_id` (its shared-memory and domain-socket namespace) unique to this run so that two
+    local runs never collide.
+
+    Raises:
+        ToolMissingError: Envoy is not installed.
+    """
+    return [str(envoy.tool_path("envoy")), "-c", str(config_path), "--disable-hot-restart",
+            "--log-level", "warn", "--base-id", str(base_id), "--concurrency", str(ENVOY_CONCURRENCY)]
+
+
+def wait_http_ok(url: str, timeout_s: float) -> bool:
+    """Poll GET `url` until it answers 200 or `timeout_s` passes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as reply:
+                if reply.status == 200:
+                    return True
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.25)
+    return False
+
+
+def wait_ready(args: argparse.Namespace, timeout_s: float) -> bool:
+    """Whether the server answered within `timeout_s`: with Envoy, an engine SERVING through
+    Envoy's listener (grpc.health.v1) and the bridge's /health 200 through it too; with
+    --no-envoy, the engine SERVING on its own port."""
+    if args.no_envoy:
+        return wait_engine_ready(f"{ENGINE_HOST}:{args.grpc_port}", timeout_s)
+    deadline = time.monotonic() + timeout_s
+    target = public_target(args)
+    return wait_engine_ready(target, timeout_s) and \
+        wait_http_ok(f"http://{target}/health", max(deadline - time.monotonic(), 0.0))
+
+
+def ready_message(args: argparse.Namespace) -> str:
+    """What `genserve serve` prints once it serves: the public addresses, then the internal ones."""
+    public = f"{args.host}:{args.port}"
+    lines = ["genserve ready",
+             f"  REST+SSE  http://{public}/v1/completions",
+             f"  gRPC      {public if not args.no_envoy else f'{ENGINE_HOST}:{args.grpc_port}'}"
+             "  (genserve.v1.GenerateService)",
+             f"  health    http://{public}/health",
+             f"  metrics   http://{public}/metrics"]
+    if not args.no_envoy:
+        ports = engine_ports(args)
+        engines = f"{ENGINE_HOST}:{ports[0]}" + (f"-{ports[-1]}" if len(ports) > 1 else "")
+        lines += [f"  engines   {args.replicas} × gRPC {engines}, behind Envoy (admin "
+                  f"http://{ENGINE_HOST}:{args.envoy_admin_port}, bridge {ENGINE_HOST}:{args.bridge_port})"]
+    return "\n".join(lines)
+
+
 def serve(args: argparse.Namespace, children: list[Child]) -> int:
-    """Start `children`, supervise them until SIGINT/SIGTERM, then stop them one by one in list
-    order (the engine first: it drains while the bridge still answers 503). Returns the exit code."""
-    target = f"{ENGINE_HOST}:{args.grpc_port}"
+    """Start `children`, supervise them until SIGINT/SIGTERM, then stop them stage by stage (the
+    engines first: they drain while the bridge, and Envoy, still answer 503). Returns the exit
+    code."""
     stopping = False
 
     def stop(signum, frame):  # noqa: ARG001
@@ -105,13 +262,10 @@ def serve(args: argparse.Namespace, children: list[Child]) -> int:
     signal.signal(signal.SIGTERM, stop)
     for child in children:
         child.start()
-    if wait_engine_ready(target, args.ready_timeout_s):
-        print(f"genserve ready\n  REST+SSE  http://{args.host}:{args.port}/v1/completions\n"
-              f"  gRPC      {target}  (genserve.v1.GenerateService)\n"
-              f"  health    http://{args.host}:{args.port}/health\n"
-              f"  metrics   http://{args.host}:{args.port}/metrics", flush=True)
+    if wait_ready(args, args.ready_timeout_s):
+        print(ready_message(args), flush=True)
     else:
-        print(f"genserve: engine not ready after {args.ready_timeout_s:g} s; still trying", flush=True)
+        print(f"genserve: not ready after {args.ready_timeout_s:g} s; still trying", flush=True)
     while not stopping:
         now = time.monotonic()
         for child in children:
@@ -125,22 +279,26 @@ def serve(args: argparse.Namespace, children: list[Child]) -> int:
             elif child.proc is None and now >= child.restart_at:
                 child.start()
         time.sleep(0.2)
-    for child in children:
-        stop_child(child)
+    for stage in sorted({child.stage for child in children}):
+        stop_children([child for child in children if child.stage == stage])
     return 0
 
 
-def stop_child(child: Child) -> None:
-    """SIGTERM `child`, wait up to its `stop_timeout_s`, then SIGKILL."""
-    if child.proc is None or child.proc.poll() is not None:
-        return
-    child.proc.terminate()
-    try:
-        child.proc.wait(child.stop_timeout_s)
-    except subprocess.TimeoutExpired:
-        print(f"genserve: {child.name} did not stop in {child.stop_timeout_s:g} s; killing it", flush=True)
-        child.proc.kill()
-        child.proc.wait()
+def stop_children(children: list[Child]) -> None:
+    """SIGTERM every child of `children` at once, wait up to each one's `stop_timeout_s`, then
+    SIGKILL the ones still running."""
+    running = [c for c in children if c.proc is not None and c.proc.poll() is None]
+    for child in running:
+        child.proc.terminate()
+    start = time.monotonic()
+    for child in running:
+        try:
+            child.proc.wait(max(child.stop_timeout_s - (time.monotonic() - start), 0.0))
+        except subprocess.TimeoutExpired:
+            print(f"genserve: {child.name} did not stop in {child.stop_timeout_s:g} s; killing it",
+                  flush=True)
+            child.proc.kill()
+            child.proc.wait()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -152,11 +310,22 @@ def build_parser() -> argparse.ArgumentParser:
     """
     parser = argparse.ArgumentParser(prog="genserve")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("serve", help="start engine + bridge on localhost", description=__doc__,
+    p = sub.add_parser("serve", help="start Envoy + bridge + engines on localhost", description=__doc__,
                        formatter_class=HelpFormatter)
+    public = p.add_argument_group("public listener (Envoy; with --no-envoy, the bridge)")
+    public.add_argument("--host", default="127.0.0.1", help="public address. Default: %(default)s.")
+    public.add_argument("--port", type=int, default=8000,
+                        help="public port: REST+SSE and, through Envoy, gRPC. Default: %(default)s.")
+    public.add_argument("--no-envoy", action="store_true",
+                        help="run without Envoy: the bridge on --host:--port calls the one engine directly "
+                             "(the engine's gRPC on 127.0.0.1:--grpc-port).")
+    public.add_argument("--lb-policy", choices=LB_POLICIES, default="LEAST_REQUEST",
+                        help="how Envoy spreads requests over the engine replicas. Default: %(default)s.")
+    public.add_argument("--envoy-admin-port", type=int, default=0,
+                        help=f"Envoy's admin interface, on {ENGINE_HOST}. Default: a free port.")
     bridge = p.add_argument_group("bridge (REST+SSE)")
-    bridge.add_argument("--host", default="127.0.0.1", help="bridge address. Default: %(default)s.")
-    bridge.add_argument("--port", type=int, default=8000, help="bridge (REST+SSE) port. Default: %(default)s.")
+    bridge.add_argument("--bridge-port", type=int, default=0,
+                        help=f"the bridge's port behind Envoy, on {ENGINE_HOST}. Default: a free port.")
     bridge.add_argument("--max-body-bytes", type=int, default=None,
                         help="largest request body the bridge reads, bytes (413 above). Default: 1 MiB.")
     supervisor = p.add_argument_group("supervisor")
@@ -165,20 +334,48 @@ def build_parser() -> argparse.ArgumentParser:
                                  "is not ready yet (supervision goes on). Default: %(default)s.")
     engine = add_engine_args(p, metrics_port=ENGINE_METRICS_PORT)
     engine.add_argument("--grpc-port", type=int, default=50051,
-                        help=f"engine gRPC port, on {ENGINE_HOST}. Default: %(default)s.")
+                        help=f"engine gRPC port, on {ENGINE_HOST}; replica i serves on --grpc-port + i "
+                             "and its metrics on --metrics-port + i. Default: %(default)s.")
+    engine.add_argument("--replicas", type=int, default=1,
+                        help="engine processes, all behind Envoy (more than 1 needs Envoy); with "
+                             "--threads 0 each takes the machine's cores / replicas threads. "
+                             "Default: %(default)s.")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the `genserve` command. Returns the exit code (2: invalid flags)."""
+    """Entry point of the `genserve` command. Returns the exit code (2: invalid flags, or Envoy's
+    configuration could not be made: a tool missing, or rejected)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.replicas < 1:
+        parser.error("--replicas must be at least 1")
+    if args.no_envoy and args.replicas > 1:
+        parser.error(f"--replicas {args.replicas} needs Envoy to spread requests over the engines; "
+                     "drop --no-envoy")
+    resolve_ports(args)
+    if args.replicas > 1 and args.threads == 0:
+        # Replicas on one machine share its cores: each takes its share, not all of them
+        # (threads spinning on a core another replica computes on slow both down).
+        args.threads = max(1, len(os.sched_getaffinity(0)) // args.replicas)
     try:
-        engine = Child("engine", engine_argv(args), stop_timeout_s=args.drain_grace_s + STOP_TIMEOUT_S)
-        children = [engine, Child("bridge", bridge_argv(args))]
+        drain_timeout_s = args.drain_grace_s + STOP_TIMEOUT_S
+        children = [Child("engine" if args.replicas == 1 else f"engine-{i}", engine_argv(args, i),
+                          stop_timeout_s=drain_timeout_s, stage=0) for i in range(args.replicas)]
+        children.append(Child("bridge", bridge_argv(args), stage=1))
     except ValueError as exc:
         parser.exit(2, f"genserve {args.command}: error: {exc}\n")
-    return serve(args, children)
+    if args.no_envoy:
+        return serve(args, children)
+    with tempfile.TemporaryDirectory(prefix="genserve-envoy-") as tmp:
+        config_path = pathlib.Path(tmp) / "envoy.yaml"
+        try:
+            config_path.write_text(envoy_config(args))
+            argv = envoy_argv(config_path, base_id=os.getpid())
+        except (envoy.ToolMissingError, envoy.EnvoyConfigError) as exc:
+            parser.exit(2, f"genserve {args.command}: error: {exc}\n(or run without Envoy: --no-envoy)\n")
+        children.append(Child("envoy", argv, stage=2))
+        return serve(args, children)
 
 
 if __name__ == "__main__":

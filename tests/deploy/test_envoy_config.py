@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from genserve import envoy
+from genserve import cli, envoy
 from tests.deploy.helpers import NAMESPACE, RELEASE, VARIANTS, tool
 
 LOCAL = dict(listen_host="127.0.0.1", listen_port=8000, admin_port=9901,
@@ -154,7 +154,9 @@ def test_one_listener_codec_auto_and_stream_timeouts(config):
 
 def test_routes_split_grpc_from_rest(config):
     r = routes(config)
-    assert list(r) == ["grpc", "rest"]                   # order matters: first match wins
+    assert list(r) == ["cancel", "grpc", "rest"]         # order matters: first match wins
+    assert r["cancel"]["match"]["path"] == "/genserve.v1.GenerateService/Cancel"
+    assert r["cancel"]["route"]["cluster"] == "engines"
     assert r["grpc"]["match"]["headers"] == [
         {"name": "content-type", "string_match": {"prefix": "application/grpc"}}]
     assert r["grpc"]["match"]["prefix"] == "/"
@@ -175,6 +177,15 @@ def test_retries_only_where_safe(config):
     assert [p["name"] for p in grpc["retry_host_predicate"]] == ["envoy.retry_host_predicates.previous_hosts"]
     rest = r["rest"]["route"]["retry_policy"]
     assert rest["retry_on"].split(",") == ["connect-failure", "refused-stream"]
+    # Cancel sweeps the replicas: NOT_FOUND (grpc-status 5 in a trailers-only answer) is retried on
+    # a replica not tried yet; Cancel of an unknown id changes nothing, so this is safe.
+    cancel = r["cancel"]["route"]["retry_policy"]
+    assert cancel["retry_on"].split(",") == ["retriable-headers", "unavailable", "connect-failure",
+                                             "refused-stream"]
+    assert cancel["retriable_headers"] == [{"name": "grpc-status", "string_match": {"exact": "5"}}]
+    assert cancel["num_retries"] == 7
+    assert [p["name"] for p in cancel["retry_host_predicate"]] == \
+        ["envoy.retry_host_predicates.previous_hosts"]
     assert rest["num_retries"] == 1
 
 
@@ -216,3 +227,29 @@ def test_envoys_own_503s_carry_retry_after(config):
     (mapper,) = hcm(config)["local_reply_config"]["mappers"]
     assert mapper["filter"]["status_code_filter"]["comparison"]["value"]["default_value"] == 503
     assert mapper["headers_to_add"][0]["header"] == {"key": "retry-after", "value": "1"}
+
+
+# ---- genserve serve's configuration -----------------------------------------------------------------
+
+@pytest.mark.parametrize("replicas, grpc_retries", [(1, 0), (3, 1)])
+def test_genserve_serve_renders_a_valid_config_for_its_layout(replicas, grpc_retries):
+    """`genserve serve` fronts its processes with the chart's template: the public listener on
+    --host:--port, the bridge and the replicas on loopback, admin on loopback, validated. A refused
+    gRPC call is retried only where another replica exists."""
+    tool("envoy")
+    tool("helm")
+    args = cli.build_parser().parse_args(
+        ["serve", "--host", "0.0.0.0", "--port", "18000", "--grpc-port", "18051", "--bridge-port", "18100",
+         "--envoy-admin-port", "18200", "--replicas", str(replicas), "--lb-policy", "ROUND_ROBIN"])
+    config = parse(cli.envoy_config(args))
+    assert config["admin"]["address"]["socket_address"] == {"address": "127.0.0.1", "port_value": 18200}
+    (listener,) = config["static_resources"]["listeners"]
+    assert listener["address"]["socket_address"] == {"address": "0.0.0.0", "port_value": 18000}
+    assert endpoints(cluster(config, "bridge")) == [("127.0.0.1", 18100)]
+    engines = cluster(config, "engines")
+    assert endpoints(engines) == [("127.0.0.1", 18051 + i) for i in range(replicas)]
+    assert engines["lb_policy"] == "ROUND_ROBIN"
+    r = routes(config)
+    assert r["grpc"]["route"]["retry_policy"]["num_retries"] == grpc_retries
+    assert r["cancel"]["route"]["retry_policy"]["num_retries"] == 7
+    assert "access_log" not in hcm(config)

@@ -1,7 +1,8 @@
 """The Envoy configuration run for real on loopback, in front of stand-in upstreams: two fake
 engines (grpcio servers with grpc.health.v1 and a scripted GenerateService) and a fake bridge
 (an HTTP/1.1 server). It checks what the configuration promises: gRPC and REST split on one port,
-a 429 or an UNAVAILABLE retried once on the other replica, 429/503 passed through unchanged with
+a 429 or an UNAVAILABLE retried once on the other replica, Cancel swept across the replicas until
+one knows the request, 429/503 passed through unchanged with
 Retry-After, SSE not buffered, a NOT_SERVING replica out of rotation within 2 s, and Envoy's own
 503s carrying Retry-After.
 
@@ -57,6 +58,8 @@ class FakeEngine(pb_grpc.GenerateServiceServicer):
     port: int = field(default_factory=free_port)
     mode: str = "ok"
     calls: int = 0
+    running: set[str] = field(default_factory=set)   # request ids Cancel finds here
+    cancels: int = 0
 
     def __post_init__(self) -> None:
         self.lock = threading.Lock()
@@ -86,6 +89,14 @@ class FakeEngine(pb_grpc.GenerateServiceServicer):
         yield pb.GenerateResponse(request_id=self.name, started=pb.Started(request_id=self.name))
         for position in range(2):
             yield pb.GenerateResponse(request_id=self.name, token=pb.Token(text="x", position=position))
+
+    def Cancel(self, request, context):
+        """As genserve's servicer: NOT_FOUND (trailers-only) unless the id runs here."""
+        with self.lock:
+            self.cancels += 1
+        if request.request_id not in self.running:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"request_id: no running request {request.request_id!r}")
+        return pb.CancelResponse(request_id=request.request_id)
 
 
 class FakeBridge(http.server.ThreadingHTTPServer):
@@ -227,7 +238,7 @@ def fleet(stack):
     """The running stack with both engines answering "ok", serving and healthy in Envoy."""
     proxy, engines, bridge = stack
     for engine in engines:
-        engine.mode, engine.calls = "ok", 0
+        engine.mode, engine.calls, engine.cancels, engine.running = "ok", 0, 0, set()
         engine.set_serving(True)
     for engine in engines:
         proxy.wait_health("engines", engine.port, True, 5.0)
@@ -271,6 +282,28 @@ def test_429_passes_through_when_every_replica_is_full(fleet):
     assert ("retry-after", "7") in tuple(err.value.trailing_metadata())
     # One try and one retry, on different replicas.
     assert [e.calls for e in engines] == [1, 1]
+
+
+def test_cancel_sweeps_the_replicas_until_one_knows_the_request(fleet):
+    """Cancel reaches the replica running the request whichever replica the balancer picks
+    first: the other's NOT_FOUND is retried on it."""
+    proxy, (a, b), _ = fleet
+    a.running, b.running = {"on-a"}, {"on-b"}
+    with grpc.insecure_channel(f"127.0.0.1:{proxy.port}") as channel:
+        stub = pb_grpc.GenerateServiceStub(channel)
+        for _ in range(10):
+            assert stub.Cancel(pb.CancelRequest(request_id="on-a"), timeout=5).request_id == "on-a"
+        # Every cancel reached a once; round robin sent some first tries to b, retried on a.
+        assert a.cancels == 10
+        assert 1 <= b.cancels <= 10
+        a.cancels = b.cancels = 0
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Cancel(pb.CancelRequest(request_id="nowhere"), timeout=5)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "nowhere" in err.value.details()
+    # One try and num_retries (7) retries, which asked both replicas.
+    assert a.cancels + b.cancels == 8
+    assert a.cancels >= 1 and b.cancels >= 1
 
 
 def test_grpc_health_reaches_the_engines(fleet):

@@ -1,4 +1,5 @@
-"""A live genserve (engine + bridge) started the way the README's `make serve` starts it."""
+"""A live genserve (Envoy + bridge + engine replicas) started the way the README's `make serve`
+starts it; `--no-envoy` in a fixture's flags gives the direct layout (bridge -> engine)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 import pytest
@@ -29,9 +30,11 @@ class Server:
     """Addresses of a running `genserve serve`."""
 
     base_url: str
-    grpc_target: str
+    grpc_target: str                     # the public gRPC address (Envoy's listener, or the engine's)
     process: subprocess.Popen
     output: list[str]                    # the supervisor's and its children's output so far
+    engine_targets: list[str] = field(default_factory=list)   # each replica's own gRPC address
+    engine_metrics_urls: list[str] = field(default_factory=list)
 
     def metrics(self) -> dict[str, float]:
         """Every sample of GET /metrics as {"name{label=value,...}": value}."""
@@ -55,12 +58,31 @@ class Server:
             time.sleep(0.1)
 
 
-def start_server(*extra: str, env: dict[str, str] | None = None):
-    """Start `genserve serve` on free ports; yields a Server, stops it afterwards."""
-    port, grpc_port, metrics_port = free_port(), free_port(), free_port()
+def free_ports(n: int) -> int:
+    """The first of `n` consecutive ports free on 127.0.0.1 now (engine replicas take consecutive
+    ports)."""
+    while True:
+        first = free_port()
+        if first + n - 1 > 65535:
+            continue
+        try:
+            for port in range(first + 1, first + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+
+
+def start_server(*extra: str, env: dict[str, str] | None = None, replicas: int = 1,
+                 kv_pool_gib: float = 0.5):
+    """Start `genserve serve` on free ports with `replicas` engines; yields a Server, stops it
+    afterwards."""
+    port, grpc_port, metrics_port = free_port(), free_ports(replicas), free_ports(replicas)
     proc = subprocess.Popen(
         [sys.executable, "-m", "genserve.cli", "serve", "--port", str(port), "--grpc-port", str(grpc_port),
-         "--metrics-port", str(metrics_port), "--kv-pool-gib", "0.5", *extra],
+         "--metrics-port", str(metrics_port), "--kv-pool-gib", str(kv_pool_gib),
+         "--replicas", str(replicas), *extra],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, **(env or {})})
     base = f"http://127.0.0.1:{port}"
@@ -85,7 +107,10 @@ def start_server(*extra: str, env: dict[str, str] | None = None):
                 del output[:1000]
 
     threading.Thread(target=keep_reading, daemon=True).start()
-    yield Server(base, f"127.0.0.1:{grpc_port}", proc, output)
+    public_grpc = f"127.0.0.1:{grpc_port}" if "--no-envoy" in extra else f"127.0.0.1:{port}"
+    yield Server(base, public_grpc, proc, output,
+                 engine_targets=[f"127.0.0.1:{grpc_port + i}" for i in range(replicas)],
+                 engine_metrics_urls=[f"http://127.0.0.1:{metrics_port + i}/metrics" for i in range(replicas)])
     proc.terminate()
     try:
         proc.wait(30)

@@ -124,6 +124,44 @@ def test_client_disconnect_cancels_within_one_step_and_frees_blocks(server):
     assert after["genserve_kv_blocks_free"] == after["genserve_kv_blocks_capacity"]
 
 
+def test_grpc_client_cancel_cancels_within_one_step_and_frees_blocks(server):
+    """A gRPC client's cancel (through Envoy's listener with Envoy on) reaches the engine."""
+    before = server.wait_idle()
+    with grpc.insecure_channel(server.grpc_target) as channel:
+        stub = pb_grpc.GenerateServiceStub(channel)
+        call = stub.Generate(pb.GenerateRequest(prompt=PROMPT, max_tokens=1000, sampling=pb.SamplingParams(
+            temperature=0.0, ignore_eos=True)), timeout=120)
+        tokens = 0
+        for msg in call:
+            tokens += msg.HasField("token")
+            if tokens == 3:
+                call.cancel()
+                break
+    after = server.wait_idle()
+    count0, le1_0 = _cancel_metrics(before)
+    count1, le1_1 = _cancel_metrics(after)
+    assert count1 == count0 + 1 and le1_1 == le1_0 + 1
+    assert after["genserve_requests_finished_total{finish_reason=cancelled}"] == \
+        before["genserve_requests_finished_total{finish_reason=cancelled}"] + 1
+    assert after["genserve_kv_blocks_free"] == after["genserve_kv_blocks_capacity"]
+
+
+def test_the_first_sse_event_arrives_while_the_request_still_runs(server):
+    """Nothing between client and engine buffers the stream: when the first token event arrives
+    the request is still generating (a buffered response would arrive only once it ended)."""
+    server.wait_idle()
+    payload = {"prompt": PROMPT, "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=payload, timeout=120) as r:
+        lines = r.iter_lines()
+        first = next(json.loads(line[5:]) for line in lines if line.startswith("data:"))
+        assert first["position"] == 0
+        assert server.metrics()["genserve_running_rows"] == 1
+        assert httpx.delete(f"{server.base_url}/v1/requests/{first['request_id']}", timeout=10).status_code == 200
+        rest = sse_events(lines)
+    assert rest[-1] == "[DONE]" and rest[-2]["finish_reason"] == "cancelled"
+    server.wait_idle()
+
+
 @pytest.mark.parametrize("body, field, words", [
     ({"prompt_token_ids": [100] * 8000, "max_tokens": 500}, "prompt_token_ids", "8192"),
     ({"prompt": PROMPT, "max_tokens": 0}, "max_tokens", "1000"),

@@ -54,9 +54,40 @@ def test_genserve_serve_defaults():
     args = cli.build_parser().parse_args(["serve"])
     assert parse_service(cli.engine_argv(args)[3:]) == (
         EngineConfig(), ProcessOptions(metrics_port=9400, drain_grace_s=DRAIN_GRACE_S), "127.0.0.1", 50051)
+    cli.resolve_ports(args)
+    # Behind Envoy: the bridge on an internal port, calling the engines through Envoy's listener.
+    assert cli.bridge_argv(args)[3:] == [
+        "--grpc-target", "127.0.0.1:8000", "--host", "127.0.0.1", "--port", str(args.bridge_port),
+        "--log-level", "warning", "--engine-metrics-url", "http://127.0.0.1:9400/metrics"]
+    assert args.bridge_port not in (0, 8000) and args.envoy_admin_port not in (0, 8000, args.bridge_port)
+
+
+def test_genserve_serve_without_envoy_is_the_direct_layout():
+    args = cli.build_parser().parse_args(["serve", "--no-envoy"])
+    cli.resolve_ports(args)
     assert cli.bridge_argv(args)[3:] == [
         "--grpc-target", "127.0.0.1:50051", "--host", "127.0.0.1", "--port", "8000", "--log-level", "warning",
         "--engine-metrics-url", "http://127.0.0.1:9400/metrics"]
+
+
+def test_genserve_serve_replicas_take_consecutive_ports():
+    args = cli.build_parser().parse_args(["serve", "--replicas", "3", "--grpc-port", "7000",
+                                          "--metrics-port", "7100", "--host", "0.0.0.0"])
+    cli.resolve_ports(args)
+    for i in range(3):
+        _, options, host, port = parse_service(cli.engine_argv(args, i)[3:])
+        assert (host, port, options.metrics_port) == ("127.0.0.1", 7000 + i, 7100 + i)
+    bridge = cli.bridge_argv(args)
+    assert bridge[bridge.index("--grpc-target") + 1] == "127.0.0.1:8000"     # Envoy, dialled on loopback
+    assert [bridge[i + 1] for i, a in enumerate(bridge) if a == "--engine-metrics-url"] == [
+        f"http://127.0.0.1:{7100 + i}/metrics" for i in range(3)]
+
+
+def test_genserve_serve_refuses_replicas_without_envoy(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["serve", "--no-envoy", "--replicas", "2"])
+    assert exit_info.value.code == 2
+    assert "--replicas 2 needs Envoy" in capsys.readouterr().err
 
 
 def test_genserve_serve_refuses_invalid_dials_before_starting_anything(capsys):
@@ -72,7 +103,7 @@ def test_both_commands_have_the_same_engine_flags():
                 for action in group._group_actions for opt in action.option_strings}
 
     serve_parser = cli.build_parser()._subparsers._group_actions[0].choices["serve"]
-    assert engine_flags(serve_parser) - engine_flags(build_parser()) == {"--grpc-port"}
+    assert engine_flags(serve_parser) - engine_flags(build_parser()) == {"--grpc-port", "--replicas"}
     assert engine_flags(build_parser()) <= engine_flags(serve_parser)
 
 

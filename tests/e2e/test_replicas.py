@@ -1,0 +1,215 @@
+"""`genserve serve --replicas 2`: two real engines behind Envoy on loopback.
+
+Requests succeed and both replicas serve them (each one's metrics, merged by the bridge under a
+`replica` label); DELETE cancels a request on whichever replica runs it (Envoy retries the other
+replica's NOT_FOUND); a replica killed with SIGKILL leaves Envoy's rotation within 2 s, new
+requests succeed on the other while its own open streams end with an SSE `event: error`, and once
+the supervisor has restarted it, it serves traffic again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import start_server
+
+PROMPT = "The capital of France is"
+EJECT_WITHIN_S = 2.0
+RESTART_TIMEOUT_S = 240.0
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    """Two engines (small KV pools, so both fit on two cores) behind Envoy, both in rotation."""
+    gen = start_server("--queue-budget-s", "3600", "--drain-grace-s", "2", replicas=2, kv_pool_gib=0.25)
+    server = next(gen)
+    try:
+        for port in engine_ports(server):
+            wait_envoy_health(server, port, healthy=True, timeout_s=RESTART_TIMEOUT_S)
+        yield server
+    finally:
+        next(gen, None)                 # stops the server
+
+
+def engine_ports(server) -> list[int]:
+    return [int(target.rsplit(":", 1)[1]) for target in server.engine_targets]
+
+
+def admin_url(server, timeout_s: float = 10.0) -> str:
+    """Envoy's admin address, from the ready message (its last line may still be on its way)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for line in list(server.output):
+            found = re.search(r"admin (http://127\.0\.0\.1:\d+)", line)
+            if found:
+                return found.group(1)
+        time.sleep(0.05)
+    raise AssertionError("no Envoy admin address in genserve's output")
+
+
+def envoy_health(server, port: int) -> str:
+    """The engines cluster's health flags of the replica on `port` ("healthy", or why not)."""
+    with urllib.request.urlopen(f"{admin_url(server)}/clusters", timeout=2) as reply:
+        text = reply.read().decode()
+    (flags,) = [line.rsplit("::", 1)[1] for line in text.splitlines()
+                if line.startswith(f"engines::127.0.0.1:{port}::health_flags::")]
+    return flags
+
+
+def wait_envoy_health(server, port: int, healthy: bool, timeout_s: float) -> float:
+    """Seconds until Envoy sees the replica on `port` as `healthy` (or not); fails after `timeout_s`."""
+    start = time.monotonic()
+    while (envoy_health(server, port) == "healthy") != healthy:
+        assert time.monotonic() - start < timeout_s, \
+            f"replica :{port} not {'healthy' if healthy else 'ejected'} within {timeout_s} s"
+        time.sleep(0.02)
+    return time.monotonic() - start
+
+
+def replica_values(server, name: str) -> list[float]:
+    """A metric's value per replica (0, 1), from the bridge's merged /metrics."""
+    m = server.metrics()
+    return [m.get(f"{name}{{replica={i}}}", 0.0) for i in range(2)]
+
+
+def finished(server, reason: str = "length") -> list[float]:
+    m = server.metrics()
+    return [m.get(f"genserve_requests_finished_total{{finish_reason={reason},replica={i}}}", 0.0)
+            for i in range(2)]
+
+
+def complete(server, max_tokens: int = 4) -> int:
+    reply = httpx.post(f"{server.base_url}/v1/completions",
+                       json={"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0}, timeout=120)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["text"].startswith(" Paris")
+    return reply.status_code
+
+
+class Stream:
+    """A REST+SSE completion read on its own thread: its request id once started, its non-blank
+    lines."""
+
+    def __init__(self, server, max_tokens: int) -> None:
+        self.lines: list[str] = []
+        self.request_id: str | None = None
+        self.started = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(server, max_tokens), daemon=True)
+        self.thread.start()
+
+    def _run(self, server, max_tokens: int) -> None:
+        payload = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                   "stream": True}
+        with httpx.stream("POST", f"{server.base_url}/v1/completions", json=payload, timeout=300) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line:
+                    continue                    # the blank line that ends each event
+                self.lines.append(line)
+                if self.request_id is None and line.startswith("data:"):
+                    self.request_id = json.loads(line[5:])["request_id"]
+                    self.started.set()
+        self.started.set()
+
+    def join(self, timeout_s: float) -> list[str]:
+        self.thread.join(timeout_s)
+        assert not self.thread.is_alive(), "stream did not end"
+        return self.lines
+
+    @property
+    def error(self) -> bool:
+        return "event: error" in self.lines
+
+    def finish_reason(self) -> str | None:
+        data = [json.loads(line[5:]) for line in self.lines
+                if line.startswith("data:") and line.strip() != "data: [DONE]"]
+        return data[-1].get("finish_reason") if data else None
+
+
+def streams_on_both_replicas(server, max_tokens: int, most: int = 8) -> list[Stream]:
+    """Open streams until each replica runs at least one (at most `most`)."""
+    streams: list[Stream] = []
+    while len(streams) < most:
+        streams.append(Stream(server, max_tokens))
+        assert streams[-1].started.wait(120), "stream did not start"
+        if all(rows >= 1 for rows in replica_values(server, "genserve_running_rows")):
+            return streams
+    raise AssertionError(f"{most} streams all landed on one replica")
+
+
+def test_requests_succeed_and_both_replicas_serve(fleet):
+    before = finished(fleet)
+    with ThreadPoolExecutor(8) as pool:
+        assert list(pool.map(lambda _: complete(fleet), range(8))) == [200] * 8
+    after = finished(fleet)
+    gained = [a - b for a, b in zip(after, before)]
+    assert sum(gained) == 8
+    assert all(g >= 1 for g in gained), f"one replica served everything: {gained}"
+
+
+def test_delete_cancels_the_request_on_whichever_replica_runs_it(fleet):
+    before = finished(fleet, "cancelled")
+    streams = streams_on_both_replicas(fleet, max_tokens=1000)
+    for stream in streams:
+        reply = httpx.delete(f"{fleet.base_url}/v1/requests/{stream.request_id}", timeout=10)
+        assert reply.status_code == 200 and reply.json()["cancelled"] is True, reply.text
+    for stream in streams:
+        assert stream.join(60)[-1] == "data: [DONE]"
+        assert stream.finish_reason() == "cancelled"
+    after = finished(fleet, "cancelled")
+    gained = [a - b for a, b in zip(after, before)]
+    assert sum(gained) == len(streams)
+    assert all(g >= 1 for g in gained), gained        # each replica cancelled the ones it ran
+    # An id no replica knows: every replica said NOT_FOUND, so the bridge says 404.
+    assert httpx.delete(f"{fleet.base_url}/v1/requests/no-such-request", timeout=10).status_code == 404
+
+
+def pid_of(server, name: str) -> int:
+    """The pid of the supervisor's child `name` as last started (from genserve's output)."""
+    pids = [int(m.group(1)) for line in list(server.output)
+            if (m := re.search(rf"started {name} \(pid (\d+)\)", line))]
+    assert pids, f"no start of {name} in genserve's output"
+    return pids[-1]
+
+
+def test_killed_replica_is_ejected_its_streams_end_with_an_error_and_it_comes_back(fleet):
+    streams = streams_on_both_replicas(fleet, max_tokens=400)
+    rows_on_killed = int(replica_values(fleet, "genserve_running_rows")[1])
+    killed_port = engine_ports(fleet)[1]
+    start = time.monotonic()
+    os.kill(pid_of(fleet, "engine-1"), signal.SIGKILL)
+    ejected_after_s = wait_envoy_health(fleet, killed_port, healthy=False, timeout_s=EJECT_WITHIN_S)
+    assert ejected_after_s < EJECT_WITHIN_S
+    # New requests go to the replica still running.
+    with ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(lambda _: complete(fleet), range(4))) == [200] * 4
+    assert time.monotonic() - start < EJECT_WITHIN_S + 30
+    for stream in streams:
+        stream.join(120)
+    errors = [s for s in streams if s.error]
+    assert len(errors) == rows_on_killed >= 1
+    for stream in errors:
+        assert not stream.lines or stream.lines[-1] != "data: [DONE]"
+        (error_data,) = [json.loads(stream.lines[i + 1][5:]) for i, line in enumerate(stream.lines)
+                         if line == "event: error"]
+        assert set(error_data["error"]) >= {"message", "code"}
+    for stream in streams:
+        if not stream.error:
+            assert stream.lines[-1] == "data: [DONE]" and stream.finish_reason() == "length"
+    # The supervisor restarts it; once its health check passes it takes requests again.
+    wait_envoy_health(fleet, killed_port, healthy=True, timeout_s=RESTART_TIMEOUT_S)
+    before = finished(fleet)
+    with ThreadPoolExecutor(8) as pool:
+        assert list(pool.map(lambda _: complete(fleet), range(8))) == [200] * 8
+    after = finished(fleet)
+    assert after[1] - before[1] >= 1, f"the restarted replica got no request: {before} -> {after}"
