@@ -54,7 +54,8 @@ class ModelArgs:
 
     @classmethod
     def llama2_7b(cls) -> "ModelArgs":
-        """Llama-2-7B, the design card's model: 32 layers, 32 heads, head dim 128, vocab 32,000."""
+        """Llama-2-7B, the reference deployment's model (docs/design.md): 32 layers, 32 heads, head
+        dim 128, vocabulary 32,000."""
         return cls(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, intermediate_size=11008,
                    vocab_size=32000, max_context=4096, rope_theta=10000.0, norm_eps=1e-5)
 

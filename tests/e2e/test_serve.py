@@ -82,6 +82,17 @@ def _cancel_metrics(m: dict) -> tuple[float, float]:
     return (m["genserve_cancel_extra_steps_count"], m["genserve_cancel_extra_steps_bucket{le=1.0}"])
 
 
+def _assert_one_cancel_within_a_step(before: dict, after: dict) -> None:
+    """Between two idle /metrics snapshots exactly one request was cancelled, it cost at most one
+    more step, and every KV block is free again."""
+    count0, le1_0 = _cancel_metrics(before)
+    count1, le1_1 = _cancel_metrics(after)
+    assert count1 == count0 + 1 and le1_1 == le1_0 + 1
+    assert after["genserve_requests_finished_total{finish_reason=cancelled}"] == \
+        before["genserve_requests_finished_total{finish_reason=cancelled}"] + 1
+    assert after["genserve_kv_blocks_free"] == after["genserve_kv_blocks_capacity"]
+
+
 def test_delete_cancels_within_one_step_and_frees_blocks(server):
     before = server.wait_idle()
     payload = {"prompt": PROMPT, "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True}
@@ -116,12 +127,7 @@ def test_client_disconnect_cancels_within_one_step_and_frees_blocks(server):
             if seen == 3:
                 break                       # leaving the block closes the connection
     after = server.wait_idle()
-    count0, le1_0 = _cancel_metrics(before)
-    count1, le1_1 = _cancel_metrics(after)
-    assert count1 == count0 + 1 and le1_1 == le1_0 + 1
-    assert after["genserve_requests_finished_total{finish_reason=cancelled}"] == \
-        before["genserve_requests_finished_total{finish_reason=cancelled}"] + 1
-    assert after["genserve_kv_blocks_free"] == after["genserve_kv_blocks_capacity"]
+    _assert_one_cancel_within_a_step(before, after)
 
 
 def test_grpc_client_cancel_cancels_within_one_step_and_frees_blocks(server):
@@ -138,12 +144,7 @@ def test_grpc_client_cancel_cancels_within_one_step_and_frees_blocks(server):
                 call.cancel()
                 break
     after = server.wait_idle()
-    count0, le1_0 = _cancel_metrics(before)
-    count1, le1_1 = _cancel_metrics(after)
-    assert count1 == count0 + 1 and le1_1 == le1_0 + 1
-    assert after["genserve_requests_finished_total{finish_reason=cancelled}"] == \
-        before["genserve_requests_finished_total{finish_reason=cancelled}"] + 1
-    assert after["genserve_kv_blocks_free"] == after["genserve_kv_blocks_capacity"]
+    _assert_one_cancel_within_a_step(before, after)
 
 
 def test_the_first_sse_event_arrives_while_the_request_still_runs(server):
