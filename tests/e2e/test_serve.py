@@ -25,7 +25,7 @@ def stream_completion(server, **body) -> list:
         return sse_events(r.iter_lines())
 
 
-def test_rest_sse_streams_paris_with_the_design_event_shapes(server):
+def test_rest_sse_streams_paris_with_the_documented_event_shapes(server):
     events = stream_completion(server)
     assert events[-1] == "[DONE]"
     tokens, final = events[:-2], events[-2]
@@ -33,6 +33,7 @@ def test_rest_sse_streams_paris_with_the_design_event_shapes(server):
     for i, ev in enumerate(tokens):
         assert TOKEN_KEYS <= set(ev)
         assert ev["object"] == "text_completion" and ev["id"] == ev["request_id"]
+        assert ev["request_id"].startswith("cmpl-")        # the engine's id, not a proxy's
         assert ev["choices"][0]["finish_reason"] is None
         assert ev["choices"][0]["text"] == ev["text"]
         assert isinstance(ev["token_id"], int) and ev["index"] == 0
