@@ -64,8 +64,8 @@ def test_local_layout_validates(local_config):
 
 def test_validate_reports_envoys_error(local_config):
     tool("envoy")
-    with pytest.raises(envoy.EnvoyConfigError, match="unknown enum value: 'MOST_REQUEST'"):
-        envoy.validate_envoy_config(local_config.replace("LEAST_REQUEST", "MOST_REQUEST", 1))
+    with pytest.raises(envoy.EnvoyConfigError, match="FULL_SCANNING"):
+        envoy.validate_envoy_config(local_config.replace("FULL_SCAN", "FULL_SCANNING", 1))
 
 
 # ---- genserve.envoy ---------------------------------------------------------------------------------
@@ -191,7 +191,9 @@ def test_retries_only_where_safe(config):
 
 def test_engines_cluster(config):
     c = cluster(config, "engines")
-    assert c["lb_policy"] == "LEAST_REQUEST"
+    (policy,) = c["load_balancing_policy"]["policies"]
+    assert policy["typed_extension_config"]["name"] == "envoy.load_balancing_policies.least_request"
+    assert policy["typed_extension_config"]["typed_config"]["selection_method"] == "FULL_SCAN"
     assert c["cluster_type"]["name"] == "envoy.clusters.dns"
     assert c["cluster_type"]["typed_config"]["all_addresses_in_single_endpoint"] is False   # strict
     protocol = c["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
