@@ -11,9 +11,8 @@ rendered by `genserve.envoy` with loopback upstreams: the same routes, retries, 
 (a killed or draining replica leaves rotation within about 2 s) and Cancel sweep across replicas.
 `--no-envoy` runs without it: the bridge on --host:--port talks to the one engine directly.
 
-Every process is a child, as it would be a container. The supervisor restarts a child that dies,
-with exponential back-off (1 s doubling to 30 s; a child that ran for a minute starts again from
-1 s). While no engine serves, the bridge answers 503 with Retry-After and the engines cluster
+Every process is a child, as it would be a container, supervised by `genserve.supervisor`: a child
+that dies is restarted with back-off. While no engine serves, the bridge answers 503 with Retry-After and the engines cluster
 takes a restarted replica back once its health check says SERVING.
 
 SIGINT/SIGTERM stop them in order: the engines first, together, which drain (refuse new requests,
@@ -27,56 +26,21 @@ import argparse
 import dataclasses
 import os
 import pathlib
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
-from dataclasses import dataclass, field
-
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from genserve import envoy
+from genserve.supervisor import STOP_TIMEOUT_S, Child, supervise, wait_engine_ready, wait_http_ok
 from service.command_line import (HelpFormatter, add_engine_args, config_from_args, options_from_args,
                                   service_argv)
 
-BACKOFF_START_S = 1.0
-BACKOFF_MAX_S = 30.0
-HEALTHY_RUN_S = 60.0          # a child that ran this long restarts with the initial back-off
-STOP_TIMEOUT_S = 15.0         # after SIGTERM (and the engine's drain grace): then SIGKILL
 ENGINE_HOST = "127.0.0.1"     # engines, the bridge behind Envoy and Envoy's admin: localhost only
 ENGINE_METRICS_PORT = 9400    # --metrics-port's default here (python -m service: none unless given)
 ENVOY_CONCURRENCY = 1         # Envoy worker threads: loopback traffic needs one; the engines need the cores
 CANCEL_RETRIES = 7            # the chart's envoy.cancel.numRetries, raised for many replicas
 LB_POLICIES = ("LEAST_REQUEST", "ROUND_ROBIN", "RANDOM")
-
-
-@dataclass
-class Child:
-    """One supervised process: its command, the live process, and its back-off state.
-
-    `stop_timeout_s` is how long it may take to exit after SIGTERM before it is killed, seconds.
-    """
-
-    name: str
-    argv: list[str]
-    stop_timeout_s: float = STOP_TIMEOUT_S
-    stage: int = 0                # SIGTERM order: lower stages stop first, a stage's children together
-    proc: subprocess.Popen | None = None
-    backoff_s: float = BACKOFF_START_S
-    restart_at: float = 0.0
-    started_at: float = field(default=0.0)
-
-    def start(self) -> None:
-        # Its own process group: a terminal's Ctrl-C (sent to the foreground group) reaches only
-        # the supervisor, which stops the children in order.
-        self.proc = subprocess.Popen(self.argv, process_group=0)
-        self.started_at = time.monotonic()
-        print(f"genserve: started {self.name} (pid {self.proc.pid})", flush=True)
 
 
 def free_port() -> int:
@@ -109,22 +73,6 @@ def engine_ports(args: argparse.Namespace) -> list[int]:
 def engine_metrics_ports(args: argparse.Namespace) -> list[int]:
     """The engine replicas' metrics ports: --metrics-port + i; none when metrics are off."""
     return [args.metrics_port + i for i in range(args.replicas)] if args.metrics_port else []
-
-
-def wait_engine_ready(target: str, timeout_s: float) -> bool:
-    """Poll grpc.health.v1 on `target` until SERVING or `timeout_s` passes."""
-    deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(target) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status == \
-                        health_pb2.HealthCheckResponse.SERVING:
-                    return True
-            except grpc.RpcError:
-                pass
-            time.sleep(0.25)
-    return False
 
 
 def engine_argv(args: argparse.Namespace, replica: int = 0) -> list[str]:
@@ -205,20 +153,6 @@ def envoy_argv(config_path: pathlib.Path, base_id: int) -> list[str]:
             "--log-level", "warn", "--base-id", str(base_id), "--concurrency", str(ENVOY_CONCURRENCY)]
 
 
-def wait_http_ok(url: str, timeout_s: float) -> bool:
-    """Poll GET `url` until it answers 200 or `timeout_s` passes."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=1.0) as reply:
-                if reply.status == 200:
-                    return True
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.25)
-    return False
-
-
 def wait_ready(args: argparse.Namespace, timeout_s: float) -> bool:
     """Whether the server answered within `timeout_s`: with Envoy, an engine SERVING through
     Envoy's listener (grpc.health.v1) and the bridge's /health 200 through it too; with
@@ -246,59 +180,6 @@ def ready_message(args: argparse.Namespace) -> str:
         lines += [f"  engines   {args.replicas} × gRPC {engines}, behind Envoy (admin "
                   f"http://{ENGINE_HOST}:{args.envoy_admin_port}, bridge {ENGINE_HOST}:{args.bridge_port})"]
     return "\n".join(lines)
-
-
-def serve(args: argparse.Namespace, children: list[Child]) -> int:
-    """Start `children`, supervise them until SIGINT/SIGTERM, then stop them stage by stage (the
-    engines first: they drain while the bridge, and Envoy, still answer 503). Returns the exit
-    code."""
-    stopping = False
-
-    def stop(signum, frame):  # noqa: ARG001
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGTERM, stop)
-    for child in children:
-        child.start()
-    if wait_ready(args, args.ready_timeout_s):
-        print(ready_message(args), flush=True)
-    else:
-        print(f"genserve: not ready after {args.ready_timeout_s:g} s; still trying", flush=True)
-    while not stopping:
-        now = time.monotonic()
-        for child in children:
-            code = child.proc.poll() if child.proc else None
-            if child.proc is not None and code is not None:
-                print(f"genserve: {child.name} exited with {code}; restarting in {child.backoff_s:g} s",
-                      flush=True)
-                child.proc, child.restart_at = None, now + child.backoff_s
-                healthy_run = now - child.started_at > HEALTHY_RUN_S
-                child.backoff_s = BACKOFF_START_S if healthy_run else min(child.backoff_s * 2, BACKOFF_MAX_S)
-            elif child.proc is None and now >= child.restart_at:
-                child.start()
-        time.sleep(0.2)
-    for stage in sorted({child.stage for child in children}):
-        stop_children([child for child in children if child.stage == stage])
-    return 0
-
-
-def stop_children(children: list[Child]) -> None:
-    """SIGTERM every child of `children` at once, wait up to each one's `stop_timeout_s`, then
-    SIGKILL the ones still running."""
-    running = [c for c in children if c.proc is not None and c.proc.poll() is None]
-    for child in running:
-        child.proc.terminate()
-    start = time.monotonic()
-    for child in running:
-        try:
-            child.proc.wait(max(child.stop_timeout_s - (time.monotonic() - start), 0.0))
-        except subprocess.TimeoutExpired:
-            print(f"genserve: {child.name} did not stop in {child.stop_timeout_s:g} s; killing it",
-                  flush=True)
-            child.proc.kill()
-            child.proc.wait()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -366,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.exit(2, f"genserve {args.command}: error: {exc}\n")
     if args.no_envoy:
-        return serve(args, children)
+        return supervise(children, lambda timeout_s: wait_ready(args, timeout_s), ready_message(args),
+                         args.ready_timeout_s)
     with tempfile.TemporaryDirectory(prefix="genserve-envoy-") as tmp:
         config_path = pathlib.Path(tmp) / "envoy.yaml"
         try:
@@ -375,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         except (envoy.ToolMissingError, envoy.EnvoyConfigError) as exc:
             parser.exit(2, f"genserve {args.command}: error: {exc}\n(or run without Envoy: --no-envoy)\n")
         children.append(Child("envoy", argv, stage=2))
-        return serve(args, children)
+        return supervise(children, lambda timeout_s: wait_ready(args, timeout_s), ready_message(args),
+                         args.ready_timeout_s)
 
 
 if __name__ == "__main__":

@@ -64,8 +64,8 @@ def test_local_layout_validates(local_config):
 
 def test_validate_reports_envoys_error(local_config):
     tool("envoy")
-    with pytest.raises(envoy.EnvoyConfigError, match="FULL_SCANNING"):
-        envoy.validate_envoy_config(local_config.replace("FULL_SCAN", "FULL_SCANNING", 1))
+    with pytest.raises(envoy.EnvoyConfigError, match="unknown enum value: 'MOST_REQUEST'"):
+        envoy.validate_envoy_config(local_config.replace("LEAST_REQUEST", "MOST_REQUEST", 1))
 
 
 # ---- genserve.envoy ---------------------------------------------------------------------------------
@@ -173,7 +173,7 @@ def test_retries_only_where_safe(config):
     assert grpc["retry_on"].split(",") == ["resource-exhausted", "unavailable", "connect-failure",
                                            "refused-stream"]
     assert grpc["num_retries"] == 1
-    assert grpc["host_selection_retry_max_attempts"] == 3
+    assert grpc["host_selection_retry_max_attempts"] == 5
     assert [p["name"] for p in grpc["retry_host_predicate"]] == ["envoy.retry_host_predicates.previous_hosts"]
     rest = r["rest"]["route"]["retry_policy"]
     assert rest["retry_on"].split(",") == ["connect-failure", "refused-stream"]
@@ -184,6 +184,7 @@ def test_retries_only_where_safe(config):
                                              "refused-stream"]
     assert cancel["retriable_headers"] == [{"name": "grpc-status", "string_match": {"exact": "5"}}]
     assert cancel["num_retries"] == 7
+    assert cancel["host_selection_retry_max_attempts"] == 8     # see the template: two random picks
     assert [p["name"] for p in cancel["retry_host_predicate"]] == \
         ["envoy.retry_host_predicates.previous_hosts"]
     assert rest["num_retries"] == 1
@@ -191,9 +192,7 @@ def test_retries_only_where_safe(config):
 
 def test_engines_cluster(config):
     c = cluster(config, "engines")
-    (policy,) = c["load_balancing_policy"]["policies"]
-    assert policy["typed_extension_config"]["name"] == "envoy.load_balancing_policies.least_request"
-    assert policy["typed_extension_config"]["typed_config"]["selection_method"] == "FULL_SCAN"
+    assert c["lb_policy"] == "LEAST_REQUEST"
     assert c["cluster_type"]["name"] == "envoy.clusters.dns"
     assert c["cluster_type"]["typed_config"]["all_addresses_in_single_endpoint"] is False   # strict
     protocol = c["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]

@@ -9,7 +9,7 @@ Retry-After, SSE not buffered, a NOT_SERVING replica out of rotation within 2 s,
 The engines cluster runs ROUND_ROBIN here (a chart value) rather than the default LEAST_REQUEST:
 with two replicas, round robin makes "the retry went to the other replica" deterministic, while
 least-request's random two-choice pick re-selects the refusing replica on a retry with
-probability 1/16 (after host_selection_retry_max_attempts = 3 re-picks), which a test could only
+a small probability (after host_selection_retry_max_attempts = 5 re-picks), which a test could only
 check statistically.
 """
 
