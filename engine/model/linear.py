@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 PACKED_LINEAR_MAX_ROWS = 64
 # `PackedWeight.max_rows` of a weight genserve packed itself: `packed_linear` runs every product.
 ANY_ROWS = 1 << 62
+# Rows of every oneDNN call where oneDNN's rows depend on the row count (`PackedWeight.tile_rows`):
+# chosen by measurement on such a host (docs/benchmarks/linear.md).
+TILE_ROWS = 32
 
 
 @dataclass(frozen=True)
@@ -41,11 +44,15 @@ class PackedWeight:
         max_rows: rows up to which `linear` runs `packed_linear` (`PACKED_LINEAR_MAX_ROWS` for a
             oneDNN tensor, above which oneDNN runs; `ANY_ROWS` for genserve's own layout, which
             oneDNN cannot read).
+        tile_rows: when > 0, every product is oneDNN's in calls of exactly this many rows (the
+            input padded with zero rows): every row is then computed by the one kernel oneDNN
+            picks for that row count, whatever the batch (`onednn_tiled`).
     """
 
     tensor: torch.Tensor
     k_chunk: int
     max_rows: int = PACKED_LINEAR_MAX_ROWS
+    tile_rows: int = 0
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor,
@@ -68,6 +75,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
     Returns:
         [M, out_features].
     """
+    if packed is not None and packed.tile_rows:
+        return onednn_tiled(x, packed.tensor, packed.tile_rows)
     if packed is not None and packed.k_chunk and x.shape[0] <= packed.max_rows:
         return torch.ops.genserve.packed_linear(x.contiguous(), packed.tensor, packed.k_chunk)
     one_row = x.shape[0] == 1
@@ -118,6 +127,35 @@ def pack_weight(weight: torch.Tensor,
     return PackedWeight(packed, k_chunks[shape])
 
 
+def onednn_tiled(x: torch.Tensor, packed: torch.Tensor, tile_rows: int) -> torch.Tensor:
+    """x [M, in] @ Wᵀ through oneDNN's packed copy of W in calls of exactly `tile_rows` rows (the
+    last padded with zero rows), [M, out] in x's dtype. A row's result depends only on the row
+    itself, never on M or its neighbours, where oneDNN computes the rows of one call
+    independently (`tiles_are_row_independent` checks it)."""
+    m = x.shape[0]
+    pad = -m % tile_rows
+    if pad:
+        x = F.pad(x, (0, 0, 0, pad))
+    if x.shape[0] == tile_rows:
+        return onednn_linear(x, packed)[:m]
+    return torch.cat([onednn_linear(tile, packed) for tile in x.split(tile_rows)])[:m]
+
+
+def tiles_are_row_independent(weight: torch.Tensor, packed: torch.Tensor, tile_rows: int) -> bool:
+    """Whether oneDNN's product of `tile_rows` rows gives each row the same bits whatever the
+    other rows hold (and at any offset of the input's storage): probed on random rows, each row
+    position against a call where every other row differs."""
+    gen = torch.Generator().manual_seed(2)
+    a = torch.randn(tile_rows, weight.shape[1], generator=gen).to(weight.dtype)
+    want = onednn_linear(a, packed)
+    for r in range(tile_rows):
+        b = torch.randn(tile_rows + 1, weight.shape[1], generator=gen).to(weight.dtype)
+        b[1 + r] = a[r]
+        if not torch.equal(onednn_linear(b[1:], packed)[r], want[r]):
+            return False
+    return True
+
+
 def vnni_pack(weight: torch.Tensor) -> torch.Tensor:
     """`weight` [N, K] bf16 in `packed_linear`'s layout, as a dense [N, K] tensor of the same bytes.
 
@@ -137,23 +175,42 @@ def pack_weights(weights: list[torch.Tensor]) -> list[PackedWeight | None]:
     Where oneDNN packs every matrix with rows that do not depend on the batch (`pack_weight`'s
     check) and `packed_linear` reproduces it (a k chunk for every matrix), the copies are
     oneDNN's: `packed_linear` up to `PACKED_LINEAR_MAX_ROWS` rows, oneDNN above, the same bits.
+    oneDNN's blocking, and so its rounding, can change with the row count and the CPU; where it
+    does, and oneDNN computes the rows of one call independently, every product is oneDNN's in
+    calls of exactly TILE_ROWS rows (`onednn_tiled`), so each row always meets the same kernel.
     Otherwise, when `packed_linear` is built and every matrix fits its blocks (bf16, N a multiple
     of 64, K of 32), genserve packs them itself (`vnni_pack`) and `packed_linear` runs every
-    product, one chain over all of k: each row is computed alone, so its bits never depend on the
-    batch, whatever oneDNN does on this CPU (its blocking, and so its rounding, can change with
-    the row count and the CPU). Otherwise oneDNN's copies where `pack_weight` gave one, else None
-    (`F.linear`). Costs one more copy of each weight (2 · out · in bytes).
+    product, one chain over all of k, each row alone. Otherwise oneDNN's copies where
+    `pack_weight` gave one, else None (`F.linear`). Which is faster where, and why this order:
+    docs/benchmarks/linear.md. Costs one more copy of each weight (2 · out · in bytes).
     """
     k_chunks: dict[tuple[int, int], int] = {}         # one probe per shape
     onednn = [pack_weight(w, k_chunks) for w in weights]
     if all(p is not None and p.k_chunk for p in onednn):
         return onednn
+    tiled = [_onednn_tiles(w) for w in weights]
+    if all(p is not None for p in tiled):
+        return tiled
     own_layout = kernels.packed_linear_available() and all(
         w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.shape[0] % 64 == 0
         and w.shape[1] % 32 == 0 for w in weights)
     if own_layout:
         return [PackedWeight(vnni_pack(w), w.shape[1], ANY_ROWS) for w in weights]
     return onednn
+
+
+def _onednn_tiles(weight: torch.Tensor) -> PackedWeight | None:
+    """oneDNN's packed copy of a bf16 CPU weight run in TILE_ROWS-row calls, or None where oneDNN
+    cannot pack it or its rows in such a call depend on the other rows."""
+    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+        return None
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, TILE_ROWS)
+        if not tiles_are_row_independent(weight, packed, TILE_ROWS):
+            return None
+    except (RuntimeError, AttributeError):
+        return None
+    return PackedWeight(packed, 0, 0, TILE_ROWS)
 
 
 def onednn_k_chunk(packed: torch.Tensor) -> int:
@@ -226,8 +283,8 @@ class DecodeWeights:
                   [layer.attention.wo_packed for layer in layers],
                   [layer.feed_forward.w13_packed for layer in layers],
                   [layer.feed_forward.w2_packed for layer in layers]]
-        if any(w is None for ws in packed for w in ws):
-            return None
+        if any(w is None or w.tile_rows for ws in packed for w in ws):
+            return None             # the C++ loop runs no tiled products: the Python loop does
         wqkv, wo, w13, w2 = ([w.tensor for w in ws] for ws in packed)
         # One k chunk per kind: oneDNN's chunk follows the shape, which the layers share.
         chunks = [ws[0].k_chunk if len({w.k_chunk for w in ws}) == 1 else 0 for ws in packed]

@@ -1,5 +1,6 @@
-"""genserve's own packed weight layout: `packed_linear` over `vnni_pack`ed weights, and the
-model-wide choice between oneDNN's packed copies and genserve's own (`pack_weights`)."""
+"""The batch-invariant products for CPUs where oneDNN's rows depend on the row count: oneDNN in
+fixed-size calls (`onednn_tiled`), genserve's own layout (`packed_linear` over `vnni_pack`ed
+weights), and the model-wide choice among them and oneDNN's packed copies (`pack_weights`)."""
 
 from __future__ import annotations
 
@@ -42,13 +43,39 @@ def test_own_layout_products_are_exact_and_batch_invariant(shape):
     assert torch.equal(torch.cat(parts), y)
 
 
+@pytest.mark.parametrize("shape", [(1536, 576), (576, 1536)])
+def test_tiled_products_are_batch_invariant(shape):
+    (w,) = _weights(shape)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, lin.TILE_ROWS)
+    assert lin.tiles_are_row_independent(w, packed, lin.TILE_ROWS)
+    x = torch.randn(300, shape[1], generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    y = lin.onednn_tiled(x, packed, lin.TILE_ROWS)
+    ref = x.float() @ w.float().T
+    assert y.shape == (300, shape[0]) and torch.allclose(y.float(), ref, rtol=2 ** -7, atol=1e-2)
+    # a row alone, in 7 rows, in 64 and in 228 (not a multiple of the tile): the same bits
+    parts = [lin.onednn_tiled(x[a:b], packed, lin.TILE_ROWS) for a, b in ((0, 1), (1, 8), (8, 72), (72, 300))]
+    assert torch.equal(torch.cat(parts), y)
+
+
+def test_pack_weights_takes_oneDNN_tiles_for_the_whole_model_when_oneDNN_is_not_exact(monkeypatch):
+    weights = _weights((192, 64), (64, 192))
+    # oneDNN's copy of the second matrix fails the row-count check: every matrix is tiled
+    real = lin.pack_weight
+    monkeypatch.setattr(lin, "pack_weight", lambda w, k=None: None if w.shape[0] == 64 else real(w, k))
+    packed = lin.pack_weights(weights)
+    assert all(p.tile_rows == lin.TILE_ROWS and p.k_chunk == 0 for p in packed)
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    assert torch.equal(lin.linear(x, weights[0], packed[0]), lin.onednn_tiled(x, packed[0].tensor, 32))
+
+
 @needs_packed_linear
 def test_pack_weights_falls_back_to_the_own_layout_for_the_whole_model(monkeypatch):
     weights = _weights((192, 64), (64, 192))
-    # oneDNN's copy of the second matrix is not usable (its rows depended on the batch):
-    # every matrix then takes genserve's own layout, never a mix.
+    # oneDNN's copy of the second matrix is not usable, and neither are its tiles (their rows
+    # depended on their neighbours): every matrix then takes genserve's own layout, never a mix.
     real = lin.pack_weight
     monkeypatch.setattr(lin, "pack_weight", lambda w, k=None: None if w.shape[0] == 64 else real(w, k))
+    monkeypatch.setattr(lin, "tiles_are_row_independent", lambda w, p, t: w.shape[0] != 64)
     packed = lin.pack_weights(weights)
     assert all(p.max_rows == lin.ANY_ROWS and not p.tensor.is_mkldnn for p in packed)
     assert all(torch.equal(p.tensor, lin.vnni_pack(w)) for p, w in zip(packed, weights))
