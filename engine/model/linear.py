@@ -1,8 +1,10 @@
 """The model's matrix products: oneDNN's packed weights, genserve's `packed_linear` for few rows,
-and the per-model arguments of the C++ decode loop (`torch.ops.genserve.decode_layers`).
+oneDNN in fixed-size calls or genserve's own weight layout where oneDNN's rows depend on the row
+count, and the per-model arguments of the C++ decode loop (`torch.ops.genserve.decode_layers`).
 
-Every path here gives a row the same bits whatever else is in the batch (see `linear`); which
-path runs is a speed choice, measured in docs/benchmarks/linear.md.
+Every path a model is packed for gives a row the same bits whatever else is in the batch (see
+`pack_weights`); which path runs is chosen at load, by checks and by measurement
+(docs/benchmarks/linear.md).
 """
 
 from __future__ import annotations
@@ -59,8 +61,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
            packed: PackedWeight | None = None) -> torch.Tensor:
     """`x @ weight.T` whose rows do not depend on how many rows there are.
 
-    With `packed` (`pack_weight`) the product reads the packed copy: for up to
-    `PACKED_LINEAR_MAX_ROWS` rows, when the weight has a `k_chunk`, through genserve's
+    With `packed` (`pack_weights`) the product reads the packed copy: in `tile_rows`-row oneDNN
+    calls when the copy says so (`onednn_tiled`); otherwise for up to `packed.max_rows` rows,
+    when the weight has a `k_chunk`, through genserve's
     `packed_linear` (engine/csrc/packed_linear.cpp), else through oneDNN. The two give the same
     bits, and oneDNN gives `F.linear`'s bits (`pack_weight` checks both); which is faster where
     is in docs/benchmarks/linear.md. oneDNN and `F.linear` take a different kernel for a single
@@ -71,7 +74,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
 
     Args:
         x: [M, in_features]; weight: [out_features, in_features], same dtype; packed: None or
-            `pack_weight(weight)`.
+            the weight's `PackedWeight` from `pack_weights`.
     Returns:
         [M, out_features].
     """
