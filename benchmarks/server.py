@@ -41,12 +41,12 @@ import json
 import os
 import pathlib
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
 import time
 
+from genserve.supervisor import free_port
 from loadgen.calibrate import LiveServer
 from loadgen.clients import RestClient, run_open_loop
 from loadgen.workload import WorkItem
@@ -96,9 +96,7 @@ def direct_bridge(grpc_target: str, timeout_s: float = 60.0):
     """
     import httpx
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "bridge", "--grpc-target", grpc_target, "--host",
                              "127.0.0.1", "--port", str(port), "--log-level", "warning"])
     url = f"http://127.0.0.1:{port}"

@@ -26,13 +26,13 @@ import argparse
 import dataclasses
 import os
 import pathlib
-import socket
 import sys
 import tempfile
 import time
 
 from genserve import envoy
-from genserve.supervisor import STOP_TIMEOUT_S, Child, supervise, wait_engine_ready, wait_http_ok
+from genserve.supervisor import (STOP_TIMEOUT_S, Child, free_port, supervise, wait_engine_ready,
+                                 wait_http_ok)
 from service.command_line import (HelpFormatter, add_engine_args, config_from_args, options_from_args,
                                   service_argv)
 
@@ -41,13 +41,6 @@ ENGINE_METRICS_PORT = 9400    # --metrics-port's default here (python -m service
 ENVOY_CONCURRENCY = 1         # Envoy worker threads: loopback traffic needs one; the engines need the cores
 CANCEL_RETRIES = 7            # the chart's envoy.cancel.numRetries, raised for many replicas
 LB_POLICIES = ("LEAST_REQUEST", "ROUND_ROBIN", "RANDOM")
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (the OS's pick)."""
-    with socket.socket() as s:
-        s.bind((ENGINE_HOST, 0))
-        return s.getsockname()[1]
 
 
 def dial_host(host: str) -> str:

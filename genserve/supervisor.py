@@ -10,6 +10,7 @@ then SIGKILL. Imports no torch.
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import time
 import urllib.error
@@ -24,6 +25,13 @@ BACKOFF_START_S = 1.0
 BACKOFF_MAX_S = 30.0
 HEALTHY_RUN_S = 60.0          # a child that ran this long restarts with the initial back-off
 STOP_TIMEOUT_S = 15.0         # after SIGTERM (and the engine's drain grace): then SIGKILL
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` now (the OS's pick; another process may take it before use)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 @dataclass

@@ -32,7 +32,6 @@ import json
 import os
 import pathlib
 import platform
-import socket
 import subprocess
 import sys
 import threading
@@ -42,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from genserve.supervisor import free_port
 from loadgen import stats as st
 from loadgen.workload import LengthMix, WorkItem, arrival_times, synthetic_workload
 
@@ -179,17 +179,11 @@ def _nnls_rel(X: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, list[int]]:
 
 
 # -- 3. compare ---------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class LiveServer:
     """`genserve serve` on free localhost ports, started and stopped by this process."""
 
     def __init__(self, queue_budget_s: float = QUEUE_BUDGET_S, extra_args: Sequence[str] = ()) -> None:
-        self.port, self.grpc_port, self.metrics_port = _free_port(), _free_port(), _free_port()
+        self.port, self.grpc_port, self.metrics_port = free_port(), free_port(), free_port()
         exe = pathlib.Path(sys.executable).with_name("genserve")
         cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "genserve.cli"]
         self.argv = cmd + ["serve", "--port", str(self.port), "--grpc-port", str(self.grpc_port),

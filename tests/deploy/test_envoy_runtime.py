@@ -16,7 +16,6 @@ check statistically.
 from __future__ import annotations
 
 import http.server
-import socket
 import subprocess
 import threading
 import time
@@ -30,6 +29,7 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from genserve import envoy
+from genserve.supervisor import free_port
 from genserve.v1 import generate_pb2 as pb
 from genserve.v1 import generate_pb2_grpc as pb_grpc
 from tests.deploy.helpers import tool
@@ -38,12 +38,6 @@ SERVICE = "genserve.v1.GenerateService"
 START_TIMEOUT_S = 15.0
 EJECT_WITHIN_S = 2.0
 SSE_PAUSE_S = 0.8
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- stand-in upstreams -------------------------------------------------------------------------

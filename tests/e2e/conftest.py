@@ -15,14 +15,10 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from genserve.supervisor import free_port
+
 START_TIMEOUT_S = 240.0
 KEYED_MAX_BODY_BYTES = 65_536   # keyed_server's body limit
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
