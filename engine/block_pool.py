@@ -97,6 +97,10 @@ class BlockPool:
         """Cached blocks no request holds (counted in `num_free`, evicted least recently used)."""
         return len(self._evictable)
 
+    def cached_unused_blocks(self) -> list[int]:
+        """Ids of the cached blocks no request holds, least recently used first."""
+        return list(self._evictable)
+
     def cached_prefix(self, hashes: Sequence[bytes]) -> list[int]:
         """Blocks of the longest cached prefix: block i for hashes[i], i = 0, 1, ... until a miss.
 
@@ -243,7 +247,9 @@ class BlockPool:
         Raises BlockPoolError on a block whose ref_count is already 0 (a double free).
         """
         returned = 0
-        for b in self._tables.pop(request_id, []):
+        # Last block first: a sequence's tail becomes the least recently used, so eviction eats
+        # cached prefixes from their ends and the shared beginnings stay (as vLLM frees them).
+        for b in reversed(self._tables.pop(request_id, [])):
             if self._ref_count[b] <= 0:
                 raise BlockPoolError(f"block {b} freed with ref_count {self._ref_count[b]}")
             self._ref_count[b] -= 1
