@@ -25,18 +25,28 @@ Both are exact with respect to batching on CPU — a request's output does not d
 other requests share the step (the batch-invariance test, docs/design.md): both kernels work per
 (row, head) — genserve's over the row's exact context, SDPA's with masked keys adding exact zeros —
 and a prefill piece is always computed with the same shape. One process uses one decode path.
-A CUDA build would add an xformers `BlockDiagonalCausalWithOffsetPaddedKeysMask` path here
-behind the same `AttentionMetadata`.
+
+The same two functions run on any torch device (the "sdpa" backend of
+`engine.attention_backends`, whose metadata `AttentionMetadata.build` puts on the device with one
+host-to-device copy per step); the other backends there (xformers, FlexAttention) read the same
+`AttentionMetadata` plus their own per-step state.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from engine import kernels as genserve_kernels
+
+if TYPE_CHECKING:
+    from engine.attention_backends import AttentionBackend
+
+Span = tuple[int, int, "list[int] | tuple[int, ...]", bool]   # (start, length, block table, decode)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +115,12 @@ class AttentionMetadata:
             `KernelLayerOps` (else `TorchLayerOps`).
         gather: where the SDPA decode path gathers keys and values (None: a new tensor per
             layer).
+        backend: the attention backend that runs `attend` for this step
+            (`engine.attention_backends`); None: this module's `attend` with metadata built on the
+            CPU as above.
+        state: the backend's own per-step data (masks, block masks), from its `step_state`.
+        inputs: the caller's per-step int64 lists (`build`'s `inputs`: token ids, positions, rows
+            to sample), uploaded to the device in the same copy as the metadata.
     """
 
     slots: torch.Tensor
@@ -115,11 +131,15 @@ class AttentionMetadata:
     seqs: tuple[SeqSpan, ...]
     kernels: bool = False
     gather: GatherBuffer | None = None
+    backend: "AttentionBackend | None" = None
+    state: Any = None
+    inputs: tuple[torch.Tensor, ...] = ()
 
     @classmethod
-    def build(cls, spans: list[tuple[int, int, list[int] | tuple[int, ...], bool]],
-              block_size: int, dtype: torch.dtype = torch.float32,
-              kernels: bool = False, gather: GatherBuffer | None = None) -> "AttentionMetadata":
+    def build(cls, spans: list[Span], block_size: int, dtype: torch.dtype = torch.float32,
+              kernels: bool = False, gather: GatherBuffer | None = None, *,
+              backend: "AttentionBackend | None" = None, device: torch.device | str = "cpu",
+              num_blocks: int = 0, inputs: Sequence[list[int]] = ()) -> "AttentionMetadata":
         """Metadata from `(start_position, num_tokens, block_table, is_decode)` per segment, in
         batch order; decode rows (one token each) must come first.
 
@@ -129,10 +149,16 @@ class AttentionMetadata:
             dtype: the model dtype (the masks' dtype must match the queries').
             kernels: build for genserve's kernels (no decode mask).
             gather: the executor's buffer for the SDPA decode path (see `GatherBuffer`).
+            backend: None builds the CPU metadata above (today's CPU path, `attend`); a backend
+                (`engine.attention_backends`) gets metadata built by `build_on_device`.
+            device, num_blocks, inputs: see `build_on_device` (used only with a backend).
         Raises:
             ValueError: a block table does not cover its segment, or a decode row follows a
                 prefill piece.
         """
+        if backend is not None:
+            return cls.build_on_device(spans, block_size, dtype, backend, device, num_blocks,
+                                       inputs, gather)
         slots, seqs, tables, lens = [], [], [], []
         q = 0
         for start, length, table, decode in spans:
@@ -170,6 +196,88 @@ class AttentionMetadata:
             decode_bias.masked_fill_(past, float("-inf"))
         return cls(torch.tensor(slots, dtype=torch.long), len(tables), decode_blocks,
                    decode_bias[:, None, None, :], decode_lens, tuple(seqs), kernels, gather)
+
+    @classmethod
+    def build_on_device(cls, spans: list[Span], block_size: int, dtype: torch.dtype,
+                        backend: "AttentionBackend", device: torch.device | str,
+                        num_blocks: int, inputs: Sequence[list[int]] = (),
+                        gather: GatherBuffer | None = None) -> "AttentionMetadata":
+        """The same metadata as `build`, on `device`, with one host-to-device copy.
+
+        Every integer the step needs (slots, decode block tables and lengths, each prefill
+        piece's blocks, the backend's own lists from `backend.host_ints`, and the caller's
+        `inputs`) goes into one int64 host tensor (pinned on CUDA), is copied once, and is sliced
+        into views on the device. The SDPA masks (`decode_bias`, `SeqSpan.bias`) are then computed
+        on the device from those views, only when the backend reads them (`backend.masks`).
+
+        Args:
+            spans, block_size, dtype, gather: as in `build`.
+            backend: the backend that will run the step; its `step_state` builds `state`.
+            device: where the model's weights and the KV cache live.
+            num_blocks: blocks in the KV pool (the paged backends' key axis).
+            inputs: extra int lists to upload in the same copy (returned in `inputs`, int64).
+        Raises:
+            ValueError: as `build`.
+        """
+        device = torch.device(device)
+        slots: list[int] = []
+        tables: list[list[int]] = []
+        lens: list[int] = []
+        pieces: list[tuple[int, int, int, int]] = []          # (q_start, length, end, blocks)
+        piece_blocks: list[int] = []
+        q = 0
+        for start, length, table, decode in spans:
+            end = start + length
+            if len(table) * block_size < end:
+                raise ValueError(f"block table of {len(table)} blocks cannot hold {end} tokens")
+            slots.extend(table[p // block_size] * block_size + p % block_size
+                         for p in range(start, end))
+            if decode:
+                if pieces or length != 1:
+                    raise ValueError("decode rows hold one token and come before prefill pieces")
+                tables.append(list(table))
+                lens.append(end)
+            else:
+                nb_used = -(-end // block_size)
+                pieces.append((q, length, end, nb_used))
+                piece_blocks.extend(table[:nb_used])
+            q += length
+        nb = max((len(t) for t in tables), default=0)
+        nb = -(-nb // DECODE_PAD_BLOCKS) * DECODE_PAD_BLOCKS
+        padded = [b for t in tables for b in t + [0] * (nb - len(t))]
+        own = backend.host_ints(spans, block_size)
+        lists = [slots, padded, lens, piece_blocks, *own, *inputs]
+        sizes = [len(x) for x in lists]
+        flat = [v for x in lists for v in x]
+        host = torch.tensor(flat, dtype=torch.long)
+        if device.type == "cuda":
+            host = host.pin_memory()
+        views = list(host.to(device, non_blocking=True).split(sizes))
+        slots_t, blocks_t, lens_t, piece_t = views[:4]
+        own_t = views[4:4 + len(own)]
+        inputs_t = tuple(views[4 + len(own):])
+        b = len(tables)
+        if backend.masks:
+            keys = torch.arange(nb * block_size, device=device)
+            decode_bias = torch.zeros(b, nb * block_size, dtype=dtype, device=device)
+            decode_bias.masked_fill_(keys[None, :] >= lens_t[:, None], float("-inf"))
+        else:
+            decode_bias = torch.zeros(b, 0, dtype=dtype, device=device)
+        seqs = []
+        offset = 0
+        for q_start, length, end, nb_used in pieces:
+            bias = None
+            if length > 1 and backend.masks:
+                pos = torch.arange(end - length, end, device=device)
+                causal = torch.arange(end, device=device)[None, :] <= pos[:, None]
+                bias = torch.zeros(length, end, dtype=dtype, device=device)
+                bias = bias.masked_fill_(~causal, float("-inf"))[None, None]
+            seqs.append(SeqSpan(q_start, q_start + length, end,
+                                piece_t[offset:offset + nb_used], bias))
+            offset += nb_used
+        state = backend.step_state(own_t, spans, block_size, num_blocks, device)
+        return cls(slots_t, b, blocks_t, decode_bias[:, None, None, :], lens_t, tuple(seqs),
+                   False, gather, backend, state, inputs_t)
 
 
 def decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -227,8 +335,11 @@ def prefill_attention(q: torch.Tensor, cache: torch.Tensor, span: SeqSpan) -> to
     length = span.context_len
     keys = cache[0].index_select(0, span.blocks).view(-1, n_kv, hd)[:length].transpose(0, 1)
     values = cache[1].index_select(0, span.blocks).view(-1, n_kv, hd)[:length].transpose(0, 1)
+    # On CPU always (the path the batch-invariance tests pin); elsewhere only with real groups:
+    # CUDA's fused kernels may refuse the flag even for equal head counts.
+    gqa = q.device.type == "cpu" or q.shape[1] != n_kv
     out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None],
-                                         attn_mask=span.bias, enable_gqa=True)   # [1, H, q, hd]
+                                         attn_mask=span.bias, enable_gqa=gqa)    # [1, H, q, hd]
     return out[0].transpose(0, 1)
 
 

@@ -1,4 +1,4 @@
-"""Assemble an engine from a model file: weights, tokenizer, KV cache, pool, executor, loop."""
+"""Assemble an engine from a model: weights, tokenizer, KV cache, pool, executor, loop, on a device."""
 
 from __future__ import annotations
 
@@ -14,26 +14,35 @@ import torch
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig
 from engine.executor import ModelExecutor
-from engine.kv_cache import KVCache
+from engine.kv_cache import KVCache, device_pool_size
 from engine.loop import Engine
 from engine.model.llama import ModelArgs, Transformer
-from engine.model.weights import default_gguf_path, load_gguf, open_gguf
+from engine.model.weights import load_gguf, load_safetensors, open_gguf, random_shape, random_weights
 from engine.request import Request, SamplingParams
 from engine.scheduler import CostModel
-from engine.tokenizer import Tokenizer
-from genserve.model_name import DEFAULT_MODEL_NAME
+from engine.tokenizer import ByteTokenizer, Tokenizer
+from genserve.model_source import ModelSource, parse_model_source
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
 class LoadedEngine:
-    """An engine ready to start, with what the service needs to talk about it."""
+    """An engine ready to start, with what the service needs to talk about it.
+
+    Attributes:
+        engine: the stopped engine.
+        tokenizer: the model's tokenizer.
+        args: the model's shape.
+        model_name: the name the service reports.
+        source: the `--model` it was loaded from (None when built otherwise, e.g. in tests).
+    """
 
     engine: Engine
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | ByteTokenizer
     args: ModelArgs
     model_name: str
+    source: ModelSource | None = None
 
 
 def set_threads(config: EngineConfig) -> int:
@@ -68,37 +77,141 @@ def threads_bound(env: Mapping[str, str]) -> str | None:
     return None
 
 
-def build_engine(config: EngineConfig, gguf_path: str | pathlib.Path | None = None,
-                 model_name: str = DEFAULT_MODEL_NAME, calibrate: bool = True) -> LoadedEngine:
-    """Load the GGUF model (the embedded SmolLM2 by default) and build a stopped engine.
+def resolve_device(name: str) -> torch.device:
+    """The torch device of `EngineConfig.device`: "auto" is CUDA when torch sees a CUDA device.
 
-    The pool holds `config.num_blocks` blocks, or as many as `config.kv_pool_bytes` allows.
-    With `calibrate`, a short warm-up measures the per-token costs admission control uses.
-    Raises FileNotFoundError when the model file is missing.
+    Raises:
+        ValueError: "cuda" was asked for and torch sees no CUDA device (the message says why:
+            a CPU-only torch build, or no device visible).
+    """
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        why = "this torch has no CUDA support" if torch.version.cuda is None else "no CUDA device is visible"
+        raise ValueError(f"--device cuda: {why} (torch {torch.__version__}); use --device cpu")
+    return torch.device(name)
+
+
+def load_weights(source: ModelSource, dtype: torch.dtype, device: torch.device
+                 ) -> tuple[ModelArgs, dict[str, torch.Tensor], Tokenizer | ByteTokenizer]:
+    """The model `source` names: its shape, its state dict on `device` in `dtype`, its tokenizer.
+
+    The embedded or another GGUF: dequantized (`load_gguf`) with its own tokenizer; a checkpoint
+    directory: `load_safetensors` and `Tokenizer.from_hf_dir`; a random model: `random_weights`
+    drawn on the device and a `ByteTokenizer`. A tied model's output matrix stays the embedding's
+    tensor.
+
+    Raises:
+        FileNotFoundError: the model file, `config.json`, the shards or `tokenizer.json` are missing.
+        ValueError / KeyError: see the loaders.
+    """
+    if source.kind == "random":
+        args = random_shape(source.shape)
+        state = random_weights(args, dtype, device, seed=source.seed)
+        return args, state, ByteTokenizer(args.vocab_size)
+    if source.kind == "safetensors":
+        args, state = load_safetensors(source.path, dtype, device)
+        return args, state, Tokenizer.from_hf_dir(source.path, args.vocab_size)
+    reader = open_gguf(source.path)    # parse the header (≈ 100k tokenizer strings) once
+    args, state = load_gguf(reader)
+    # fp32 as dequantized (the network casts the matrices and keeps the norms in fp32); moved by
+    # identity, so a tied matrix moves once
+    moved: dict[int, torch.Tensor] = {}
+    for name, tensor in state.items():
+        if id(tensor) not in moved:
+            moved[id(tensor)] = tensor.to(device)
+        state[name] = moved[id(tensor)]
+    return args, state, Tokenizer.from_gguf(reader)
+
+
+def build_engine(config: EngineConfig, model: str | pathlib.Path | None = None,
+                 model_name: str | None = None, calibrate: bool = True) -> LoadedEngine:
+    """Load the model `model` names (`genserve.model_source`; None: the embedded SmolLM2 GGUF)
+    on `config.device` and build a stopped engine.
+
+    `config.max_context` is lowered (in place, logged) to the model's positions when above them.
+    The KV pool holds `config.num_blocks` blocks; else, on CUDA, what the device's free memory
+    after the weights and `config.activation_reserve_bytes` holds (`kv_cache.kv_pool_size`); else
+    what `config.kv_pool_bytes` holds. The block count is logged. With `calibrate`, a short
+    warm-up measures the per-token costs admission control uses.
+
+    Args:
+        config: engine dials (device, dtype, pool).
+        model: a `--model` value.
+        model_name: the name to report; None: the model's own (`ModelSource.served_name`).
+        calibrate: measure the per-token costs before returning.
+
+    Raises:
+        FileNotFoundError: the model's files are missing.
+        ValueError: a bad `--model` value, CUDA asked for but absent, or a pool of < 2 blocks.
     """
     set_threads(config)
-    path = pathlib.Path(gguf_path) if gguf_path else default_gguf_path()
-    reader = open_gguf(path)          # parse the header (≈ 100k tokenizer strings) once
-    args, state = load_gguf(reader)
-    engine = engine_from_weights(config, args, state)
-    del state
-    tokenizer = Tokenizer.from_gguf(reader)
+    source = parse_model_source(model)
+    device = resolve_device(config.device)
+    dtype = getattr(torch, config.dtype)
+    args, state, tokenizer = load_weights(source, dtype, device)
+    if config.max_context > args.max_context:
+        # positions past the model's RoPE table do not exist (Llama-2-7B: 4,096)
+        log.warning("--max-context %d is more than %s's %d positions; serving %d", config.max_context,
+                    source.served_name, args.max_context, args.max_context)
+        config.max_context = args.max_context
+    network = model_from_weights(args, state, dtype, device)
+    state.clear()                      # frees the unfused Q/K/V and gate/up matrices before sizing the pool
+    engine = engine_from_model(config, network)
     if calibrate:
         engine.scheduler.cost = measure_costs(engine)
         engine.executor.cost_model = engine.scheduler.cost
         engine.calibrate_costs = True
-    return LoadedEngine(engine, tokenizer, args, model_name)
+    return LoadedEngine(engine, tokenizer, args, model_name or source.served_name, source)
+
+
+def model_from_weights(args: ModelArgs, state: dict[str, torch.Tensor], dtype: torch.dtype,
+                       device: torch.device | str = "cpu") -> Transformer:
+    """The network over `state` (loader names) in `dtype` on `device`, with its buffers there too."""
+    model = Transformer.from_state_dict(args, state, dtype)
+    return model.to(device)
+
+
+def kv_pool_blocks(config: EngineConfig, args: ModelArgs, dtype: torch.dtype,
+                   device: torch.device) -> int:
+    """Blocks of the KV pool: `config.num_blocks`; else on CUDA the device's free memory now minus
+    `config.activation_reserve_bytes` (call it once the weights are on the device); else
+    `config.kv_pool_bytes`. Logs the count and its arithmetic.
+
+    Raises:
+        ValueError: fewer than 2 blocks fit.
+    """
+    if config.num_blocks:
+        log.info("KV pool: %d blocks of %d tokens (--num-blocks)", config.num_blocks, config.block_size)
+        return config.num_blocks
+    if device.type == "cuda":
+        size = device_pool_size(args, config.block_size, dtype, device, config.activation_reserve_bytes)
+        log.info("%s", size.describe())
+        return size.num_blocks
+    n = KVCache.num_blocks_for_budget(args, config.block_size, dtype, config.kv_pool_bytes)
+    log.info("KV pool: %d blocks of %d tokens (%d tokens; --kv-pool-gib %.2f)", n, config.block_size,
+             n * config.block_size, config.kv_pool_bytes / 1024**3)
+    return n
+
+
+def engine_from_model(config: EngineConfig, model: Transformer) -> Engine:
+    """A stopped engine over `model`, its KV pool on the model's device (sized by `kv_pool_blocks`)."""
+    device = model.output.device
+    num_blocks = kv_pool_blocks(config, model.args, model.dtype, device)
+    kv = KVCache(model.args, num_blocks, config.block_size, model.dtype, device)
+    # genserve's CPU kernels take bf16 or fp32 only; fp16 on the CPU runs the torch ops
+    kernels = False if model.dtype == torch.float16 else None
+    return Engine(config, ModelExecutor(model, kv, kernels=kernels),
+                  BlockPool(num_blocks, config.block_size))
 
 
 def engine_from_weights(config: EngineConfig, args: ModelArgs,
                         state: dict[str, torch.Tensor]) -> Engine:
-    """A stopped engine over `state` (loader names) in `config.dtype`, KV pool sized by config."""
+    """A stopped engine over `state` (loader names) in `config.dtype` on `config.device`, KV pool
+    sized by `kv_pool_blocks` (on CUDA, `state` still counts against the free memory)."""
     dtype = getattr(torch, config.dtype)
-    model = Transformer.from_state_dict(args, state, dtype)
-    num_blocks = config.num_blocks or KVCache.num_blocks_for_budget(
-        args, config.block_size, dtype, config.kv_pool_bytes)
-    kv = KVCache(args, num_blocks, config.block_size, dtype)
-    return Engine(config, ModelExecutor(model, kv), BlockPool(num_blocks, config.block_size))
+    device = resolve_device(config.device)
+    return engine_from_model(config, model_from_weights(args, state, dtype, device))
 
 
 def measure_costs(engine: Engine, rows: int = 32, prompt_len: int = 16,

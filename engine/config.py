@@ -10,7 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 BATCHING_MODES = ("continuous", "continuous_unchunked", "static", "dynamic")
-DTYPES = ("bfloat16", "float32")
+DTYPES = ("bfloat16", "float32", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+POLICIES = ("fixed", "slo")
 
 
 @dataclass(slots=True)
@@ -49,6 +51,24 @@ class EngineConfig:
             "dynamic": as static, but the batch also fires when the oldest queued request has
                 waited `dynamic_window_s`.
         dynamic_window_s: the dynamic batcher's longest wait for a fuller batch, seconds (0.010).
+        device: where the weights, the KV pool and the step run: "cuda", "cpu", or "auto"
+            (default: "cuda" when torch sees a CUDA device, else "cpu").
+        activation_reserve_bytes: on CUDA, device memory kept free for the forward pass's
+            activations, bytes (6 GB, the design's reserve); the KV pool takes the free memory
+            left after the weights and this reserve, unless `num_blocks` is given. Not used on CPU,
+            where `kv_pool_bytes` sizes the pool.
+        policy: how each step is sized (`POLICIES`): "fixed" (default): at most `max_rows` rows and
+            `prefill_chunk` prompt tokens (`prefill_chunk_few_rows` with few rows), the design's
+            caps; "slo": as many rows and prefill pieces as the cost model predicts fit in the
+            TPOT and gap targets (with `batching` "continuous"; the other modes keep the caps).
+        tpot_target_ms: the TPOT target, ms (70, the design's); "slo" keeps every decoding row's
+            time per output token within it.
+        gap_target_ms: the longest gap between two tokens of a stream, ms (100); "slo" never
+            predicts a step longer than it.
+        slo_prefill_share: under "slo", the share of `tpot_target_ms` a new row must leave free for
+            prefill pieces when it joins, and at least one `prefill_piece`'s time (0.2; the
+            simulator's sweep of it is in docs/benchmarks/README.md).
+        slo_row_limit: under "slo", the most rows in one step whatever the model predicts (256).
     """
 
     block_size: int = 16
@@ -70,6 +90,13 @@ class EngineConfig:
     num_threads: int = 0
     batching: str = "continuous"
     dynamic_window_s: float = 0.010
+    device: str = "auto"
+    activation_reserve_bytes: int = 6 * 10**9
+    policy: str = "fixed"
+    tpot_target_ms: float = 70.0
+    gap_target_ms: float = 100.0
+    slo_prefill_share: float = 0.2
+    slo_row_limit: int = 256
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -99,6 +126,19 @@ class EngineConfig:
             raise ValueError(f"batching must be one of {BATCHING_MODES}, got {self.batching!r}")
         if not self.dynamic_window_s >= 0:
             raise ValueError(f"dynamic_window_s must be >= 0, got {self.dynamic_window_s}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.activation_reserve_bytes < 0:
+            raise ValueError(f"activation_reserve_bytes must be >= 0, got {self.activation_reserve_bytes}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if not (self.tpot_target_ms > 0 and self.gap_target_ms >= self.tpot_target_ms):
+            raise ValueError(f"tpot_target_ms must be > 0 and gap_target_ms >= it, got "
+                             f"{self.tpot_target_ms} and {self.gap_target_ms}")
+        if not 0.0 <= self.slo_prefill_share < 1.0:
+            raise ValueError(f"slo_prefill_share must be in [0, 1), got {self.slo_prefill_share}")
+        if not 1 <= self.slo_row_limit <= 4096:
+            raise ValueError(f"slo_row_limit must be in 1..4096, got {self.slo_row_limit}")
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold `num_tokens` tokens (ceil division by block_size)."""

@@ -23,9 +23,10 @@ import typing
 from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
-from engine.config import BATCHING_MODES, DTYPES, EngineConfig
+from engine.config import BATCHING_MODES, DEVICES, DTYPES, EngineConfig
 
 GIB = 1024**3
+GB = 10**9
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,11 +50,18 @@ FLAG_SPELLINGS: typing.Mapping[str, FlagSpelling] = types.MappingProxyType({
     "num_threads": FlagSpelling("--threads"),
     "kv_pool_bytes": FlagSpelling(
         "--kv-pool-gib", scale=GIB,
-        help="memory budget of the paged K/V tensors, GiB (ignored when --num-blocks is given)"),
+        help="memory budget of the paged K/V tensors on CPU, GiB (ignored when --num-blocks is "
+             "given; on CUDA the pool takes the free memory, see --activation-reserve-gb)"),
+    "activation_reserve_bytes": FlagSpelling(
+        "--activation-reserve-gb", scale=GB,
+        help="on CUDA, device memory kept free for the forward pass's activations, GB (10^9 "
+             "bytes); the KV pool takes the free memory left after the weights and this reserve "
+             "unless --num-blocks is given"),
 })
 FLAG_CHOICES: typing.Mapping[str, tuple[str, ...]] = types.MappingProxyType({
     "dtype": DTYPES,
     "batching": BATCHING_MODES,
+    "device": DEVICES,
 })
 
 

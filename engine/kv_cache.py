@@ -1,6 +1,8 @@
-"""The paged K/V tensors, sized from a memory budget."""
+"""The paged K/V tensors, sized from a memory budget or from the device's free memory."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -13,8 +15,110 @@ def bytes_per_block(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int
     For the reference 7B model in fp16 (docs/design.md): 32 × 2 × 16 × 32 × 128 × 2 = 8,388,608 bytes (8.39 MB);
     for SmolLM2-135M in bf16: 30 × 2 × 16 × 3 × 64 × 2 = 368,640 bytes.
     """
-    elem = torch.tensor([], dtype=dtype).element_size()
+    elem = _element_size(dtype)
     return args.n_layers * 2 * block_size * args.n_kv_heads * args.head_dim * elem
+
+
+@dataclass(frozen=True, slots=True)
+class KVPoolSize:
+    """How many blocks a KV pool holds, and the arithmetic behind the number.
+
+    Attributes:
+        memory_bytes: device memory the sizing started from, bytes.
+        weight_bytes: of which the weights take, bytes.
+        reserve_bytes: of which kept for activations, bytes.
+        pool_bytes: memory_bytes − weight_bytes − reserve_bytes, bytes (the pool's budget).
+        bytes_per_token: 2 (K, V) × layers × kv_heads × head_dim × element bytes.
+        block_size: tokens per block.
+        num_blocks: ⌊pool_bytes / (block_size × bytes_per_token)⌋.
+    """
+
+    memory_bytes: int
+    weight_bytes: int
+    reserve_bytes: int
+    pool_bytes: int
+    bytes_per_token: int
+    block_size: int
+    num_blocks: int
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block across all layers: block_size × bytes_per_token."""
+        return self.block_size * self.bytes_per_token
+
+    @property
+    def num_tokens(self) -> int:
+        """Token slots in the pool: num_blocks × block_size."""
+        return self.num_blocks * self.block_size
+
+    def describe(self) -> str:
+        """One line for the start-up log, e.g. "KV pool: 7152 blocks of 16 tokens (114432 tokens,
+        60.00 GB = 80.00 GB − 14.00 GB weights − 6.00 GB reserve; 524288 B per token)"."""
+        gb = 1e9
+        return (f"KV pool: {self.num_blocks} blocks of {self.block_size} tokens ({self.num_tokens} "
+                f"tokens, {self.pool_bytes / gb:.2f} GB = {self.memory_bytes / gb:.2f} GB − "
+                f"{self.weight_bytes / gb:.2f} GB weights − {self.reserve_bytes / gb:.2f} GB reserve; "
+                f"{self.bytes_per_token} B per token)")
+
+
+def kv_pool_size(memory_bytes: int, weight_bytes: int, reserve_bytes: int, *, n_layers: int,
+                 n_kv_heads: int, head_dim: int, dtype_bytes: int, block_size: int) -> KVPoolSize:
+    """Size the KV pool from device memory: what is left after the weights and an activation reserve.
+
+    The design's arithmetic (docs/design.md, "memory"), generalised: an 80 GB GPU, 14 GB of FP16
+    weights (7 × 10^9 parameters × 2 bytes) and a 6 GB reserve leave 60 GB (decimal gigabytes);
+    one token of a 32-layer model with 32 KV heads of size 128 in FP16 takes
+    2 × 32 × 32 × 128 × 2 = 524,288 bytes, a 16-token block 8,388,608 bytes, so the pool holds
+    ⌊60 × 10^9 / 8,388,608⌋ = 7,152 blocks = 114,432 tokens. On a device, pass the free memory
+    measured after the weights were loaded as `memory_bytes` and 0 as `weight_bytes`.
+
+    Args:
+        memory_bytes: device memory available to weights + pool + activations, bytes.
+        weight_bytes: memory the weights take (or will take), bytes.
+        reserve_bytes: memory kept for the forward pass's activations, bytes.
+        n_layers, n_kv_heads, head_dim: the model's shape.
+        dtype_bytes: bytes per cached element (2 for fp16/bf16, 4 for fp32).
+        block_size: tokens per block.
+
+    Returns:
+        The pool's size with its arithmetic (`KVPoolSize`).
+
+    Raises:
+        ValueError: a negative or zero shape value, or fewer than 2 blocks fit (the message gives
+            the arithmetic).
+    """
+    for name, value in (("n_layers", n_layers), ("n_kv_heads", n_kv_heads), ("head_dim", head_dim),
+                        ("dtype_bytes", dtype_bytes), ("block_size", block_size)):
+        if value <= 0:
+            raise ValueError(f"{name} must be positive, got {value}")
+    per_token = 2 * n_layers * n_kv_heads * head_dim * dtype_bytes
+    pool = int(memory_bytes) - int(weight_bytes) - int(reserve_bytes)
+    size = KVPoolSize(int(memory_bytes), int(weight_bytes), int(reserve_bytes), pool, per_token,
+                      block_size, max(pool, 0) // (block_size * per_token))
+    if size.num_blocks < 2:
+        raise ValueError(f"{size.describe()}: fewer than 2 blocks fit; free device memory or lower "
+                         "the activation reserve")
+    return size
+
+
+def device_pool_size(args: ModelArgs, block_size: int, dtype: torch.dtype, device: torch.device,
+                     reserve_bytes: int) -> KVPoolSize:
+    """Size the pool on a CUDA `device` whose weights are already loaded: its free memory now
+    (`torch.cuda.mem_get_info`, after emptying torch's cache) minus `reserve_bytes`.
+
+    Raises:
+        ValueError: fewer than 2 blocks fit, or `device` is not a CUDA device.
+    """
+    if device.type != "cuda":
+        raise ValueError(f"device pool sizing needs a CUDA device, got {device}")
+    torch.cuda.empty_cache()
+    free, _total = torch.cuda.mem_get_info(device)
+    return kv_pool_size(free, 0, reserve_bytes, n_layers=args.n_layers, n_kv_heads=args.n_kv_heads,
+                        head_dim=args.head_dim, dtype_bytes=_element_size(dtype), block_size=block_size)
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.tensor([], dtype=dtype).element_size()
 
 
 class KVCache:
@@ -32,13 +136,15 @@ class KVCache:
         num_blocks: blocks in the pool.
         block_size: tokens per block.
         dtype: element type (bf16 on CPU by default).
+        device: where the pools live (CPU by default).
     """
 
-    def __init__(self, args: ModelArgs, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
+    def __init__(self, args: ModelArgs, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         shape = (2, num_blocks, block_size, args.n_kv_heads, args.head_dim)
-        self.layers = [torch.zeros(shape, dtype=dtype) for _ in range(args.n_layers)]
+        self.layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)]
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy block `src`'s K and V into block `dst` in every layer (copy-on-write)."""

@@ -1,4 +1,8 @@
-"""Per-row sampling: temperature, top-k, top-p, one seeded generator per request."""
+"""Per-row sampling: temperature, top-k, top-p, one seeded generator per request.
+
+Runs on the logits' device; each request's generator must live there too (`make_generator`).
+The only device-to-host copies are the sampled ids (and the logprobs, for rows that ask).
+"""
 
 from __future__ import annotations
 
@@ -10,9 +14,12 @@ import torch
 from engine.request import SamplingParams
 
 
-def make_generator(seed: int | None) -> torch.Generator:
-    """A CPU `torch.Generator` seeded with `seed`, or with 63 random bits when None."""
-    g = torch.Generator()
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """A `torch.Generator` on `device` seeded with `seed`, or with 63 random bits when None.
+
+    The same seed draws different numbers on the CPU and on CUDA (different generators: CPU's
+    Mersenne Twister, CUDA's Philox); on one device a seed always repeats its stream."""
+    g = torch.Generator(device=device)
     g.manual_seed(seed if seed is not None else secrets.randbits(63))
     return g
 
@@ -26,7 +33,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
         logits: fp32 [R, vocab], the model's raw output for the rows that sample.
         params: R sampling settings; temperature 0 means greedy (argmax), top_k <= 0 means off,
             top_p 1 means off.
-        generators: R per-request generators (only consumed by rows with temperature > 0, one
+        generators: R per-request generators on the logits' device (only consumed by rows with temperature > 0, one
             uniform draw per token each, so a request's stream of random numbers does not depend
             on its neighbours).
     Returns:
@@ -61,21 +68,23 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     asked = [row for row, p in enumerate(params) if p.logprobs]
     if not asked:
         return tokens, [None] * len(tokens), top
-    index = torch.tensor(asked, dtype=torch.long)
+    device = logits.device
+    index = torch.tensor(asked, dtype=torch.long, device=device)
     sub = logits[index]                                              # [A, vocab]
     log_z = torch.logsumexp(sub, dim=-1)                             # [A]
-    chosen = torch.tensor([tokens[row] for row in asked], dtype=torch.long)
-    lp = (sub[torch.arange(len(asked)), chosen] - log_z).tolist()
+    chosen = torch.tensor([tokens[row] for row in asked], dtype=torch.long, device=device)
+    lp = (sub[torch.arange(len(asked), device=device), chosen] - log_z).tolist()
     logprobs: list[float | None] = [None] * len(tokens)
     for row, value in zip(asked, lp):
         logprobs[row] = max(value, -1e30)
     k_max = max((params[row].top_logprobs for row in asked), default=0)
     if k_max:
         values, ids = torch.topk(sub, k_max, dim=-1)
-        values = values - log_z[:, None]
+        values = (values - log_z[:, None]).tolist()                  # one copy to the host
+        ids = ids.tolist()
         for j, row in enumerate(asked):
             k = params[row].top_logprobs
-            top[row] = [(int(i), max(float(v), -1e30)) for i, v in zip(ids[j, :k], values[j, :k])]
+            top[row] = [(int(i), max(float(v), -1e30)) for i, v in zip(ids[j][:k], values[j][:k])]
     return tokens, logprobs, top
 
 
@@ -101,16 +110,17 @@ def keep_top_p_(w: torch.Tensor, rows: list[int], top_ps: list[float]) -> None:
     pending = list(range(len(rows)))
     while pending:
         sub_rows = [rows[j] for j in pending]
-        p = torch.tensor([top_ps[j] for j in pending], dtype=w.dtype)[:, None]
+        p = torch.tensor([top_ps[j] for j in pending], dtype=w.dtype, device=w.device)[:, None]
         values, ids = torch.topk(w[sub_rows], k, dim=-1)                      # [P, k], sorted
         before = values.cumsum(dim=-1) - values                               # mass before each
         done = (before[:, -1:] >= p)[:, 0] | (k == vocab)     # the nucleus ends inside the top k
-        kept = torch.zeros(len(pending), vocab, dtype=w.dtype)
+        kept = torch.zeros(len(pending), vocab, dtype=w.dtype, device=w.device)
         kept.scatter_(1, ids, torch.where(before < p, values, 0.0))
-        finished = done.nonzero()[:, 0].tolist()
+        done_rows = done.tolist()                                             # one copy per pass
+        finished = [j for j, d in enumerate(done_rows) if d]
         if finished:
             w[[sub_rows[j] for j in finished]] = kept[finished]
-        pending = [pending[j] for j in range(len(pending)) if not done[j]]
+        pending = [pending[j] for j in range(len(pending)) if not done_rows[j]]
         k = min(8 * k, vocab)
 
 
@@ -120,7 +130,7 @@ def _draw(logits: torch.Tensor, params: Sequence[SamplingParams],
     x = logits if len(rows) == logits.shape[0] else logits[rows]                # [S, vocab]
     temps = [max(params[r].temperature, 1e-6) for r in rows]
     if any(t != 1.0 for t in temps):
-        x = x / torch.tensor(temps, dtype=x.dtype)[:, None]
+        x = x / torch.tensor(temps, dtype=x.dtype, device=x.device)[:, None]
     vocab = x.shape[-1]
     by_k: dict[int, list[int]] = {}
     for i, r in enumerate(rows):
@@ -142,11 +152,12 @@ def _draw(logits: torch.Tensor, params: Sequence[SamplingParams],
     chunks = w.view(w.shape[0], -1, CHUNK)                                      # [S, C, CHUNK]
     mass = chunks.sum(dim=-1)                                                   # [S, C]
     cum = mass.cumsum(dim=-1)
-    u = torch.cat([torch.rand(1, generator=generators[r], dtype=w.dtype) for r in rows])
+    u = torch.cat([torch.rand(1, generator=generators[r], dtype=w.dtype, device=w.device)
+                   for r in rows])
     target = u * cum[:, -1]
     c = torch.searchsorted(cum, target[:, None], right=True)[:, 0].clamp_(max=cum.shape[1] - 1)
     before = torch.where(c > 0, cum.gather(1, (c - 1).clamp(min=0)[:, None])[:, 0], 0.0)
     frac = ((target - before) / mass.gather(1, c[:, None])[:, 0]).clamp_(0.0, 1.0 - 2.0 ** -24)
-    inner = chunks[torch.arange(len(rows)), c].cumsum(dim=-1)                   # [S, CHUNK]
+    inner = chunks[torch.arange(len(rows), device=w.device), c].cumsum(dim=-1)                   # [S, CHUNK]
     j = torch.searchsorted(inner, (frac * inner[:, -1])[:, None], right=True)[:, 0]
     return (c * CHUNK + j.clamp_(max=CHUNK - 1)).tolist()

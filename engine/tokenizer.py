@@ -18,10 +18,15 @@ This module rebuilds the Hugging Face ``tokenizers`` pipeline from them:
 * decoder: the byte map reversed.
 
 No BOS is added (the file says ``add_bos_token = false``).
+
+``Tokenizer.from_hf_dir`` reads a Hugging Face checkpoint's ``tokenizer.json`` instead (byte-level
+BPE as above, or SentencePiece-style BPE as Llama-2's, with ``▁`` for a space and ``<0xNN>`` byte
+tokens). ``ByteTokenizer`` is the byte-level fallback of random-initialised models.
 """
 
 from __future__ import annotations
 
+import json
 import pathlib
 from collections.abc import Iterable
 from functools import lru_cache
@@ -184,6 +189,89 @@ class Tokenizer:
                    chat_template=meta("tokenizer.chat_template"),
                    add_bos_token=bool(meta("tokenizer.ggml.add_bos_token")))
 
+    @classmethod
+    def from_hf_dir(cls, directory: str | pathlib.Path, vocab_size: int | None = None) -> "Tokenizer":
+        """Read a Hugging Face checkpoint's tokenizer: ``tokenizer.json`` (the ``tokenizers``
+        library's file), special ids from ``config.json``, the chat template from
+        ``tokenizer_config.json`` when present.
+
+        Token bytes: with a ``ByteLevel`` decoder (GPT-2 style), the byte map reversed; otherwise
+        SentencePiece style: ``<0xNN>`` is byte NN and ``▁`` (U+2581) a space. Special tokens are
+        the file's added tokens marked ``special``; they add no text to a stream. A BOS is
+        prepended by :meth:`encode` when the file's post-processor adds one (Llama-2's does).
+
+        Args:
+            directory: holds ``tokenizer.json`` (and ``config.json``).
+            vocab_size: the model's vocabulary when larger than the tokenizer's (padded embedding
+                rows): the extra ids stand for no bytes. None: the tokenizer's own size.
+
+        Raises:
+            FileNotFoundError: no ``tokenizer.json`` in ``directory``.
+            ValueError: the tokenizer has more ids than ``vocab_size``.
+        """
+        directory = pathlib.Path(directory)
+        path = directory / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no tokenizer.json in {directory}")
+        tk = _HFTokenizer.from_file(str(path))
+        spec = json.loads(path.read_text(encoding="utf-8"))
+        n = tk.get_vocab_size(with_added_tokens=True)
+        size = n if vocab_size is None else vocab_size
+        if size < n:
+            raise ValueError(f"{path}: {n} token ids, more than the model's vocabulary of {size}")
+
+        def read(name: str) -> dict:
+            f = directory / name
+            return json.loads(f.read_text(encoding="utf-8")) if f.is_file() else {}
+
+        config, tok_config = read("config.json"), read("tokenizer_config.json")
+
+        def special_id(key: str) -> int | None:
+            value = config.get(key)
+            value = value[0] if isinstance(value, list) and value else value
+            return int(value) if isinstance(value, int) and 0 <= value < size else None
+
+        bos, eos = special_id("bos_token_id"), special_id("eos_token_id")
+        special = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
+        byte_level = '"ByteLevel"' in json.dumps(spec.get("decoder"))
+        byte_decoder = {c: b for b, c in bytes_to_unicode().items()}
+        token_bytes: list[bytes] = []
+        for i in range(size):
+            token = tk.id_to_token(i) if i < n else None
+            if token is None:
+                token_bytes.append(b"")
+            elif i in special:
+                token_bytes.append(token.encode("utf-8"))
+            elif byte_level and set(token) <= byte_decoder.keys():
+                token_bytes.append(bytes(byte_decoder[c] for c in token))
+            elif not byte_level and len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+                token_bytes.append(bytes([int(token[3:5], 16)]))
+            else:
+                token_bytes.append(token.replace("\u2581", " ").encode("utf-8"))
+        with_bos = tk.encode("a", add_special_tokens=True).ids
+        add_bos = bos is not None and len(with_bos) > 1 and with_bos[0] == bos
+        types = [TOKEN_CONTROL if i in special else TOKEN_NORMAL for i in range(size)]
+        template = tok_config.get("chat_template")
+        return cls._from_parts(tk, token_bytes, types, bos_token_id=bos, eos_token_id=eos,
+                               chat_template=template if isinstance(template, str) else None,
+                               add_bos_token=add_bos)
+
+    @classmethod
+    def _from_parts(cls, tk: _HFTokenizer, token_bytes: list[bytes], token_types: list[int], *,
+                    bos_token_id: int | None, eos_token_id: int | None, chat_template: str | None,
+                    add_bos_token: bool) -> "Tokenizer":
+        self = cls.__new__(cls)
+        self.vocab_size = len(token_bytes)
+        self.add_bos_token = add_bos_token
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        self.chat_template = chat_template
+        self._bos = [bos_token_id] if add_bos_token and bos_token_id is not None else []
+        self._types = token_types
+        self._bytes = token_bytes
+        self._tk = tk
+        return self
+
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``. No BOS is added unless the file says so (SmolLM2 does not).
         Control-token text such as ``<|im_end|>`` becomes its single id (as in transformers and
@@ -224,6 +312,65 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str:
         """The vocabulary string of ``token_id`` (byte-alphabet spelling, e.g. ``ĠParis``)."""
         return self._tk.id_to_token(token_id)
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+
+class ByteTokenizer:
+    """The tokenizer of a random-initialised model: token id i stands for the byte i mod 256.
+
+    Text encodes to its UTF-8 bytes (ids 0..255); any id of the model's vocabulary decodes (ids
+    from 256 up repeat the byte table), so whatever a random model samples streams as bytes.
+    No special tokens, no BOS, no EOS: a request runs to its max_tokens. The same interface as
+    :class:`Tokenizer` (what the service, the detokenizer and validation use).
+
+    Args:
+        vocab_size: the model's vocabulary, at least 256.
+
+    Raises:
+        ValueError: ``vocab_size`` below 256.
+    """
+
+    bos_token_id = None
+    eos_token_id = None
+    chat_template = None
+    add_bos_token = False
+
+    def __init__(self, vocab_size: int) -> None:
+        if vocab_size < 256:
+            raise ValueError(f"a byte-level tokenizer needs a vocabulary of >= 256, got {vocab_size}")
+        self.vocab_size = vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        """The UTF-8 bytes of ``text`` as ids 0..255."""
+        return list(text.encode("utf-8"))
+
+    def encode_batch(self, texts: Iterable[str]) -> list[list[int]]:
+        """``[encode(t) for t in texts]``."""
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        """The bytes of ``ids`` as UTF-8 text, invalid sequences as U+FFFD."""
+        return b"".join(self.token_bytes(i) for i in ids).decode("utf-8", errors="replace")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The byte ``token_id`` mod 256 stands for.
+
+        Raises:
+            IndexError: ``token_id`` outside ``0 .. vocab_size - 1``.
+        """
+        if not 0 <= token_id < self.vocab_size:
+            raise IndexError(f"token id {token_id} outside 0..{self.vocab_size - 1}")
+        return bytes([token_id % 256])
+
+    def is_special(self, token_id: int) -> bool:
+        """Always False: a byte-level vocabulary has no control tokens."""
+        return False
+
+    def id_to_token(self, token_id: int) -> str:
+        """The byte as ``<0xNN>``."""
+        return f"<0x{token_id % 256:02X}>"
 
     def __len__(self) -> int:
         return self.vocab_size

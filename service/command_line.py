@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from engine.config import EngineConfig
 from engine.config_cli import add_engine_config_args, engine_config_argv, engine_config_from_args
 from genserve.model_name import DEFAULT_MODEL_NAME
+from genserve.model_source import RANDOM_SHAPES, parse_model_source
 
 DRAIN_GRACE_S = 30.0          # SIGTERM: how long open streams may run on, seconds
 
@@ -25,7 +26,9 @@ class ProcessOptions:
     """Settings of one engine process that are not engine dials.
 
     Attributes:
-        model_path: GGUF file to serve (None: the embedded model, DEFAULT_MODEL_NAME).
+        model_path: the model to serve, a `--model` value (`genserve.model_source`: a GGUF file,
+            a Hugging Face safetensors directory, or random:SHAPE[:seed=N]; None: the embedded
+            model, DEFAULT_MODEL_NAME).
         metrics_port: port of the engine's Prometheus /metrics (None: not served).
         drain_grace_s: on SIGTERM, seconds open streams may run on before they are ended.
     """
@@ -57,7 +60,10 @@ def add_engine_args(parser: argparse.ArgumentParser, *,
     """
     group = parser.add_argument_group("engine process")
     group.add_argument("--model", dest="model_path", default=None, metavar="PATH",
-                       help=f"GGUF file to serve. Default: the embedded {DEFAULT_MODEL_NAME}.")
+                       help="the model to serve: a GGUF file, a Hugging Face Llama checkpoint "
+                            "directory (config.json, *.safetensors, tokenizer.json), or "
+                            f"random:SHAPE[:seed=N] (random weights; SHAPE one of {', '.join(RANDOM_SHAPES)}). "
+                            f"Nothing is downloaded. Default: the embedded {DEFAULT_MODEL_NAME}.")
     group.add_argument("--metrics-port", type=int, default=metrics_port, metavar="PORT",
                        help="serve the engine's Prometheus metrics on this port. Default: "
                             + ("off." if metrics_port is None else "%(default)s."))
@@ -78,7 +84,12 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def options_from_args(args: argparse.Namespace) -> ProcessOptions:
-    """The ProcessOptions given by the flags of `add_engine_args`."""
+    """The ProcessOptions given by the flags of `add_engine_args`.
+
+    Raises:
+        ValueError: --model is not a valid spelling (`genserve.model_source.parse_model_source`).
+    """
+    parse_model_source(args.model_path)
     return ProcessOptions(model_path=args.model_path, metrics_port=args.metrics_port,
                           drain_grace_s=args.drain_grace_s)
 

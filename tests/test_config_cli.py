@@ -24,7 +24,9 @@ NON_DEFAULT = EngineConfig(
     prefill_chunk_few_rows=2048, max_context=4096, max_new_tokens=500,
     kv_pool_bytes=3 * GIB + 12_345, num_blocks=100, free_margin=0.1, per_key_rows=4,
     queue_budget_s=3.5, output_token_weight=6.25, default_deadline_s=60.0, dtype="float32",
-    num_threads=3, batching="dynamic", dynamic_window_s=0.02)
+    num_threads=3, batching="dynamic", dynamic_window_s=0.02, device="cpu",
+    activation_reserve_bytes=2_500_000_000, policy="slo", tpot_target_ms=50.0, gap_target_ms=80.0,
+    slo_prefill_share=0.3, slo_row_limit=128)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -91,9 +93,11 @@ def test_choices_are_enforced(capsys):
     flags = {f.field: f for f in engine_flags()}
     assert flags["dtype"].choices == DTYPES
     assert flags["batching"].choices == BATCHING_MODES
-    with pytest.raises(SystemExit):
-        parse(["--dtype", "float16"])
-    assert "invalid choice" in capsys.readouterr().err
+    assert flags["device"].choices == ("auto", "cpu", "cuda")
+    for flag, value in (("--dtype", "float8"), ("--device", "tpu")):
+        with pytest.raises(SystemExit):
+            parse([flag, value])
+        assert "invalid choice" in capsys.readouterr().err
 
 
 def test_invalid_values_raise_the_configs_error():

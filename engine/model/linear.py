@@ -70,7 +70,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
     row whose low bits differ from the many-row kernel's on some inputs (seen on real
     down-projection inputs of SmolLM2, not on random ones; every M >= 2 agrees), so there a
     one-row input is doubled: a decode step of 1 row computes exactly what the same row computes
-    inside a batch of 32.
+    inside a batch of 32. On other devices the product is `F.linear` (cuBLAS on CUDA), whose
+    rows may depend on M (its kernel choice does); docs/gpu.md says how that is checked.
 
     Args:
         x: [M, in_features]; weight: [out_features, in_features], same dtype; packed: None or
@@ -82,7 +83,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
         return onednn_tiled(x, packed.tensor, packed.tile_rows)
     if packed is not None and packed.k_chunk and x.shape[0] <= packed.max_rows:
         return torch.ops.genserve.packed_linear(x.contiguous(), packed.tensor, packed.k_chunk)
-    one_row = x.shape[0] == 1
+    one_row = x.shape[0] == 1 and x.device.type == "cpu"     # a oneDNN quirk (above)
     if one_row:
         x = torch.cat([x, x])
     if packed is not None:

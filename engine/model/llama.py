@@ -111,7 +111,7 @@ class Attention(nn.Module):
         qkv = linear(x, self.wqkv, self.wqkv_packed)                     # x: [T, dim]
         q = ops.rope_store_kv(qkv, rope, positions, cache, meta.slots,   # [T, H, hd]; K, V stored
                               self.n_heads, self.n_kv)
-        o = attend(q, cache, meta)
+        o = attend(q, cache, meta) if meta.backend is None else meta.backend.attend(q, cache, meta)
         return linear(o.reshape(x.shape[0], -1), self.wo, self.wo_packed)             # [T, dim]
 
 
@@ -181,16 +181,19 @@ class Transformer(nn.Module):
 
     @classmethod
     def from_state_dict(cls, args: ModelArgs, state: dict[str, torch.Tensor],
-                        dtype: torch.dtype) -> "Transformer":
+                        dtype: torch.dtype, device: torch.device | str | None = None) -> "Transformer":
         """Build from loader names (`layers.{i}.attention.wq.weight` ...; see weights.py).
 
         Q, K, V are concatenated into `wqkv` [(H + 2·KVH)·hd, dim] (Q and K rows reordered for
         interleaved RoPE, see `rope_tables`; attention scores are unchanged since q and k share
         the order) and gate, up into `w13` [2·ffn, dim]. Norm weights stay fp32 (they scale fp32
-        activations); the RoPE table stays complex64. Raises KeyError on a missing tensor.
+        activations); the RoPE table stays complex64. Every tensor goes to `device` (None: where
+        the loader's output weight is; packed copies exist on the CPU only, see `pack`). Raises
+        KeyError on a missing tensor.
         """
         with torch.device("meta"):
             model = cls(args)
+        device = state["output.weight"].device if device is None else torch.device(device)
         fused: dict[str, torch.Tensor] = {
             "tok_embeddings.weight": state["tok_embeddings.weight"],
             "norm.weight": state["norm.weight"],
@@ -208,22 +211,26 @@ class Transformer(nn.Module):
             fused[p + "feed_forward.w2"] = state[p + "feed_forward.w2.weight"]
             for norm in ("attention_norm", "ffn_norm"):
                 fused[p + norm + ".weight"] = state[p + norm + ".weight"]
-        fused = {k: (t.float() if k.endswith("norm.weight") else t.to(dtype)).contiguous()
+        fused = {k: (t.float() if k.endswith("norm.weight") else t.to(dtype)).to(device).contiguous()
                  for k, t in fused.items()}
         model.load_state_dict(fused, strict=False, assign=True)
-        model.rope_freqs = rope_tables(args)
+        model.rope_freqs = rope_tables(args).to(device)
         model = model.eval().requires_grad_(False)
         model.pack()
         return model
 
     def pack(self) -> None:
         """Attach packed copies of every matrix (bf16 on CPU only; see `linear.pack_weights`)
-        and, when every block matrix packed, `decode_weights`: what the C++ decode loop takes."""
+        and, when every block matrix packed, `decode_weights`: what the C++ decode loop takes.
+        On another device every packed copy is None (the products run `F.linear`); call it again
+        after moving the model."""
         attn = [layer.attention for layer in self.layers]
         ffn = [layer.feed_forward for layer in self.layers]
         owners = ([(a, "wqkv") for a in attn] + [(a, "wo") for a in attn] + [(f, "w13") for f in ffn]
                   + [(f, "w2") for f in ffn] + [(self, "output")])
-        packed = pack_weights([getattr(module, name) for module, name in owners])
+        weights = [getattr(module, name) for module, name in owners]
+        on_cpu = all(w.device.type == "cpu" for w in weights)
+        packed = pack_weights(weights) if on_cpu else [None] * len(weights)
         for (module, name), p in zip(owners, packed):
             setattr(module, name + "_packed", p)
         self.decode_weights = DecodeWeights.from_model(self)

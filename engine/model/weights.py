@@ -1,6 +1,7 @@
-"""Weight loaders: the embedded GGUF (SmolLM2-135M-Instruct, Q4_1) and Hugging Face safetensors.
+"""Weight loaders: the embedded GGUF (SmolLM2-135M-Instruct, Q4_1) and Hugging Face safetensors;
+and random weights of a named shape (``random_shape``, ``random_weights``) for benchmarks.
 
-Both loaders return ``(ModelArgs, state_dict)`` with one naming scheme, the torch ``nn.Linear``
+Both loaders (and ``random_weights``) return ``(ModelArgs, state_dict)`` with one naming scheme, the torch ``nn.Linear``
 convention (weight shape ``[out_features, in_features]``) and the Hugging Face Llama row layout
 (RoPE by ``rotate_half``: within a head, the first ``head_dim / 2`` rows are the real parts, the
 last ``head_dim / 2`` the imaginary parts):
@@ -246,8 +247,8 @@ def load_gguf(source: "str | pathlib.Path | gguf.GGUFReader | None" = None,
     return args, state
 
 
-def load_safetensors(directory: str | pathlib.Path,
-                     dtype: torch.dtype = torch.bfloat16) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
+def load_safetensors(directory: str | pathlib.Path, dtype: torch.dtype = torch.bfloat16,
+                     device: torch.device | str = "cpu") -> tuple[ModelArgs, dict[str, torch.Tensor]]:
     """Read a Hugging Face Llama checkpoint (``config.json`` + ``*.safetensors``, e.g. Llama-2-7B).
 
     HF names (``model.layers.N.self_attn.q_proj.weight`` ...) are mapped to ours (module
@@ -259,6 +260,8 @@ def load_safetensors(directory: str | pathlib.Path,
     Args:
         directory: holds ``config.json`` and one or more ``*.safetensors`` shards.
         dtype: floating dtype of every returned tensor.
+        device: where the returned tensors live (each shard tensor is read on the CPU and moved
+            there one at a time, so the host holds one tensor at a time beyond the page cache).
 
     Returns:
         ``(args, state_dict)``; with ``tie_word_embeddings`` (``lm_head.weight`` then ignored),
@@ -293,7 +296,7 @@ def load_safetensors(directory: str | pathlib.Path,
         with safe_open(str(shard), framework="pt") as f:
             for key in f.keys():
                 if key in wanted:
-                    state[wanted[key]] = f.get_tensor(key).to(dtype)
+                    state[wanted[key]] = f.get_tensor(key).to(device=device, dtype=dtype)
     if args.tie_embeddings and "tok_embeddings.weight" in state:
         state["output.weight"] = state["tok_embeddings.weight"]  # a tied checkpoint may omit lm_head
     missing = sorted(hf for hf, ours in wanted.items() if ours not in state)
@@ -356,3 +359,59 @@ def _check_shapes(args: ModelArgs, state: dict[str, torch.Tensor], source: str) 
         if tuple(state[name].shape) != shape:
             raise ValueError(f"{source}: {name} has shape {tuple(state[name].shape)}, "
                              f"expected {shape} from the metadata")
+
+
+def random_shape(name: str) -> ModelArgs:
+    """The ``ModelArgs`` of a random model's shape name (``genserve.model_source.RANDOM_SHAPES``).
+
+    "llama-2-7b" and "smollm2-135m" are ``ModelArgs.llama2_7b()`` / ``smollm2_135m()``; "tiny"
+    (2 layers, dim 128, 4 query heads and 2 KV heads of 32, SwiGLU 256, vocabulary 512) is for
+    CPU dry runs and tests.
+
+    Raises:
+        ValueError: an unknown name (the message lists the known ones).
+    """
+    shapes = {
+        "llama-2-7b": ModelArgs.llama2_7b,
+        "smollm2-135m": ModelArgs.smollm2_135m,
+        "tiny": lambda: ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=256,
+                                  vocab_size=512, max_context=4096, rope_theta=10000.0, norm_eps=1e-5),
+    }
+    if name not in shapes:
+        raise ValueError(f"unknown random model shape {name!r}; one of {', '.join(shapes)}")
+    return shapes[name]()
+
+
+def random_weights(args: ModelArgs, dtype: torch.dtype = torch.bfloat16,
+                   device: torch.device | str = "cpu", seed: int = 0,
+                   std: float = 0.02) -> dict[str, torch.Tensor]:
+    """A random-initialised state dict of shape ``args`` (loader names, module docstring table).
+
+    Matrices are drawn from N(0, ``std``²) (0.02: transformers' ``initializer_range`` default for
+    Llama), norm weights are ones, each tensor drawn directly on ``device`` by one generator seeded
+    with ``seed``, in ``expected_shapes`` order: the same seed on the same device gives the same
+    weights. A tied shape shares ``tok_embeddings.weight`` as ``output.weight``. Llama-2-7B in fp16
+    takes 13.5 GB.
+
+    Args:
+        args: the model's shape.
+        dtype: floating dtype of every tensor.
+        device: where the tensors are created.
+        seed: the generator's seed.
+        std: standard deviation of the matrices' entries.
+
+    Returns:
+        The state dict, as :func:`load_safetensors` returns it.
+    """
+    device = torch.device(device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    state: dict[str, torch.Tensor] = {}
+    for name, shape in expected_shapes(args):
+        if name == "output.weight" and args.tie_embeddings:
+            state[name] = state["tok_embeddings.weight"]
+        elif name.endswith("norm.weight"):
+            state[name] = torch.ones(shape, dtype=dtype, device=device)
+        else:
+            w = torch.empty(shape, dtype=dtype, device=device)
+            state[name] = w.normal_(0.0, std, generator=generator)
+    return state
