@@ -29,41 +29,11 @@ from dataclasses import dataclass
 
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig
+from engine.cost_model import CostModel, StepFeatures, piece_pairs
 from engine.request import FinishReason, KeyUsage, Request, RequestState
 from engine.step import SampledTokens, Segment, StepPlan, TokenEvent
 
-
-@dataclass(slots=True)
-class CostModel:
-    """Device cost per token used for admission control, in milliseconds.
-
-    Defaults are the reference deployment's assumptions for a 7B model on one 80 GB GPU
-    (docs/design.md, "The numbers"): prefill at 10,000 tokens/s (0.1 ms per prompt token) and a
-    32-row decode step of 40 ms (1.25 ms per output token). The `ModelExecutor` replaces them
-    with measured values.
-    """
-
-    prefill_ms_per_token: float = 0.1
-    decode_ms_per_token: float = 1.25
-
-    def observe(self, num_rows: int, num_prefill_tokens: int, step_s: float, full_rows: int) -> None:
-        """Fold one measured step into the per-token costs (exponential moving average, α 0.05).
-
-        Only clean samples count: a pure prefill step of at least 64 tokens updates the prefill
-        cost; a pure decode step with at least half of `full_rows` rows updates the decode cost
-        (per output token near the row cap: 40 ms / 32 rows in docs/design.md's numbers).
-        """
-        alpha = 0.05
-        if num_rows == 0 and num_prefill_tokens >= 64:
-            ms = step_s * 1000.0 / num_prefill_tokens
-            self.prefill_ms_per_token += alpha * (ms - self.prefill_ms_per_token)
-        elif num_prefill_tokens == 0 and num_rows >= max(1, full_rows // 2):
-            ms = step_s * 1000.0 / num_rows
-            self.decode_ms_per_token += alpha * (ms - self.decode_ms_per_token)
-
-    def estimate_ms(self, num_prompt: int, expected_output: float) -> float:
-        """Estimated device time of a request: prompt × prefill cost + output × decode cost (ms)."""
-        return num_prompt * self.prefill_ms_per_token + expected_output * self.decode_ms_per_token
+__all__ = ["AdmissionRejected", "CostModel", "Scheduler", "SchedulerStats"]
 
 
 class AdmissionRejected(Exception):
@@ -114,6 +84,9 @@ class Scheduler:
         self.by_id: dict[str, Request] = {}
         self.queued_device_ms = 0.0
         self.avg_output_tokens = 300.0             # docs/design.md: average answer of 300 tokens
+        self.avg_prompt_tokens = 1250.0            # docs/design.md: average prompt of 1,250 tokens
+        self._full_rows_key: tuple[int, int, int] | None = None
+        self._full_rows = config.max_rows
         self.num_preemptions = 0
         self.num_cancelled_tokens = 0
         self.num_rejected = 0
@@ -126,30 +99,36 @@ class Scheduler:
                             "static": self._join_wait_static,
                             "dynamic": self._join_wait_dynamic}[config.batching]
         self._chunked_prefill = config.batching == "continuous"
+        self._slo = config.policy == "slo" and self._chunked_prefill     # SLO-driven steps
 
     # -- submission ---------------------------------------------------------------------------
     def add(self, req: Request, now: float) -> None:
         """Queue `req` under its API key, or reject it when the queue is over budget.
 
         Raises:
-            AdmissionRejected: queued device-seconds plus this request's estimate pass
-                `config.queue_budget_s` (only while something else is queued).
+            AdmissionRejected: the queueing delay this request would see, in device-seconds of
+                work ahead that waits for rows or blocks (`waiting_work_ms`), with its own estimate,
+                passes `config.queue_budget_s` (only while something else is queued).
             ValueError: a request with the same id is already in the engine.
         """
         if req.request_id in self.by_id:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
         expected = min(req.max_tokens, self.avg_output_tokens) * req.n
-        req.est_device_ms = self.cost.estimate_ms(req.num_prompt, expected)
+        req.est_device_ms = self.cost.estimate_ms(req.num_prompt, expected, self.full_rows())
+        self.avg_prompt_tokens = 0.9 * self.avg_prompt_tokens + 0.1 * req.num_prompt
         for child in req.children:
             child.arrival_s, child.deadline_s = req.arrival_s, req.deadline_s
         budget_ms = self.config.queue_budget_s * 1000.0
-        if self.queue_depth and self._over_budget(req, budget_ms):
-            self.num_rejected += 1
-            excess_ms = self.queued_device_ms + req.est_device_ms - budget_ms
-            # The device drains one device-second of queued work per second of wall time.
-            raise AdmissionRejected(
-                f"{self.queued_device_ms / 1000:.2f} device-seconds queued, budget "
-                f"{self.config.queue_budget_s:g} s", max(1, math.ceil(excess_ms / 1000.0)))
+        if self.queue_depth:
+            total, own = self.waiting_work_ms(req)
+            if self._over_budget(req, total, own, budget_ms):
+                self.num_rejected += 1
+                excess_ms = total - budget_ms
+                # The device drains one device-second of waiting work per second of wall time.
+                raise AdmissionRejected(
+                    f"{(total - req.est_device_ms) / 1000:.2f} device-seconds of queued work wait for rows "
+                    f"or KV blocks ahead of this request, budget {self.config.queue_budget_s:g} s",
+                    max(1, math.ceil(excess_ms / 1000.0)))
         usage = self.usage.setdefault(req.api_key, KeyUsage(req.api_key))
         if not self.waiting.get(req.api_key) and usage.running_rows == 0:
             # A key that becomes active starts level with the least-served active key, so
@@ -163,19 +142,73 @@ class Scheduler:
         self.by_id[req.request_id] = req
         self.queued_device_ms += req.est_device_ms
 
-    def _over_budget(self, req: Request, budget_ms: float) -> bool:
+    def waiting_work_ms(self, req: Request) -> tuple[float, float]:
+        """The queueing delay `req` would see if queued now, as device-ms of work that waits ahead
+        of it, itself included: (all keys', `req`'s key's).
+
+        Under continuous batching the queued requests and `req` are taken in the join's order
+        (keys under `per_key_rows` first, then the least-served key, then arrival; a key that
+        becomes active starts level with the least-served active one). One that the next join
+        would admit waits for nothing and counts nothing: a free row and its prompt's blocks plus
+        the free margin, or room the join makes by preempting a key over `per_key_rows`. From the
+        first one that does not fit on, everything waits (join never skips ahead) and counts its
+        estimate, up to `req`. Rows are `max_rows` under the fixed policy and `full_rows()` under
+        "slo". Under static and dynamic batching all queued work and `req`'s count.
+        """
+        cfg = self.config
+        rows_of = {k: u.running_rows for k, u in self.usage.items() if u.running_rows}
+        active = [u.weighted_tokens_served for k, u in self.usage.items()
+                  if u.running_rows or self.waiting.get(k)]
+        floor = min(active, default=0.0)
+
+        def served(key: str) -> float:
+            u = self.usage.get(key)
+            if u is None or not (u.running_rows or self.waiting.get(key)):
+                return max(floor, u.weighted_tokens_served if u is not None else 0.0)
+            return u.weighted_tokens_served
+
+        order = sorted((*(r for q in self.waiting.values() for r in q), req),
+                       key=lambda r: (rows_of.get(r.api_key, 0) >= cfg.per_key_rows, served(r.api_key),
+                                      r is req, r.arrival_s))
+        total = own = 0.0
+        blocked = not cfg.batching.startswith("continuous")
+        pending_forks = sum(len(r.children) for r in self.running if r.forks_now)
+        rows_free = ((self.full_rows() if self._slo else cfg.max_rows)
+                     - len(self.running) - pending_forks)
+        reserved = sum(self.pool.blocks_needed(r.request_id, r.num_prompt)
+                       for r in self.running if r.state == RequestState.PREFILL)
+        blocks_free = self.pool.num_free - reserved - self.margin_blocks
+        for r in order:
+            need = cfg.blocks_for(r.num_prompt)
+            key = r.api_key
+            if not blocked and r.n <= rows_free and need <= blocks_free:
+                rows_free -= r.n
+                blocks_free -= need
+                rows_of[key] = rows_of.get(key, 0) + r.n
+            elif not blocked and rows_of.get(key, 0) < cfg.per_key_rows and any(
+                    n > cfg.per_key_rows for k, n in rows_of.items() if k != key):
+                rows_of[key] = rows_of.get(key, 0) + r.n      # the join preempts an over-cap key
+            else:
+                blocked = True
+                total += r.est_device_ms
+                if key == req.api_key:
+                    own += r.est_device_ms
+            if r is req:
+                break
+        return total, own
+
+    def _over_budget(self, req: Request, total: float, own: float, budget_ms: float) -> bool:
         """Whether queueing `req` passes the budget (the admit step), with a fair share per key.
 
-        Over the budget, a key whose own queued work (with `req`) stays within budget / active
-        keys is still admitted, so one key's backlog cannot make everyone else's requests 429;
-        the total is then bounded by twice the budget.
+        `total` and `own` are the waiting work with `req`, all keys' and `req`'s key's
+        (`waiting_work_ms`). Over the budget, a key whose own waiting work stays within budget /
+        active keys is still admitted, so one key's backlog cannot make everyone else's requests
+        429; the total is then bounded by twice the budget.
         """
-        total = self.queued_device_ms + req.est_device_ms
         if total <= budget_ms:
             return False
         active = {k for k, q in self.waiting.items() if q}
         active |= {k for k, u in self.usage.items() if u.running_rows} | {req.api_key}
-        own = sum(r.est_device_ms for r in self.waiting.get(req.api_key, ())) + req.est_device_ms
         return own > budget_ms / len(active) or total > 2 * budget_ms
 
     def stop(self, req: Request) -> None:
@@ -200,8 +233,40 @@ class Scheduler:
         self._leave(now, plan.events)
         if self.join_wait_s(now) == 0.0:
             self._join(now, plan)
-        self._build(plan)
+        self._build(plan, now)
         return plan
+
+    def full_rows(self) -> int:
+        """Rows of a full step, for the device-time estimates of admission control: 32 under the
+        fixed policy (the design's full step, whatever `max_rows` says, as the per-token costs
+        always were); under "slo", the rows whose decode step at the average context (prompt +
+        half an answer) the cost model predicts within the TPOT target less the prefill share
+        (`CostModel.rows_within`)."""
+        cfg = self.config
+        if not self._slo:
+            return 32
+        context = int(self.avg_prompt_tokens + self.avg_output_tokens / 2)
+        key = (id(self.cost), self.cost.version, context // 64)     # the model may be replaced
+        if key != self._full_rows_key:
+            self._full_rows_key = key
+            self._full_rows = self.cost.rows_within(cfg.tpot_target_ms - self._prefill_reserve_ms(),
+                                                    context, cfg.slo_row_limit)
+        return self._full_rows
+
+    def _prefill_reserve_ms(self) -> float:
+        """Step time a new row must leave for prefill under "slo": `slo_prefill_share` of the TPOT
+        target, and at least one `prefill_piece` (the smallest piece a step can carry) halfway
+        into an average prompt, ms. Decode contexts grow and pieces late in long prompts cost
+        more, so a step can still be too full for a piece; prefill then waits until rows leave."""
+        cfg = self.config
+        start = int(self.avg_prompt_tokens / 2) // cfg.prefill_piece * cfg.prefill_piece
+        piece = StepFeatures(prefill_tokens=cfg.prefill_piece, pairs=piece_pairs(start, cfg.prefill_piece))
+        return max(cfg.slo_prefill_share * cfg.tpot_target_ms,
+                   self.cost.step_ms(piece) - self.cost.step_base_ms)
+
+    def predicted_step_ms(self, plan: StepPlan) -> float:
+        """The cost model's prediction of `plan`'s step time, ms."""
+        return self.cost.step_ms(StepFeatures.of_plan(plan))
 
     # -- batch formation (config.batching) ----------------------------------------------------
     # join_wait_s(now): seconds until the batching policy lets queued requests join (rows and
@@ -369,9 +434,26 @@ class Scheduler:
             self._preempt(victim, plan)
 
     def _fits(self, req: Request) -> bool:
-        """Rows and blocks allow `req` now (free blocks cover its prompt plus the margin)."""
+        """Rows and blocks allow `req` now (free blocks cover its prompt plus the margin).
+
+        Rows: at most `max_rows` under the fixed policy. Under "slo", at most `slo_row_limit`, and
+        (unless nothing runs) the decode step of every running row plus `req`'s, at their current
+        contexts, predicted within `tpot_target_ms` less the prefill reserve
+        (`_prefill_reserve_ms`), so the step keeps room for prefill pieces.
+        """
+        cfg = self.config
         pending_forks = sum(len(r.children) for r in self.running if r.forks_now)
-        if len(self.running) + pending_forks + req.n > self.config.max_rows:
+        rows = len(self.running) + pending_forks + req.n
+        if self._slo:
+            if rows > cfg.slo_row_limit:
+                return False
+            if self.running:
+                context = (sum(r.num_tokens + len(r.children) * r.num_prompt * r.forks_now for r in self.running)
+                           + req.n * req.num_prompt)
+                decode_ms = self.cost.step_ms(StepFeatures(rows=rows, context=context))
+                if decode_ms > cfg.tpot_target_ms - self._prefill_reserve_ms():
+                    return False
+        elif rows > cfg.max_rows:
             return False
         need = self.config.blocks_for(req.num_prompt)
         reserved = sum(self.pool.blocks_needed(r.request_id, r.num_prompt)
@@ -401,13 +483,17 @@ class Scheduler:
                                                 self.usage[k].running_rows, self.waiting[k][0].arrival_s))
         return self.waiting[key][0]
 
-    def _build(self, plan: StepPlan) -> None:
+    def _build(self, plan: StepPlan, now: float) -> None:
         """Build: one token per decoding row, then prefill pieces within the budget
         (no budget unless `config.batching` is "continuous": whole prompts in one step).
 
-        Prefill goes to the least-served key first (at a tie, to the request with less of its
-        prompt done, then admission order), several requests share a step, and each request is
-        cut on the `prefill_piece` grid.
+        The budget is `prefill_chunk` tokens (`prefill_chunk_few_rows` with at most `few_rows`
+        decode rows) under the fixed policy. Under "slo" it is time: pieces join while the cost
+        model predicts the step within `_step_limit_ms` (at least one piece when no row decodes).
+        Either way prefill goes to the least-served key first (at a tie, to the request with less
+        of its prompt done, then admission order), several requests share a step, and each request
+        is cut on the `prefill_piece` grid: the budget decides how many pieces run, never where a
+        prompt is cut.
         """
         for req in list(self.running):
             if req.state != RequestState.DECODE or req not in self.running:
@@ -420,6 +506,11 @@ class Scheduler:
         cfg = self.config
         budget = (cfg.prefill_chunk_few_rows if plan.num_decode_rows <= cfg.few_rows
                   else cfg.prefill_chunk) if self._chunked_prefill else math.inf
+        slo = self._slo
+        if slo:
+            budget = math.inf
+            features = StepFeatures.of_plan(plan)
+            limit_ms = self._step_limit_ms(plan, now)
         piece = cfg.prefill_piece
         prefilling = sorted((r for r in self.running if r.state == RequestState.PREFILL),
                             key=lambda r: (self.usage[r.api_key].weighted_tokens_served,
@@ -428,12 +519,37 @@ class Scheduler:
             pos = req.num_computed
             while pos < req.num_prompt and req in self.running:
                 length = min(req.num_prompt - pos, piece - pos % piece)
+                if slo:
+                    grown = features.with_piece(pos, length)
+                    if (features.rows or features.prefill_tokens) and self.cost.step_ms(grown) > limit_ms:
+                        break
+                    features = grown
                 if length > budget or not self._reserve(req, pos, pos + length, plan):
                     break
                 plan.segments.append(Segment(req, pos, length, pos + length == req.num_tokens,
                                              tuple(self.pool.table(req.request_id))))
                 pos += length
                 budget -= length
+
+    def _step_limit_ms(self, plan: StepPlan, now: float) -> float:
+        """The longest step (ms) the SLO targets allow, given the rows that sample in `plan`.
+
+        A row with n tokens since its first, the first at f and the last at l, keeps its time per
+        output token within the target T while the step ends by f + n·T, and its gap within the
+        target G while it ends by l + G. The step may take the least of these over its rows, but
+        never less than T (a row already behind is served at the target pace) nor more than G;
+        G when no row decodes.
+        """
+        tpot, gap = self.config.tpot_target_ms, self.config.gap_target_ms
+        limit = gap
+        for seg in plan.segments:
+            req = seg.request
+            if not (seg.decode and seg.samples) or req.first_token_s is None or req.last_token_s is None:
+                continue
+            n = len(req.generated)
+            own = min(gap - (now - req.last_token_s) * 1000.0, n * tpot - (now - req.first_token_s) * 1000.0)
+            limit = min(limit, max(tpot, own))
+        return limit
 
     def _reserve(self, req: Request, pos: int, num_tokens: int, plan: StepPlan) -> bool:
         """Give `req` blocks for `num_tokens` positions (writing from `pos`), preempting newer

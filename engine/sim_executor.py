@@ -5,56 +5,49 @@ Torch-free: the simulator (`loadgen.sim`) and the scheduler tests load it withou
 
 from __future__ import annotations
 
-import json
-import math
 import os
-import pathlib
 import zlib
 
-from engine.scheduler import CostModel
+from engine.cost_model import COST_FIELDS, CostModel, StepFeatures
 from engine.step import SampledTokens, StepPlan
 
 
 class SimExecutor:
     """A cost model in place of the network, for virtual-time runs of the real scheduler.
 
-    Step time (ms) of a step with B decode rows and C prefill tokens:
-
-        step_base_ms                                            every step (loop overhead)
-      + decode_1_ms + (decode_32_ms - decode_1_ms)(B - 1)/31    if B > 0 (weights read once)
-      + C × prefill_ms_per_token
-      + K × decode_ms_per_context_token                         K = Σ context read by decode rows
-      + P / 1000 × prefill_ms_per_kpair                         P = (query, key) pairs in prefill
-
-    K sums, over the decode rows, the tokens each row attends to (its position + 1): the design's
-    "attention reads grow with context". P sums, over the prefill chunks [s, s + L), the pairs
-    L·s + L(L + 1)/2 of causal attention. The defaults are the design's (docs/design.md): 25 ms
-    for 1 row, 40 ms for 32 rows (each step reads all 14 GB of weights once), 0.1 ms per prefill
-    token (10,000 tokens/s), and no base or context terms. A measured model (`from_json`) sets
-    all six.
+    Step time is `engine.cost_model.CostModel.step_ms` of the step's features (B decode rows, C
+    prefill tokens, K context tokens read by the decode rows, P prefill attention pairs): the same
+    formula the scheduler predicts steps with, so in virtual time its predictions are exact. The
+    defaults are the design's (docs/design.md): 25 ms for 1 row, 40 ms for 32 (each step reads all
+    14 GB of weights once), 0.1 ms per prefill token (10,000 tokens/s), and no base or context
+    terms. A measured model (`from_json`) sets all six.
 
     Token ids are deterministic: `crc32(request id, position) % vocab`, never the EOS id, so a
     request always runs to max_tokens. `last_step_s` holds the modelled time of the last step;
-    the driver advances its virtual clock by it.
+    the driver advances its virtual clock by it. `cost_model` is the scheduler's copy of the
+    terms (a separate object: the scheduler may not change the device's true costs).
     """
 
-    COST_FIELDS = ("decode_1_ms", "decode_32_ms", "prefill_ms_per_token", "step_base_ms",
-                   "decode_ms_per_context_token", "prefill_ms_per_kpair")
+    COST_FIELDS = COST_FIELDS
 
     def __init__(self, decode_1_ms: float = 25.0, decode_32_ms: float = 40.0,
                  prefill_ms_per_token: float = 0.1, vocab_size: int = 32000,
                  eos_token_id: int | None = None, *, step_base_ms: float = 0.0,
                  decode_ms_per_context_token: float = 0.0, prefill_ms_per_kpair: float = 0.0) -> None:
-        self.decode_1_ms = decode_1_ms
-        self.decode_32_ms = decode_32_ms
-        self.prefill_ms_per_token = prefill_ms_per_token
-        self.step_base_ms = step_base_ms
-        self.decode_ms_per_context_token = decode_ms_per_context_token
-        self.prefill_ms_per_kpair = prefill_ms_per_kpair
+        terms = dict(decode_1_ms=decode_1_ms, decode_32_ms=decode_32_ms,
+                     prefill_ms_per_token=prefill_ms_per_token, step_base_ms=step_base_ms,
+                     decode_ms_per_context_token=decode_ms_per_context_token,
+                     prefill_ms_per_kpair=prefill_ms_per_kpair)
+        self.model = CostModel(**terms, refit_every=0)
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
-        self.cost_model = CostModel(prefill_ms_per_token, (step_base_ms + decode_32_ms) / 32.0)
+        self.cost_model = CostModel(**terms, refit_every=0)
         self.last_step_s = 0.0
+
+    def __getattr__(self, name: str) -> float:
+        if name in COST_FIELDS:                 # sim.decode_32_ms etc. read the true terms
+            return getattr(self.model, name)
+        raise AttributeError(name)
 
     @classmethod
     def from_json(cls, source: str | os.PathLike | dict, **kwargs) -> "SimExecutor":
@@ -66,51 +59,28 @@ class SimExecutor:
                 Fields not given keep the design's defaults.
             kwargs: vocab_size / eos_token_id.
         Raises:
-            ValueError: an unknown or non-numeric field.
+            ValueError: an unknown field, or a value that is not a finite number >= 0.
         """
-        data = source if isinstance(source, dict) else json.loads(pathlib.Path(source).read_text())
-        data = data.get("sim_executor", data)
-        unknown = set(data) - set(cls.COST_FIELDS)
-        if unknown:
-            raise ValueError(f"unknown cost model fields {sorted(unknown)}; known: {cls.COST_FIELDS}")
-        params = {}
-        for k, v in data.items():
-            if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v):
-                raise ValueError(f"cost model field {k} must be a finite number, got {v!r}")
-            params[k] = float(v)
-        return cls(**params, **kwargs)
+        return cls(**CostModel.from_json(source).params(), **kwargs)
 
     def cost_params(self) -> dict[str, float]:
         """The six cost fields (what `from_json` reads)."""
-        return {k: getattr(self, k) for k in self.COST_FIELDS}
+        return self.model.params()
 
     def step_seconds(self, num_rows: int, num_prefill_tokens: int, decode_context: int = 0,
                      prefill_pairs: int = 0) -> float:
         """Modelled step time in seconds for B decode rows, C prefill tokens, K context tokens
-        read by the decode rows and P prefill attention pairs (see the class docstring)."""
-        decode_ms = 0.0
-        if num_rows:
-            decode_ms = self.decode_1_ms + (self.decode_32_ms - self.decode_1_ms) * (num_rows - 1) / 31.0
-        return (self.step_base_ms + decode_ms + num_prefill_tokens * self.prefill_ms_per_token
-                + decode_context * self.decode_ms_per_context_token
-                + prefill_pairs / 1000.0 * self.prefill_ms_per_kpair) / 1000.0
+        read by the decode rows and P prefill attention pairs (`CostModel.step_ms`)."""
+        return self.model.step_ms(StepFeatures(num_rows, num_prefill_tokens, decode_context, prefill_pairs)) / 1000.0
 
     @staticmethod
     def plan_features(plan: StepPlan) -> tuple[int, int, int, int]:
         """(B decode rows, C prefill tokens, K decode context tokens, P prefill pairs) of `plan`."""
-        rows = prefill = context = pairs = 0
-        for seg in plan.segments:
-            if seg.decode:
-                rows += 1
-                context += seg.end
-            else:
-                prefill += seg.length
-                pairs += seg.length * seg.start + seg.length * (seg.length + 1) // 2
-        return rows, prefill, context, pairs
+        return StepFeatures.of_plan(plan).as_tuple()
 
     def execute(self, plan: StepPlan) -> SampledTokens:
         """Modelled step: deterministic tokens, `last_step_s` set from the cost formula."""
-        self.last_step_s = self.step_seconds(*self.plan_features(plan))
+        self.last_step_s = self.model.step_ms(StepFeatures.of_plan(plan)) / 1000.0
         tokens = []
         for _, req in plan.draws:
             t = zlib.crc32(f"{req.request_id}:{req.num_tokens}".encode()) % self.vocab_size

@@ -9,4 +9,6 @@
 * `loadgen.report`: `python -m loadgen.report --out docs/benchmarks`, the scheduler comparison.
 * `loadgen.calibrate`: `python -m loadgen.calibrate --out docs/benchmarks`, the simulator fitted to
   this machine and checked against the live server.
+* `loadgen.live_policies`: `python -m loadgen.live_policies --out docs/benchmarks/live_policies`, the
+  fixed and SLO-driven step policies on the live server in one run, with the simulator's error.
 """

@@ -4,7 +4,8 @@
 
 1. **Measure** the embedded model's step times (SmolLM2-135M, the server's own `EngineConfig`
    defaults) in this process: `engine.builder.build_engine` and `Engine.step_listeners`, on a grid
-   of decode rows (1..32) × prefill tokens (0..512) × context (short, long). A sample is one whole
+   of decode rows (1..32) × prefill tokens (0..512) × context (32, 256 and 1,536 tokens: the
+   attention term that grows with context needs the design's long contexts). A sample is one whole
    engine pass (schedule → forward → sample → update), timed around `Engine.step()`, which is what
    separates two tokens of a stream on the server; the listener gives the plan it ran.
 2. **Fit** `SimExecutor`'s cost model to them (least squares on relative error; a negative term is
@@ -47,9 +48,7 @@ from loadgen.workload import LengthMix, WorkItem, arrival_times, synthetic_workl
 
 GRID_ROWS = (1, 4, 16, 32)
 GRID_PREFILL = (0, 64, 256, 512)
-GRID_CONTEXT = (32, 256)
-FEATURES = ("step_base_ms", "decode_1_ms", "decode_slope_ms", "prefill_ms_per_token",
-            "decode_ms_per_context_token", "prefill_ms_per_kpair")
+GRID_CONTEXT = (32, 256, 1536)     # 1,536: the design's long contexts, for the attention term
 RATE_FRACTIONS = (0.1, 0.2, 0.3)
 QUEUE_BUDGET_S = 60.0          # no 429s in the comparison: both sides queue everything
 START_TIMEOUT_S = 300.0
@@ -128,61 +127,22 @@ def measure_grid(rows: Sequence[int] = GRID_ROWS, prefill: Sequence[int] = GRID_
     return samples, facts
 
 
-# -- 2. fit -------------------------------------------------------------------------------------
-def _design_matrix(samples: Sequence[dict[str, float]]) -> np.ndarray:
-    b = np.array([s["rows"] for s in samples], dtype=np.float64)
-    has = (b > 0).astype(np.float64)
-    return np.column_stack([np.ones_like(b), has, b - has,
-                            [s["prefill"] for s in samples], [s["context"] for s in samples],
-                            [s["pairs"] / 1000.0 for s in samples]])
-
-
+# -- 2. fit ---------------------------------------------------------------------------------------
 def fit_cost_model(samples: Sequence[dict[str, float]]) -> tuple[dict[str, float], dict[str, Any]]:
-    """SimExecutor fields fitted to `samples`, and the fit's quality.
+    """SimExecutor fields fitted to `samples`, and the fit's quality: `engine.cost_model.fit_step_model`
+    (least squares on relative error, terms ≥ 0, steps slowed by other work left out and counted), the
+    same fit a running engine applies to its own steps."""
+    from engine.cost_model import fit_step_model
 
-    Least squares on relative error (each row divided by its measured time), so short decode steps
-    weigh as much as long prefill steps. A term that comes out negative is fixed at 0 and the others
-    refitted, until none is. The CPU is shared: steps slowed by someone else's work (relative error
-    above 3 × the median) are left out of a second fit and counted.
-    """
-    X = _design_matrix(samples)
-    y = np.array([s["ms"] for s in samples], dtype=np.float64)
-    keep = np.ones(len(y), dtype=bool)
-    for _ in range(2):
-        coef, active = _nnls_rel(X[keep], y[keep])
-        rel = (X @ coef) / y - 1.0
-        keep = np.abs(rel) <= max(3.0 * np.median(np.abs(rel)), 0.05)
-    base, d1, slope, p, kd, kp = coef
-    fields = {"step_base_ms": base, "decode_1_ms": d1, "decode_32_ms": d1 + 31.0 * slope,
-              "prefill_ms_per_token": p, "decode_ms_per_context_token": kd, "prefill_ms_per_kpair": kp}
-    pred = X @ coef
-    rel = pred / y - 1.0
-    quality = {"num_samples": len(samples), "median_abs_rel_error": float(np.median(np.abs(rel))),
-               "p95_abs_rel_error": float(np.percentile(np.abs(rel), 95)),
-               "r2": float(1.0 - ((y - pred) ** 2).sum() / ((y - y.mean()) ** 2).sum()),
-               "num_outliers": int((~keep).sum()),
-               "dropped_terms": [FEATURES[i] for i in range(len(FEATURES)) if i not in active]}
-    return {k: float(v) for k, v in fields.items()}, quality
-
-
-def _nnls_rel(X: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, list[int]]:
-    w = 1.0 / y
-    active = list(range(X.shape[1]))
-    while True:
-        coef = np.zeros(X.shape[1])
-        sol, *_ = np.linalg.lstsq(X[:, active] * w[:, None], y * w, rcond=None)
-        coef[active] = sol
-        neg = [i for i in active if coef[i] < 0]
-        if not neg:
-            return coef, active
-        active.remove(min(neg, key=lambda i: coef[i]))
+    return fit_step_model(samples)
 
 
 # -- 3. compare ---------------------------------------------------------------------------------
 class LiveServer:
     """`genserve serve` on free localhost ports, started and stopped by this process."""
 
-    def __init__(self, queue_budget_s: float = QUEUE_BUDGET_S, extra_args: Sequence[str] = ()) -> None:
+    def __init__(self, queue_budget_s: float = QUEUE_BUDGET_S, extra_args: Sequence[str] = (),
+                 start_timeout_s: float = START_TIMEOUT_S) -> None:
         self.port, self.grpc_port, self.metrics_port = free_port(), free_port(), free_port()
         exe = pathlib.Path(sys.executable).with_name("genserve")
         cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "genserve.cli"]
@@ -191,10 +151,11 @@ class LiveServer:
                                 *extra_args]
         self.proc: subprocess.Popen | None = None
         self.url = f"http://127.0.0.1:{self.port}"
+        self.start_timeout_s = start_timeout_s
 
     def __enter__(self) -> "LiveServer":
         self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        deadline = time.monotonic() + START_TIMEOUT_S
+        deadline = time.monotonic() + self.start_timeout_s
         tail: list[str] = []
         while True:
             line = self.proc.stdout.readline()

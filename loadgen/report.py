@@ -65,6 +65,17 @@ FAIR_SHORT = (100, 20)           # key B: prompt tokens, answer tokens, one per 
 FAIR_RETRIES = 100
 # Our extra target: the longest gap between two tokens (≈ 3 reference steps of 65.6 ms).
 STALL_TARGET_MS = 200.0
+# How each step is sized: the design's fixed caps, SLO-driven steps, and a vLLM-default-like
+# policy (max_num_batched_tokens 2,048, max_num_seqs 256). Each is EngineConfig overrides.
+POLICIES = {"fixed": (),
+            "slo": (("policy", "slo"),),
+            "vllm": (("max_rows", 256), ("prefill_chunk", 2048), ("prefill_chunk_few_rows", 2048))}
+POLICY_LABELS = {"fixed": "fixed caps: 32 rows, 256-token chunk (design)",
+                 "slo": "SLO-driven steps (TPOT 70 ms, gap 100 ms)",
+                 "vllm": "vLLM-default-like: 256 rows, 2,048-token chunk"}
+GAP_P99_TARGET_MS = 100.0        # p99 of each request's longest gap between two tokens
+SLO_SHARES = (0.1, 0.37)         # other values of slo_prefill_share (the default is the config's)
+BUSY_RATE, BUSY_MINUTE = 2.0, 5  # the plot of step times: this rate, this virtual minute
 
 
 @dataclass(frozen=True)
@@ -130,7 +141,8 @@ def run_point(p: Point) -> dict[str, Any]:
         if p.disconnect:
             items = with_disconnects(items, p.disconnect, seed=p.seed)
     sim = SimExecutor(**dict(p.cost_model)) if p.cost_model else SimExecutor()
-    res = simulate(items, design_config(**p.config), sim, max_retries=p.max_retries)
+    config = {k: v for k, v in p.config.items() if k != "label"}
+    res = simulate(items, design_config(**config), sim, max_retries=p.max_retries)
     out = st.summarize(res.records, rate=p.rate, extra={"engine": res.engine_summary()})
     out["point"] = {**asdict(p), "overrides": p.config, "cost_model": dict(p.cost_model or ())}
     out["num_unfinished"] = res.unfinished
@@ -165,6 +177,9 @@ def plan(rates: Sequence[float] = RATES, minutes: float = 10.0, rows: Sequence[i
     pts += [Point("fairness", 1.0, (), minutes, seed, max_retries=k, fairness_seconds=fairness_seconds)
             for k in (0, FAIR_RETRIES)]
     pts += [Point("disconnect", DISCONNECT_RATE, (), minutes, seed, disconnect=DISCONNECT_FRACTION)]
+    pts += [Point("policy", r, (("label", name),) + ov, minutes, seed) for name, ov in POLICIES.items() for r in rates]
+    pts += [Point("slo_share", r, (("policy", "slo"), ("slo_prefill_share", x)), minutes, seed)
+            for x in SLO_SHARES for r in rates]
     return pts
 
 
@@ -231,12 +246,78 @@ def analyse(results: Sequence[dict[str, Any]], rates: Sequence[float]) -> dict[s
         fair[key]["b_p95_under_1s"] = (r["per_key"]["B"]["ttft_ms"]["p95"] or 1e9) < 1000.0
     disc = _group(results, "disconnect")
     base = [r for r in design if r["rate"] == DISCONNECT_RATE]
-    return {"modes": modes,
+    policies = {}
+    for name in POLICIES:
+        runs = _group(results, "policy", label=name)
+        policies[name] = _policy_summary(runs, top)
+    shares = {}
+    for x in SLO_SHARES:
+        shares[str(x)] = _policy_summary(_group(results, "slo_share", slo_prefill_share=x), top)
+    return {"modes": modes, "policies": policies, "slo_shares": shares,
             "design_goodput_rps": st.goodput((r["rate"], r["slo"]["attainment"]) for r in design) if design else None,
             "sweep": sweep, "sweep_best": best, "fairness": fair,
             "disconnect": disc[0]["disconnect"] if disc else None,
             "disconnect_baseline": {"ttft_ms": base[0]["ttft_ms"], "throughput_rps": base[0]["throughput_rps"],
                                     "output_tokens_per_s": base[0]["output_tokens_per_s"]} if base else None}
+
+
+def _policy_summary(runs, top: float) -> dict[str, Any]:
+    """Goodput of one policy's runs, with and without the p99 longest-gap target, and its numbers
+    at the highest rate."""
+    gap_ok = {r["rate"]: (r["max_gap_ms"]["p99"] or 0.0) <= GAP_P99_TARGET_MS for r in runs}
+    sat = next((r for r in runs if r["rate"] == top), None)
+    return {"goodput_rps": st.goodput((r["rate"], r["slo"]["attainment"]) for r in runs),
+            "goodput_with_gap_rps": st.goodput((r["rate"], r["slo"]["attainment"] if gap_ok[r["rate"]] else 0.0)
+                                               for r in runs),
+            "gap_p99_ms": {f"{r['rate']:g}": r["max_gap_ms"]["p99"] for r in runs},
+            "attainment": {f"{r['rate']:g}": r["slo"]["attainment"] for r in runs},
+            "throughput_rps_at_top": sat and sat["throughput_rps"],
+            "output_tokens_per_s_at_top": sat and sat["output_tokens_per_s"]}
+
+
+def busy_minute(rate: float = BUSY_RATE, minute: int = BUSY_MINUTE, minutes: float = 10.0,
+                seed: int = 0) -> dict[str, list[tuple[float, float, int]]]:
+    """(start s, step ms, decode rows) of every step in virtual minute `minute` of a run at `rate`,
+    per policy (the same trace for each)."""
+    from engine.sim_executor import SimExecutor
+    from loadgen.sim import design_config, simulate
+
+    items = trace_workload(rate, minutes, seed)
+    out = {}
+    for name, ov in POLICIES.items():
+        res = simulate(items, design_config(**dict(ov)), SimExecutor())
+        out[name] = [(s.start_s, s.step_s * 1000.0, s.num_decode_rows) for s in res.steps
+                     if minute * 60.0 <= s.start_s < (minute + 1) * 60.0]
+    return out
+
+
+def plot_busy_minute(steps: dict[str, list[tuple[float, float, int]]], out: pathlib.Path,
+                     rate: float = BUSY_RATE, minute: int = BUSY_MINUTE) -> str:
+    """policy_steps.png: step time and decode rows per step of each policy over one minute."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 1, figsize=(11, 6.4), sharex=True)
+    colors = {"fixed": "tab:orange", "slo": "tab:blue", "vllm": "tab:green"}
+    for name in ("vllm", "fixed", "slo"):                   # the SLO policy drawn last, on top
+        color, pts = colors[name], steps[name]
+        t = [p[0] - minute * 60.0 for p in pts]
+        axes[0].plot(t, [p[1] for p in pts], lw=0.7, color=color, label=POLICY_LABELS[name])
+        axes[1].plot(t, [p[2] for p in pts], lw=0.7, color=color, label=POLICY_LABELS[name])
+    axes[0].axhline(st.DEFAULT_SLO_TPOT_MS, color="grey", ls="--", lw=1)
+    axes[0].axhline(GAP_P99_TARGET_MS, color="grey", ls=":", lw=1)
+    axes[0].set(ylabel="step time, ms", title=f"Each step, virtual minute {minute}–{minute + 1} at {rate:g} requests/s "
+                                              "(design scale; dashed: TPOT target, dotted: gap target)")
+    axes[1].set(xlabel="seconds into the minute", ylabel="decode rows per step")
+    axes[0].legend(fontsize=8, loc="upper right")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "policy_steps.png", dpi=110)
+    plt.close(fig)
+    return "policy_steps.png"
 
 
 # -- plots --------------------------------------------------------------------------------------
@@ -333,6 +414,66 @@ def _rps(x):
     return "none (the lowest rate already misses)" if x is None else f"{x:g} req/s"
 
 
+def _policy_section(results, summary, meta) -> list[str]:
+    """Section 4: how each step is sized, three policies on the same trace."""
+    from engine.config import EngineConfig
+
+    rates = meta["rates"]
+    share = EngineConfig().slo_prefill_share
+    pol = summary["policies"]
+    L = ["", "## 4. How each step is sized: fixed caps, SLO-driven steps, a vLLM-like budget", "",
+         "Same trace, same 2 s admission budget, same SLOs (TTFT ≤ 3 s, TPOT ≤ 70 ms), plus a target on the "
+         f"run: the p99 of each request's longest gap between two tokens ≤ **{GAP_P99_TARGET_MS:g} ms**. "
+         "*Goodput + gap* is the highest rate at which ≥ 95 % meet TTFT and TPOT and the run meets the gap "
+         "target, every lower rate too.", "",
+         "- **Fixed caps** (`--policy fixed`, the design): at most 32 rows and 256 prompt tokens per step "
+         "(1,024 while ≤ 4 rows decode).",
+         "- **SLO-driven** (`--policy slo`): the scheduler predicts each step's time with the cost model "
+         "(rows, their contexts, prefill pieces). A request joins while the decode step of every running row "
+         f"plus its own stays within the TPOT target less a {share:g} share kept for prefill; prefill pieces "
+         "join the step while it is predicted to end within the least of each sampling row's limits: its gap "
+         "target (100 ms after its last token) and the time that keeps its mean time per output token within "
+         "70 ms, never less than 70 ms. Memory (5 % margin), per-key caps, fair queueing and the 64-token "
+         "prefill grid are unchanged.",
+         "- **vLLM-default-like**: fixed caps of 256 rows and 2,048 prompt tokens per step (vLLM's "
+         "`max_num_seqs` and `max_num_batched_tokens`; vLLM also counts decode tokens in the 2,048, a "
+         "difference of at most the rows).", "",
+         "| policy | goodput | goodput + gap | " + " | ".join(f"SLO met at {r:g}" for r in rates)
+         + " | max gap p99 at " + " / ".join(f"{r:g}" for r in rates) + " (ms) | req/s at "
+         + f"{max(rates):g} | out tok/s at {max(rates):g} |",
+         "|---|---:|---:|" + "---:|" * len(rates) + "---|---:|---:|"]
+    for name in POLICIES:
+        p = pol[name]
+        runs = _group(results, "policy", label=name)
+        L.append(f"| {POLICY_LABELS[name]} | **{_rps(p['goodput_rps'])}** | **{_rps(p['goodput_with_gap_rps'])}** | "
+                 + " | ".join(_pct(r["slo"]["attainment"]) for r in runs) + " | "
+                 + " / ".join(_f(r["max_gap_ms"]["p99"]) for r in runs)
+                 + f" | {_f(p['throughput_rps_at_top'], 2)} | {_f(p['output_tokens_per_s_at_top'])} |")
+    L += ["", "![step time and rows per step of each policy over a busy minute](policy_steps.png)", "",
+          f"The plot: every step of virtual minute {meta['busy_minute']}–{meta['busy_minute'] + 1} of the "
+          f"{meta['busy_rate']:g} "
+          "requests/s run, per policy (same trace).", "",
+          f"The SLO policy's prefill share (`--slo-prefill-share`, default {share:g}), other values on the same "
+          "trace:", "",
+          "| prefill share | goodput | goodput + gap | " + " | ".join(f"SLO met at {r:g}" for r in rates) + " |",
+          "|---:|---:|---:|" + "---:|" * len(rates)]
+    rows = [(share, pol["slo"])] + [(float(x), summary["slo_shares"][str(x)]) for x in SLO_SHARES]
+    for x, p in sorted(rows, key=lambda t: t[0]):
+        L.append(f"| {x:g}{' (default)' if x == share else ''} | {_rps(p['goodput_rps'])} "
+                 f"| {_rps(p['goodput_with_gap_rps'])} | "
+                 + " | ".join(_pct(p["attainment"].get(f"{r:g}")) for r in rates) + " |")
+    live = meta.get("live_policies")
+    L += ["", "Both policies on the live server of this machine, in one run, with the simulator's error for the "
+              "SLO policy: `python -m loadgen.live_policies --out docs/benchmarks/live_policies` "
+              + (f"([live_policies/summary.md](live_policies/summary.md), run {live['date']}: live goodput "
+                 + ", ".join(f"{p} {_rps(g)}" for p, g in live["goodput"].items()) + ")."
+                 if live else "(not run yet on a quiet machine).")]
+    L += ["", "All runs of the three policies:", ""]
+    L += _run_table([r for name in POLICIES for r in _group(results, "policy", label=name)],
+                    lambda r: r["point"]["overrides"]["label"])
+    return L
+
+
 def markdown(results, summary, meta, images) -> str:
     rates = meta["rates"]
     minutes = meta["minutes"]
@@ -347,7 +488,10 @@ def markdown(results, summary, meta, images) -> str:
           "- **Engine**: the real `Scheduler` (fair queueing, admission control, chunked prefill, "
           "preemption) and block pool, driven by `loadgen.sim.simulate` over `SimExecutor` in virtual time. "
           "Design scale: 7,152 KV blocks of 16 tokens, row cap 32, prefill chunk 256 (1,024 while ≤ 4 rows "
-          "decode), 8 rows per key while another key waits, 5 % free-block margin.",
+          "decode), 8 rows per key while another key waits, 5 % free-block margin. Admission control answers "
+          "429 when the queueing delay a new request would see passes the budget: the estimated device time "
+          "of the queued work that waits for rows or KV blocks ahead of it, itself included (a request the "
+          "next step would admit adds nothing).",
           "- **Cost model**: the reference deployment's assumptions ([../design.md](../design.md)), `SimExecutor()` defaults: a decode step takes "
           "25 ms for 1 row and 40 ms for 32 (linear between), plus 0.1 ms per prefill token; no context term. "
           "A model measured on this machine (CPU, SmolLM2-135M) is in [calibration.md](calibration.md).",
@@ -436,8 +580,9 @@ def markdown(results, summary, meta, images) -> str:
     L += ["", "All sweep runs, every rate:", ""]
     L += _run_table(_group(results, "sweep"),
                     lambda r: f"{r['point']['overrides']['max_rows']} rows / {r['point']['overrides']['prefill_chunk']}")
+    L += _policy_section(results, summary, meta)
     n, p_long, a_long = FAIR_LONG
-    L += ["", "## 4. Fairness: one key floods, another sends one short request per second", "",
+    L += ["", "## 5. Fairness: one key floods, another sends one short request per second", "",
           f"Key A sends {n} requests of {p_long:,} prompt + {a_long:,} answer tokens at t = 0; key B sends one "
           f"request of {FAIR_SHORT[0]} + {FAIR_SHORT[1]} tokens per second for {meta['fairness_seconds']:g} s. "
           "Design server (continuous, 2 s budget, 8 rows per key while another waits). The design's target: "
@@ -457,7 +602,7 @@ def markdown(results, summary, meta, images) -> str:
     d, base = summary["disconnect"], summary["disconnect_baseline"]
     if d:
         drun = _group(results, "disconnect")[0]
-        L += ["", "## 5. Cancellation: 20 % of clients disconnect mid-stream", "",
+        L += ["", "## 6. Cancellation: 20 % of clients disconnect mid-stream", "",
               f"{DISCONNECT_RATE:g} requests/s for {minutes:g} virtual minutes, design server; a marked client leaves "
               "after half its answer (`with_disconnects`, seed 0) and the engine drops its row at the next step "
               "boundary.", "",
@@ -476,7 +621,7 @@ def markdown(results, summary, meta, images) -> str:
               "built, so no token is generated after a disconnect; on the live server a flag set during a step "
               "costs that one step (`genserve_cancel_extra_steps`, checked by the e2e tests).", ""]
     cal = meta.get("calibration")
-    L += ["## 6. Calibration on this machine", ""]
+    L += ["## 7. Calibration on this machine", ""]
     if cal:
         lp = cal.get("live_path") or {}
         L += [f"From [calibration.md](calibration.md) (`{cal.get('command', 'python -m loadgen.calibrate')}`, "
@@ -507,6 +652,15 @@ def markdown(results, summary, meta, images) -> str:
           "padded implementation would).",
           "- Synthetic lengths, not logged prompts; a JSONL trace replays real ones (`--trace`).", ""]
     return "\n".join(L)
+
+
+def _live_policies(path: pathlib.Path) -> dict[str, Any] | None:
+    """The live comparison's date and goodput per policy (`loadgen.live_policies`), if it was run."""
+    if not path.exists():
+        return None
+    res = json.loads(path.read_text())
+    return {"date": res["summary"]["date"],
+            "goodput": {p: g["live_goodput_rps"] for p, g in res["policies"].items()}}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -541,8 +695,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta = {"command": command, "rates": rates, "minutes": args.minutes, "seed": args.seed, "jobs": args.jobs,
             "wall_s": wall, "num_runs": len(points), "fairness_seconds": args.fairness_seconds,
             "slo_ttft_ms": st.DEFAULT_SLO_TTFT_MS, "slo_tpot_ms": st.DEFAULT_SLO_TPOT_MS,
-            "calibration": calibration and calibration.get("summary")}
+            "calibration": calibration and calibration.get("summary"),
+            "live_policies": _live_policies(args.out / "live_policies" / "results.json")}
     images = plots(results, summary, rates, args.out)
+    minute = min(BUSY_MINUTE, int(args.minutes // 2))
+    busy_rate = BUSY_RATE if BUSY_RATE in rates else max(rates)
+    meta.update(busy_minute=minute, busy_rate=busy_rate)
+    images.append(plot_busy_minute(busy_minute(busy_rate, minute, args.minutes, args.seed), args.out,
+                                   busy_rate, minute))
     (args.out / "results.json").write_text(st.dumps({"meta": meta, "summary": summary, "runs": list(results)}))
     (args.out / "README.md").write_text(markdown(results, summary, meta, images))
     print(f"wrote {args.out}/README.md, results.json, {', '.join(images)} ({wall:.0f} s)", file=sys.stderr)

@@ -138,6 +138,8 @@ def test_preemption_frees_newest_and_request_still_completes():
 def test_admission_rejects_past_budget_with_retry_after():
     engine, _ = sim_engine(queue_budget_s=2.0)
     # Each request: 1000 prompt × 0.1 ms + min(100, 300) × 1.25 ms = 225 ms of device time.
+    # 63 blocks each: 7 fit the 512-block pool beside its 26-block margin and wait for nothing;
+    # the 8th on waits for blocks.
     admitted, rejected = 0, []
     for _ in range(20):
         try:
@@ -145,9 +147,9 @@ def test_admission_rejects_past_budget_with_retry_after():
             admitted += 1
         except AdmissionRejected as exc:
             rejected.append(exc.retry_after_s)
-    assert admitted == 8              # 8 × 225 ms = 1.8 s queued; a 9th would make 2.025 s
+    assert admitted == 7 + 8          # 8 × 225 ms = 1.8 s would wait; a 9th would make 2.025 s
     assert rejected and min(rejected) >= 1
-    assert engine.stats().queued_device_s == pytest.approx(8 * 0.225)
+    assert engine.stats().queued_device_s == pytest.approx(15 * 0.225)   # the gauge: all queued work
 
 
 def test_fewest_weighted_tokens_key_is_admitted_first():
@@ -204,3 +206,39 @@ def test_prompt_blocks_freed_only_when_the_last_sample_finishes():
     engine.run_until_idle()
     assert [engine.pool.ref_count(b) for b in prompt_blocks] == [0, 0]
     engine.pool.check_all_free()
+
+
+def test_an_idle_server_accepts_a_burst_it_has_rows_and_blocks_for():
+    # 32 × (20 + 128 tokens) at the design's costs: 32 × 162 ms = 5.2 s of work, but every one has
+    # a free row and its blocks, so none waits and none is refused; the same burst again waits
+    # for rows (5.2 s > 2 s) and is refused past the budget.
+    engine, _ = sim_engine(num_blocks=2048, queue_budget_s=2.0)
+    for _ in range(32):
+        engine.submit(make_request(20, 128))
+    assert engine.stats().queue_depth == 32
+    second = []
+    for _ in range(32):
+        try:
+            engine.submit(make_request(20, 128))
+        except AdmissionRejected as exc:
+            second.append(exc)
+    assert len(second) == 32 - 12                        # 12 × 162 ms = 1.94 s may wait
+    assert "wait for rows or KV blocks" in str(second[0]) and second[0].retry_after_s == 1
+    engine.run_until_idle()
+    engine.pool.check_all_free()
+
+
+def test_a_burst_of_long_requests_is_refused_once_its_wait_passes_the_budget():
+    engine, _ = sim_engine(num_blocks=2048, queue_budget_s=2.0)
+    # 6,000-token prompts (375 blocks; 600 + 300 × 1.25 = 975 ms each): 5 fit beside the
+    # 103-block margin; 2 may wait (1.95 s); the rest would pass 2 s.
+    outcomes = []
+    for _ in range(100):
+        try:
+            engine.submit(make_request(6000, 1000))
+            outcomes.append("queued")
+        except AdmissionRejected as exc:
+            outcomes.append(exc.retry_after_s)
+    assert outcomes[:7] == ["queued"] * 7
+    assert outcomes.count("queued") == 7
+    assert all(x >= 1 for x in outcomes[7:])

@@ -93,3 +93,14 @@ def test_sim_takes_a_batching_mode_and_a_measured_cost_model(tmp_path):
     # The lone first request waits the 50 ms window before its batch fires.
     first = json.loads((out / "records.jsonl").read_text().splitlines()[0])
     assert first["queue_s"] == pytest.approx(0.05)
+
+
+def test_sim_takes_the_slo_policy_and_its_targets(tmp_path):
+    out = tmp_path / "sim"
+    assert main(["sim", "--rate", "4", "--num-requests", "40", "--scale", "0.2", "--policy", "slo",
+                 "--tpot-target-ms", "60", "--gap-target-ms", "80", "--out", str(out), "--no-progress"]) == 0
+    rep = _check_outputs(out, [4.0])
+    assert "policy='slo'" in rep["config"]["engine"] and "tpot_target_ms=60.0" in rep["config"]["engine"]
+    # Every step is sized within the 80 ms gap target, and each stream's mean within 60 ms.
+    assert rep["runs"][0]["max_gap_ms"]["p99"] <= 80.0 + 1e-6
+    assert rep["runs"][0]["tpot_ms"]["p99"] <= 60.0 + 1e-6

@@ -12,6 +12,9 @@ def test_plan_covers_modes_sweep_and_scenarios():
     groups = [p.group for p in pts]
     assert groups.count("modes") == 4 * 5 and groups.count("sweep") == 3 * 3 * 5
     assert groups.count("fairness") == 2 and groups.count("disconnect") == 1
+    assert groups.count("policy") == 3 * 5 and groups.count("slo_share") == len(report.SLO_SHARES) * 5
+    labels = {p.config["label"] for p in pts if p.group == "policy"}
+    assert labels == {"fixed", "slo", "vllm"}
     assert all(p.minutes == 10.0 for p in pts)
     modes = {p.config["batching"] for p in pts if p.group == "modes"}
     assert modes == {"static", "dynamic", "continuous_unchunked", "continuous"}
@@ -28,7 +31,8 @@ def test_tiny_report_writes_tables_plots_and_json(tmp_path):
     out = tmp_path / "bench"
     assert report.main(["--out", str(out), "--minutes", "0.5", "--rates", "1,1.5", "--rows", "16,32",
                         "--chunks", "256", "--fairness-seconds", "20", "--jobs", "1", "--no-progress"]) == 0
-    for name in ("README.md", "results.json", "modes_ttft.png", "sweep_tpot.png", "sweep_ttft.png"):
+    for name in ("README.md", "results.json", "modes_ttft.png", "sweep_tpot.png", "sweep_ttft.png",
+                 "policy_steps.png"):
         assert (out / name).stat().st_size > 0
     assert (out / "sweep_tpot.png").read_bytes()[:4] == b"\x89PNG"
     res = json.loads((out / "results.json").read_text())
@@ -39,9 +43,16 @@ def test_tiny_report_writes_tables_plots_and_json(tmp_path):
     assert summary["fairness"]["429_final"]["B"]["sent"] == 20
     assert summary["disconnect"]["num_disconnected"] > 0
     assert summary["disconnect"]["kv_blocks_free_end"] == 7152
-    # 2 rates × (4 modes + 2 sweep settings) + 2 fairness + 1 disconnect
-    assert len(res["runs"]) == res["meta"]["num_runs"] == 15
+    # 2 rates × (4 modes + 2 sweep settings + 3 policies + 2 prefill shares) + 2 fairness + 1 disconnect
+    assert len(res["runs"]) == res["meta"]["num_runs"] == 25
+    pol = summary["policies"]
+    assert set(pol) == {"fixed", "slo", "vllm"}
+    # The SLO policy keeps every request's longest gap within 100 ms; the vLLM-like 2,048-token
+    # steps do not (25 + 204.8 ms with one row decoding).
+    assert max(pol["slo"]["gap_p99_ms"].values()) <= 100.0 + 1e-6
+    assert min(pol["vllm"]["gap_p99_ms"].values()) > 100.0
     md = (out / "README.md").read_text()
-    for heading in ("## 1. Scheduler modes", "## 3. Row cap", "## 4. Fairness", "## 5. Cancellation",
+    for heading in ("## 1. Scheduler modes", "## 3. Row cap", "## 4. How each step is sized", "## 5. Fairness",
+                    "## 6. Cancellation", "![step time and rows per step of each policy over a busy minute]",
                     "TTFT ≤ **3 s**", "![throughput against p95 TPOT](sweep_tpot.png)"):
         assert heading in md
