@@ -5,6 +5,9 @@
     GET    /health                      -> grpc.health.v1 Check (or Info)
     GET    /v1/models                   -> the one served model
     GET    /metrics                     -> the bridge's and the engine's Prometheus metrics
+    GET    /                            -> the web console (playground + live scheduler view)
+    GET    /static/...                  -> the console's files (bridge/static/)
+    GET    /v1/console/events           -> WatchScheduler (server stream), as SSE
 
 A request body must be JSON (`application/json`, `+json`, or no content type: 415 otherwise),
 UTF-8 (400) and at most `max_body_bytes` (1 MiB by default: 413), checked before parsing.
@@ -32,20 +35,22 @@ from dataclasses import dataclass
 from typing import Annotated
 
 import grpc
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from bridge.console import INDEX_HTML, STATIC_DIR, snapshot_event
 from bridge.errors import DEFAULT_RETRY_AFTER_S, ApiError, from_grpc
 from bridge.events import SSE_DONE, CompletionBuilder, sse_data, sse_error
 from bridge.metrics import BridgeMetrics
-from bridge.schemas import CompletionRequest
+from bridge.schemas import UINT32_MAX, CompletionRequest
 from genserve.model_name import DEFAULT_MODEL_NAME
 from genserve.telemetry import REQUEST_ID, inject_metadata
 from genserve.v1 import generate_pb2 as pb
@@ -351,6 +356,7 @@ def create_app(
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)
     _add_routes(app.router)
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     return app
 
 
@@ -379,6 +385,9 @@ def _add_routes(router: APIRouter) -> None:
     router.add_api_route("/health", health, methods=["GET"], description=no_description)
     router.add_api_route("/metrics", prometheus_metrics, methods=["GET"], description=no_description)
     router.add_api_route("/v1/models", models, methods=["GET"], description=no_description)
+    router.add_api_route("/v1/console/events", console_events, methods=["GET"], description=no_description)
+    router.add_api_route("/", console_page, methods=["GET"], description=no_description,
+                         include_in_schema=False)
 
 
 # ---- errors: always {"error": {...}} ----------------------------------------------------------
@@ -496,13 +505,53 @@ async def models(state: Annotated[BridgeState, Depends(bridge_state)]) -> JSONRe
     return JSONResponse({"object": "list", "data": [model]})
 
 
+async def console_page() -> FileResponse:
+    """GET /: the web console's page (its script and style under /static/)."""
+    return FileResponse(INDEX_HTML, media_type="text/html; charset=utf-8",
+                        headers={"Cache-Control": "no-cache"})
+
+
+async def console_events(request: Request, state: Annotated[BridgeState, Depends(bridge_state)],
+                         interval_ms: Annotated[int, Query(ge=0, le=UINT32_MAX)] = 0) -> Response:
+    """GET /v1/console/events?interval_ms=250: the engine's scheduler snapshots as SSE, one
+    `data:` event each (`bridge.console.snapshot_event`), until the client leaves. Behind Envoy
+    the stream reaches one engine replica (each event's `engine` names it).
+
+    Raises ApiError: the WatchScheduler call failed before its first snapshot (401 without a
+    valid key when keys are configured; 400 for an interval outside 100-10,000 ms; 503 while
+    the engine is down or loading).
+    """
+    call = state.connect().generate.WatchScheduler(pb.WatchSchedulerRequest(interval_ms=interval_ms),
+                                                   metadata=_auth_metadata(request))
+    try:
+        first = await _read_first(request, call)
+    except BaseException:
+        call.cancel()
+        raise
+    return SSEResponse(_snapshot_events(call, first), call=call, write_timeout_s=state.slow_client_timeout_s,
+                       headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _snapshot_events(call: grpc.aio.UnaryStreamCall,
+                           first: pb.WatchSchedulerResponse) -> AsyncIterator[str]:
+    """One SSE event per snapshot; a failure of the stream ends it with `event: error`."""
+    yield sse_data(snapshot_event(first.snapshot))
+    try:
+        while (msg := await call.read()) is not grpc.aio.EOF:
+            yield sse_data(snapshot_event(msg.snapshot))
+    except grpc.aio.AioRpcError as err:
+        api_error = from_grpc(err)
+        log.info("scheduler stream ended with %s: %s", api_error.code, api_error.message)
+        yield sse_error(api_error.body())
+
+
 def validation_error(errors: list[dict]) -> ApiError:
     """A 400 naming the offending field(s), from pydantic/FastAPI validation errors."""
     messages: list[str] = []
     params: list[str] = []
     for err in errors:
         loc = [str(part) for part in err.get("loc", ())]
-        if loc and loc[0] == "body":
+        if loc and loc[0] in ("body", "query"):
             loc = loc[1:]
         path = ".".join(loc)
         kind = err.get("type", "")
@@ -523,8 +572,9 @@ def validation_error(errors: list[dict]) -> ApiError:
     return ApiError(400, message, code="invalid_argument", param=params[0] if params else None)
 
 
-async def _read_first(request: Request, call: grpc.aio.UnaryStreamCall) -> pb.GenerateResponse:
-    """The stream's first message (Started), or the ApiError the call failed with."""
+async def _read_first(request: Request, call: grpc.aio.UnaryStreamCall):
+    """The stream's first message (Generate's Started, WatchScheduler's first snapshot), or the
+    ApiError the call failed with."""
     async with _cancel_on_disconnect(request, call):
         try:
             first = await call.read()
@@ -535,7 +585,7 @@ async def _read_first(request: Request, call: grpc.aio.UnaryStreamCall) -> pb.Ge
                 raise
             raise ApiError(499, "client disconnected", code="cancelled") from None
     if first is grpc.aio.EOF:
-        raise ApiError(500, "the generation stream ended before it started", code="internal")
+        raise ApiError(500, "the engine's stream ended before it started", code="internal")
     return first
 
 

@@ -1,4 +1,10 @@
-"""The bridge's own Prometheus metrics, and the engines', on one `GET /metrics`."""
+"""The bridge's own Prometheus metrics, and the engines', on one `GET /metrics`.
+
+Both the bridge and every engine export the standard `process_*` series; each process labels
+them `component="bridge"` or `component="engine"` (`genserve.process_metrics`), and with several
+engines each engine sample also gets a `replica` label, so every family is declared once and
+every process's series stay apart.
+"""
 
 from __future__ import annotations
 
@@ -11,12 +17,15 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from genserve.process_metrics import ComponentProcessCollector
+
 ENGINE_SCRAPE_TIMEOUT_S = 2.0
 REPLICA_LABEL = "replica"
 
 
 class BridgeMetrics:
-    """HTTP responses by route and status code, in the bridge's own registry.
+    """HTTP responses by route and status code and the bridge process's `process_*` series
+    (`component="bridge"`), in the bridge's own registry.
 
     Args:
         engine_metrics_url: the engines' Prometheus endpoints (e.g. http://127.0.0.1:9400/metrics),
@@ -36,18 +45,19 @@ class BridgeMetrics:
         self.engine_scrape_errors = Counter("genserve_bridge_engine_scrape_errors",
                                             "Failed reads of the engine's metrics endpoint.",
                                             registry=self.registry)
+        self.registry.register(ComponentProcessCollector("bridge"))
 
     async def exposition(self) -> bytes:
-        """Prometheus text format: the bridge's metrics, then the engines' (those reachable)."""
+        """Prometheus text format: the bridge's metrics and the engines' (those reachable), each
+        family declared once (the `process_*` families hold the bridge's and the engines'
+        samples)."""
         if not self.engine_metrics_urls:
             return generate_latest(self.registry)
         async with httpx.AsyncClient(timeout=ENGINE_SCRAPE_TIMEOUT_S) as client:
             texts = await asyncio.gather(*(self._scrape(client, url) for url in self.engine_metrics_urls))
-        if len(texts) == 1:
-            return generate_latest(self.registry) + (texts[0] or b"")
         merged = CollectorRegistry()
-        merged.register(_ReplicaCollector(texts))
-        return generate_latest(self.registry) + generate_latest(merged)
+        merged.register(_MergedCollector(list(self.registry.collect()), texts, label_replicas=len(texts) > 1))
+        return generate_latest(merged)
 
     async def _scrape(self, client: httpx.AsyncClient, url: str) -> bytes | None:
         """One engine's exposition, or None (counted in engine_scrape_errors) when unreachable."""
@@ -60,23 +70,34 @@ class BridgeMetrics:
             return None
 
 
-class _ReplicaCollector:
-    """Several engines' expositions as one: each family once, every sample labelled with its
-    replica's index in `texts` (None: that engine was unreachable and adds nothing)."""
+class _MergedCollector:
+    """The bridge's families and the engines' expositions as one: each family once.
 
-    def __init__(self, texts: Sequence[bytes | None]) -> None:
+    Args:
+        own: the bridge's own families (unchanged).
+        texts: each engine's exposition, None where the engine was unreachable (it adds nothing).
+        label_replicas: give every engine sample a `replica` label, its index in `texts`.
+    """
+
+    def __init__(self, own: list[Metric], texts: Sequence[bytes | None], *, label_replicas: bool) -> None:
+        self.own = own
         self.texts = texts
+        self.label_replicas = label_replicas
 
     def collect(self) -> Iterator[Metric]:
         families: dict[str, Metric] = {}
+        for family in self.own:
+            families[family.name] = merged = Metric(family.name, family.documentation, family.type, family.unit)
+            merged.samples = list(family.samples)
         for replica, text in enumerate(self.texts):
             if text is None:
                 continue
+            extra = {REPLICA_LABEL: str(replica)} if self.label_replicas else {}
             for family in text_string_to_metric_families(text.decode()):
                 merged = families.get(family.name)
                 if merged is None:
                     merged = families[family.name] = Metric(family.name, family.documentation,
                                                             family.type, family.unit)
-                merged.samples += [Sample(s.name, {**s.labels, REPLICA_LABEL: str(replica)}, s.value,
-                                          s.timestamp, s.exemplar) for s in family.samples]
+                merged.samples += [Sample(s.name, {**s.labels, **extra}, s.value, s.timestamp, s.exemplar)
+                                   for s in family.samples]
         yield from families.values()

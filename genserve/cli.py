@@ -31,6 +31,8 @@ import tempfile
 import time
 
 from genserve import envoy
+from genserve.model_source import parse_model_source
+from genserve.ports import PortInUse, check_ports_free
 from genserve.supervisor import (STOP_TIMEOUT_S, Child, free_port, supervise, wait_engine_ready,
                                  wait_http_ok)
 from service.command_line import (HelpFormatter, add_engine_args, config_from_args, options_from_args,
@@ -41,6 +43,7 @@ ENGINE_METRICS_PORT = 9400    # --metrics-port's default here (python -m service
 ENVOY_CONCURRENCY = 1         # Envoy worker threads: loopback traffic needs one; the engines need the cores
 CANCEL_RETRIES = 7            # the chart's envoy.cancel.numRetries, raised for many replicas
 LB_POLICIES = ("LEAST_REQUEST", "ROUND_ROBIN", "RANDOM")
+EXIT_PORT_IN_USE = 3          # a port genserve serve would open is taken (as the engine's own exit code)
 
 
 def dial_host(host: str) -> str:
@@ -87,13 +90,18 @@ def bridge_argv(args: argparse.Namespace) -> list[str]:
     """The bridge child's command line for the parsed `genserve serve` flags (after
     `resolve_ports`): behind Envoy on 127.0.0.1:--bridge-port, calling the engines through
     Envoy's listener; with --no-envoy on --host:--port, calling the engine directly. It reads
-    every replica's metrics."""
+    every replica's metrics, and names the model as the engines report it.
+
+    Raises:
+        ValueError: --model is not a valid spelling.
+    """
     if args.no_envoy:
         target, host, port = f"{ENGINE_HOST}:{args.grpc_port}", args.host, args.port
     else:
         target, host, port = public_target(args), ENGINE_HOST, args.bridge_port
     argv = [sys.executable, "-m", "bridge", "--grpc-target", target,
-            "--host", host, "--port", str(port), "--log-level", "warning"]
+            "--host", host, "--port", str(port), "--log-level", "warning",
+            "--model-name", parse_model_source(args.model_path).served_name]
     for metrics_port in engine_metrics_ports(args):
         argv += ["--engine-metrics-url", f"http://{ENGINE_HOST}:{metrics_port}/metrics"]
     if args.max_body_bytes is not None:
@@ -107,6 +115,19 @@ def resolve_ports(args: argparse.Namespace) -> None:
     if not args.no_envoy:
         args.bridge_port = args.bridge_port or free_port()
         args.envoy_admin_port = args.envoy_admin_port or free_port()
+
+
+def listeners(args: argparse.Namespace) -> list[tuple[str, str, int]]:
+    """Every (what, host, port) `genserve serve` will listen on, for the parsed flags (after
+    `resolve_ports`): the public listener, the engines' gRPC and metrics ports, and with Envoy the
+    bridge behind it and Envoy's admin interface."""
+    public = "bridge" if args.no_envoy else "Envoy listener"
+    out = [(public, args.host, args.port)]
+    out += [(f"engine {i} gRPC", ENGINE_HOST, port) for i, port in enumerate(engine_ports(args))]
+    out += [(f"engine {i} metrics", ENGINE_HOST, port) for i, port in enumerate(engine_metrics_ports(args))]
+    if not args.no_envoy:
+        out += [("bridge", ENGINE_HOST, args.bridge_port), ("Envoy admin", ENGINE_HOST, args.envoy_admin_port)]
+    return out
 
 
 def envoy_config(args: argparse.Namespace) -> str:
@@ -166,7 +187,8 @@ def ready_message(args: argparse.Namespace) -> str:
              f"  gRPC      {public if not args.no_envoy else f'{ENGINE_HOST}:{args.grpc_port}'}"
              "  (genserve.v1.GenerateService)",
              f"  health    http://{public}/health",
-             f"  metrics   http://{public}/metrics"]
+             f"  metrics   http://{public}/metrics",
+             f"  console   http://{public}/  (playground + live scheduler view)"]
     if not args.no_envoy:
         ports = engine_ports(args)
         engines = f"{ENGINE_HOST}:{ports[0]}" + (f"-{ports[-1]}" if len(ports) > 1 else "")
@@ -219,7 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `genserve` command. Returns the exit code (2: invalid flags, or Envoy's
-    configuration could not be made: a tool missing, or rejected)."""
+    configuration could not be made: a tool missing, or rejected; 3: a port it would open is
+    already taken, named in the message; nothing was started)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.replicas < 1:
@@ -228,6 +251,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--replicas {args.replicas} needs Envoy to spread requests over the engines; "
                      "drop --no-envoy")
     resolve_ports(args)
+    try:
+        check_ports_free(listeners(args))
+    except ValueError as exc:
+        parser.error(str(exc))
+    except PortInUse as exc:
+        parser.exit(EXIT_PORT_IN_USE, f"genserve {args.command}: error: {exc}\n")
     if args.replicas > 1 and args.threads == 0:
         # Replicas on one machine share its cores: each takes its share, not all of them
         # (threads spinning on a core another replica computes on slow both down).

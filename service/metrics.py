@@ -2,18 +2,20 @@
 
 Gauges are read from the scheduler at scrape time (one consistent snapshot under the engine
 lock), so they can never drift from the truth; histograms and counters are fed by the engine's
-step listener and by the servicer (rejections).
+step listener and by the servicer (rejections). The process's own `process_*` series (memory,
+CPU, file descriptors, start time) carry `component="engine"` (`genserve.process_metrics`).
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, Info
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from engine.loop import Engine
 from engine.request import FinishReason
 from engine.step import StepPlan, TokenEvent
+from genserve.process_metrics import ComponentProcessCollector
 
 PROMPT_BUCKETS = (256, 1024, 4096, 8192)            # prompt-length bucket upper bounds, tokens
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 1.5,
@@ -80,6 +82,9 @@ class EngineMetrics:
         self.rows = Histogram("genserve_step_rows", "Decode rows per step.", buckets=ROW_BUCKETS, registry=r)
         self.step_s = Histogram("genserve_step_duration_seconds", "Forward pass + sampling time.",
                                 buckets=LATENCY_BUCKETS_S, registry=r)
+        self.step_ratio = Histogram("genserve_step_time_ratio",
+                                    "Measured step time / the cost model's prediction when the step was built.",
+                                    buckets=(0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0), registry=r)
         self.cancel_steps = Histogram("genserve_cancel_extra_steps",
                                       "Steps a request ran after its cancel flag was set.",
                                       buckets=(0, 1, 2, 5), registry=r)
@@ -101,7 +106,12 @@ class EngineMetrics:
             self.finished.labels(reason.value)
         for code in ("400", "401", "429", "503"):
             self.rejected.labels(code)
+        backend = getattr(getattr(engine.executor, "attention", None), "name", None)
+        if backend:     # the model executor's attention backend (engine/attention_backends.py)
+            Info("genserve_attention_backend", "Attention backend the engine runs.",
+                 registry=r).info({"backend": backend})
         r.register(_SchedulerGauges(engine))
+        r.register(ComponentProcessCollector("engine"))
         engine.step_listeners.append(self.on_step)
 
     def on_step(self, plan: StepPlan, events: list[TokenEvent], step_s: float) -> None:
@@ -109,6 +119,8 @@ class EngineMetrics:
         if not plan.empty:
             self.step_s.observe(step_s)
             self.rows.observe(plan.num_decode_rows)
+            if self.engine.last_step_predicted_s > 0:
+                self.step_ratio.observe(step_s / self.engine.last_step_predicted_s)
         self.observe_events(events)
 
     def observe_events(self, events: list[TokenEvent]) -> None:

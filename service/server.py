@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 import threading
@@ -29,6 +30,7 @@ from prometheus_client import start_http_server
 
 from engine.builder import LoadedEngine, build_engine
 from engine.config import EngineConfig
+from genserve.ports import PortInUse, check_ports_free
 from genserve.telemetry import setup_logging, setup_tracing
 from genserve.v1 import generate_pb2 as pb
 from genserve.v1 import generate_pb2_grpc as pb_grpc
@@ -46,7 +48,10 @@ FAILURE_FLUSH_S = 5.0         # engine failure: how long to let open streams sen
 ENGINE_POLL_S = 0.05          # how often the server checks that the scheduler thread lives
 GIL_SWITCH_INTERVAL_S = 0.0005  # sys.setswitchinterval for the engine process (see main)
 
-EXIT_OK, EXIT_ENGINE_FAILED, EXIT_LOAD_FAILED = 0, 1, 2
+EXIT_OK, EXIT_ENGINE_FAILED, EXIT_LOAD_FAILED, EXIT_PORT_IN_USE = 0, 1, 2, 3
+# Bind the gRPC port exclusively: gRPC's default SO_REUSEPORT would let a second engine bind a
+# port that one already serves, and the kernel would split new connections between the two.
+GRPC_SERVER_OPTIONS = (("grpc.so_reuseport", 0),)
 
 Builder = Callable[[EngineConfig, "str | None"], LoadedEngine]
 
@@ -57,7 +62,7 @@ class EngineServer:
     Args:
         config: engine dials.
         host, port: where to serve gRPC (port 0: any free port; see `port` after `start`).
-        model_path: GGUF file (None: the embedded model).
+        model_path: the model, a `--model` value (`genserve.model_source`; None: the embedded one).
         auth: API keys (default: from the environment).
         metrics_port: serve Prometheus metrics on it (None: off).
         drain_grace_s: how long SIGTERM lets open streams run on.
@@ -82,7 +87,7 @@ class EngineServer:
         self.fail_at_step = fail_at_step
         self.fail_once_file = fail_once_file
         self.build = build
-        self.server = grpc.aio.server()
+        self.server = grpc.aio.server(options=GRPC_SERVER_OPTIONS)
         self.health = EngineHealth(lambda: self.loaded is None or self.loaded.engine.alive)
         self.servicer = GenerateServicer(auth=auth or Authenticator.from_env(),
                                          max_buffered_events=max_buffered_events, tracer=tracer)
@@ -95,13 +100,23 @@ class EngineServer:
         return None if self.loaded is None else self.loaded.engine
 
     async def start(self) -> None:
-        """Serve gRPC (health NOT_SERVING, Generate UNAVAILABLE) before anything is loaded."""
+        """Serve gRPC (health NOT_SERVING, Generate UNAVAILABLE) before anything is loaded.
+
+        Raises:
+            PortInUse: the gRPC port or the metrics port is taken (nothing was started).
+        """
+        if self.metrics_port is not None:
+            check_ports_free([("engine metrics", self.host, self.metrics_port)])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
         pb_grpc.add_GenerateServiceServicer_to_server(self.servicer, self.server)
-        self.port = self.server.add_insecure_port(f"{self.host}:{self.requested_port}")
+        try:
+            self.port = self.server.add_insecure_port(f"{self.host}:{self.requested_port}")
+        except RuntimeError as exc:          # grpc: "Failed to bind to address ..."
+            raise PortInUse(self.host, self.requested_port, "engine gRPC") from exc
+        self.servicer.engine_label = f"{self.host}:{self.port} pid {os.getpid()}"
         await self.server.start()
         log.info("engine gRPC listening on %s:%d (loading the model)", self.host, self.port)
 
@@ -128,8 +143,13 @@ class EngineServer:
         log.info("engine serving gRPC on %s:%d (%d KV blocks)", self.host, self.port, engine.pool.num_blocks)
 
     async def run(self, stop: asyncio.Event) -> int:
-        """Load, serve until `stop` is set (then drain) or the engine fails. Returns the exit code."""
-        await self.start()
+        """Load, serve until `stop` is set (then drain) or the engine fails. Returns the exit code
+        (`EXIT_PORT_IN_USE` at once, with the port logged, when a port is taken)."""
+        try:
+            await self.start()
+        except PortInUse as exc:
+            log.error("%s", exc)
+            return EXIT_PORT_IN_USE
         load = asyncio.ensure_future(self.load())
         stopped = asyncio.ensure_future(stop.wait())
         try:
@@ -273,7 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m service --port 50051`: run the engine's gRPC server; exits 1 if the engine fails.
+    """`python -m service --port 50051`: run the engine's gRPC server; exits 1 if the engine fails,
+    3 (naming the port) if the gRPC or metrics port is already taken.
 
     Invalid engine dials end it at once with exit code 2 and the reason (argparse's usage error).
     """
@@ -281,9 +302,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         config = config_from_args(args)
+        options = options_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
-    options = options_from_args(args)
     # The scheduler thread takes the GIL back after every torch op of a step; with Python's
     # default 5 ms switch interval the event loop thread can hold it that long while streams
     # are busy. 0.5 ms measured ≈ 10 % more live throughput at 32 streams on 2 cores.

@@ -23,6 +23,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import socket
+import time
 import uuid
 from collections import deque
 from typing import NoReturn
@@ -34,11 +37,12 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from engine.loop import Engine, EngineUnavailable
 from engine.request import FinishReason, Request
 from engine.scheduler import AdmissionRejected
+from engine.snapshot import LatencySummary, SchedulerSnapshot, SnapshotSource
 from engine.step import TokenEvent
 from genserve.v1 import generate_pb2 as pb
 from genserve.telemetry import REQUEST_ID, extract_metadata
 from genserve.v1 import generate_pb2_grpc as pb_grpc
-from service.auth import Authenticator
+from service.auth import ANONYMOUS, Authenticator
 from service.handoff import LoopHandoff
 from service.metrics import EngineMetrics
 from service.stream import SampleStream
@@ -55,6 +59,9 @@ RETRY_AFTER_UNAVAILABLE_S = 1
 # Trailing metadata of an INVALID_ARGUMENT naming the offending request field (generate.proto).
 INVALID_FIELD_METADATA = "invalid-field"
 GENERATE_SPAN = "genserve.v1.GenerateService/Generate"
+# WatchScheduler: milliseconds between snapshots by default and the range a caller may ask for.
+WATCH_INTERVAL_MS = 250
+WATCH_INTERVAL_RANGE_MS = (100, 10_000)
 
 
 class StreamFailed(Exception):
@@ -142,6 +149,10 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
         self._idle.set()
         self.engine: Engine | None = None
         self.metrics: EngineMetrics | None = None
+        self.snapshots: SnapshotSource | None = None
+        self.num_watching = 0          # WatchScheduler streams open now
+        # Names this process in scheduler snapshots; the server adds its port once bound.
+        self.engine_label = f"{socket.gethostname()} pid {os.getpid()}"
         if engine is not None:
             self.attach(engine, tokenizer, validator, info, metrics)
 
@@ -153,6 +164,7 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
         self.info = info
         self.metrics = metrics
         self.spans = SpanTracker(engine)
+        self.snapshots = SnapshotSource(engine)
         self.engine = engine
         engine.step_listeners.append(self._flush_events)
 
@@ -319,6 +331,55 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
             await self._abort(context, grpc.StatusCode.UNAVAILABLE, "engine is loading; retry shortly")
         return self.info
 
+    async def WatchScheduler(self, request: pb.WatchSchedulerRequest, context: grpc.aio.ServicerContext):
+        """Stream a `SchedulerSnapshot` every `interval_ms` until the caller cancels (any
+        authenticated key may watch; a snapshot names keys by their configured names only).
+        Refusals here are not generation requests: `genserve_requests_rejected` does not count them."""
+        metadata = dict(context.invocation_metadata() or ())
+        if self.auth.api_key(metadata.get("authorization")) is None:
+            await self._abort(context, grpc.StatusCode.UNAUTHENTICATED, "authorization: missing or unknown API key")
+        if self.engine is None:
+            await self._abort(context, grpc.StatusCode.UNAVAILABLE, "engine is loading; retry shortly")
+        interval_ms = request.interval_ms or WATCH_INTERVAL_MS
+        low, high = WATCH_INTERVAL_RANGE_MS
+        if not low <= interval_ms <= high:
+            context.set_trailing_metadata(((INVALID_FIELD_METADATA, "interval_ms"),))
+            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                              f"interval_ms: must be between {low} and {high}, got {interval_ms}")
+        self.num_watching += 1
+        try:
+            while True:
+                yield pb.WatchSchedulerResponse(snapshot=self.snapshot_message(self.snapshots.snapshot()))
+                await asyncio.sleep(interval_ms / 1000.0)
+        finally:
+            self.num_watching -= 1
+
+    def snapshot_message(self, snap: SchedulerSnapshot) -> pb.SchedulerSnapshot:
+        """`snap` as the contract's message: keys by their configured names, step ages relative
+        to the snapshot (s), the Unix time now."""
+        st = snap.state
+        total = len(st.kv_block_states)
+        return pb.SchedulerSnapshot(
+            unix_time_s=time.time(), engine=self.engine_label, steps=st.steps,
+            running_rows=st.running_rows, prefill_rows=st.prefill_rows, max_rows=st.max_rows,
+            queues=[pb.KeyQueue(name=self._key_name(q.key), queued=q.queued, running=q.running)
+                    for q in st.queues],
+            queued_device_s=st.queued_device_s, queue_budget_s=st.queue_budget_s,
+            kv_pool=pb.KvPool(block_size=st.block_size, total_blocks=total, free_blocks=st.kv_blocks_free,
+                              used_blocks=total - st.kv_blocks_free - st.kv_blocks_cached,
+                              cached_blocks=st.kv_blocks_cached,
+                              block_states=st.kv_block_states),
+            recent_steps=[pb.StepSample(age_s=max(0.0, snap.time_s - s.end_s), decode_rows=s.decode_rows,
+                                        prefill_tokens=s.prefill_tokens, decode_ms=s.decode_ms,
+                                        prefill_ms=s.prefill_ms) for s in snap.steps],
+            ttft=_latency(snap.ttft), tpot=_latency(snap.tpot), max_token_gap=_latency(snap.max_gap),
+            latency_window_s=snap.window_s, rejected_total=st.rejected_total,
+            preemptions_total=st.preemptions_total, finished_total=st.finished_total)
+
+    def _key_name(self, key: str) -> str:
+        """The configured name of API key `key` (snapshots never carry the key itself)."""
+        return ANONYMOUS if key == ANONYMOUS else self.auth.keys.get(key, "unknown key")
+
     async def _authenticate(self, context: grpc.aio.ServicerContext, span: trace.Span | None = None) -> str:
         metadata = dict(context.invocation_metadata() or ())
         key = self.auth.api_key(metadata.get("authorization"))
@@ -348,6 +409,11 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
         if status == grpc.StatusCode.UNAVAILABLE:
             context.set_trailing_metadata((("retry-after", str(RETRY_AFTER_UNAVAILABLE_S)),))
         await context.abort(status, message)
+
+
+def _latency(summary: LatencySummary) -> pb.LatencySummary:
+    return pb.LatencySummary(count=summary.count, p50_ms=summary.p50_ms, p95_ms=summary.p95_ms,
+                             max_ms=summary.max_ms)
 
 
 def sample_seeds(seed: int | None, n: int) -> list[int | None]:

@@ -169,3 +169,107 @@ class InfoResponse(_message.Message):
     block_size: int
     num_kv_blocks: int
     def __init__(self, model_name: _Optional[str] = ..., max_context: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ...) -> None: ...
+
+class WatchSchedulerRequest(_message.Message):
+    __slots__ = ("interval_ms",)
+    INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    interval_ms: int
+    def __init__(self, interval_ms: _Optional[int] = ...) -> None: ...
+
+class WatchSchedulerResponse(_message.Message):
+    __slots__ = ("snapshot",)
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    snapshot: SchedulerSnapshot
+    def __init__(self, snapshot: _Optional[_Union[SchedulerSnapshot, _Mapping]] = ...) -> None: ...
+
+class SchedulerSnapshot(_message.Message):
+    __slots__ = ("unix_time_s", "engine", "steps", "running_rows", "prefill_rows", "max_rows", "queues", "queued_device_s", "queue_budget_s", "kv_pool", "recent_steps", "ttft", "tpot", "max_token_gap", "latency_window_s", "rejected_total", "preemptions_total", "finished_total")
+    UNIX_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_ROWS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ROWS_FIELD_NUMBER: _ClassVar[int]
+    MAX_ROWS_FIELD_NUMBER: _ClassVar[int]
+    QUEUES_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_DEVICE_S_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_BUDGET_S_FIELD_NUMBER: _ClassVar[int]
+    KV_POOL_FIELD_NUMBER: _ClassVar[int]
+    RECENT_STEPS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_FIELD_NUMBER: _ClassVar[int]
+    TPOT_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKEN_GAP_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_WINDOW_S_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    unix_time_s: float
+    engine: str
+    steps: int
+    running_rows: int
+    prefill_rows: int
+    max_rows: int
+    queues: _containers.RepeatedCompositeFieldContainer[KeyQueue]
+    queued_device_s: float
+    queue_budget_s: float
+    kv_pool: KvPool
+    recent_steps: _containers.RepeatedCompositeFieldContainer[StepSample]
+    ttft: LatencySummary
+    tpot: LatencySummary
+    max_token_gap: LatencySummary
+    latency_window_s: float
+    rejected_total: int
+    preemptions_total: int
+    finished_total: int
+    def __init__(self, unix_time_s: _Optional[float] = ..., engine: _Optional[str] = ..., steps: _Optional[int] = ..., running_rows: _Optional[int] = ..., prefill_rows: _Optional[int] = ..., max_rows: _Optional[int] = ..., queues: _Optional[_Iterable[_Union[KeyQueue, _Mapping]]] = ..., queued_device_s: _Optional[float] = ..., queue_budget_s: _Optional[float] = ..., kv_pool: _Optional[_Union[KvPool, _Mapping]] = ..., recent_steps: _Optional[_Iterable[_Union[StepSample, _Mapping]]] = ..., ttft: _Optional[_Union[LatencySummary, _Mapping]] = ..., tpot: _Optional[_Union[LatencySummary, _Mapping]] = ..., max_token_gap: _Optional[_Union[LatencySummary, _Mapping]] = ..., latency_window_s: _Optional[float] = ..., rejected_total: _Optional[int] = ..., preemptions_total: _Optional[int] = ..., finished_total: _Optional[int] = ...) -> None: ...
+
+class KeyQueue(_message.Message):
+    __slots__ = ("name", "queued", "running")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    queued: int
+    running: int
+    def __init__(self, name: _Optional[str] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ...) -> None: ...
+
+class KvPool(_message.Message):
+    __slots__ = ("block_size", "total_blocks", "free_blocks", "used_blocks", "cached_blocks", "block_states")
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_STATES_FIELD_NUMBER: _ClassVar[int]
+    block_size: int
+    total_blocks: int
+    free_blocks: int
+    used_blocks: int
+    cached_blocks: int
+    block_states: bytes
+    def __init__(self, block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., block_states: _Optional[bytes] = ...) -> None: ...
+
+class StepSample(_message.Message):
+    __slots__ = ("age_s", "decode_rows", "prefill_tokens", "decode_ms", "prefill_ms")
+    AGE_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_ROWS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    age_s: float
+    decode_rows: int
+    prefill_tokens: int
+    decode_ms: float
+    prefill_ms: float
+    def __init__(self, age_s: _Optional[float] = ..., decode_rows: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., decode_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ...) -> None: ...
+
+class LatencySummary(_message.Message):
+    __slots__ = ("count", "p50_ms", "p95_ms", "max_ms")
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    P50_MS_FIELD_NUMBER: _ClassVar[int]
+    P95_MS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MS_FIELD_NUMBER: _ClassVar[int]
+    count: int
+    p50_ms: float
+    p95_ms: float
+    max_ms: float
+    def __init__(self, count: _Optional[int] = ..., p50_ms: _Optional[float] = ..., p95_ms: _Optional[float] = ..., max_ms: _Optional[float] = ...) -> None: ...

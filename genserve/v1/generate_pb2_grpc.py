@@ -50,6 +50,11 @@ class GenerateServiceStub:
                 request_serializer=genserve_dot_v1_dot_generate__pb2.InfoRequest.SerializeToString,
                 response_deserializer=genserve_dot_v1_dot_generate__pb2.InfoResponse.FromString,
                 _registered_method=True)
+        self.WatchScheduler = channel.unary_stream(
+                '/genserve.v1.GenerateService/WatchScheduler',
+                request_serializer=genserve_dot_v1_dot_generate__pb2.WatchSchedulerRequest.SerializeToString,
+                response_deserializer=genserve_dot_v1_dot_generate__pb2.WatchSchedulerResponse.FromString,
+                _registered_method=True)
 
 
 class GenerateServiceServicer:
@@ -82,6 +87,17 @@ class GenerateServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchScheduler(self, request, context):
+        """WatchScheduler streams snapshots of the engine's scheduler (the running
+        batch, the queues, the KV pool, recent steps, recent latencies), one
+        every `interval_ms`, until the caller cancels. Read-only; a snapshot
+        holds no request's text or token ids. Behind Envoy, the stream reaches
+        one engine replica (`SchedulerSnapshot.engine` says which).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerateServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -99,6 +115,11 @@ def add_GenerateServiceServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=genserve_dot_v1_dot_generate__pb2.InfoRequest.FromString,
                     response_serializer=genserve_dot_v1_dot_generate__pb2.InfoResponse.SerializeToString,
+            ),
+            'WatchScheduler': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchScheduler,
+                    request_deserializer=genserve_dot_v1_dot_generate__pb2.WatchSchedulerRequest.FromString,
+                    response_serializer=genserve_dot_v1_dot_generate__pb2.WatchSchedulerResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -183,6 +204,33 @@ class GenerateService:
             '/genserve.v1.GenerateService/Info',
             genserve_dot_v1_dot_generate__pb2.InfoRequest.SerializeToString,
             genserve_dot_v1_dot_generate__pb2.InfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchScheduler(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/genserve.v1.GenerateService/WatchScheduler',
+            genserve_dot_v1_dot_generate__pb2.WatchSchedulerRequest.SerializeToString,
+            genserve_dot_v1_dot_generate__pb2.WatchSchedulerResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -38,6 +38,11 @@ def test_promtool_accepts_the_bridge_metrics(server):
     assert httpx.post(f"{server.base_url}/v1/completions", json={"prompt": ""}, timeout=30).status_code == 400
     text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
     assert "genserve_bridge_http_responses_total" in text and "genserve_ttft_seconds_bucket" in text
+    # The bridge's and the engine's standard process series, told apart by `component`.
+    for component in ("bridge", "engine"):
+        for name in ("process_resident_memory_bytes", "process_cpu_seconds_total", "process_open_fds",
+                     "process_start_time_seconds"):
+            assert f'{name}{{component="{component}"}}' in text, (name, component)
     check = subprocess.run([tool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
     assert check.returncode == 0, check.stdout + check.stderr
 
