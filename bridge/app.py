@@ -1,6 +1,7 @@
 """The bridge's FastAPI app: OpenAI-style REST + SSE in front of gRPC GenerateService.
 
     POST   /v1/completions              -> Generate (server stream)
+    POST   /v1/chat/completions         -> Generate with chat messages (server stream)
     DELETE /v1/requests/{request_id}    -> Cancel
     GET    /health                      -> grpc.health.v1 Check (or Info)
     GET    /v1/models                   -> the one served model
@@ -46,11 +47,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from bridge.chat import ChatCompletionBuilder, ChatCompletionRequest
 from bridge.console import INDEX_HTML, STATIC_DIR, snapshot_event
 from bridge.errors import DEFAULT_RETRY_AFTER_S, ApiError, from_grpc
-from bridge.events import SSE_DONE, CompletionBuilder, sse_data, sse_error
+from bridge.events import SSE_DONE, Builder, CompletionBuilder, sse_data, sse_error
 from bridge.metrics import BridgeMetrics
 from bridge.schemas import UINT32_MAX, CompletionRequest
+from genserve.chat_messages import ChatError
 from genserve.model_name import DEFAULT_MODEL_NAME
 from genserve.telemetry import REQUEST_ID, inject_metadata
 from genserve.v1 import generate_pb2 as pb
@@ -380,6 +383,8 @@ def _add_routes(router: APIRouter) -> None:
     # written for readers of this module.
     no_description = "\f"
     router.add_api_route("/v1/completions", completions, methods=["POST"], description=no_description)
+    router.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"],
+                         description=no_description)
     router.add_api_route("/v1/requests/{request_id}", cancel, methods=["DELETE"],
                          description=no_description)
     router.add_api_route("/health", health, methods=["GET"], description=no_description)
@@ -426,24 +431,50 @@ async def completions(body: CompletionRequest, request: Request,
         num_samples=body.num_samples,
         logprobs=body.logprobs is not None,
     )
-    span = state.tracer.start_span("POST /v1/completions", kind=SpanKind.SERVER, attributes={
-        "http.request.method": "POST", "http.route": "/v1/completions", "genserve.stream": bool(body.stream)})
-    call = state.connect().generate.Generate(
-        body.to_proto(request_id=request.headers.get("x-request-id", "")),
-        metadata=inject_metadata(_auth_metadata(request), span),
-    )
+    proto = body.to_proto(request_id=request.headers.get("x-request-id", ""))
+    return await _generate(request, state, "/v1/completions", proto, builder, bool(body.stream))
+
+
+async def chat_completions(body: ChatCompletionRequest, request: Request,
+                           state: Annotated[BridgeState, Depends(bridge_state)]) -> Response:
+    """POST /v1/chat/completions: one Generate call with the messages, answered as a
+    `chat.completion` or (`stream`) as `chat.completion.chunk` SSE events (bridge/chat.py).
+
+    Raises ApiError: 400 naming the message field at fault (`messages[1].role`), or as
+    `completions` does.
+    """
+    try:
+        proto = body.to_proto(request_id=request.headers.get("x-request-id", ""))
+    except ChatError as e:
+        raise ApiError(400, str(e), code="invalid_argument", param=e.field) from None
+    builder = ChatCompletionBuilder(model=state.model_name, created=int(time.time()),
+                                    num_samples=body.num_samples, logprobs=bool(body.logprobs),
+                                    include_usage=body.include_usage)
+    return await _generate(request, state, "/v1/chat/completions", proto, builder, bool(body.stream))
+
+
+async def _generate(request: Request, state: BridgeState, route: str, proto: pb.GenerateRequest,
+                    builder: Builder, stream: bool) -> Response:
+    """Run one Generate call for `route` and answer with `builder`'s JSON or SSE events.
+
+    Raises ApiError: the call failed before it started (its status mapped by `from_grpc`), or,
+    without `stream`, while it ran.
+    """
+    span = state.tracer.start_span(f"POST {route}", kind=SpanKind.SERVER, attributes={
+        "http.request.method": "POST", "http.route": route, "genserve.stream": stream})
+    call = state.connect().generate.Generate(proto, metadata=inject_metadata(_auth_metadata(request), span))
     streaming = False
     try:
         # Read up to Started before answering, so that errors the service finds
         # before it starts (validation, auth, 429) are plain HTTP errors.
-        builder.on_message(await _read_first(request, call))
+        first_events = builder.events_for(await _read_first(request, call))
         REQUEST_ID.set(builder.request_id)
         span.set_attribute("genserve.request_id", builder.request_id)
         span.add_event("started")
         headers = {"X-Request-Id": builder.request_id}
-        if body.stream:
+        if stream:
             response = SSEResponse(
-                _sse_events(call, builder, _SpanNotes(span)),
+                _sse_events(call, builder, _SpanNotes(span), first_events),
                 call=call,
                 write_timeout_s=state.slow_client_timeout_s,
                 headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
@@ -613,21 +644,23 @@ def _span_error(span: trace.Span, status_code: int, message: str) -> None:
     span.add_event("error", {"http.response.status_code": status_code, "message": message})
 
 
-async def _drain(call: grpc.aio.UnaryStreamCall, builder: CompletionBuilder, notes: _SpanNotes) -> None:
+async def _drain(call: grpc.aio.UnaryStreamCall, builder: Builder, notes: _SpanNotes) -> None:
     """Feed every remaining message of `call` to `builder`."""
     while (msg := await call.read()) is not grpc.aio.EOF:
         notes.on_message(msg)
-        builder.on_message(msg)
+        builder.events_for(msg)
 
 
-async def _sse_events(call: grpc.aio.UnaryStreamCall, builder: CompletionBuilder,
-                      notes: _SpanNotes) -> AsyncIterator[str]:
-    """One SSE event per token and per finished sample, then [DONE]; errors as `event: error`."""
+async def _sse_events(call: grpc.aio.UnaryStreamCall, builder: Builder, notes: _SpanNotes,
+                      first_events: Sequence[dict] = ()) -> AsyncIterator[str]:
+    """`first_events`, then the builder's events for each message (one per token and per
+    finished sample), then [DONE]; errors as `event: error`."""
+    for event in first_events:
+        yield sse_data(event)
     try:
         while (msg := await call.read()) is not grpc.aio.EOF:
             notes.on_message(msg)
-            event = builder.on_message(msg)
-            if event is not None:
+            for event in builder.events_for(msg):
                 yield sse_data(event)
     except grpc.aio.AioRpcError as err:
         api_error = from_grpc(err)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from genserve.v1 import generate_pb2 as pb
 
@@ -45,6 +46,23 @@ _LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": 
 def _dumps(obj: dict) -> str:
     """Compact UTF-8 JSON for one SSE data line, with no character any client reads as a newline."""
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKS)
+
+
+class Builder(Protocol):
+    """What the bridge's generate path needs of a response builder (`CompletionBuilder` for
+    /v1/completions, `bridge.chat.ChatCompletionBuilder` for /v1/chat/completions)."""
+
+    request_id: str
+
+    @property
+    def all_finished(self) -> bool:
+        """Whether every sample has sent its Finished message."""
+
+    def events_for(self, msg: pb.GenerateResponse) -> list[dict]:
+        """Record one message; return the SSE events it makes, in order (possibly none)."""
+
+    def completion(self) -> dict:
+        """The whole answer as one JSON object (for stream=false)."""
 
 
 @dataclass(slots=True)
@@ -96,6 +114,11 @@ class CompletionBuilder:
             "request_id": self.request_id,
             "index": index,
         }
+
+    def events_for(self, msg: pb.GenerateResponse) -> list[dict]:
+        """Record one message; return the SSE events it makes (none for Started, else one)."""
+        event = self.on_message(msg)
+        return [] if event is None else [event]
 
     def on_message(self, msg: pb.GenerateResponse) -> dict | None:
         """Record one message; return the SSE event it makes (None for Started)."""
@@ -154,7 +177,7 @@ class CompletionBuilder:
             "completion_tokens": sample.completion_tokens,
             "total_tokens": prompt_tokens + sample.completion_tokens,
         }
-        event["timing"] = _timing(fin.timing)
+        event["timing"] = timing_json(fin.timing)
         if fin.detail:
             event["detail"] = fin.detail
         return event
@@ -202,7 +225,7 @@ class CompletionBuilder:
         }
 
 
-def _timing(timing: pb.Timing) -> dict:
+def timing_json(timing: pb.Timing) -> dict:
     """A sample's {"queue_ms", "ttft_ms", "e2e_ms"} (see `_timing_ms`)."""
     return _timing_ms(timing.queue_ms, timing.ttft_ms, timing.e2e_ms)
 

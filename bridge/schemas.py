@@ -34,6 +34,37 @@ DEFAULT_TOP_P = 1.0
 DEFAULT_N = 1
 
 
+def stop_list(value: Any) -> list[str] | None:
+    """`stop` as OpenAI accepts it (null, a string, or a list of strings) as a list.
+
+    Raises:
+        ValueError: any other shape (pydantic reports it as a 400 naming `stop`).
+    """
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return value
+    raise ValueError("must be a string or a list of strings")
+
+
+def sampling_proto(temperature: float | None, top_k: int | None, top_p: float | None,
+                   ignore_eos: bool | None, stop: list[str] | None, seed: int | None) -> pb.SamplingParams:
+    """The gRPC SamplingParams of a REST body's fields; null fields take OpenAI's defaults and
+    an absent seed stays absent."""
+    sampling = pb.SamplingParams(
+        temperature=DEFAULT_TEMPERATURE if temperature is None else temperature,
+        top_k=DEFAULT_TOP_K if top_k is None else top_k,
+        top_p=DEFAULT_TOP_P if top_p is None else top_p,
+        ignore_eos=bool(ignore_eos),
+        stop=stop or [],
+    )
+    if seed is not None:
+        sampling.seed = seed
+    return sampling
+
+
 def _is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= UINT32_MAX
 
@@ -78,14 +109,8 @@ class CompletionRequest(BaseModel):
 
     @field_validator("stop", mode="before")
     @classmethod
-    def _stop_shape(cls, value: Any) -> Any:
-        if value is None:
-            return None
-        if isinstance(value, str):
-            return [value]
-        if isinstance(value, list) and all(isinstance(v, str) for v in value):
-            return value
-        raise ValueError("must be a string or a list of strings")
+    def _stop_shape(cls, value: Any) -> list[str] | None:
+        return stop_list(value)
 
     @model_validator(mode="after")
     def _one_prompt(self) -> CompletionRequest:
@@ -100,15 +125,8 @@ class CompletionRequest(BaseModel):
 
     def to_proto(self, request_id: str = "") -> pb.GenerateRequest:
         """The gRPC request; null fields take OpenAI's defaults, seed/logprobs stay absent."""
-        sampling = pb.SamplingParams(
-            temperature=DEFAULT_TEMPERATURE if self.temperature is None else self.temperature,
-            top_k=DEFAULT_TOP_K if self.top_k is None else self.top_k,
-            top_p=DEFAULT_TOP_P if self.top_p is None else self.top_p,
-            ignore_eos=bool(self.ignore_eos),
-            stop=self.stop or [],
-        )
-        if self.seed is not None:
-            sampling.seed = self.seed
+        sampling = sampling_proto(self.temperature, self.top_k, self.top_p, self.ignore_eos,
+                                  self.stop, self.seed)
         request = pb.GenerateRequest(
             max_tokens=DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens,
             sampling=sampling,

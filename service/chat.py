@@ -10,7 +10,8 @@ whole. The rendering follows transformers' ``apply_chat_template``
 ``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols`` extension, a ``tojson`` filter, and the
 ``raise_exception`` and ``strftime_now`` globals, so a template behaves here as it does there.
 
-Messages are checked first; every error names the field (``messages[2].role``) and becomes a 400.
+Messages are checked first (genserve/chat_messages.py); every error names the field
+(``messages[2].role``) and becomes a 400.
 """
 
 from __future__ import annotations
@@ -18,95 +19,13 @@ from __future__ import annotations
 import datetime
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import jinja2
 import jinja2.ext
 import jinja2.sandbox
 
-ROLES = ("system", "developer", "user", "assistant")
-"""Roles a message may have: OpenAI's chat roles without tool calls ("developer" is OpenAI's newer
-name for "system" and is rendered as "system", as vLLM does for templates that predate it)."""
-
-MAX_MESSAGES = 1024
-"""Most messages one request may carry (the prompt's token limit applies after rendering)."""
-
-
-class ChatError(ValueError):
-    """A chat request that cannot be rendered: bad messages or a template that fails.
-
-    Attributes:
-        field: the request field at fault, e.g. "messages[1].content" (the 400's field).
-    """
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
-
-
-@dataclass(frozen=True, slots=True)
-class ChatMessage:
-    """One message of a conversation.
-
-    Attributes:
-        role: one of `ROLES`.
-        content: its text (OpenAI content parts of type "text" are joined with no separator).
-    """
-
-    role: str
-    content: str
-
-
-def parse_messages(raw: Any, field: str = "messages") -> tuple[ChatMessage, ...]:
-    """Check an OpenAI-style ``messages`` value and return it as `ChatMessage`s.
-
-    Accepted: a non-empty list (at most `MAX_MESSAGES`) of objects with ``role`` (a string in
-    `ROLES`) and ``content`` (a string, or a list of ``{"type": "text", "text": str}`` parts).
-    A ``name`` string is allowed and ignored; other keys are rejected.
-
-    Raises:
-        ChatError: naming the first field at fault, e.g. ``messages[0].role``.
-    """
-    if not isinstance(raw, Sequence) or isinstance(raw, (str, bytes)):
-        raise ChatError(field, "must be a list of messages")
-    if not raw:
-        raise ChatError(field, "must hold at least one message")
-    if len(raw) > MAX_MESSAGES:
-        raise ChatError(field, f"holds {len(raw)} messages, at most {MAX_MESSAGES} are allowed")
-    out = []
-    for i, m in enumerate(raw):
-        at = f"{field}[{i}]"
-        if not isinstance(m, Mapping):
-            raise ChatError(at, "must be an object with role and content")
-        extra = set(m) - {"role", "content", "name"}
-        if extra:
-            raise ChatError(f"{at}.{sorted(extra)[0]}", "is not supported (only role, content, name)")
-        role = m.get("role")
-        if not isinstance(role, str) or role not in ROLES:
-            raise ChatError(f"{at}.role", f"must be one of {', '.join(ROLES)}, got {role!r}")
-        if "name" in m and not isinstance(m["name"], str):
-            raise ChatError(f"{at}.name", "must be a string")
-        out.append(ChatMessage("system" if role == "developer" else role,
-                               _content_text(m.get("content"), f"{at}.content")))
-    return tuple(out)
-
-
-def _content_text(content: Any, field: str) -> str:
-    """A message's content as one string (see `parse_messages`). Raises ChatError."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, Sequence) and not isinstance(content, (bytes, bytearray)) and content:
-        texts = []
-        for j, part in enumerate(content):
-            if not isinstance(part, Mapping) or part.get("type") != "text" \
-                    or not isinstance(part.get("text"), str):
-                raise ChatError(f"{field}[{j}]", 'must be {"type": "text", "text": <string>} '
-                                "(other content types are not supported)")
-            texts.append(part["text"])
-        return "".join(texts)
-    raise ChatError(field, "must be a string or a non-empty list of text parts")
+from genserve.chat_messages import ChatError, ChatMessage
 
 
 def _raise_exception(message: str) -> NoReturn:
@@ -168,59 +87,23 @@ class ChatTemplate:
                                         f"{type(e).__name__}: {e}") from e
 
 
-def template_from_gguf(reader: Any) -> ChatTemplate | None:
-    """The chat template a GGUF file carries (``tokenizer.chat_template``), or None.
+def template_for(tokenizer: Any) -> ChatTemplate | None:
+    """The chat template the model's tokenizer carries (``tokenizer.chat_template`` of a GGUF,
+    ``chat_template`` of a Hugging Face ``tokenizer_config.json``), or None.
 
     Args:
-        reader: a ``gguf.GGUFReader`` of the model file.
-    The special-token variables come from ``tokenizer.ggml.{bos,eos,unknown,padding}_token_id``.
+        tokenizer: `engine.tokenizer.Tokenizer` (or anything with ``chat_template``,
+            ``bos_token_id``, ``eos_token_id`` and ``token_bytes``).
+    The template's ``bos_token`` / ``eos_token`` variables are those ids' text.
     Raises:
         ChatError: the template does not compile.
     """
-    def string(key: str) -> str | None:
-        f = reader.fields.get(key)
-        return None if f is None else bytes(f.parts[f.data[0]]).decode("utf-8")
-
-    source = string("tokenizer.chat_template")
-    if source is None:
-        return None
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    special = {}
-    for name in ("bos", "eos", "unk", "pad"):
-        key = {"unk": "unknown", "pad": "padding"}.get(name, name)
-        f = reader.fields.get(f"tokenizer.ggml.{key}_token_id")
-        if f is not None and tokens is not None:
-            token_id = int(f.parts[f.data[0]][0])
-            if 0 <= token_id < len(tokens.data):
-                special[f"{name}_token"] = bytes(tokens.parts[tokens.data[token_id]]).decode("utf-8")
-    return ChatTemplate(source, special)
-
-
-def template_from_hf_dir(directory: str | Any) -> ChatTemplate | None:
-    """The chat template of a Hugging Face model directory, or None.
-
-    Read from ``chat_template.jinja`` when present, else the ``chat_template`` string of
-    ``tokenizer_config.json`` (a list of named templates: the one named "default"); special-token
-    variables from the same ``tokenizer_config.json`` (strings or ``{"content": ...}`` objects).
-    Raises:
-        ChatError: the template does not compile.
-        OSError / json.JSONDecodeError: an unreadable tokenizer_config.json.
-    """
-    import pathlib
-    d = pathlib.Path(directory)
-    config_path = d / "tokenizer_config.json"
-    config = json.loads(config_path.read_text("utf-8")) if config_path.exists() else {}
-    jinja_file = d / "chat_template.jinja"
-    source = jinja_file.read_text("utf-8") if jinja_file.exists() else config.get("chat_template")
-    if isinstance(source, list):
-        source = next((t.get("template") for t in source if t.get("name") == "default"), None)
-    if not isinstance(source, str):
+    source = getattr(tokenizer, "chat_template", None)
+    if not source:
         return None
     special = {}
-    for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
-        value = config.get(name)
-        if isinstance(value, Mapping):
-            value = value.get("content")
-        if isinstance(value, str):
-            special[name] = value
+    for name in ("bos", "eos"):
+        token_id = getattr(tokenizer, f"{name}_token_id", None)
+        if token_id is not None:
+            special[f"{name}_token"] = tokenizer.token_bytes(token_id).decode("utf-8", "replace")
     return ChatTemplate(source, special)

@@ -35,6 +35,7 @@ from genserve.telemetry import setup_logging, setup_tracing
 from genserve.v1 import generate_pb2 as pb
 from genserve.v1 import generate_pb2_grpc as pb_grpc
 from service.auth import Authenticator
+from service.chat import template_for
 from service.command_line import (DRAIN_GRACE_S, HelpFormatter, add_engine_args, config_from_args,
                                   options_from_args)
 from service.faults import FailingExecutor, fault_settings
@@ -135,7 +136,8 @@ class EngineServer:
         self.metrics = EngineMetrics(engine)
         if self.metrics_port is not None:
             start_http_server(self.metrics_port, addr=self.host, registry=self.metrics.registry)
-        self.servicer.attach(engine, loaded.tokenizer, Validator(self.config, loaded.tokenizer),
+        self.servicer.attach(engine, loaded.tokenizer,
+                             Validator(self.config, loaded.tokenizer, template_for(loaded.tokenizer)),
                              info, self.metrics)
         self.loaded = loaded
         engine.start()

@@ -6,9 +6,11 @@ import math
 from dataclasses import dataclass, replace
 
 from engine.config import EngineConfig
-from service.stop import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from engine.request import SamplingParams
+from genserve.chat_messages import ChatError, parse_messages
 from genserve.v1 import generate_pb2 as pb
+from service.chat import ChatTemplate
+from service.stop import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 DEFAULT_MAX_TOKENS = 16          # OpenAI completions API default
 MAX_SAMPLES = 8                  # n: samples per prompt
@@ -41,11 +43,14 @@ class Validator:
     Args:
         config: limits (max_context 8,192, max_new_tokens 1,000).
         tokenizer: has `encode(text) -> list[int]` and `vocab_size`.
+        chat_template: renders `chat` requests (service/chat.py); None refuses them (a model
+            file without a template).
     """
 
-    def __init__(self, config: EngineConfig, tokenizer) -> None:
+    def __init__(self, config: EngineConfig, tokenizer, chat_template: ChatTemplate | None = None) -> None:
         self.config = config
         self.tokenizer = tokenizer
+        self.chat_template = chat_template
 
     def validate(self, req: pb.GenerateRequest) -> ValidRequest:
         """Return the validated request or raise `ValidationError` naming the field."""
@@ -69,8 +74,14 @@ class Validator:
             bad = [t for t in prompt_ids if t >= vocab]
             if bad:
                 raise ValidationError(field, f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        elif which == "chat":
+            prompt_ids = self.tokenizer.encode(self._render_chat(req.chat))
+            bos = self.tokenizer.bos_token_id
+            if bos is not None and prompt_ids[:2] == [bos, bos]:
+                prompt_ids = prompt_ids[1:]     # the template wrote the BOS the tokenizer adds
+            field = "messages"
         else:
-            raise ValidationError("prompt", "one of prompt or prompt_token_ids is required")
+            raise ValidationError("prompt", "one of prompt, prompt_token_ids or chat is required")
         if not prompt_ids:
             raise ValidationError(field, "is empty; at least one token is required")
         if len(prompt_ids) + max_tokens > cfg.max_context:
@@ -84,6 +95,21 @@ class Validator:
                            logprobs=req.HasField("logprobs"))
         return ValidRequest(prompt_ids, max_tokens, sampling, self._deadline(req), n,
                             self._stop(req.sampling))
+
+    def _render_chat(self, chat: pb.ChatMessages) -> str:
+        """The conversation as prompt text, rendered with the model's chat template."""
+        if self.chat_template is None:
+            raise ValidationError("messages", "the served model has no chat template; "
+                                              "send a prompt to /v1/completions instead")
+        try:
+            messages = parse_messages([{"role": m.role, "content": m.content} for m in chat.messages])
+            text = self.chat_template.render(messages)
+        except ChatError as e:
+            raise ValidationError(e.field, e.message) from None
+        if len(text) > MAX_PROMPT_CHARS:
+            raise ValidationError("messages", f"render to {len(text)} characters; the limit is "
+                                              f"{MAX_PROMPT_CHARS}")
+        return text
 
     def _stop(self, s: pb.SamplingParams) -> tuple[str, ...]:
         if len(s.stop) > MAX_STOP_STRINGS:

@@ -13,6 +13,9 @@ behaves according to the prompt text:
     "incomplete"               Started, one token, then end without Finished
     anything else              TOKENS for each of the n samples, then Finished
 
+A chat request is scripted by its last message's content, and counts the words of all its
+messages as prompt tokens.
+
 "hang" requests can also be ended by the Cancel RPC: they then finish with
 FINISH_REASON_CANCELLED. Cancel of an unknown id is NOT_FOUND.
 """
@@ -41,6 +44,8 @@ INFO = pb.InfoResponse(
 def prompt_tokens_of(request: pb.GenerateRequest) -> int:
     if request.WhichOneof("prompt_input") == "prompt_token_ids":
         return len(request.prompt_token_ids.ids)
+    if request.WhichOneof("prompt_input") == "chat":
+        return sum(len(m.content.split()) for m in request.chat.messages)
     return len(request.prompt.split())
 
 
@@ -61,7 +66,9 @@ class FakeGenerateService(pb_grpc.GenerateServiceServicer):
     async def Generate(self, request, context):
         self.requests.append(request)
         self.metadata.append(dict(context.invocation_metadata()))
-        prompt = request.prompt
+        prompt = (request.chat.messages[-1].content
+                  if request.WhichOneof("prompt_input") == "chat" and request.chat.messages
+                  else request.prompt)
         if prompt.startswith("error:"):
             _, code, *extra = prompt.split(":")
             trailing = ()

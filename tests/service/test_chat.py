@@ -6,10 +6,9 @@ import json
 
 import pytest
 
-from engine.model.weights import open_gguf
 from engine.tokenizer import Tokenizer
-from service.chat import (MAX_MESSAGES, ChatError, ChatMessage, ChatTemplate, parse_messages,
-                          template_from_gguf, template_from_hf_dir)
+from genserve.chat_messages import MAX_MESSAGES, ChatError, ChatMessage, parse_messages
+from service.chat import ChatTemplate, template_for
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi!"}],
@@ -22,7 +21,7 @@ CONVERSATIONS = [
 
 @pytest.fixture(scope="module")
 def gguf_template() -> ChatTemplate:
-    template = template_from_gguf(open_gguf())
+    template = template_for(Tokenizer.from_gguf())
     assert template is not None, "the embedded model file carries a chat template"
     return template
 
@@ -91,14 +90,30 @@ def test_template_failures_are_chat_errors():
         escaping.render([ChatMessage("user", "x")])
 
 
-def test_template_from_a_hugging_face_directory(tmp_path, gguf_template: ChatTemplate):
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
-        "chat_template": gguf_template.source, "eos_token": {"content": "<|im_end|>"},
-        "bos_token": "<|im_start|>"}))
-    hf = template_from_hf_dir(tmp_path)
-    assert hf is not None and hf.special_tokens == {"eos_token": "<|im_end|>", "bos_token": "<|im_start|>"}
-    msgs = parse_messages(CONVERSATIONS[1])
-    assert hf.render(msgs) == gguf_template.render(msgs)
-    (tmp_path / "chat_template.jinja").write_text("{{ messages | length }}")
-    assert template_from_hf_dir(tmp_path).render(msgs) == "4"
-    assert template_from_hf_dir(tmp_path / "missing") is None
+def _chat_request(*messages: tuple[str, str], **fields) -> "pb.GenerateRequest":
+    from genserve.v1 import generate_pb2 as pb
+    req = pb.GenerateRequest(**fields)
+    req.chat.SetInParent()
+    for role, content in messages:
+        req.chat.messages.add(role=role, content=content)
+    return req
+
+
+def test_validator_renders_chat_and_names_bad_fields(gguf_template: ChatTemplate):
+    from engine.config import EngineConfig
+    from service.validation import ValidationError, Validator
+    tokenizer = Tokenizer.from_gguf()
+    v = Validator(EngineConfig(), tokenizer, gguf_template)
+    valid = v.validate(_chat_request(("user", "Hi"), max_tokens=5))
+    expected = tokenizer.encode(gguf_template.render(parse_messages([{"role": "user", "content": "Hi"}])))
+    assert valid.prompt_ids == expected and valid.max_tokens == 5
+    for req, field in [(_chat_request(), "messages"),
+                       (_chat_request(("user", "a"), ("wizard", "b")), "messages[1].role"),
+                       (_chat_request(("user", "x" * 300_000)), "messages"),
+                       (_chat_request(("user", "a " * 8000), max_tokens=1000), "messages")]:
+        with pytest.raises(ValidationError) as e:
+            v.validate(req)
+        assert e.value.field == field, str(e.value)
+    with pytest.raises(ValidationError, match="no chat template") as e:
+        Validator(EngineConfig(), tokenizer).validate(_chat_request(("user", "Hi")))
+    assert e.value.field == "messages"

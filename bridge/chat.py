@@ -1,0 +1,212 @@
+"""POST /v1/chat/completions: the request body, its gRPC request, and the chat events.
+
+OpenAI's chat API (what ``client.chat.completions.create`` sends and reads) on top of the same
+Generate stream as /v1/completions: the messages travel to the engine, which renders them with
+the model's chat template (service/chat.py) and tokenizes the result; each Token message becomes a
+``chat.completion.chunk`` whose ``delta`` carries the new text, each Finished message a chunk with
+the sample's ``finish_reason``. Sampling fields, ``n``, ``stop``, ``seed`` and the engine's limits
+are those of completions; ``logprobs`` is a boolean with ``top_logprobs`` alternatives (0 to 5,
+the engine's limit), reported in the chat shape ``{"content": [{token, logprob, bytes,
+top_logprobs}]}``. ``max_completion_tokens`` is OpenAI's newer name for ``max_tokens``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictStr, field_validator, model_validator
+
+from bridge.events import FINISH_REASON_NAME, timing_json
+from bridge.schemas import (DEFAULT_N, DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P, Float,
+                            Int32, Uint32, Uint64, sampling_proto, stop_list)
+from genserve.chat_messages import parse_messages
+from genserve.v1 import generate_pb2 as pb
+
+
+class StreamOptions(BaseModel):
+    """OpenAI's ``stream_options``: ``include_usage`` adds a last chunk with the usage."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: StrictBool | None = False
+
+
+class ChatCompletionRequest(BaseModel):
+    """Body of POST /v1/chat/completions.
+
+    ``messages`` is checked by `to_proto` (genserve/chat_messages.py: roles, content types), which
+    raises ChatError naming the field (``messages[1].role``), a 400; the template is the engine's
+    (an INVALID_ARGUMENT naming ``messages`` when it refuses them).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: StrictStr | None = None
+    messages: list[Any]
+    max_tokens: Uint32 | None = None
+    max_completion_tokens: Uint32 | None = None
+    temperature: Float | None = DEFAULT_TEMPERATURE
+    top_k: Int32 | None = DEFAULT_TOP_K
+    top_p: Float | None = DEFAULT_TOP_P
+    stop: list[str] | None = None
+    seed: Uint64 | None = None
+    n: Uint32 | None = DEFAULT_N
+    logprobs: StrictBool | None = False
+    top_logprobs: Uint32 | None = None
+    stream: StrictBool | None = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: StrictBool | None = False
+    deadline_s: Float | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_shape(cls, value: Any) -> list[str] | None:
+        return stop_list(value)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs: true")
+        if self.max_tokens is not None and self.max_completion_tokens is not None \
+                and self.max_tokens != self.max_completion_tokens:
+            raise ValueError("max_tokens and max_completion_tokens differ; send one")
+        return self
+
+    @property
+    def num_samples(self) -> int:
+        """n, with null meaning the default."""
+        return DEFAULT_N if self.n is None else self.n
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a streamed answer ends with a usage chunk (``stream_options.include_usage``)."""
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def to_proto(self, request_id: str = "") -> pb.GenerateRequest:
+        """The gRPC request: the messages as `ChatMessages`, null fields at OpenAI's defaults.
+
+        Raises:
+            ChatError: a message is malformed (its field named).
+        """
+        sampling = sampling_proto(self.temperature, self.top_k, self.top_p, self.ignore_eos,
+                                  self.stop, self.seed)
+        max_tokens = next((v for v in (self.max_completion_tokens, self.max_tokens) if v is not None),
+                          None)
+        request = pb.GenerateRequest(sampling=sampling, n=self.num_samples, request_id=request_id)
+        if max_tokens is not None:
+            request.max_tokens = max_tokens
+        if self.logprobs:
+            request.logprobs = self.top_logprobs or 0
+        if self.deadline_s is not None:
+            request.deadline_s = self.deadline_s
+        chat = request.chat
+        chat.SetInParent()
+        for m in parse_messages(self.messages):
+            chat.messages.add(role=m.role, content=m.content)
+        return request
+
+
+class ChatCompletionBuilder:
+    """Turns the messages of one Generate stream into chat chunks and a chat completion.
+
+    Args:
+        model: the served model's name (every chunk names it).
+        created: Unix time (s) of the request.
+        num_samples: n.
+        logprobs: whether the client asked for logprobs.
+        include_usage: stream a last chunk with the usage (``stream_options.include_usage``).
+    """
+
+    def __init__(self, *, model: str, created: int, num_samples: int, logprobs: bool,
+                 include_usage: bool = False) -> None:
+        self.model = model
+        self.created = created
+        self.num_samples = num_samples
+        self.logprobs = logprobs
+        self.include_usage = include_usage
+        self.request_id = ""
+        self.prompt_tokens = 0
+        self._text: dict[int, list[str]] = {i: [] for i in range(num_samples)}
+        self._logprobs: dict[int, list[dict]] = {i: [] for i in range(num_samples)}
+        self._finish: dict[int, str | None] = {}
+        self._completion_tokens: dict[int, int] = {}
+        self._detail: dict[int, str] = {}
+
+    @property
+    def all_finished(self) -> bool:
+        """Whether every one of the n samples has sent its Finished message."""
+        return len(self._finish) >= self.num_samples
+
+    @property
+    def completion_id(self) -> str:
+        """The chat completion's id: OpenAI's ``chatcmpl-`` prefix on the engine's request id."""
+        return f"chatcmpl-{self.request_id}"
+
+    def _chunk(self, choices: list[dict], **extra: Any) -> dict:
+        chunk = {"id": self.completion_id, "object": "chat.completion.chunk",
+                 "created": self.created, "model": self.model, "choices": choices,
+                 "request_id": self.request_id, **extra}
+        if self.include_usage:
+            chunk.setdefault("usage", None)
+        return chunk
+
+    def events_for(self, msg: pb.GenerateResponse) -> list[dict]:
+        """Record one message; return the chunks it makes (Started: one role chunk per sample)."""
+        if msg.request_id:
+            self.request_id = msg.request_id
+        kind = msg.WhichOneof("event")
+        if kind == "started":
+            self.request_id = msg.started.request_id or self.request_id
+            self.prompt_tokens = msg.started.prompt_tokens
+            return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                  "logprobs": None, "finish_reason": None}])
+                    for i in range(self.num_samples)]
+        if kind == "token":
+            tok = msg.token
+            self._text.setdefault(tok.index, []).append(tok.text)
+            entry = None
+            if tok.HasField("logprob"):
+                entry = {"token": tok.text, "logprob": tok.logprob, "bytes": list(tok.text.encode()),
+                         "top_logprobs": [{"token": t.text, "logprob": t.logprob,
+                                           "bytes": list(t.text.encode())} for t in tok.top_logprobs]}
+                self._logprobs.setdefault(tok.index, []).append(entry)
+            return [self._chunk([{"index": tok.index, "delta": {"content": tok.text},
+                                  "logprobs": None if entry is None else {"content": [entry]},
+                                  "finish_reason": None}])]
+        if kind == "finished":
+            fin = msg.finished
+            reason = FINISH_REASON_NAME.get(fin.reason)
+            self._finish[fin.index] = reason
+            if fin.HasField("usage"):
+                self._completion_tokens[fin.index] = fin.usage.completion_tokens
+                self.prompt_tokens = fin.usage.prompt_tokens or self.prompt_tokens
+            self._detail[fin.index] = fin.detail
+            extra: dict[str, Any] = {"timing": timing_json(fin.timing)}
+            if fin.detail:
+                extra["detail"] = fin.detail
+            chunks = [self._chunk([{"index": fin.index, "delta": {}, "logprobs": None,
+                                    "finish_reason": reason}], **extra)]
+            if self.include_usage and self.all_finished:
+                chunks.append(self._chunk([], usage=self.usage()))
+            return chunks
+        return []
+
+    def usage(self) -> dict:
+        """Token counts over all samples, OpenAI's ``usage`` object."""
+        completion = sum(self._completion_tokens.get(i, len(t)) for i, t in self._text.items())
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion}
+
+    def completion(self) -> dict:
+        """The whole chat completion, OpenAI-style (for stream=false)."""
+        choices = []
+        for i in sorted(self._text):
+            choice = {"index": i, "message": {"role": "assistant", "content": "".join(self._text[i])},
+                      "logprobs": {"content": self._logprobs.get(i, [])} if self.logprobs else None,
+                      "finish_reason": self._finish.get(i)}
+            if self._detail.get(i):
+                choice["detail"] = self._detail[i]
+            choices.append(choice)
+        return {"id": self.completion_id, "object": "chat.completion", "created": self.created,
+                "model": self.model, "choices": choices, "usage": self.usage(),
+                "request_id": self.request_id}
