@@ -202,7 +202,7 @@ def engine_from_model(config: EngineConfig, model: Transformer) -> Engine:
     # genserve's CPU kernels take bf16 or fp32 only; fp16 on the CPU runs the torch ops
     kernels = False if model.dtype == torch.float16 else None
     return Engine(config, ModelExecutor(model, kv, kernels=kernels),
-                  BlockPool(num_blocks, config.block_size))
+                  BlockPool(num_blocks, config.block_size, prefix_caching=config.prefix_caching))
 
 
 def engine_from_weights(config: EngineConfig, args: ModelArgs,

@@ -69,6 +69,10 @@ class EngineConfig:
             prefill pieces when it joins, and at least one `prefill_piece`'s time (0.2; the
             simulator's sweep of it is in docs/benchmarks/README.md).
         slo_row_limit: under "slo", the most rows in one step whatever the model predicts (256).
+        prefix_caching: reuse the K/V blocks of a prompt prefix an earlier request computed
+            (on by default, as in vLLM): full prompt blocks stay cached after their request ends
+            and are taken back least recently used only when the pool needs them; reuse is in
+            whole `prefill_piece` pieces, so a cached answer is bit-identical to a computed one.
     """
 
     block_size: int = 16
@@ -97,6 +101,7 @@ class EngineConfig:
     gap_target_ms: float = 100.0
     slo_prefill_share: float = 0.2
     slo_row_limit: int = 256
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

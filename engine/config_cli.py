@@ -73,7 +73,8 @@ class FieldFlag:
         field: the EngineConfig attribute.
         flag: the flag, e.g. "--max-rows".
         dest: where argparse stores the value in its Namespace ("max_rows", "threads").
-        field_type: the field's type without None: int, float or str.
+        field_type: the field's type without None: int, float, str or bool (a bool is a pair of
+            flags, `--name` and `--no-name`).
         arg_type: what the flag's value parses as (float for a scaled flag, else field_type).
         default: the command-line default (the field's default / scale).
         scale: field value = command-line value × scale.
@@ -154,7 +155,7 @@ def engine_flags() -> tuple[FieldFlag, ...]:
     """The command-line flag of every EngineConfig field, in field order.
 
     Raises:
-        TypeError: a field has a type other than int, float, str or one of them | None, or no
+        TypeError: a field has a type other than int, float, str, bool or one of them | None, or no
             default (it could not be left off the command line).
         ValueError: a field has no text in the class docstring's "Attributes:" section.
     """
@@ -185,6 +186,10 @@ def add_engine_config_args(parser: argparse.ArgumentParser) -> None:
         "engine dials (EngineConfig)",
         "Scheduler and KV-pool settings; the defaults are the design's numbers.")
     for flag in engine_flags():
+        if flag.field_type is bool:
+            group.add_argument(flag.flag, dest=flag.dest, default=flag.default, help=flag.help,
+                               action=argparse.BooleanOptionalAction)
+            continue
         group.add_argument(flag.flag, dest=flag.dest, type=flag.arg_type, default=flag.default,
                            choices=flag.choices, help=flag.help)
 
@@ -200,14 +205,23 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def engine_config_argv(config: EngineConfig) -> list[str]:
-    """The flags that give `config`: one `--flag=value` per field that differs from its default.
+    """The flags that give `config`: one `--flag=value` per field that differs from its default
+    (`--flag` / `--no-flag` for a bool).
 
     Raises:
         ValueError: an optional field whose default is not None is None (no spelling for it).
     """
     defaults = EngineConfig()
-    return [f"{flag.flag}={flag.to_text(getattr(config, flag.field))}" for flag in engine_flags()
-            if getattr(config, flag.field) != getattr(defaults, flag.field)]
+    argv = []
+    for flag in engine_flags():
+        value = getattr(config, flag.field)
+        if value == getattr(defaults, flag.field):
+            continue
+        if flag.field_type is bool:
+            argv.append(flag.flag if value else "--no-" + flag.flag[2:])
+        else:
+            argv.append(f"{flag.flag}={flag.to_text(value)}")
+    return argv
 
 
 def _spelling(name: str) -> FlagSpelling:
@@ -219,9 +233,9 @@ def _plain_type(name: str, hint: Any) -> type:
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         members = [arg for arg in typing.get_args(hint) if arg is not type(None)]
         hint = members[0] if len(members) == 1 else hint
-    if hint not in (int, float, str):
+    if hint not in (int, float, str, bool):
         raise TypeError(f"EngineConfig.{name}: type {hint!r} has no command-line spelling "
-                        "(int, float, str, or one of them | None)")
+                        "(int, float, str, bool, or one of them | None)")
     return hint
 
 

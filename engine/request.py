@@ -107,6 +107,9 @@ class Request:
         steps_after_cancel: steps the request was part of after its cancel flag was set (the
             design bounds this by 1).
         finish_reason / finish_detail: why it ended ("deadline", an error text...).
+        prefix_hashes: chained hashes of the prompt's full blocks (`block_pool.prefix_block_hashes`),
+            computed once when prefix caching is on; None before.
+        num_cached: prompt tokens its last admission took from the prefix cache (0 with none).
     """
 
     request_id: str
@@ -136,6 +139,8 @@ class Request:
     finished_s: float | None = None
     finish_reason: FinishReason | None = None
     finish_detail: str = ""
+    prefix_hashes: list[bytes] | None = None
+    num_cached: int = 0
 
     @property
     def num_prompt(self) -> int:

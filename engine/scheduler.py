@@ -27,7 +27,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from engine.block_pool import BlockPool
+from engine.block_pool import BlockPool, prefix_block_hashes
 from engine.config import EngineConfig
 from engine.cost_model import CostModel, StepFeatures, piece_pairs
 from engine.request import FinishReason, KeyUsage, Request, RequestState
@@ -61,6 +61,9 @@ class SchedulerStats:
     num_cancelled_tokens: int
     num_rejected: int
     num_finished: int
+    kv_blocks_cached: int = 0
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
 
 
 class Scheduler:
@@ -91,6 +94,8 @@ class Scheduler:
         self.num_cancelled_tokens = 0
         self.num_rejected = 0
         self.num_finished = 0
+        self.prefix_queried_tokens = 0     # prompt tokens looked up in the prefix cache at admission
+        self.prefix_hit_tokens = 0         # ... of which the cache held (not computed again)
         self.margin_blocks = math.ceil(config.free_margin * pool.num_blocks)
         # Batch formation (config.batching): the gate in front of join, and whether prefill is
         # chunked. "continuous" is the default policy; the others exist for the comparison.
@@ -114,7 +119,8 @@ class Scheduler:
         if req.request_id in self.by_id:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
         expected = min(req.max_tokens, self.avg_output_tokens) * req.n
-        req.est_device_ms = self.cost.estimate_ms(req.num_prompt, expected, self.full_rows())
+        to_compute = req.num_prompt - self._cached_tokens(req, self.pool.cached_prefix(self._hashes(req)))
+        req.est_device_ms = self.cost.estimate_ms(to_compute, expected, self.full_rows())
         self.avg_prompt_tokens = 0.9 * self.avg_prompt_tokens + 0.1 * req.num_prompt
         for child in req.children:
             child.arrival_s, child.deadline_s = req.arrival_s, req.deadline_s
@@ -322,6 +328,8 @@ class Scheduler:
             if req.state == RequestState.PREFILL:
                 usage.weighted_tokens_served += seg.length
             req.num_computed = seg.end
+            if req.state == RequestState.PREFILL and self.pool.prefix_caching:
+                self._register_prefix(req)
             if req.state == RequestState.PREFILL and req.num_computed >= req.num_prompt:
                 req.state = RequestState.DECODE
             if not tokens:
@@ -392,7 +400,8 @@ class Scheduler:
             running_rows=len(self.running), kv_blocks_free=self.pool.num_free,
             kv_blocks_total=self.pool.num_blocks, num_preemptions=self.num_preemptions,
             num_cancelled_tokens=self.num_cancelled_tokens, num_rejected=self.num_rejected,
-            num_finished=self.num_finished)
+            num_finished=self.num_finished, kv_blocks_cached=self.pool.num_cached_unused,
+            prefix_queried_tokens=self.prefix_queried_tokens, prefix_hit_tokens=self.prefix_hit_tokens)
 
     # -- internals ----------------------------------------------------------------------------
     def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
@@ -455,7 +464,10 @@ class Scheduler:
                     return False
         elif rows > cfg.max_rows:
             return False
-        need = self.config.blocks_for(req.num_prompt)
+        hits = self._usable_prefix(req)
+        # Cached blocks another request holds cost no free block; unused cached ones are
+        # counted in num_free and leave it when taken, like any other block.
+        need = self.config.blocks_for(req.num_prompt) - sum(self.pool.ref_count(b) > 0 for b in hits)
         reserved = sum(self.pool.blocks_needed(r.request_id, r.num_prompt)
                        for r in self.running if r.state == RequestState.PREFILL)
         free = self.pool.num_free - reserved
@@ -465,11 +477,51 @@ class Scheduler:
         self.waiting[req.api_key].popleft()
         self.queued_device_ms = max(0.0, self.queued_device_ms - req.est_device_ms)
         req.state = RequestState.PREFILL
-        req.num_computed = 0
+        hits = self._usable_prefix(req)
+        if hits:
+            self.pool.attach_prefix(req.request_id, hits)
+        req.num_computed = req.num_cached = len(hits) * self.config.block_size
+        if self.pool.prefix_caching:
+            self.prefix_queried_tokens += req.num_prompt
+            self.prefix_hit_tokens += req.num_cached
         if req.admitted_s is None:
             req.admitted_s = now
         self.usage[req.api_key].running_rows += 1
         self.running.append(req)
+
+    # -- prefix caching ---------------------------------------------------------------------------
+    def _hashes(self, req: Request) -> list[bytes]:
+        """`req`'s prompt block hashes (computed once; none when prefix caching is off)."""
+        if not self.pool.prefix_caching:
+            return []
+        if req.prefix_hashes is None:
+            req.prefix_hashes = prefix_block_hashes(req.prompt_ids, self.config.block_size)
+        return req.prefix_hashes
+
+    def _cached_tokens(self, req: Request, hits: list[int]) -> int:
+        """Prompt tokens `req` may take from `hits` (its cached prefix blocks): whole
+        `prefill_piece` pieces only, so every token it computes is cut on the same grid as when
+        computed from scratch (batch invariance), and never its whole prompt (the last prompt
+        token is computed to sample from)."""
+        piece = self.config.prefill_piece
+        tokens = min(len(hits) * self.config.block_size, req.num_prompt - 1)
+        return tokens // piece * piece
+
+    def _usable_prefix(self, req: Request) -> list[int]:
+        """The cached blocks `req` would take at admission (see `_cached_tokens`)."""
+        if self.pool.table(req.request_id):
+            return []
+        hits = self.pool.cached_prefix(self._hashes(req))
+        return hits[:self._cached_tokens(req, hits) // self.config.block_size]
+
+    def _register_prefix(self, req: Request) -> None:
+        """Offer `req`'s computed prompt pieces to the prefix cache: the blocks of each whole
+        `prefill_piece` piece of the prompt whose keys and values are all in the cache now (a
+        shorter tail piece is not offered: a later prompt would cut it elsewhere)."""
+        piece = self.config.prefill_piece
+        done = min(req.num_computed, req.num_prompt) // piece * piece
+        if done:
+            self.pool.register_prefix(req.request_id, self._hashes(req), done // self.config.block_size)
 
     def _next_candidate(self) -> Request | None:
         """Head of the least-served waiting key; keys under the row cap first (work-conserving:

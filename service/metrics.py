@@ -43,10 +43,19 @@ class _SchedulerGauges(Collector):
             ("genserve_queue_depth", "Requests waiting for admission.", s.queue_depth),
             ("genserve_queued_device_seconds", "Estimated device-seconds of queued work.", s.queued_device_s),
             ("genserve_running_rows", "Requests admitted to the running batch.", s.running_rows),
-            ("genserve_kv_blocks_free", "KV blocks on the free list.", s.kv_blocks_free),
+            ("genserve_kv_blocks_free", "KV blocks a request can be given (cached ones no request "
+                                        "holds included).", s.kv_blocks_free),
             ("genserve_kv_blocks_capacity", "KV blocks in the pool (free + in use).", s.kv_blocks_total),
+            ("genserve_kv_blocks_cached", "KV blocks no request holds that keep a prompt prefix for "
+                                          "reuse (counted as free).", s.kv_blocks_cached),
         ):
             yield GaugeMetricFamily(name, doc, value=value)
+        yield CounterMetricFamily("genserve_prefix_cache_queried_tokens",
+                                  "Prompt tokens looked up in the prefix cache at admission.",
+                                  value=s.prefix_queried_tokens)
+        yield CounterMetricFamily("genserve_prefix_cache_hit_tokens",
+                                  "Prompt tokens the prefix cache held (taken, not computed).",
+                                  value=s.prefix_hit_tokens)
         yield CounterMetricFamily("genserve_preemptions", "Requests preempted (blocks freed, re-queued).",
                                   value=s.num_preemptions)
         yield CounterMetricFamily("genserve_cancelled_tokens",

@@ -26,7 +26,7 @@ NON_DEFAULT = EngineConfig(
     queue_budget_s=3.5, output_token_weight=6.25, default_deadline_s=60.0, dtype="float32",
     num_threads=3, batching="dynamic", dynamic_window_s=0.02, device="cpu",
     activation_reserve_bytes=2_500_000_000, policy="slo", tpot_target_ms=50.0, gap_target_ms=80.0,
-    slo_prefill_share=0.3, slo_row_limit=128)
+    slo_prefill_share=0.3, slo_row_limit=128, prefix_caching=False)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -69,6 +69,12 @@ def test_round_trip_of_every_field():
     argv = engine_config_argv(NON_DEFAULT)
     assert len(argv) == len(dataclasses.fields(EngineConfig))
     assert parse(argv) == NON_DEFAULT
+
+
+def test_a_bool_field_is_a_pair_of_flags():
+    assert engine_config_argv(EngineConfig(prefix_caching=False)) == ["--no-prefix-caching"]
+    assert parse(["--no-prefix-caching"]).prefix_caching is False
+    assert parse(["--no-prefix-caching", "--prefix-caching"]).prefix_caching is True
 
 
 def test_default_config_needs_no_flags():

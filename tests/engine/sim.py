@@ -22,10 +22,12 @@ class FakeClock:
 
 
 def sim_engine(num_blocks: int = 512, **config) -> tuple[Engine, FakeClock]:
-    """An Engine over SimExecutor with a fake clock (advance it yourself)."""
-    cfg = EngineConfig(num_blocks=num_blocks, **config)
+    """An Engine over SimExecutor with a fake clock (advance it yourself). Prefix caching is off
+    unless `prefix_caching=True` is given: `make_request`'s prompts all share their first tokens."""
+    cfg = EngineConfig(num_blocks=num_blocks, **{"prefix_caching": False, **config})
     clock = FakeClock()
-    return Engine(cfg, SimExecutor(), BlockPool(num_blocks, cfg.block_size), clock), clock
+    pool = BlockPool(num_blocks, cfg.block_size, prefix_caching=cfg.prefix_caching)
+    return Engine(cfg, SimExecutor(), pool, clock), clock
 
 
 _ids = itertools.count()
