@@ -15,9 +15,10 @@ Starts `genserve serve --no-envoy` on the embedded model twice per trace, once w
   the assistant's earlier answers) plus a new user message, as chat clients do. With the cache,
   a request computes only what no earlier request computed: the user's new message and the
   previous answer.
-* distinct: the same number of requests, shapes and arrival times, but every prompt distinct
-  from the first token (no shared prefix): the cache's bookkeeping without any hit, to show it
-  costs no throughput.
+* distinct: the same requests, shapes and arrival times, but every request's system prompt opens
+  with its own ticket number, so no prompt shares even its first block with another (not even the
+  same user's earlier turns): the cache's bookkeeping without any hit, to show it costs no
+  throughput.
 
 Reported per run: TTFT p50/p95 (client-side, request sent to first content chunk), output
 tokens/s over the run (tokens received / wall time from the first request to the last answer),
@@ -90,11 +91,10 @@ async def conversation(client: httpx.AsyncClient, url: str, user: int, args: arg
                        system: str, distinct: bool, out: list[dict]) -> None:
     """One user's `turns` turns, each after the previous answer arrived."""
     await asyncio.sleep(user * args.stagger_s)
-    if distinct:            # no shared prefix: the system prompt starts with the user's own line
-        messages = [{"role": "system", "content": f"Customer file {user}. " + system}]
-    else:
-        messages = [{"role": "system", "content": system}]
+    messages = [{"role": "system", "content": system}]
     for turn in range(args.turns):
+        if distinct:        # no shared prefix: every request's first line is its own
+            messages[0] = {"role": "system", "content": f"Ticket {user * 100 + turn}. {system}"}
         messages.append({"role": "user", "content": user_message(user, turn, distinct)})
         ttft, answer, tokens = await one_request(client, url, messages, args.answer_tokens)
         out.append({"user": user, "turn": turn, "ttft_s": ttft, "tokens": tokens})
