@@ -43,11 +43,11 @@ class _SchedulerGauges(Collector):
             ("genserve_queue_depth", "Requests waiting for admission.", s.queue_depth),
             ("genserve_queued_device_seconds", "Estimated device-seconds of queued work.", s.queued_device_s),
             ("genserve_running_rows", "Requests admitted to the running batch.", s.running_rows),
-            ("genserve_kv_blocks_free", "KV blocks a request can be given (cached ones no request "
-                                        "holds included).", s.kv_blocks_free),
+            ("genserve_kv_blocks_free", "KV blocks a request can be given (cached ones included).",
+             s.kv_blocks_free),
             ("genserve_kv_blocks_capacity", "KV blocks in the pool (free + in use).", s.kv_blocks_total),
-            ("genserve_kv_blocks_cached", "KV blocks no request holds that keep a prompt prefix for "
-                                          "reuse (counted as free).", s.kv_blocks_cached),
+            ("genserve_kv_blocks_cached", "KV blocks kept for prefix reuse, held by no request.",
+             s.kv_blocks_cached),
         ):
             yield GaugeMetricFamily(name, doc, value=value)
         yield CounterMetricFamily("genserve_prefix_cache_queried_tokens",

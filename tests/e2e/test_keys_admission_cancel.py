@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 
@@ -52,12 +53,15 @@ def test_delete_with_another_key_is_404_and_the_stream_goes_on(keyed_server):
 
 
 async def _burst(base_url: str, n: int) -> list[httpx.Response]:
-    prompt_ids = [(17 * i) % 20000 + 100 for i in range(1000)]
+    """`n` simultaneous 1,000-token prompts, each with its own first token (and new ones on each
+    call), so that no prompt is in the prefix cache and each costs its whole prefill."""
+    body = [(17 * i) % 20000 + 100 for i in range(1, 1000)]
+    first = 20000 + time.monotonic_ns() // 1000 % 10000
     async with httpx.AsyncClient(timeout=300) as client:
         return await asyncio.gather(*(
             client.post(f"{base_url}/v1/completions", headers=ALICE,
-                        json={"prompt_token_ids": prompt_ids, "max_tokens": 4, "temperature": 0})
-            for _ in range(n)))
+                        json={"prompt_token_ids": [first + k] + body, "max_tokens": 4, "temperature": 0})
+            for k in range(n)))
 
 
 def test_a_burst_past_the_budget_gets_429_with_retry_after_and_nothing_is_lost(keyed_server):

@@ -56,3 +56,14 @@ def test_cost_measurement_fits_a_small_row_cap_or_pool(config):
     cost = measure_costs(engine)
     assert cost.prefill_ms_per_token >= 0 and cost.decode_ms_per_token >= 0
     assert engine.pool.num_free == engine.pool.num_blocks
+
+
+def test_the_start_up_measurement_leaves_the_prefix_cache_counters_at_zero():
+    """The warm-up requests are not traffic: prefix-cache hit rates start from the first user."""
+    from engine.builder import measure_costs
+    from tests.engine.sim import sim_engine
+
+    engine, _ = sim_engine(num_blocks=512, prefix_caching=True)
+    measure_costs(engine)
+    stats = engine.stats()
+    assert (stats.prefix_queried_tokens, stats.prefix_hit_tokens) == (0, 0)
