@@ -166,7 +166,14 @@ def test_playground_tabs_follow_the_server(browser, server):
     wait_for(lambda: by_id(browser, "run-status").text in ("done", "cancelled") or "error" in
              by_id(browser, "run-status").text, what="the chat reply")
     assert by_id(browser, "run-status").text == "done"
-    assert 1 <= len(tokens(browser)) <= 6 and by_id(browser, "stat-ttft").text.endswith(" ms")
+    # The page shows what the endpoint answers to the same body (greedy, so deterministic).
+    want = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 6,
+        "temperature": 0, "ignore_eos": by_id(browser, "ignore-eos").is_selected()}).json()
+    shown = tokens(browser)
+    assert "".join(t.get_attribute("textContent") for t in shown) == want["choices"][0]["message"]["content"]
+    assert len(shown) == want["usage"]["completion_tokens"]
+    assert by_id(browser, "stat-tokens").text == str(want["usage"]["completion_tokens"])
 
 
 def _load(base_url: str, n: int, max_tokens: int, done: list) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -45,5 +46,7 @@ def _mean_ratio(slowdown: float) -> float:
 def test_ratio_shows_a_device_slower_than_its_model():
     on_model = _mean_ratio(1.0)
     drifted = _mean_ratio(2.0)
-    assert 1.0 <= on_model < 1.5          # sleep never ends early; scheduling adds a little
-    assert 2.0 <= drifted < 3.0
+    # sleep never ends early, and the loop adds the same small overhead to both runs, so the
+    # measured/predicted ratio doubles with the device's slowdown.
+    assert on_model >= 1.0
+    assert drifted / on_model == pytest.approx(2.0, rel=0.15)
