@@ -14,11 +14,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictStr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, StrictBool, model_validator
 
 from bridge.events import FINISH_REASON_NAME, timing_json
-from bridge.schemas import (DEFAULT_N, DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P, Float,
-                            Int32, Uint32, Uint64, sampling_proto, stop_list)
+from bridge.schemas import SamplingBody, Uint32
 from genserve.chat_messages import parse_messages
 from genserve.v1 import generate_pb2 as pb
 
@@ -31,7 +30,7 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool | None = False
 
 
-class ChatCompletionRequest(BaseModel):
+class ChatCompletionRequest(SamplingBody):
     """Body of POST /v1/chat/completions.
 
     ``messages`` is checked by `to_proto` (genserve/chat_messages.py: roles, content types), which
@@ -39,29 +38,12 @@ class ChatCompletionRequest(BaseModel):
     (an INVALID_ARGUMENT naming ``messages`` when it refuses them).
     """
 
-    model_config = ConfigDict(extra="forbid")
-
-    model: StrictStr | None = None
     messages: list[Any]
     max_tokens: Uint32 | None = None
     max_completion_tokens: Uint32 | None = None
-    temperature: Float | None = DEFAULT_TEMPERATURE
-    top_k: Int32 | None = DEFAULT_TOP_K
-    top_p: Float | None = DEFAULT_TOP_P
-    stop: list[str] | None = None
-    seed: Uint64 | None = None
-    n: Uint32 | None = DEFAULT_N
     logprobs: StrictBool | None = False
     top_logprobs: Uint32 | None = None
-    stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
-    ignore_eos: StrictBool | None = False
-    deadline_s: Float | None = None
-
-    @field_validator("stop", mode="before")
-    @classmethod
-    def _stop_shape(cls, value: Any) -> list[str] | None:
-        return stop_list(value)
 
     @model_validator(mode="after")
     def _consistent(self) -> ChatCompletionRequest:
@@ -71,11 +53,6 @@ class ChatCompletionRequest(BaseModel):
                 and self.max_tokens != self.max_completion_tokens:
             raise ValueError("max_tokens and max_completion_tokens differ; send one")
         return self
-
-    @property
-    def num_samples(self) -> int:
-        """n, with null meaning the default."""
-        return DEFAULT_N if self.n is None else self.n
 
     @property
     def include_usage(self) -> bool:
@@ -88,8 +65,7 @@ class ChatCompletionRequest(BaseModel):
         Raises:
             ChatError: a message is malformed (its field named).
         """
-        sampling = sampling_proto(self.temperature, self.top_k, self.top_p, self.ignore_eos,
-                                  self.stop, self.seed)
+        sampling = self.sampling_proto()
         max_tokens = next((v for v in (self.max_completion_tokens, self.max_tokens) if v is not None),
                           None)
         request = pb.GenerateRequest(sampling=sampling, n=self.num_samples, request_id=request_id)

@@ -69,26 +69,47 @@ def _is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= UINT32_MAX
 
 
-class CompletionRequest(BaseModel):
-    """Body of POST /v1/completions (the design's fields plus OpenAI's `model`)."""
+class SamplingBody(BaseModel):
+    """The fields /v1/completions and /v1/chat/completions share: OpenAI's `model`, the sampling
+    settings, `n`, `stream`, and genserve's `ignore_eos` and `deadline_s`."""
 
     model_config = ConfigDict(extra="forbid")
 
     model: StrictStr | None = None     # accepted (OpenAI clients send it); responses name the served model
-    # Text, or token ids (OpenAI also allows a one-element list of either).
-    prompt: str | list[int] | None = None
-    prompt_token_ids: list[Uint32] | None = None
-    max_tokens: Uint32 | None = DEFAULT_MAX_TOKENS
     temperature: Float | None = DEFAULT_TEMPERATURE
     top_k: Int32 | None = DEFAULT_TOP_K
     top_p: Float | None = DEFAULT_TOP_P
     stop: list[str] | None = None
     seed: Uint64 | None = None
     n: Uint32 | None = DEFAULT_N
-    logprobs: Uint32 | None = None
     stream: StrictBool | None = False
     ignore_eos: StrictBool | None = False
     deadline_s: Float | None = None  # seconds from arrival; the service caps it at its default
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_shape(cls, value: Any) -> list[str] | None:
+        return stop_list(value)
+
+    @property
+    def num_samples(self) -> int:
+        """n, with null meaning the default."""
+        return DEFAULT_N if self.n is None else self.n
+
+    def sampling_proto(self) -> pb.SamplingParams:
+        """The gRPC SamplingParams of these fields (`sampling_proto`)."""
+        return sampling_proto(self.temperature, self.top_k, self.top_p, self.ignore_eos, self.stop,
+                              self.seed)
+
+
+class CompletionRequest(SamplingBody):
+    """Body of POST /v1/completions (the design's fields plus OpenAI's `model`)."""
+
+    # Text, or token ids (OpenAI also allows a one-element list of either).
+    prompt: str | list[int] | None = None
+    prompt_token_ids: list[Uint32] | None = None
+    max_tokens: Uint32 | None = DEFAULT_MAX_TOKENS
+    logprobs: Uint32 | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -107,26 +128,15 @@ class CompletionRequest(BaseModel):
             raise ValueError("token ids must be integers from 0 to 2**32-1")
         raise ValueError("must be a string or a list of token ids")
 
-    @field_validator("stop", mode="before")
-    @classmethod
-    def _stop_shape(cls, value: Any) -> list[str] | None:
-        return stop_list(value)
-
     @model_validator(mode="after")
     def _one_prompt(self) -> CompletionRequest:
         if (self.prompt is None) == (self.prompt_token_ids is None):
             raise ValueError("exactly one of 'prompt' or 'prompt_token_ids' is required")
         return self
 
-    @property
-    def num_samples(self) -> int:
-        """n, with null meaning the default."""
-        return DEFAULT_N if self.n is None else self.n
-
     def to_proto(self, request_id: str = "") -> pb.GenerateRequest:
         """The gRPC request; null fields take OpenAI's defaults, seed/logprobs stay absent."""
-        sampling = sampling_proto(self.temperature, self.top_k, self.top_p, self.ignore_eos,
-                                  self.stop, self.seed)
+        sampling = self.sampling_proto()
         request = pb.GenerateRequest(
             max_tokens=DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens,
             sampling=sampling,
