@@ -175,8 +175,10 @@ class BlockPool:
             self._ref_count[b] += 1
         self._tables[request_id] = list(blocks)
 
-    def register_prefix(self, request_id: str, hashes: Sequence[bytes], num_blocks: int) -> int:
-        """Register the first `num_blocks` blocks of `request_id`'s table under `hashes`.
+    def register_prefix(self, request_id: str, hashes: Sequence[bytes], num_blocks: int,
+                        first: int = 0) -> int:
+        """Register blocks `first` .. `num_blocks` - 1 of `request_id`'s table under the same
+        entries of `hashes` (the earlier blocks were registered already, or are not to be).
 
         Call once their keys and values are computed. A hash already cached under another block
         (two requests computed the same prefix at once) keeps the first block; the duplicate is
@@ -193,7 +195,7 @@ class BlockPool:
             raise BlockPoolError(f"{request_id}: cannot register {num_blocks} blocks "
                                  f"({len(table)} in table, {len(hashes)} hashes)")
         added = 0
-        for b, h in zip(table[:num_blocks], hashes[:num_blocks]):
+        for b, h in zip(table[first:num_blocks], hashes[first:num_blocks]):
             if b in self._block_hash or h in self._cached:
                 continue
             self._block_hash[b] = h

@@ -329,7 +329,7 @@ class Scheduler:
                 usage.weighted_tokens_served += seg.length
             req.num_computed = seg.end
             if req.state == RequestState.PREFILL and self.pool.prefix_caching:
-                self._register_prefix(req)
+                self._register_prefix(req, seg)
             if req.state == RequestState.PREFILL and req.num_computed >= req.num_prompt:
                 req.state = RequestState.DECODE
             if not tokens:
@@ -514,14 +514,14 @@ class Scheduler:
         hits = self.pool.cached_prefix(self._hashes(req))
         return hits[:self._cached_tokens(req, hits) // self.config.block_size]
 
-    def _register_prefix(self, req: Request) -> None:
-        """Offer `req`'s computed prompt pieces to the prefix cache: the blocks of each whole
-        `prefill_piece` piece of the prompt whose keys and values are all in the cache now (a
-        shorter tail piece is not offered: a later prompt would cut it elsewhere)."""
+    def _register_prefix(self, req: Request, seg: Segment) -> None:
+        """Offer the prompt piece `seg` just computed to the prefix cache when it is a whole
+        `prefill_piece` piece (segments are cut on that grid; a shorter tail piece is not
+        offered: a later prompt would cut it elsewhere)."""
         piece = self.config.prefill_piece
-        done = min(req.num_computed, req.num_prompt) // piece * piece
-        if done:
-            self.pool.register_prefix(req.request_id, self._hashes(req), done // self.config.block_size)
+        if seg.length == piece and seg.start % piece == 0 and seg.end <= req.num_prompt:
+            bs = self.config.block_size
+            self.pool.register_prefix(req.request_id, self._hashes(req), seg.end // bs, seg.start // bs)
 
     def _next_candidate(self) -> Request | None:
         """Head of the least-served waiting key; keys under the row cap first (work-conserving:
