@@ -65,9 +65,10 @@ class EngineConfig:
             time per output token within it.
         gap_target_ms: the longest gap between two tokens of a stream, ms (100); "slo" never
             predicts a step longer than it.
-        slo_prefill_share: under "slo", the share of `tpot_target_ms` a new row must leave free for
-            prefill pieces when it joins, and at least one `prefill_piece`'s time (0.2; the
-            simulator's sweep of it is in docs/benchmarks/README.md).
+        slo_prefill_share: under "slo", the least share of `tpot_target_ms` the decoding rows must
+            leave free for prefill pieces when a row joins (0.2; more when the rows' steady-state
+            prefill needs more, see `Scheduler._slo_rows_fit`; the simulator's sweep of it is in
+            docs/benchmarks/README.md).
         slo_row_limit: under "slo", the most rows in one step whatever the model predicts (256).
         prefix_caching: reuse the K/V blocks of a prompt prefix an earlier request computed
             (on by default, as in vLLM): full prompt blocks stay cached after their request ends

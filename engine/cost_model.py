@@ -201,18 +201,6 @@ class CostModel:
         context = num_prompt + expected_output / 2.0
         return self.prefill_ms(num_prompt) + expected_output * self.decode_token_ms(rows, context)
 
-    def rows_within(self, budget_ms: float, context_per_row: float, limit: int) -> int:
-        """The most decode rows (1..limit) whose step at `context_per_row` tokens each is
-        predicted within `budget_ms` (1 when even one row is not)."""
-        lo, hi = 1, max(1, limit)
-        while lo < hi:                            # the step time grows with the rows
-            mid = (lo + hi + 1) // 2
-            if self.step_ms(StepFeatures(rows=mid, context=int(mid * context_per_row))) <= budget_ms:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
-
     # -- learning from the engine's own steps ---------------------------------------------------
     def observe(self, f: StepFeatures, step_s: float) -> None:
         """Record one measured step; every `refit_every` steps, refit the six terms.

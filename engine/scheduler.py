@@ -245,30 +245,56 @@ class Scheduler:
     def full_rows(self) -> int:
         """Rows of a full step, for the device-time estimates of admission control: 32 under the
         fixed policy (the design's full step, whatever `max_rows` says, as the per-token costs
-        always were); under "slo", the rows whose decode step at the average context (prompt +
-        half an answer) the cost model predicts within the TPOT target less the prefill share
-        (`CostModel.rows_within`)."""
+        always were); under "slo", the most rows (1..`slo_row_limit`, at least 1) that
+        `_slo_rows_fit` allows at the average context (prompt + half an answer)."""
         cfg = self.config
         if not self._slo:
             return 32
         context = int(self.avg_prompt_tokens + self.avg_output_tokens / 2)
-        key = (id(self.cost), self.cost.version, context // 64)     # the model may be replaced
-        if key != self._full_rows_key:
+        key = (id(self.cost), self.cost.version, context // 64, int(self.avg_output_tokens) // 8)
+        if key != self._full_rows_key:           # the model may be replaced, the averages move
             self._full_rows_key = key
-            self._full_rows = self.cost.rows_within(cfg.tpot_target_ms - self._prefill_reserve_ms(),
-                                                    context, cfg.slo_row_limit)
+            lo, hi = 1, cfg.slo_row_limit
+            while lo < hi:                       # the step time grows with the rows
+                mid = (lo + hi + 1) // 2
+                if self._slo_rows_fit(StepFeatures(rows=mid, context=mid * context)):
+                    lo = mid
+                else:
+                    hi = mid - 1
+            self._full_rows = lo
         return self._full_rows
 
-    def _prefill_reserve_ms(self) -> float:
-        """Step time a new row must leave for prefill under "slo": `slo_prefill_share` of the TPOT
-        target, and at least one `prefill_piece` (the smallest piece a step can carry) halfway
-        into an average prompt, ms. Decode contexts grow and pieces late in long prompts cost
-        more, so a step can still be too full for a piece; prefill then waits until rows leave."""
+    def _slo_rows_fit(self, decode: StepFeatures) -> bool:
+        """Whether the decode rows `decode` (rows and their summed context, no prefill) may all
+        run under "slo": their step plus the prefill they bring in steady state fits the TPOT
+        target, and their step plus one prefill piece fits the gap target.
+
+        Steady state: every row that leaves is replaced by a new one whose prompt must be
+        prefilled while the others decode, so each row brings an average prompt's prefill spread
+        over an average answer's steps (`_row_prefill_ms`), and never less than
+        `slo_prefill_share` of the target in all. A step may stretch to the gap target when its
+        rows are ahead of their TPOT pace (`_step_limit_ms`), so a piece that does not fit beside
+        the rows within the TPOT target still runs there; the rows never grow so many that it
+        cannot.
+        """
+        cfg = self.config
+        decode_ms = self.cost.step_ms(decode)
+        prefill_ms = max(cfg.slo_prefill_share * cfg.tpot_target_ms, decode.rows * self._row_prefill_ms())
+        return (decode_ms + prefill_ms <= cfg.tpot_target_ms
+                and decode_ms + self._piece_ms() <= cfg.gap_target_ms)
+
+    def _row_prefill_ms(self) -> float:
+        """The prefill time one decoding row brings to every step in steady state, ms: an average
+        prompt's prefill (`CostModel.prefill_ms`) over an average answer's tokens."""
+        return self.cost.prefill_ms(int(self.avg_prompt_tokens)) / max(1.0, self.avg_output_tokens)
+
+    def _piece_ms(self) -> float:
+        """Step time one `prefill_piece` halfway into an average prompt adds, ms (the smallest
+        prefill a step can carry)."""
         cfg = self.config
         start = int(self.avg_prompt_tokens / 2) // cfg.prefill_piece * cfg.prefill_piece
         piece = StepFeatures(prefill_tokens=cfg.prefill_piece, pairs=piece_pairs(start, cfg.prefill_piece))
-        return max(cfg.slo_prefill_share * cfg.tpot_target_ms,
-                   self.cost.step_ms(piece) - self.cost.step_base_ms)
+        return self.cost.step_ms(piece) - self.cost.step_base_ms
 
     def predicted_step_ms(self, plan: StepPlan) -> float:
         """The cost model's prediction of `plan`'s step time, ms."""
@@ -446,9 +472,8 @@ class Scheduler:
         """Rows and blocks allow `req` now (free blocks cover its prompt plus the margin).
 
         Rows: at most `max_rows` under the fixed policy. Under "slo", at most `slo_row_limit`, and
-        (unless nothing runs) the decode step of every running row plus `req`'s, at their current
-        contexts, predicted within `tpot_target_ms` less the prefill reserve
-        (`_prefill_reserve_ms`), so the step keeps room for prefill pieces.
+        (unless nothing runs) every running row plus `req`'s, at their current contexts, within
+        what `_slo_rows_fit` allows.
         """
         cfg = self.config
         pending_forks = sum(len(r.children) for r in self.running if r.forks_now)
@@ -459,8 +484,7 @@ class Scheduler:
             if self.running:
                 context = (sum(r.num_tokens + len(r.children) * r.num_prompt * r.forks_now for r in self.running)
                            + req.n * req.num_prompt)
-                decode_ms = self.cost.step_ms(StepFeatures(rows=rows, context=context))
-                if decode_ms > cfg.tpot_target_ms - self._prefill_reserve_ms():
+                if not self._slo_rows_fit(StepFeatures(rows=rows, context=context)):
                     return False
         elif rows > cfg.max_rows:
             return False

@@ -40,7 +40,7 @@ from loadgen import stats as st
 from loadgen.workload import LengthMix, WorkItem, arrival_times, synthetic_workload
 
 POLICIES = ("fixed", "slo")
-DEFAULT_RATES = (8.0, 10.0, 12.0, 14.0)
+DEFAULT_RATES = (2.0, 3.0, 4.0, 5.0, 6.0)
 GAP_OVER_TPOT = 100.0 / 70.0          # the design scale's gap target over its TPOT target
 QUEUE_BUDGET_S = 60.0
 WARMUP_S = 20.0
@@ -141,13 +141,15 @@ def markdown(res: dict[str, Any]) -> str:
     """summary.md: the command, the SLOs, goodput per policy, the simulator's error, every run."""
     s, _f, _pct = res["summary"], st._f, st._pct
     slo = s["slo"]
+    source = ("given on the command line" if slo.get("given")
+              else "scaled from the design's ratios with this run's fitted step times")
     L = ["# Both step policies on the live server (this machine)", "",
          f"Regenerate (≈ {s['expected_minutes']:.0f} minutes on a quiet machine; it starts and stops its own "
          "`genserve serve` on free localhost ports):", "", "```", s["command"], "```", "",
          f"Last run {s['date']} on {res['machine']['cpus']} CPU(s), {s['wall_s'] / 60:.1f} minutes. Workload: the "
          f"design's length mix scaled by {s['scale']:g}, Poisson arrivals for {s['duration_s']:g} s per rate, seed "
          f"{s['seed']}, REST+SSE through the bridge, queue budget {QUEUE_BUDGET_S:g} s (no 429s).", "",
-         f"SLOs scaled from the design's ratios with this run's fitted step times: TTFT ≤ {slo['ttft_ms']:.0f} ms, "
+         f"SLOs {source}: TTFT ≤ {slo['ttft_ms']:.0f} ms, "
          f"TPOT ≤ {slo['tpot_ms']:.0f} ms, p99 longest gap ≤ {slo['gap_ms']:.0f} ms. The SLO policy's engine "
          f"targets {100 * s['target_fraction']:.0f} % of the TPOT and gap targets.", "",
          "| policy | goodput | goodput + gap | sim goodput | " + " | ".join(f"SLO met at {r:g}" for r in s["rates"])
@@ -282,7 +284,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary = {"command": command, "date": datetime.date.today().isoformat(), "scale": args.scale,
                "duration_s": args.duration, "seed": args.seed, "rates": rates, "policies": policies,
                "target_fraction": args.target_fraction,
-               "slo": {"ttft_ms": ttft_ms, "tpot_ms": tpot_ms, "gap_ms": gap_ms},
+               "slo": {"ttft_ms": ttft_ms, "tpot_ms": tpot_ms, "gap_ms": gap_ms,
+                       "given": bool(args.slo_ttft_ms or args.slo_tpot_ms)},
                "live_path": {"step_overhead_ms": overhead_ms, "submit_delay_ms": delay_ms, "fit_rate": low,
                              "fit_policy": fit_policy},
                "errors": errors, "wall_s": wall,

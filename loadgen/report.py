@@ -430,7 +430,9 @@ def _policy_section(results, summary, meta) -> list[str]:
          "(1,024 while ≤ 4 rows decode).",
          "- **SLO-driven** (`--policy slo`): the scheduler predicts each step's time with the cost model "
          "(rows, their contexts, prefill pieces). A request joins while the decode step of every running row "
-         f"plus its own stays within the TPOT target less a {share:g} share kept for prefill; prefill pieces "
+         "plus its own, and the prefill those rows bring in steady state (an average prompt's prefill over an "
+         f"average answer's steps per row, at least a {share:g} share), stay within the TPOT target, and while "
+         "that decode step leaves one 64-token prefill piece within the gap target; prefill pieces "
          "join the step while it is predicted to end within the least of each sampling row's limits: its gap "
          "target (100 ms after its last token) and the time that keeps its mean time per output token within "
          "70 ms, never less than 70 ms. Memory (5 % margin), per-key caps, fair queueing and the 64-token "
@@ -465,8 +467,11 @@ def _policy_section(results, summary, meta) -> list[str]:
     live = meta.get("live_policies")
     L += ["", "Both policies on the live server of this machine, in one run, with the simulator's error for the "
               "SLO policy: `python -m loadgen.live_policies --out docs/benchmarks/live_policies` "
-              + (f"([live_policies/summary.md](live_policies/summary.md), run {live['date']}: live goodput "
-                 + ", ".join(f"{p} {_rps(g)}" for p, g in live["goodput"].items()) + ")."
+              + (f"([live_policies/summary.md](live_policies/summary.md), run {live['date']}). At this machine's "
+                 f"scaled SLOs (TTFT ≤ {live['slo']['ttft_ms']:.0f} ms, TPOT ≤ {live['slo']['tpot_ms']:.0f} ms) "
+                 f"and {', '.join(f'{r:g}' for r in live['rates'])} requests/s, live goodput "
+                 + ", ".join(f"{p} {_rps(g)} (simulated {_rps(live['sim_goodput'][p])}, largest percentile "
+                             f"error {_pct(live['error'][p])})" for p, g in live["goodput"].items()) + "."
                  if live else "(not run yet on a quiet machine).")]
     L += ["", "All runs of the three policies:", ""]
     L += _run_table([r for name in POLICIES for r in _group(results, "policy", label=name)],
@@ -659,8 +664,10 @@ def _live_policies(path: pathlib.Path) -> dict[str, Any] | None:
     if not path.exists():
         return None
     res = json.loads(path.read_text())
-    return {"date": res["summary"]["date"],
-            "goodput": {p: g["live_goodput_rps"] for p, g in res["policies"].items()}}
+    return {"date": res["summary"]["date"], "slo": res["summary"]["slo"], "rates": res["summary"]["rates"],
+            "goodput": {p: g["live_goodput_rps"] for p, g in res["policies"].items()},
+            "sim_goodput": {p: g["sim_goodput_rps"] for p, g in res["policies"].items()},
+            "error": {p: g["max_abs_error"] for p, g in res["policies"].items()}}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

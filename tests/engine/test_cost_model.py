@@ -36,14 +36,6 @@ def test_context_term_makes_long_context_steps_cost_more():
     assert sum(piece_pairs(s, 64) for s in range(0, 512, 64)) == piece_pairs(0, 512)
 
 
-def test_rows_within_is_the_largest_row_count_inside_the_budget():
-    m = CostModel()
-    assert m.rows_within(40.0, 0, 256) == 32
-    assert m.rows_within(56.0, 0, 256) == 65
-    assert m.rows_within(10.0, 0, 256) == 1                       # even one row is over: 1
-    assert m.rows_within(1000.0, 0, 48) == 48
-
-
 def _samples(true: dict[str, float], noise: float = 0.0, seed: int = 0):
     rng = np.random.default_rng(seed)
     model = CostModel(**true)
