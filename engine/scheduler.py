@@ -588,9 +588,11 @@ class Scheduler:
             features = StepFeatures.of_plan(plan)
             limit_ms = self._step_limit_ms(plan, now)
         piece = cfg.prefill_piece
-        prefilling = sorted((r for r in self.running if r.state == RequestState.PREFILL),
-                            key=lambda r: (self.usage[r.api_key].weighted_tokens_served,
-                                           r.num_computed))
+        # Under "slo" the oldest prompt goes first and nothing skips past a piece that does not
+        # fit: pieces of newer prompts would become rows that keep it from ever fitting.
+        order = ((lambda r: (self.usage[r.api_key].weighted_tokens_served, r.admitted_s)) if slo else
+                 (lambda r: (self.usage[r.api_key].weighted_tokens_served, r.num_computed)))
+        prefilling = sorted((r for r in self.running if r.state == RequestState.PREFILL), key=order)
         for req in prefilling:
             pos = req.num_computed
             while pos < req.num_prompt and req in self.running:
@@ -598,7 +600,7 @@ class Scheduler:
                 if slo:
                     grown = features.with_piece(pos, length)
                     if (features.rows or features.prefill_tokens) and self.cost.step_ms(grown) > limit_ms:
-                        break
+                        return
                     features = grown
                 if length > budget or not self._reserve(req, pos, pos + length, plan):
                     break
