@@ -471,7 +471,9 @@ def _policy_section(results, summary, meta) -> list[str]:
                  f"scaled SLOs (TTFT ≤ {live['slo']['ttft_ms']:.0f} ms, TPOT ≤ {live['slo']['tpot_ms']:.0f} ms) "
                  f"and {', '.join(f'{r:g}' for r in live['rates'])} requests/s, live goodput "
                  + ", ".join(f"{p} {_rps(g)} (simulated {_rps(live['sim_goodput'][p])}, largest percentile "
-                             f"error {_pct(live['error'][p])})" for p, g in live["goodput"].items()) + "."
+                             f"error {_pct(live['error'][p])})" for p, g in live["goodput"].items())
+                 + f"; with the run's p99 longest gap within {live['slo']['gap_ms']:.0f} ms as well, "
+                 + ", ".join(f"{p} {_rps(g)}" for p, g in live["goodput_gap"].items()) + "."
                  if live else "(not run yet on a quiet machine).")]
     L += ["", "All runs of the three policies:", ""]
     L += _run_table([r for name in POLICIES for r in _group(results, "policy", label=name)],
@@ -666,6 +668,7 @@ def _live_policies(path: pathlib.Path) -> dict[str, Any] | None:
     res = json.loads(path.read_text())
     return {"date": res["summary"]["date"], "slo": res["summary"]["slo"], "rates": res["summary"]["rates"],
             "goodput": {p: g["live_goodput_rps"] for p, g in res["policies"].items()},
+            "goodput_gap": {p: g["live_goodput_gap_rps"] for p, g in res["policies"].items()},
             "sim_goodput": {p: g["sim_goodput_rps"] for p, g in res["policies"].items()},
             "error": {p: g["max_abs_error"] for p, g in res["policies"].items()}}
 
