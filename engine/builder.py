@@ -17,6 +17,7 @@ from engine.executor import ModelExecutor
 from engine.kv_cache import KVCache, device_pool_size
 from engine.loop import Engine
 from engine.model.llama import ModelArgs, Transformer
+from engine.model.q4 import attach_q4
 from engine.model.weights import load_gguf, load_safetensors, open_gguf, random_shape, random_weights
 from engine.request import Request, SamplingParams
 from engine.scheduler import CostModel
@@ -132,8 +133,9 @@ def build_engine(config: EngineConfig, model: str | pathlib.Path | None = None,
     `config.max_context` is lowered (in place, logged) to the model's positions when above them.
     The KV pool holds `config.num_blocks` blocks; else, on CUDA, what the device's free memory
     after the weights and `config.activation_reserve_bytes` holds (`kv_cache.kv_pool_size`); else
-    what `config.kv_pool_bytes` holds. The block count is logged. With `calibrate`, a short
-    warm-up measures the per-token costs admission control uses.
+    what `config.kv_pool_bytes` holds. The block count is logged. With `config.weights` "q4" the
+    block matrices are served from the GGUF's 4-bit blocks (`engine.model.q4.attach_q4`). With
+    `calibrate`, a short warm-up measures the per-token costs admission control uses.
 
     Args:
         config: engine dials (device, dtype, pool).
@@ -143,7 +145,8 @@ def build_engine(config: EngineConfig, model: str | pathlib.Path | None = None,
 
     Raises:
         FileNotFoundError: the model's files are missing.
-        ValueError: a bad `--model` value, CUDA asked for but absent, or a pool of < 2 blocks.
+        ValueError: a bad `--model` value, CUDA asked for but absent, a pool of < 2 blocks, or
+            `--weights q4` where it cannot run (not a Q4_1 GGUF, not bf16 on an AVX512-BF16 CPU).
     """
     set_threads(config)
     source = parse_model_source(model)
@@ -157,6 +160,11 @@ def build_engine(config: EngineConfig, model: str | pathlib.Path | None = None,
         config.max_context = args.max_context
     network = model_from_weights(args, state, dtype, device)
     state.clear()                      # frees the unfused Q/K/V and gate/up matrices before sizing the pool
+    if config.weights == "q4":         # the block matrices read from the GGUF's 4-bit blocks
+        if source.kind not in ("embedded", "gguf"):
+            raise ValueError(f"--weights q4 needs a GGUF model with Q4_1 matrices; --model is "
+                             f"{source.kind}")
+        attach_q4(network, source.path)
     engine = engine_from_model(config, network)
     if calibrate:
         engine.scheduler.cost = measure_costs(engine)

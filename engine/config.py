@@ -13,6 +13,7 @@ BATCHING_MODES = ("continuous", "continuous_unchunked", "static", "dynamic")
 DTYPES = ("bfloat16", "float32", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 POLICIES = ("fixed", "slo")
+WEIGHTS = ("bf16", "q4")
 
 
 @dataclass(slots=True)
@@ -74,6 +75,10 @@ class EngineConfig:
             (on by default, as in vLLM): full prompt blocks stay cached after their request ends
             and are taken back least recently used only when the pool needs them; reuse is in
             whole `prefill_piece` pieces, so a cached answer is bit-identical to a computed one.
+        weights: how the block matrices are read (`WEIGHTS`): "bf16" (default): dequantized to
+            bf16 at load; "q4": the GGUF's 4-bit Q4_1 blocks as they are, 3.2x fewer bytes per
+            product, with the bits of genserve's bf16 products (`engine.model.q4` says where
+            those are the bf16 default's; GGUF models on AVX512-BF16 CPUs, bfloat16 only).
     """
 
     block_size: int = 16
@@ -103,6 +108,7 @@ class EngineConfig:
     slo_prefill_share: float = 0.2
     slo_row_limit: int = 256
     prefix_caching: bool = True
+    weights: str = "bf16"
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -145,6 +151,8 @@ class EngineConfig:
             raise ValueError(f"slo_prefill_share must be in [0, 1), got {self.slo_prefill_share}")
         if not 1 <= self.slo_row_limit <= 4096:
             raise ValueError(f"slo_row_limit must be in 1..4096, got {self.slo_row_limit}")
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"weights must be one of {WEIGHTS}, got {self.weights!r}")
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold `num_tokens` tokens (ceil division by block_size)."""

@@ -11,6 +11,12 @@
   (oneDNN's own copy, bit for bit oneDNN's result, or genserve's `linear.vnni_pack`),
   `torch.ops.genserve.packed_linear` — AVX512-BF16 builds only; `packed_linear_available()` says
   whether this build has it.
+* `engine/csrc/q4_linear.cpp`: x @ Wᵀ read from W's 4-bit Q4_1 blocks of the GGUF (re-interleaved
+  at load by `engine.model.q4.q4_pack`), decoded in registers to the bf16 values the bf16 engine
+  loads and summed exactly as `packed_linear` sums them, so with `packed_linear`'s bits;
+  `torch.ops.genserve.q4_linear` — AVX512-BF16 builds only; `q4_linear_available()` says whether
+  this build has it. With AMX (`q4_amx_available()`), also `torch.ops.genserve.q4_amx_linear`:
+  the same blocks summed with AMX tiles as oneDNN's AMX kernel sums, so with its bits.
 * `engine/csrc/decode_layers.cpp`: all blocks of a pure-decode step in one call
   (`torch.ops.genserve.decode_layers`), the same ops in the same order as the Python loop.
 
@@ -39,9 +45,10 @@ log = logging.getLogger(__name__)
 
 SOURCES = [pathlib.Path(__file__).with_name("csrc") / name
            for name in ("decode_attention.cpp", "prefill_attention.cpp", "layer_ops.cpp",
-                        "packed_linear.cpp", "decode_layers.cpp")]
+                        "packed_linear.cpp", "q4_linear.cpp", "decode_layers.cpp")]
 OPS = ("paged_decode", "rms_norm", "add_rms_norm_", "rope_store_kv", "silu_mul", "decode_layers")
-AVX512_BF16_OPS = ("paged_prefill", "packed_linear")     # built only where the CPU has AVX512-BF16
+AVX512_BF16_OPS = ("paged_prefill", "packed_linear", "q4_linear")     # built only where the CPU has AVX512-BF16
+AMX_OPS = ("q4_amx_linear",)                # built only where the compiler targets AMX-BF16
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 
 
@@ -80,7 +87,7 @@ def available() -> bool:
             os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
         cpp_extension.load(name=_build_name(), sources=[str(src) for src in SOURCES], extra_cflags=CFLAGS,
                            is_python_module=False, verbose=False)
-        built = [op for op in (*OPS, *AVX512_BF16_OPS) if hasattr(torch.ops.genserve, op)]
+        built = [op for op in (*OPS, *AVX512_BF16_OPS, *AMX_OPS) if hasattr(torch.ops.genserve, op)]
         log.info("genserve kernels ready: torch.ops.genserve.%s", ", ".join(built))
         return all(hasattr(torch.ops.genserve, op) for op in OPS)
     except Exception as exc:        # noqa: BLE001 — any build failure means: use the fallback
@@ -99,3 +106,24 @@ def prefill_kernel_available() -> bool:
 def packed_linear_available() -> bool:
     """True if the kernels built and this CPU's build includes `packed_linear` (AVX512-BF16)."""
     return available() and hasattr(torch.ops.genserve, "packed_linear")
+
+
+@functools.cache
+def q4_linear_available() -> bool:
+    """True if the kernels built and this CPU's build includes `q4_linear` (AVX512-BF16)."""
+    return available() and hasattr(torch.ops.genserve, "q4_linear")
+
+
+@functools.cache
+def q4_amx_available() -> bool:
+    """True if the kernels built with AMX (`q4_amx_linear`) and Linux grants this process the
+    AMX tile state (checked with an 1-row product)."""
+    if not (q4_linear_available() and hasattr(torch.ops.genserve, "q4_amx_linear")):
+        return False
+    try:
+        torch.ops.genserve.q4_amx_linear(torch.zeros(1, 32, dtype=torch.bfloat16),
+                                         torch.zeros(64, 20, dtype=torch.uint8))
+    except RuntimeError as exc:
+        log.warning("q4_amx_linear unusable (%s); 4-bit products use q4_linear", exc)
+        return False
+    return True

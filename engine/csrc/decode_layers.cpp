@@ -1,7 +1,8 @@
 // Every block of a pure-decode step in one call: the same ops, in the same order, on the same
 // tensors as `Transformer.forward`'s Python loop with `KernelLayerOps` — the packed matrix
-// products as `linear.linear` runs them (genserve's `packed_linear` up to `max_rows` rows where
-// the weight kind has a k chunk, else oneDNN with a one-row input doubled), `rope_store_kv`,
+// products as `linear.linear` runs them (genserve's `q4_linear` over the 4-bit blocks up to
+// `max_rows` rows where the model was loaded with them, else `packed_linear` up to `max_rows`
+// rows where the weight kind has a k chunk, else oneDNN with a one-row input doubled), `rope_store_kv`,
 // `paged_decode`, `add_rms_norm_`, `silu_mul` — so a row's bits are the ones the Python loop
 // gives (tested), but without ~25 Python calls per layer: at 1 row those cost ≈ 2.5 ms of a 9 ms
 // step.
@@ -19,10 +20,19 @@
 namespace {
 
 // x [M, in] @ packed weight → [M, out], exactly as `linear.linear` with a packed weight whose
-// k chunk is `k_chunk` (0: none).
-at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t k_chunk,
-                  int64_t max_rows) {
+// k chunk is `k_chunk` (0: none) and whose 4-bit blocks are `q4` (undefined: none; with k
+// chunk 0, the AMX kernel's products).
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& q4,
+                  int64_t k_chunk, int64_t max_rows) {
 #ifdef GENSERVE_PACKED_LINEAR
+  if (q4.defined() && x.size(0) <= max_rows) {
+    if (k_chunk > 0) return genserve::q4_linear(x, q4, k_chunk);
+#ifdef GENSERVE_Q4_AMX
+    return genserve::q4_amx_linear(x, q4);
+#else
+    TORCH_CHECK(false, "decode_layers: 4-bit blocks without a k chunk need the AMX kernel");
+#endif
+  }
   if (k_chunk > 0 && x.size(0) <= max_rows) return genserve::packed_linear(x, packed, k_chunk);
 #endif
   static const auto op =
@@ -44,7 +54,8 @@ at::Tensor decode_layers(at::Tensor h, at::Tensor x, at::TensorList wqkv, at::Te
                          const at::Tensor& positions, at::TensorList caches,
                          const at::Tensor& slots, const at::Tensor& tables,
                          const at::Tensor& lens, int64_t n_heads, int64_t n_kv_heads,
-                         double scale, at::IntArrayRef k_chunks, int64_t max_rows) {
+                         double scale, at::IntArrayRef k_chunks, int64_t max_rows,
+                         at::TensorList q4) {
   const size_t layers = wqkv.size();
   TORCH_CHECK(wo.size() == layers && w13.size() == layers && w2.size() == layers &&
                   ffn_norm.size() == layers && next_norm.size() == layers &&
@@ -52,16 +63,25 @@ at::Tensor decode_layers(at::Tensor h, at::Tensor x, at::TensorList wqkv, at::Te
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == h.size(0) && lens.numel() == h.size(0),
               "tables [B, nb] and lens [B] for the B decode rows");
   TORCH_CHECK(k_chunks.size() == 4, "one k chunk for each of wqkv, wo, w13, w2");
+  TORCH_CHECK(q4.empty() || q4.size() == 4 * layers,
+              "q4: none, or the 4-bit blocks of wqkv, wo, w13, w2 of every layer in turn");
+  // The 4-bit blocks of kind `kind` of layer `i`, or an undefined tensor.
+  const auto blocks = [&](size_t i, size_t kind) {
+    return q4.empty() ? at::Tensor() : q4[4 * i + kind];
+  };
   const int64_t rows = h.size(0);
   for (size_t i = 0; i < layers; ++i) {
-    const at::Tensor qkv = linear(x, wqkv[i], k_chunks[0], max_rows);
+    const at::Tensor qkv = linear(x, wqkv[i], blocks(i, 0), k_chunks[0], max_rows);
     const at::Tensor q = genserve::rope_store_kv(qkv, rope, positions, caches[i], slots, n_heads,
                                                  n_kv_heads);
     const at::Tensor o = genserve::paged_decode(q, caches[i][0], caches[i][1], tables, lens, scale);
-    x = genserve::add_rms_norm_(h, linear(o.reshape({rows, -1}), wo[i], k_chunks[1], max_rows),
-                                ffn_norm[i], eps);
-    const at::Tensor act = genserve::silu_mul(linear(x, w13[i], k_chunks[2], max_rows));
-    x = genserve::add_rms_norm_(h, linear(act, w2[i], k_chunks[3], max_rows), next_norm[i], eps);
+    x = genserve::add_rms_norm_(
+        h, linear(o.reshape({rows, -1}), wo[i], blocks(i, 1), k_chunks[1], max_rows),
+        ffn_norm[i], eps);
+    const at::Tensor act =
+        genserve::silu_mul(linear(x, w13[i], blocks(i, 2), k_chunks[2], max_rows));
+    x = genserve::add_rms_norm_(h, linear(act, w2[i], blocks(i, 3), k_chunks[3], max_rows),
+                                next_norm[i], eps);
   }
   return x;
 }
@@ -72,7 +92,8 @@ TORCH_LIBRARY_FRAGMENT(genserve, m) {
   m.def("decode_layers(Tensor(a!) h, Tensor x, Tensor[] wqkv, Tensor[] wo, Tensor[] w13, "
         "Tensor[] w2, Tensor[] ffn_norm, Tensor[] next_norm, float eps, Tensor rope, "
         "Tensor positions, Tensor[] caches, Tensor slots, Tensor tables, Tensor lens, "
-        "int n_heads, int n_kv_heads, float scale, int[] k_chunks, int max_rows) -> Tensor");
+        "int n_heads, int n_kv_heads, float scale, int[] k_chunks, int max_rows, "
+        "Tensor[] q4) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(genserve, CPU, m) { m.impl("decode_layers", &decode_layers); }

@@ -19,6 +19,11 @@ at::Tensor silu_mul(const at::Tensor& gate_up);
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define GENSERVE_PACKED_LINEAR 1
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t k_chunk);
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& q4, int64_t k_chunk);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define GENSERVE_Q4_AMX 1
+at::Tensor q4_amx_linear(const at::Tensor& x, const at::Tensor& q4);
+#endif
 #endif
 
 }  // namespace genserve

@@ -4,11 +4,13 @@ count, and the per-model arguments of the C++ decode loop (`torch.ops.genserve.d
 
 Every path a model is packed for gives a row the same bits whatever else is in the batch (see
 `pack_weights`); which path runs is chosen at load, by checks and by measurement
-(docs/benchmarks/linear.md).
+(docs/benchmarks/linear.md). A model served from its 4-bit GGUF blocks (`engine.model.q4`) runs
+genserve's `q4_linear` over them where it would run `packed_linear`, with the same bits.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -49,19 +51,28 @@ class PackedWeight:
         tile_rows: when > 0, every product is oneDNN's in calls of exactly this many rows (the
             input padded with zero rows): every row is then computed by the one kernel oneDNN
             picks for that row count, whatever the batch (`onednn_tiled`).
+        q4: None, or the weight's 4-bit blocks in `q4_linear`'s layout (uint8 [out, in / 32 · 20],
+            `engine.model.q4.q4_pack`): then the products up to `max_rows` rows run
+            `torch.ops.genserve.q4_linear` with `k_chunk` (the bits `packed_linear` gives with
+            that chunk over the bf16 weight), or with `k_chunk` 0 `q4_amx_linear` (the bits of
+            oneDNN's AMX product, `onednn_tiled`), and `tile_rows` is not used below that.
     """
 
     tensor: torch.Tensor
     k_chunk: int
     max_rows: int = PACKED_LINEAR_MAX_ROWS
     tile_rows: int = 0
+    q4: torch.Tensor | None = None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor,
            packed: PackedWeight | None = None) -> torch.Tensor:
     """`x @ weight.T` whose rows do not depend on how many rows there are.
 
-    With `packed` (`pack_weights`) the product reads the packed copy: in `tile_rows`-row oneDNN
+    With `packed` (`pack_weights`) the product reads the packed copy: up to `packed.max_rows`
+    rows from its 4-bit blocks when it has them (`q4_linear`, engine/csrc/q4_linear.cpp, the
+    bits of `packed_linear` with the same chunk, or without a chunk `q4_amx_linear`, the bits of
+    the `tile_rows`-row oneDNN calls); else in `tile_rows`-row oneDNN
     calls when the copy says so (`onednn_tiled`); otherwise for up to `packed.max_rows` rows,
     when the weight has a `k_chunk`, through genserve's
     `packed_linear` (engine/csrc/packed_linear.cpp), else through oneDNN. The two give the same
@@ -79,6 +90,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
     Returns:
         [M, out_features].
     """
+    if packed is not None and packed.q4 is not None and x.shape[0] <= packed.max_rows:
+        if packed.k_chunk:
+            return torch.ops.genserve.q4_linear(x.contiguous(), packed.q4, packed.k_chunk)
+        return torch.ops.genserve.q4_amx_linear(x.contiguous(), packed.q4)
     if packed is not None and packed.tile_rows:
         return onednn_tiled(x, packed.tensor, packed.tile_rows)
     if packed is not None and packed.k_chunk and x.shape[0] <= packed.max_rows:
@@ -264,6 +279,8 @@ class DecodeWeights:
         k_chunks: the `PackedWeight.k_chunk` of wqkv, wo, w13, w2 (0: oneDNN runs that kind).
         max_rows: rows up to which the products run `packed_linear` (the weights' least
             `PackedWeight.max_rows`); above, oneDNN.
+        q4: empty, or every block matrix's 4-bit blocks (`PackedWeight.q4`), layer by layer in
+            the order wqkv, wo, w13, w2: then the products up to `max_rows` rows run `q4_linear`.
     """
 
     wqkv: list[torch.Tensor]
@@ -278,17 +295,24 @@ class DecodeWeights:
     scale: float
     k_chunks: list[int]
     max_rows: int = PACKED_LINEAR_MAX_ROWS
+    q4: list[torch.Tensor] = dataclasses.field(default_factory=list)
 
     @classmethod
     def from_model(cls, model: Transformer) -> DecodeWeights | None:
-        """From a packed model (`Transformer.pack`); None unless every block matrix packed."""
+        """From a packed model (`Transformer.pack`, or `engine.model.q4.attach_q4`); None unless
+        every block matrix packed, with no oneDNN calls of fixed size (which the C++ loop does
+        not run) unless its 4-bit blocks run every product."""
         layers, args = model.layers, model.args
         packed = [[layer.attention.wqkv_packed for layer in layers],
                   [layer.attention.wo_packed for layer in layers],
                   [layer.feed_forward.w13_packed for layer in layers],
                   [layer.feed_forward.w2_packed for layer in layers]]
-        if any(w is None or w.tile_rows for ws in packed for w in ws):
+        if any(w is None or (w.tile_rows and not (w.q4 is not None and w.max_rows == ANY_ROWS))
+               for ws in packed for w in ws):
             return None             # the C++ loop runs no tiled products: the Python loop does
+        with_q4 = [w.q4 is not None for ws in packed for w in ws]
+        if any(with_q4) and not all(with_q4):
+            return None             # the C++ loop takes 4-bit blocks for every matrix or none
         wqkv, wo, w13, w2 = ([w.tensor for w in ws] for ws in packed)
         # One k chunk per kind: oneDNN's chunk follows the shape, which the layers share.
         chunks = [ws[0].k_chunk if len({w.k_chunk for w in ws}) == 1 else 0 for ws in packed]
@@ -297,7 +321,9 @@ class DecodeWeights:
                    ffn_norm=[layer.ffn_norm.weight for layer in layers], next_norm=next_norm,
                    eps=args.norm_eps, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads,
                    scale=args.head_dim ** -0.5, k_chunks=chunks,
-                   max_rows=min(w.max_rows for ws in packed for w in ws))
+                   max_rows=min(w.max_rows for ws in packed for w in ws),
+                   q4=[ws[i].q4 for i in range(len(layers)) for ws in packed] if all(with_q4)
+                   else [])
 
     def run(self, h: torch.Tensor, x: torch.Tensor, rope: torch.Tensor, positions: torch.Tensor,
             kv_layers: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
@@ -315,4 +341,4 @@ class DecodeWeights:
             h, x, self.wqkv, self.wo, self.w13, self.w2, self.ffn_norm, self.next_norm, self.eps,
             rope, positions, kv_layers, meta.slots, meta.decode_blocks.view(meta.num_decode, -1),
             meta.decode_lens, self.n_heads, self.n_kv_heads, self.scale, self.k_chunks,
-            self.max_rows)
+            self.max_rows, self.q4)

@@ -247,6 +247,70 @@ def load_gguf(source: "str | pathlib.Path | gguf.GGUFReader | None" = None,
     return args, state
 
 
+# Bytes of one Q4_1 block of 32 weights: fp16 scale d, fp16 min m, 16 bytes of 4-bit q (ggml's
+# block_q4_1; gguf.quants.Q4_1 dequantizes it as d * q + m).
+Q4_1_BLOCK_BYTES = 20
+
+
+def load_gguf_q4_1(source: "str | pathlib.Path | gguf.GGUFReader | None" = None
+                   ) -> dict[str, torch.Tensor]:
+    """The block matrices of a llama GGUF as their raw Q4_1 blocks, undequantized.
+
+    Each is a uint8 tensor [out, in / 32 · 20]: row r holds the Q4_1 blocks of weight row r in
+    order along the input dimension, 20 bytes per 32 weights (``Q4_1_BLOCK_BYTES``). Names are
+    :func:`load_gguf`'s for the seven matrices of each layer (``layers.{i}.attention.wq.weight``
+    ...), and the rows are in its order: Q and K rows un-permuted with
+    :func:`unpermute_rope_rows`, which moves whole rows (and so whole rows of blocks).
+    ``gguf.quants.dequantize`` of these blocks, cast as :func:`load_gguf` casts, is exactly what
+    :func:`load_gguf` returns for them.
+
+    Args:
+        source: the ``.gguf`` file, a reader from :func:`open_gguf`, or ``None`` for
+            :func:`default_gguf_path`.
+
+    Returns:
+        ``{name: blocks}`` for every ``layers.{i}.attention.w{q,k,v,o}`` and
+        ``layers.{i}.feed_forward.w{1,2,3}`` weight.
+
+    Raises:
+        FileNotFoundError: no file at ``source``.
+        ValueError: a block matrix of the file is not Q4_1 (the message names it and its type).
+        KeyError: a required metadata key or tensor is missing.
+    """
+    import gguf  # imported here: only the loaders need it
+
+    reader = source if isinstance(source, gguf.GGUFReader) else open_gguf(source)
+    tensors = {t.name: t for t in reader.tensors}
+
+    def field(key: str) -> int:
+        if key not in reader.fields:
+            raise KeyError(f"GGUF metadata key {key!r} missing")
+        return int(reader.fields[key].contents())
+
+    n_layers, n_heads = field("llama.block_count"), field("llama.attention.head_count")
+    n_kv_heads = (field("llama.attention.head_count_kv")
+                  if "llama.attention.head_count_kv" in reader.fields else n_heads)
+    blocks: dict[str, torch.Tensor] = {}
+    for i in range(n_layers):
+        for leaf, ours in _GGUF_LAYER_NAMES.items():
+            if ours.endswith("norm"):
+                continue
+            name = f"blk.{i}.{leaf}.weight"
+            if name not in tensors:
+                raise KeyError(f"tensor {name!r} missing")
+            t = tensors[name]
+            if t.tensor_type != gguf.GGMLQuantizationType.Q4_1:
+                raise ValueError(f"{name} is {t.tensor_type.name}, not Q4_1: its 4-bit blocks "
+                                 "cannot be served as they are")
+            w = torch.from_numpy(np.array(t.data, dtype=np.uint8, copy=True))   # [out, bytes]
+            if leaf == "attn_q":
+                w = unpermute_rope_rows(w, n_heads)
+            elif leaf == "attn_k":
+                w = unpermute_rope_rows(w, n_kv_heads)
+            blocks[f"layers.{i}.{ours}.weight"] = w
+    return blocks
+
+
 def load_safetensors(directory: str | pathlib.Path, dtype: torch.dtype = torch.bfloat16,
                      device: torch.device | str = "cpu") -> tuple[ModelArgs, dict[str, torch.Tensor]]:
     """Read a Hugging Face Llama checkpoint (``config.json`` + ``*.safetensors``, e.g. Llama-2-7B).

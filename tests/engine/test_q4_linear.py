@@ -1,0 +1,211 @@
+"""Serving the GGUF's 4-bit blocks (`--weights q4`, engine/csrc/q4_linear.cpp): on the embedded
+SmolLM2's real Q4_1 matrices the kernels decode exactly the bf16 weights the bf16 engine loads,
+their products have the bits of the bf16 products they reproduce at every row count (`q4_linear`:
+`packed_linear`'s; `q4_amx_linear`: oneDNN's AMX calls), they are within rounding of a dequantized
+reference summed in fp32, a row's bits do not depend on the batch, and the whole engine generates
+the bf16 engine's greedy tokens."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from engine import kernels as genserve_kernels
+from engine.builder import build_engine, engine_from_model, model_from_weights
+from engine.config import EngineConfig
+from engine.invariance import check_batch_invariance
+from engine.model.linear import ANY_ROWS, DecodeWeights, linear, vnni_pack
+from engine.model.q4 import attach_q4, bf16_twin, q4_pack
+from engine.model.weights import load_gguf_q4_1
+from tests.engine.conftest import generate
+from tests.engine.test_model import mixed_prompts
+
+KINDS = ("wqkv", "wo", "w13", "w2")
+
+
+@pytest.fixture(scope="module")
+def q4_model(gguf_weights, gguf_reader):
+    if not genserve_kernels.q4_linear_available():
+        pytest.skip("q4_linear is built only for AVX512-BF16 CPUs with g++; --weights q4 cannot "
+                    "run here")
+    args, state = gguf_weights
+    model = model_from_weights(args, state, torch.bfloat16)
+    attach_q4(model, gguf_reader)
+    return model
+
+
+@pytest.fixture(scope="module")
+def q4_engine(q4_model):
+    return engine_from_model(EngineConfig(num_blocks=1024, prefix_caching=False, weights="q4"),
+                             q4_model)
+
+
+def reproduces_default(packed) -> bool:
+    """Whether a `q4_weight`'s products are the default bf16 engine's (not only the own-layout
+    engine's): oneDNN's chunk kept, or oneDNN's AMX calls."""
+    return packed.max_rows != ANY_ROWS or not packed.k_chunk
+
+
+def matrix(model, layer: int, kind: str):
+    """(bf16 weight, PackedWeight) of one block matrix."""
+    module = model.layers[layer].attention if kind in ("wqkv", "wo") else \
+        model.layers[layer].feed_forward
+    return getattr(module, kind), getattr(module, kind + "_packed")
+
+
+@contextlib.contextmanager
+def bf16_twin_weights(model):
+    """Within the block, every block matrix of `model` runs the bf16 `packed_linear` product its
+    4-bit blocks reproduce (`bf16_twin`), and the C++ decode loop takes those."""
+    saved = {}
+    for i in range(len(model.layers)):
+        for kind in KINDS:
+            weight, packed = matrix(model, i, kind)
+            module = model.layers[i].attention if kind in ("wqkv", "wo") else \
+                model.layers[i].feed_forward
+            saved[(module, kind)] = packed
+            setattr(module, kind + "_packed", bf16_twin(packed, weight))
+    decode = model.decode_weights
+    model.decode_weights = DecodeWeights.from_model(model)
+    try:
+        yield model
+    finally:
+        for (module, kind), packed in saved.items():
+            setattr(module, kind + "_packed", packed)
+        model.decode_weights = decode
+
+
+def test_q4_blocks_decode_to_the_bf16_weights_the_engine_loads(q4_model):
+    # x = I: every output is one weight times 1 plus exact zeros, so y = Wᵀ exactly as decoded:
+    # round_to_bf16(d·q + m) of each block must equal gguf's fp32 dequantization cast by torch,
+    # with the Q/K rows permuted and Q/K/V, gate/up fused as the bf16 model's.
+    for layer in (0, 13, 29):
+        for kind in KINDS:
+            weight, packed = matrix(q4_model, layer, kind)
+            k = weight.shape[1]
+            eye = torch.eye(k, dtype=torch.bfloat16)
+            decoded = torch.ops.genserve.q4_linear(eye, packed.q4, k).T
+            assert torch.equal(decoded, weight), (
+                f"layer {layer} {kind}: {(decoded != weight).sum()} weights differ")
+            assert torch.equal(linear(eye, weight, packed).T, weight)    # the kernel it runs
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 32, 64])
+def test_q4_product_has_the_bf16_products_bits(q4_model, bf16_engine, rows):
+    gen = torch.Generator().manual_seed(rows)
+    bf16_model = bf16_engine.executor.model
+    for kind in KINDS:
+        weight, packed = matrix(q4_model, 7, kind)
+        x = (torch.randn(rows, weight.shape[1], generator=gen) * 2).to(torch.bfloat16)
+        got = linear(x, weight, packed)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, weight.shape[0])
+        want = linear(x, weight, bf16_twin(packed, weight))
+        assert torch.equal(got, want), f"{kind} at {rows} rows: {(got != want).sum()} differ"
+        if reproduces_default(packed):
+            default = matrix(bf16_model, 7, kind)[1]
+            assert torch.equal(got, linear(x, weight, default)), f"{kind} at {rows} rows"
+        # q4_linear reproduces packed_linear over genserve's own layout whatever runs here
+        k = weight.shape[1]
+        own = torch.ops.genserve.packed_linear(x, vnni_pack(weight), k)
+        assert torch.equal(torch.ops.genserve.q4_linear(x, packed.q4, k), own), kind
+
+
+def test_q4_product_is_within_rounding_of_a_dequantized_fp32_reference(q4_model, gguf_weights):
+    # The reference: the fp32 dequantization of the same blocks (gguf.quants), rounded to bf16
+    # as the engine loads it, multiplied in float64. The kernel sums in fp32 (error at most
+    # K·2⁻²⁴·Σ|x·w|, Higham's γ_K) and rounds once to bf16 (at most 2⁻⁹·|y|): the bound below.
+    _, state = gguf_weights
+    gen = torch.Generator().manual_seed(3)
+    for kind, name in (("wo", "attention.wo"), ("w2", "feed_forward.w2")):
+        weight, packed = matrix(q4_model, 11, kind)
+        dequantized = state[f"layers.11.{name}.weight"]                 # fp32, from gguf
+        assert torch.equal(dequantized.to(torch.bfloat16), weight)
+        k = weight.shape[1]
+        x = (torch.randn(32, k, generator=gen) * 2).to(torch.bfloat16)
+        got = linear(x, weight, packed).double()
+        ref = x.double() @ weight.double().T
+        bound = 2.0 ** -8 * ref.abs() + k * 2.0 ** -23 * (x.double().abs() @ weight.double().abs().T)
+        err = (got - ref).abs()
+        assert (err <= bound).all(), f"{kind}: worst error / bound {(err / bound).max():.3f}"
+        assert (err > 0).any()      # the products are rounded, not the reference itself
+
+
+def test_q4_rows_do_not_depend_on_the_batch(q4_model):
+    gen = torch.Generator().manual_seed(5)
+    for kind in KINDS:
+        weight, packed = matrix(q4_model, 20, kind)
+        x = torch.randn(80, weight.shape[1], generator=gen).to(torch.bfloat16)
+        full = linear(x, weight, packed)
+        for m in (1, 2, 5, 6, 7, 13, 16, 17, 32, 64, 80):
+            assert torch.equal(linear(x[:m], weight, packed), full[:m]), (
+                f"{kind}: the first {m} rows differ from the 80-row call")
+        other = torch.randn(80, weight.shape[1], generator=gen).to(torch.bfloat16)
+        other[37] = x[3]                                    # a row among other neighbours
+        assert torch.equal(linear(other, weight, packed)[37], full[3])
+
+
+def test_q4_engine_generates_the_bf16_engines_greedy_tokens(q4_engine, bf16_engine, gguf_tokenizer):
+    prompts = mixed_prompts(gguf_tokenizer)
+    model = q4_engine.executor.model
+    assert model.decode_weights is not None and model.decode_weights.q4   # the C++ decode loop
+    q4_tokens = generate(q4_engine, prompts, 16, temperature=0.0)
+    decode = model.decode_weights
+    model.decode_weights = None                                  # the Python block loop
+    try:
+        assert generate(q4_engine, prompts, 16, temperature=0.0) == q4_tokens
+    finally:
+        model.decode_weights = decode
+    with bf16_twin_weights(model):
+        twin_tokens = generate(q4_engine, prompts, 16, temperature=0.0)
+    assert twin_tokens == q4_tokens
+    assert len({tuple(t) for t in q4_tokens}) > len(prompts) // 2    # not one answer for all
+    if not reproduces_default(matrix(model, 0, "wqkv")[1]):
+        pytest.skip("this CPU's default bf16 products are oneDNN's, which no packed_linear "
+                    "chunk reproduces: q4 equals the own-layout bf16 engine (checked above), "
+                    "not the default one bit for bit")
+    assert generate(bf16_engine, prompts, 16, temperature=0.0) == q4_tokens
+
+
+def test_q4_engine_is_batch_invariant(q4_engine):
+    result = check_batch_invariance(q4_engine, batch=12, max_tokens=8, checked=3)
+    assert result.identical, f"rows {result.mismatched} differ at {result.first_difference}"
+    assert result.distinct > 1
+
+
+def test_q4_linear_and_q4_pack_reject_bad_input(q4_model):
+    weight, packed = matrix(q4_model, 0, "wo")
+    x = torch.zeros(2, weight.shape[1], dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="k_chunk must be a multiple of 32"):
+        torch.ops.genserve.q4_linear(x, packed.q4, 48)
+    with pytest.raises(RuntimeError, match="x has K"):
+        torch.ops.genserve.q4_linear(x[:, :64].contiguous(), packed.q4, 64)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        q4_pack(torch.zeros(32, 40, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="uint8"):
+        q4_pack(torch.zeros(64, 40, dtype=torch.int16))
+
+
+def test_q4_pack_moves_nibbles_and_scales_without_changing_them(gguf_reader):
+    blocks = load_gguf_q4_1(gguf_reader)["layers.0.attention.wo.weight"]
+    packed = q4_pack(blocks)
+    assert packed.shape == blocks.shape and packed.dtype == torch.uint8
+    assert not torch.equal(packed, blocks)
+
+    def nibble_counts(t: torch.Tensor) -> torch.Tensor:
+        return torch.bincount(torch.cat([(t & 0xF).flatten(), (t >> 4).flatten()]), minlength=16)
+
+    assert torch.equal(nibble_counts(blocks.view(-1, 20)[:, 4:]),
+                       nibble_counts(packed.view(-1, 1280)[:, 256:]))
+    # the fp16 scales and mins, as 16-bit words: the same multiset
+    words = lambda t: (t[:, 0::2].long() | (t[:, 1::2].long() << 8)).flatten().sort().values
+    assert torch.equal(words(blocks.view(-1, 20)[:, :4]), words(packed.view(-1, 1280)[:, :256]))
+
+
+def test_config_and_builder_reject_q4_where_it_cannot_run():
+    with pytest.raises(ValueError, match="weights must be one of"):
+        EngineConfig(weights="q8")
+    with pytest.raises(ValueError, match="needs a GGUF model"):
+        build_engine(EngineConfig(num_blocks=64, weights="q4", device="cpu"), model="random:tiny",
+                     calibrate=False)
