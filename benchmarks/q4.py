@@ -1,0 +1,177 @@
+"""Decode steps with the block matrices read as bf16 or as the GGUF's 4-bit blocks, in one run.
+
+Run from the repository root::
+
+    python -m benchmarks.q4 [--rows 1,32] [--steps 40] [--prompt-len 64] [--json PATH]
+
+Engines over the embedded SmolLM2-135M, built from one load of the GGUF:
+
+* ``bf16``: `EngineConfig.weights` "bf16", the default engine of this CPU;
+* ``q4``: `EngineConfig.weights` "q4" (`engine.model.q4.attach_q4`);
+* ``bf16-twin``, only where the 4-bit products do not reproduce the default engine's bits on this
+  CPU (`engine.model.q4` says when): bf16 weights run by exactly the products they do reproduce
+  (`engine.model.q4.bf16_twin`, genserve's own layout).
+
+For each row count, each engine gets that many requests (``--prompt-len``-token prompts, greedy,
+``ignore_eos``) and prefills them; then the engines take one step each in turn, ``--steps``
+times, so load from other processes falls on all of them alike. Counted: pure-decode steps at that
+row count, the executor's time (`Engine.step_listeners`: forward, logits, sampling); printed: the
+median and the ratio to ``bf16``. Weight bytes per step: the block matrices (2 bytes per weight in
+bf16, 20 per 32 in Q4_1) plus the output projection (bf16 in all), each read once per step.
+``q4`` must produce the tokens of the bf16 engine whose bits it reproduces (``bf16-twin`` where
+built, else ``bf16``); the run fails otherwise.
+
+Other processes on the machine distort the figures; the header prints the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import sys
+import time
+
+import torch
+
+from engine.builder import engine_from_model, model_from_weights, set_threads
+from engine.config import EngineConfig
+from engine.loop import Engine
+from engine.model.linear import ANY_ROWS, DecodeWeights
+from engine.model.llama import Transformer
+from engine.model.q4 import attach_q4, bf16_twin
+from engine.model.weights import Q4_1_BLOCK_BYTES, load_gguf, open_gguf
+from engine.request import Request, SamplingParams
+
+
+
+def block_matrices(model: Transformer) -> list[tuple[torch.nn.Module, str]]:
+    """(module, name) of every block matrix: wqkv, wo, w13, w2 of each layer."""
+    return [(m, n) for layer in model.layers
+            for m, n in ((layer.attention, "wqkv"), (layer.attention, "wo"),
+                         (layer.feed_forward, "w13"), (layer.feed_forward, "w2"))]
+
+
+def weight_bytes(model: Transformer, q4: bool) -> int:
+    """Bytes of the matrices one decode step reads once: block matrices (bf16, or Q4_1 blocks)
+    and the bf16 output projection."""
+    blocks = sum(getattr(m, n).numel() for m, n in block_matrices(model))
+    per_weight = Q4_1_BLOCK_BYTES / 32 if q4 else 2
+    return int(blocks * per_weight) + 2 * model.output.numel()
+
+
+def build_models(threads: int) -> dict[str, Transformer]:
+    """The engines' models (module docstring), from one load of the embedded GGUF."""
+    set_threads(EngineConfig(num_threads=threads))
+    reader = open_gguf()
+    args, state = load_gguf(reader)
+    models = {name: model_from_weights(args, state, torch.bfloat16) for name in ("bf16", "q4")}
+    attach_q4(models["q4"], reader)
+    first = models["q4"].layers[0].attention.wqkv_packed
+    if first.k_chunk and first.max_rows == ANY_ROWS:      # not the default engine's bits here
+        twin = models["bf16-twin"] = model_from_weights(args, state, torch.bfloat16)
+        for (module, name), (q_module, _) in zip(block_matrices(twin),
+                                                 block_matrices(models["q4"])):
+            setattr(module, name + "_packed",
+                    bf16_twin(getattr(q_module, name + "_packed"), getattr(module, name)))
+        twin.decode_weights = DecodeWeights.from_model(twin)
+    return models
+
+
+def submit(engine: Engine, rows: int, prompt_len: int, max_tokens: int, tag: str
+           ) -> list[Request]:
+    """`rows` greedy requests of `prompt_len` seeded token ids, `max_tokens` each, submitted."""
+    g = torch.Generator().manual_seed(rows)
+    vocab = engine.executor.model.args.vocab_size
+    reqs = []
+    for i in range(rows):
+        ids = torch.randint(10, vocab, (prompt_len,), generator=g).tolist()
+        reqs.append(Request(f"q4-{tag}-{rows}-{i}", "bench", ids, max_tokens,
+                            SamplingParams(temperature=0.0, ignore_eos=True), 0.0, 0.0))
+        engine.submit(reqs[-1])
+    return reqs
+
+
+def measure(engines: dict[str, Engine], rows: int, steps: int, prompt_len: int
+            ) -> dict[str, list[float]]:
+    """Per engine, the executor's seconds of each pure-decode step at `rows` rows, the engines
+    stepping in turn; asserts that q4 generated the tokens of the bf16 engine it reproduces."""
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    submitted: dict[str, list[Request]] = {}
+    for name, engine in engines.items():
+        submitted[name] = submit(engine, rows, prompt_len, steps + 8, name)
+        while engine.scheduler.has_work and not _decoding(engine, rows):
+            engine.step()                      # prefill (and the first decode steps)
+
+    def listener(name: str):
+        def on_step(plan, events, step_s: float) -> None:
+            if plan.num_decode_rows == rows and plan.num_prefill_tokens == 0:
+                times[name].append(step_s)
+        return on_step
+
+    hooks = {name: listener(name) for name in engines}
+    for name, engine in engines.items():
+        engine.step_listeners.append(hooks[name])
+    try:
+        for _ in range(steps):
+            for engine in engines.values():
+                engine.step()
+    finally:
+        for name, engine in engines.items():
+            engine.step_listeners.remove(hooks[name])
+    for engine in engines.values():
+        engine.run_until_idle()
+    outputs = {name: [r.generated for r in reqs] for name, reqs in submitted.items()}
+    same = "bf16-twin" if "bf16-twin" in outputs else "bf16"
+    if outputs["q4"] != outputs[same]:
+        raise AssertionError(f"{rows} rows: q4 and {same} generated different tokens")
+    return times
+
+
+def _decoding(engine: Engine, rows: int) -> bool:
+    running = engine.scheduler.running
+    return len(running) == rows and all(r.generated for r in running)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", default="1,32", help="decode row counts, comma-separated")
+    parser.add_argument("--steps", type=int, default=40, help="steps per engine and row count")
+    parser.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per request")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
+    parser.add_argument("--json", type=pathlib.Path, default=None, help="write the figures here")
+    opts = parser.parse_args(argv)
+    rows_list = [int(r) for r in opts.rows.split(",")]
+    print(f"# load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs (others' load "
+          "distorts the figures)", flush=True)
+    t0 = time.perf_counter()
+    models = build_models(opts.threads)
+    print(f"# models built in {time.perf_counter() - t0:.0f} s", flush=True)
+    blocks = max(64, max(rows_list) * -(-(opts.prompt_len + opts.steps + 16) // 16) * 2)
+    engines = {name: engine_from_model(EngineConfig(num_blocks=blocks, max_rows=max(rows_list),
+                                                    device="cpu", weights="q4" if name == "q4"
+                                                    else "bf16"), model)
+               for name, model in models.items()}
+    megabytes = {name: weight_bytes(model, name == "q4") / 1e6 for name, model in models.items()}
+    result: dict[str, object] = {"load_average": os.getloadavg()[0], "steps": opts.steps,
+                                 "prompt_len": opts.prompt_len, "weight_mb_per_step": megabytes,
+                                 "decode_ms": {}}
+    print(f"{'rows':>4} " + " ".join(f"{name:>10}" for name in engines) + "   (median ms per "
+          "decode step; ratio to bf16)")
+    for rows in rows_list:
+        times = measure(engines, rows, opts.steps, opts.prompt_len)
+        med = {name: statistics.median(ts) * 1e3 for name, ts in times.items() if ts}
+        result["decode_ms"][str(rows)] = med                              # type: ignore[index]
+        print(f"{rows:>4} " + " ".join(f"{med.get(n, float('nan')):>10.2f}" for n in engines)
+              + "   " + " ".join(f"{n} {med['bf16'] / med[n]:.2f}x" for n in engines
+                                 if n != "bf16" and n in med and "bf16" in med), flush=True)
+    print("weight MB read per step: " + ", ".join(f"{n} {mb:.0f}" for n, mb in megabytes.items()))
+    if opts.json:
+        opts.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
