@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import kernels
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig
 from engine.executor import ModelExecutor
@@ -125,6 +126,33 @@ def load_weights(source: ModelSource, dtype: torch.dtype, device: torch.device
     return args, state, Tokenizer.from_gguf(reader)
 
 
+def attach_weights(weights: str, network: Transformer, source: ModelSource) -> None:
+    """Serve `network`'s block matrices as `weights` asks (`EngineConfig.weights`): "q4" from the
+    GGUF's 4-bit blocks (`engine.model.q4.attach_q4`), "bf16" as loaded, "auto" "q4" where it
+    can run (a GGUF model, bf16 on a CPU with the `q4_linear` kernel, Q4_1 block matrices),
+    else "bf16"; the choice is logged.
+
+    Raises:
+        ValueError: "q4" where it cannot run (the reason is in the message).
+    """
+    if weights == "bf16":
+        return
+    if source.kind not in ("embedded", "gguf"):
+        if weights == "q4":
+            raise ValueError(f"--weights q4 needs a GGUF model with Q4_1 matrices; --model is {source.kind}")
+        return
+    if weights == "auto" and not (network.dtype == torch.bfloat16 and network.output.device.type == "cpu"
+                                  and kernels.q4_linear_available()):
+        log.info("weights: bf16 (4-bit products need a bf16 CPU model and the q4_linear kernel)")
+        return
+    try:
+        attach_q4(network, source.path)
+    except ValueError as exc:
+        if weights == "q4":
+            raise
+        log.info("weights: bf16 (%s)", exc)
+
+
 def build_engine(config: EngineConfig, model: str | pathlib.Path | None = None,
                  model_name: str | None = None, calibrate: bool = True) -> LoadedEngine:
     """Load the model `model` names (`genserve.model_source`; None: the embedded SmolLM2 GGUF)
@@ -133,8 +161,8 @@ def build_engine(config: EngineConfig, model: str | pathlib.Path | None = None,
     `config.max_context` is lowered (in place, logged) to the model's positions when above them.
     The KV pool holds `config.num_blocks` blocks; else, on CUDA, what the device's free memory
     after the weights and `config.activation_reserve_bytes` holds (`kv_cache.kv_pool_size`); else
-    what `config.kv_pool_bytes` holds. The block count is logged. With `config.weights` "q4" the
-    block matrices are served from the GGUF's 4-bit blocks (`engine.model.q4.attach_q4`). With
+    what `config.kv_pool_bytes` holds. The block count is logged. `config.weights` chooses how the
+    block matrices are read (`attach_weights`: the GGUF's 4-bit blocks where they can be). With
     `calibrate`, a short warm-up measures the per-token costs admission control uses.
 
     Args:
@@ -160,11 +188,7 @@ def build_engine(config: EngineConfig, model: str | pathlib.Path | None = None,
         config.max_context = args.max_context
     network = model_from_weights(args, state, dtype, device)
     state.clear()                      # frees the unfused Q/K/V and gate/up matrices before sizing the pool
-    if config.weights == "q4":         # the block matrices read from the GGUF's 4-bit blocks
-        if source.kind not in ("embedded", "gguf"):
-            raise ValueError(f"--weights q4 needs a GGUF model with Q4_1 matrices; --model is "
-                             f"{source.kind}")
-        attach_q4(network, source.path)
+    attach_weights(config.weights, network, source)
     engine = engine_from_model(config, network)
     if calibrate:
         engine.scheduler.cost = measure_costs(engine)

@@ -13,7 +13,7 @@ BATCHING_MODES = ("continuous", "continuous_unchunked", "static", "dynamic")
 DTYPES = ("bfloat16", "float32", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 POLICIES = ("fixed", "slo")
-WEIGHTS = ("bf16", "q4")
+WEIGHTS = ("auto", "bf16", "q4")
 
 
 @dataclass(slots=True)
@@ -75,10 +75,11 @@ class EngineConfig:
             (on by default, as in vLLM): full prompt blocks stay cached after their request ends
             and are taken back least recently used only when the pool needs them; reuse is in
             whole `prefill_piece` pieces, so a cached answer is bit-identical to a computed one.
-        weights: how the block matrices are read (`WEIGHTS`): "bf16" (default): dequantized to
-            bf16 at load; "q4": the GGUF's 4-bit Q4_1 blocks as they are, 3.2x fewer bytes per
-            product, with the bits of genserve's bf16 products (`engine.model.q4` says where
-            those are the bf16 default's; GGUF models on AVX512-BF16 CPUs, bfloat16 only).
+        weights: how the block matrices are read (`WEIGHTS`): "bf16": dequantized to bf16 at
+            load; "q4": the GGUF's 4-bit Q4_1 blocks as they are, 3.2x fewer bytes per product,
+            with the bits of genserve's bf16 products (`engine.model.q4` says where those are the
+            bf16 path's; GGUF models on AVX512-BF16 CPUs, bfloat16 only); "auto" (default): "q4"
+            where it can run, else "bf16" (faster at 1 and 32 rows: docs/benchmarks/q4.md).
     """
 
     block_size: int = 16
@@ -108,7 +109,7 @@ class EngineConfig:
     slo_prefill_share: float = 0.2
     slo_row_limit: int = 256
     prefix_caching: bool = True
-    weights: str = "bf16"
+    weights: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

@@ -209,3 +209,20 @@ def test_config_and_builder_reject_q4_where_it_cannot_run():
     with pytest.raises(ValueError, match="needs a GGUF model"):
         build_engine(EngineConfig(num_blocks=64, weights="q4", device="cpu"), model="random:tiny",
                      calibrate=False)
+
+
+def test_auto_serves_the_4_bit_blocks_where_they_can_run_and_bf16_elsewhere(q4_model):
+    def q4_matrices(loaded) -> int:
+        return sum(getattr(module, name + "_packed").q4 is not None
+                   for layer in loaded.engine.executor.model.layers
+                   for module, name in ((layer.attention, "wqkv"), (layer.attention, "wo"),
+                                        (layer.feed_forward, "w13"), (layer.feed_forward, "w2")))
+
+    assert EngineConfig().weights == "auto"
+    layers = q4_model.args.n_layers
+    auto = build_engine(EngineConfig(num_blocks=64, device="cpu"), calibrate=False)
+    assert q4_matrices(auto) == 4 * layers                 # the embedded Q4_1 GGUF: every block matrix
+    bf16 = build_engine(EngineConfig(num_blocks=64, device="cpu", weights="bf16"), calibrate=False)
+    assert q4_matrices(bf16) == 0
+    random = build_engine(EngineConfig(num_blocks=64, device="cpu"), model="random:tiny", calibrate=False)
+    assert q4_matrices(random) == 0                        # no GGUF blocks to read: bf16, no error
