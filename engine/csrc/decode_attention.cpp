@@ -3,9 +3,13 @@
 //
 //   out[b, h, :] = softmax_j(q[b, h] · k[b, j] * scale) · v[b, j],  j < context_lens[b]
 //
-// Work item = (row b, KV head); its `group` query heads share the keys and values (GQA). Scores,
-// softmax and the P·V accumulation are fp32. Every loop's order is fixed by the row's own context
-// length, so a row gives the same bits whatever else is in the batch (batch invariance).
+// A KV head's `group` query heads share its keys and values (GQA): they are computed together,
+// so each key and value is read once per row. Scores, softmax and the P·V accumulation are fp32.
+// Two loops: bf16 on CPUs with AVX512-BF16 (the serving case) runs the one-pass kernel further
+// down (AMX tiles for the scores where the CPU and OS have them); other dtypes and CPUs run
+// `decode_kernel`, work item = (row, KV head), two passes over the keys' scores. Every loop's
+// order is fixed by the row's own context length, so a row gives the same bits whatever else is in
+// the batch (batch invariance).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -14,12 +18,17 @@
 #include "bf16.h"
 #include "genserve_ops.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
+
+#include <sys/syscall.h>
+#include <unistd.h>
 
 namespace {
 
@@ -100,104 +109,276 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_pool, const at::Tens
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-// The bf16 loop with AVX512-BF16: a key's 64 values are two zmm, q · k is two vdpbf16ps per query
-// head plus a lane sum; P·V runs in fp32 FMAs on the value row widened to four zmm. Same order
-// of operations for every row, so batch invariance holds as in the generic loop.
-constexpr int64_t PREFETCH_BLOCKS = 3;     // how far ahead the next rows are prefetched
+// The bf16 kernel for CPUs with AVX512-BF16, with AMX-BF16 where the compiler targets it and the
+// OS grants the tile state.
+//
+// Work item = (row, run of up to 16 / G KV heads — all 3 of SmolLM2's): the run's query heads sit
+// in the lanes of one zmm, lane = (KV head − first) · G + g. The row's context goes 16 tokens at a
+// time (a tile, never across a block boundary), in position order, in one pass (online softmax,
+// Milakov & Gimelshein 2018):
+//
+//   S[t][lane] = q[lane] · k[t]      AMX: S = Σₖ K[:, slice k] · Qᵀ[slice k] over the run's
+//                                    32-dimension slices, one TDPBF16PS each, the 16 keys' slices
+//                                    loaded straight from the pool (row stride = one token), Qᵀ
+//                                    packed block-diagonally once per row; else vdpbf16ps and a
+//                                    lane sum per key and query head
+//   m' = max(m, maxₜ S·scale)         lane-wise running max, one exp per token for every lane
+//   p[t] = exp(S·scale − m'),  l = l·exp(m − m') + Σₜ p[t]
+//   O[lane] = O[lane]·exp(m − m') + Σₜ p[t]·v[t]          fp32 FMAs, P in fp32
+//
+// so each key and value is read once; the block PREFETCH_BLOCKS ahead is prefetched into L2,
+// spread over the work on this one (blocks are scattered in the pool, which defeats the hardware
+// prefetcher at every block boundary). A lane's arithmetic is the same whichever heads share its item and however
+// the items are split between threads, in an order fixed by the row's own length: a row gives
+// the same bits whatever else is in the batch.
+constexpr int TILE = 16;                   // tokens per score tile
+constexpr int LANES = 16;                  // fp32 lanes of a zmm: query heads per item at most
+constexpr int64_t PREFETCH_BLOCKS = 2;     // how far ahead the next blocks are prefetched
+constexpr int AMX_HEADS = 3;               // KV heads per item with AMX: 6 Qᵀ tiles of 8
 
-template <int G>
+// Two fp32 vectors (dimensions 2i and 2i + 1 of 16 pairs) as 32 bf16 in dimension order.
+inline __m512i interleave_bf16(__m512 even, __m512 odd) {
+  const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(odd, even);   // words 0-15 even, 16-31 odd
+  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                       24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                       16, 0);
+  return _mm512_permutexvar_epi16(idx, both);
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define GENSERVE_DECODE_AMX 1
+// Linux keeps AMX's tile data off until a process asks for it (arch_prctl ARCH_REQ_XCOMP_PERM
+// with XFEATURE_XTILEDATA; the kernel's Documentation/arch/x86/xstate.rst). Asked once; false
+// where the kernel refuses (then the vdpbf16ps scores run).
+bool amx_permitted() {
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                      18 /* XFEATURE_XTILEDATA */) == 0;
+  return granted;
+}
+
+// Tile palette 1 (Intel SDM vol. 2, LDTILECFG), every tile 16 rows × 64 bytes: tile 0 = S [16
+// keys × 16 lanes] fp32, tile 1 = one 32-dimension slice of 16 keys, tiles 2-7 = Qᵀ's slices
+// [16 bf16 pairs × 16 lanes] (two per KV head, so at most AMX_HEADS heads per item).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+#endif
+
+struct DecodeArgs {
+  const uint16_t *q, *k, *v;               // q [B, heads, D]; pools [blocks, block, kv_heads, D]
+  const int64_t *tables, *lens;
+  uint16_t* out;                           // [B, heads, D]
+  int64_t heads, kv_heads, block, table_width, block_stride, token_stride;
+  float scale;
+};
+
+template <int G, bool AMX>
+void decode_item(const DecodeArgs& a, int64_t b, int64_t h0, int nh) {
+  constexpr int D = 64;
+  constexpr int HMAX = LANES / G;          // KV heads an item may hold
+  const int64_t len = a.lens[b];
+  const int64_t* table = a.tables + b * a.table_width;
+  const uint16_t* q = a.q + (b * a.heads + h0 * G) * D;
+  uint16_t* out = a.out + (b * a.heads + h0 * G) * D;
+  if (len <= 0) {
+    std::memset(out, 0, sizeof(uint16_t) * nh * G * D);
+    return;
+  }
+  alignas(64) float s[TILE][LANES] = {};            // scores, then probabilities, of a tile
+  alignas(64) float corr[LANES];
+  alignas(64) float acc[HMAX][G][4][16] = {};       // O: dims (even, odd) of 0-31, then of 32-63
+#ifdef GENSERVE_DECODE_AMX
+  // Qᵀ block-diagonal, as bf16 pairs: slice k (dimensions 32k'..32k'+31 of KV head k / 2, k' =
+  // k % 2) holds pair p of each of that head's G query heads in their lanes, zeros elsewhere.
+  alignas(64) uint32_t qt[AMX_HEADS * 2][16][LANES];
+  if constexpr (AMX) {
+    std::memset(qt, 0, sizeof(uint32_t) * nh * 2 * 16 * LANES);
+    const uint32_t* qp = reinterpret_cast<const uint32_t*>(q);
+    for (int hl = 0; hl < nh; ++hl)
+      for (int g = 0; g < G; ++g)
+        for (int p = 0; p < D / 2; ++p)
+          qt[hl * 2 + p / 16][p % 16][hl * G + g] = qp[(hl * G + g) * D / 2 + p];
+    // Tiles 2.. hold the slices for the whole row.
+    _tile_loadd(2, qt[0], LANES * 4);
+    _tile_loadd(3, qt[1], LANES * 4);
+    if (nh > 1) { _tile_loadd(4, qt[2], LANES * 4); _tile_loadd(5, qt[3], LANES * 4); }
+    if (nh > 2) { _tile_loadd(6, qt[4], LANES * 4); _tile_loadd(7, qt[5], LANES * 4); }
+  }
+#endif
+  const __m512 scale = _mm512_set1_ps(a.scale);
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512i odd_mask = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  __m512 m = ninf, l = _mm512_setzero_ps();
+  const int64_t ts = a.token_stride;
+  for (int64_t start = 0; start < len; start += a.block) {
+    const int64_t blk = table[start / a.block];
+    // The block PREFETCH_BLOCKS ahead, whose keys and values the value loop below prefetches
+    // (into L2) token by token, spread over this block's work.
+    const int64_t ahead = start + PREFETCH_BLOCKS * a.block;
+    const int64_t ahead_rows = ahead < len ? std::min(a.block, len - ahead) : 0;
+    const int64_t ahead_blk = ahead < len ? table[ahead / a.block] : blk;
+    const char* kahead = reinterpret_cast<const char*>(a.k + ahead_blk * a.block_stride + h0 * D);
+    const char* vahead = reinterpret_cast<const char*>(a.v + ahead_blk * a.block_stride + h0 * D);
+    const uint16_t* kblock = a.k + blk * a.block_stride + h0 * D;
+    const uint16_t* vblock = a.v + blk * a.block_stride + h0 * D;
+    for (int64_t t0 = 0; t0 < a.block && start + t0 < len; t0 += TILE) {
+      const int n = static_cast<int>(std::min<int64_t>({TILE, a.block - t0, len - start - t0}));
+      const uint16_t* krow = kblock + t0 * ts;
+      const uint16_t* vrow = vblock + t0 * ts;
+      // S [16 keys × lanes]: one column per query head of the run.
+#ifdef GENSERVE_DECODE_AMX
+      if constexpr (AMX) {
+        // S = Σₖ K[:, slice k] · Qᵀ[slice k]: the keys' 32-dimension slices straight from the
+        // pool (row stride = one token); a lane's other slices are zeros and add exact zeros.
+        const uint16_t* kk = krow;
+        _tile_zero(0);
+        _tile_loadd(1, kk, ts * 2);
+        _tile_dpbf16ps(0, 1, 2);
+        _tile_loadd(1, kk + 32, ts * 2);
+        _tile_dpbf16ps(0, 1, 3);
+        if (nh > 1) {
+          _tile_loadd(1, kk + 64, ts * 2);
+          _tile_dpbf16ps(0, 1, 4);
+          _tile_loadd(1, kk + 96, ts * 2);
+          _tile_dpbf16ps(0, 1, 5);
+        }
+        if (nh > 2) {
+          _tile_loadd(1, kk + 128, ts * 2);
+          _tile_dpbf16ps(0, 1, 6);
+          _tile_loadd(1, kk + 160, ts * 2);
+          _tile_dpbf16ps(0, 1, 7);
+        }
+        _tile_stored(0, s[0], LANES * 4);
+      }
+#endif
+      if constexpr (!AMX) {
+        for (int hl = 0; hl < nh; ++hl) {
+          __m512bh qv[G][2];
+          for (int g = 0; g < G; ++g)
+            for (int i = 0; i < 2; ++i)
+              qv[g][i] = (__m512bh)_mm512_loadu_si512(q + (hl * G + g) * D + 32 * i);
+          for (int t = 0; t < n; ++t) {
+            const uint16_t* row = krow + t * ts + hl * D;
+            const __m512bh k0 = (__m512bh)_mm512_loadu_si512(row);
+            const __m512bh k1 = (__m512bh)_mm512_loadu_si512(row + 32);
+            for (int g = 0; g < G; ++g)
+              s[t][hl * G + g] = _mm512_reduce_add_ps(
+                  _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], k0), qv[g][1], k1));
+          }
+        }
+      }
+      // Online softmax over the tile (keys past the context masked to -inf).
+      __m512 mnew = m;
+      for (int t = 0; t < TILE; ++t) {
+        const __m512 x = t < n ? _mm512_mul_ps(_mm512_load_ps(s[t]), scale) : ninf;
+        _mm512_store_ps(s[t], x);
+        mnew = _mm512_max_ps(mnew, x);
+      }
+      const __m512 c = genserve::exp_ps(_mm512_sub_ps(m, mnew));
+      _mm512_store_ps(corr, c);
+      m = mnew;
+      l = _mm512_mul_ps(l, c);
+      for (int t = 0; t < n; ++t) {
+        const __m512 p = genserve::exp_ps(_mm512_sub_ps(_mm512_load_ps(s[t]), m));
+        _mm512_store_ps(s[t], p);
+        l = _mm512_add_ps(l, p);
+      }
+      // O = O · corr + P · V, one KV head's G query heads in registers at a time.
+      for (int hl = 0; hl < nh; ++hl) {
+        __m512 o[G][4];
+        for (int g = 0; g < G; ++g) {
+          const __m512 cg = _mm512_set1_ps(corr[hl * G + g]);
+          for (int i = 0; i < 4; ++i) o[g][i] = _mm512_mul_ps(_mm512_load_ps(acc[hl][g][i]), cg);
+        }
+        for (int t = 0; t < n; ++t) {
+          if (t0 + t < ahead_rows) {
+            const int64_t at = ((t0 + t) * ts + hl * D) * 2;
+            _mm_prefetch(kahead + at, _MM_HINT_T1);
+            _mm_prefetch(kahead + at + 64, _MM_HINT_T1);
+            _mm_prefetch(vahead + at, _MM_HINT_T1);
+            _mm_prefetch(vahead + at + 64, _MM_HINT_T1);
+          }
+          const uint16_t* row = vrow + t * ts + hl * D;
+          const __m512i x0 = _mm512_loadu_si512(row), x1 = _mm512_loadu_si512(row + 32);
+          const __m512 v[4] = {_mm512_castsi512_ps(_mm512_slli_epi32(x0, 16)),
+                               _mm512_castsi512_ps(_mm512_and_si512(x0, odd_mask)),
+                               _mm512_castsi512_ps(_mm512_slli_epi32(x1, 16)),
+                               _mm512_castsi512_ps(_mm512_and_si512(x1, odd_mask))};
+          for (int g = 0; g < G; ++g) {
+            const __m512 p = _mm512_set1_ps(s[t][hl * G + g]);
+            for (int i = 0; i < 4; ++i) o[g][i] = _mm512_fmadd_ps(p, v[i], o[g][i]);
+          }
+        }
+        for (int g = 0; g < G; ++g)
+          for (int i = 0; i < 4; ++i) _mm512_store_ps(acc[hl][g][i], o[g][i]);
+      }
+    }
+  }
+  alignas(64) float inv[LANES];
+  _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), l));
+  for (int hl = 0; hl < nh; ++hl)
+    for (int g = 0; g < G; ++g) {
+      const __m512 r = _mm512_set1_ps(inv[hl * G + g]);
+      uint16_t* dst = out + (hl * G + g) * D;
+      for (int i = 0; i < 2; ++i)
+        _mm512_storeu_si512(dst + 32 * i,
+                            interleave_bf16(_mm512_mul_ps(_mm512_load_ps(acc[hl][g][2 * i]), r),
+                                            _mm512_mul_ps(_mm512_load_ps(acc[hl][g][2 * i + 1]), r)));
+    }
+}
+
+template <int G, bool AMX>
 void decode_kernel_avx512(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                           const at::Tensor& tables, const at::Tensor& lens, at::Tensor& out,
                           double scale) {
   constexpr int D = 64;
-  const int64_t heads = q.size(1);
-  const int64_t block = k_pool.size(1), kv_heads = k_pool.size(2), table_width = tables.size(1);
-  const int64_t block_stride = block * kv_heads * D, token_stride = kv_heads * D;
-  const uint16_t* qd = reinterpret_cast<const uint16_t*>(q.data_ptr<c10::BFloat16>());
-  const uint16_t* kd = reinterpret_cast<const uint16_t*>(k_pool.data_ptr<c10::BFloat16>());
-  const uint16_t* vd = reinterpret_cast<const uint16_t*>(v_pool.data_ptr<c10::BFloat16>());
-  const int64_t* td = tables.data_ptr<int64_t>();
-  const int64_t* ld = lens.data_ptr<int64_t>();
-  uint16_t* od = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
-  const float fscale = static_cast<float>(scale);
-
-  at::parallel_for(0, q.size(0) * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / kv_heads, h = item % kv_heads, len = ld[b];
-      const int64_t* table = td + b * table_width;
-      const int64_t padded = (len + 15) / 16 * 16;
-      scores.assign(G * padded, -std::numeric_limits<float>::infinity());
-      __m512bh qv[G][2];
-      for (int g = 0; g < G; ++g)
-        for (int i = 0; i < 2; ++i)
-          qv[g][i] = (__m512bh)_mm512_loadu_si512(qd + (b * heads + h * G + g) * D + 32 * i);
-      // The row's keys (then values) in position order through its block table. Blocks are
-      // scattered in the pool, which defeats the hardware prefetcher at every block boundary:
-      // the next block's rows are prefetched while this one is read.
-      auto each_token = [&](const uint16_t* pool, auto&& visit) {
-        for (int64_t start = 0; start < len; start += block) {
-          const uint16_t* base = pool + table[start / block] * block_stride + h * D;
-          const int64_t n = std::min(block, len - start);
-          const int64_t ahead = start + PREFETCH_BLOCKS * block;
-          if (ahead < len) {
-            const char* next = reinterpret_cast<const char*>(
-                pool + table[ahead / block] * block_stride + h * D);
-            for (int64_t t = 0; t < std::min(block, len - ahead); ++t) {
-              _mm_prefetch(next + t * token_stride * 2, _MM_HINT_T0);
-              _mm_prefetch(next + t * token_stride * 2 + 64, _MM_HINT_T0);
-            }
-          }
-          for (int64_t t = 0; t < n; ++t) visit(start + t, base + t * token_stride);
-        }
-      };
-      float mx[G];
-      for (int g = 0; g < G; ++g) mx[g] = -std::numeric_limits<float>::max();
-      each_token(kd, [&](int64_t j, const uint16_t* row) {
-        const __m512bh k0 = (__m512bh)_mm512_loadu_si512(row);
-        const __m512bh k1 = (__m512bh)_mm512_loadu_si512(row + 32);
-        for (int g = 0; g < G; ++g) {
-          const __m512 dot = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], k0),
-                                              qv[g][1], k1);
-          const float s = _mm512_reduce_add_ps(dot) * fscale;
-          scores[g * padded + j] = s;
-          mx[g] = std::max(mx[g], s);
-        }
-      });
-      float inv_sum[G];
-      for (int g = 0; g < G; ++g) {
-        float* sg = scores.data() + g * padded;
-        const __m512 m = _mm512_set1_ps(mx[g]);
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t j = 0; j < padded; j += 16) {
-          const __m512 p = genserve::exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sg + j), m));
-          _mm512_storeu_ps(sg + j, p);
-          sum = _mm512_add_ps(sum, p);
-        }
-        inv_sum[g] = 1.f / _mm512_reduce_add_ps(sum);
+  const int64_t rows = q.size(0), kv_heads = k_pool.size(2), block = k_pool.size(1);
+  const DecodeArgs a{reinterpret_cast<const uint16_t*>(q.data_ptr<c10::BFloat16>()),
+                     reinterpret_cast<const uint16_t*>(k_pool.data_ptr<c10::BFloat16>()),
+                     reinterpret_cast<const uint16_t*>(v_pool.data_ptr<c10::BFloat16>()),
+                     tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
+                     reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()),
+                     q.size(1), kv_heads, block, tables.size(1), block * kv_heads * D, kv_heads * D,
+                     static_cast<float>(scale)};
+  // A row's KV heads go together (contiguous reads, one exp per token for all of them) when
+  // there are rows enough to keep every thread busy; else one KV head per item. Same bits.
+  const int64_t most = AMX ? std::min<int64_t>(AMX_HEADS, LANES / G) : LANES / G;
+  const int64_t run = rows >= 4 * at::get_num_threads() ? std::min<int64_t>(kv_heads, most) : 1;
+  const int64_t per_row = (kv_heads + run - 1) / run;
+  at::parallel_for(0, rows * per_row, 1, [&](int64_t begin, int64_t end) {
+#ifdef GENSERVE_DECODE_AMX
+    if constexpr (AMX) {
+      TileConfig cfg;
+      for (int t = 0; t < 8; ++t) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
       }
-      __m512 acc[G][4];
-      for (int g = 0; g < G; ++g)
-        for (int i = 0; i < 4; ++i) acc[g][i] = _mm512_setzero_ps();
-      each_token(vd, [&](int64_t j, const uint16_t* row) {
-        __m512 v[4];
-        for (int i = 0; i < 4; ++i)
-          v[i] = _mm512_castsi512_ps(_mm512_slli_epi32(
-              _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * i))), 16));
-        for (int g = 0; g < G; ++g) {
-          const __m512 p = _mm512_set1_ps(scores[g * padded + j]);
-          for (int i = 0; i < 4; ++i) acc[g][i] = _mm512_fmadd_ps(p, v[i], acc[g][i]);
-        }
-      });
-      for (int g = 0; g < G; ++g) {
-        const __m512 inv = _mm512_set1_ps(inv_sum[g]);
-        uint16_t* dst = od + (b * heads + h * G + g) * D;
-        for (int i = 0; i < 4; ++i)
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * i),
-                              (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[g][i], inv)));
-      }
+      _tile_loadconfig(&cfg);
     }
+#endif
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t h0 = item % per_row * run;
+      decode_item<G, AMX>(a, item / per_row, h0, static_cast<int>(std::min(run, kv_heads - h0)));
+    }
+#ifdef GENSERVE_DECODE_AMX
+    if constexpr (AMX) _tile_release();
+#endif
   });
+}
+
+template <int G>
+void decode_bf16(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                 const at::Tensor& tables, const at::Tensor& lens, at::Tensor& out, double scale) {
+#ifdef GENSERVE_DECODE_AMX
+  // AMX tiles hold 16 keys, and a tile never crosses a block boundary. GENSERVE_DECODE_AMX=0
+  // (read at every call) runs the vdpbf16ps scores instead, so both are tested on AMX machines.
+  const char* env = std::getenv("GENSERVE_DECODE_AMX");
+  if (k_pool.size(1) % TILE == 0 && !(env && std::strcmp(env, "0") == 0) && amx_permitted())
+    return decode_kernel_avx512<G, true>(q, k_pool, v_pool, tables, lens, out, scale);
+#endif
+  decode_kernel_avx512<G, false>(q, k_pool, v_pool, tables, lens, out, scale);
 }
 #endif  // __AVX512BF16__ && __AVX512BW__
 
@@ -207,11 +388,11 @@ void dispatch_group(const at::Tensor& q, const at::Tensor& k_pool, const at::Ten
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     switch (q.size(1) / k_pool.size(2)) {
-      case 1: return decode_kernel_avx512<1>(q, k_pool, v_pool, tables, lens, out, scale);
-      case 2: return decode_kernel_avx512<2>(q, k_pool, v_pool, tables, lens, out, scale);
-      case 3: return decode_kernel_avx512<3>(q, k_pool, v_pool, tables, lens, out, scale);
-      case 4: return decode_kernel_avx512<4>(q, k_pool, v_pool, tables, lens, out, scale);
-      case 8: return decode_kernel_avx512<8>(q, k_pool, v_pool, tables, lens, out, scale);
+      case 1: return decode_bf16<1>(q, k_pool, v_pool, tables, lens, out, scale);
+      case 2: return decode_bf16<2>(q, k_pool, v_pool, tables, lens, out, scale);
+      case 3: return decode_bf16<3>(q, k_pool, v_pool, tables, lens, out, scale);
+      case 4: return decode_bf16<4>(q, k_pool, v_pool, tables, lens, out, scale);
+      case 8: return decode_bf16<8>(q, k_pool, v_pool, tables, lens, out, scale);
       default: TORCH_CHECK(false, "query heads per KV head must be 1, 2, 3, 4 or 8");
     }
   }
