@@ -36,6 +36,11 @@ What is measured:
   split the profiler also records Python calls (`with_stack=True`), and the calls of those
   functions inside the forward are summed. The share outside the forward counts the logits projection (the LM head) as part
   of the forward; the rest — scheduling, building inputs, sampling, pushing events — is outside.
+* decode attention (`benchmarks.decode_attention`): `torch.ops.genserve.paged_decode` alone over
+  one step's keys and values, 32 rows × 1,500 tokens × 30 layers on shuffled block tables (1.1 GB):
+  step time, K/V bytes, GB/s and time / (bytes ÷ the read bandwidth above), with the pools in
+  4 KB pages (as the engine's KV cache) and advised for transparent huge pages; printed beside
+  the 32-row short- and long-context decode steps.
 * end to end: the engine and transformers' `generate` (bf16, greedy, 64 new tokens forced with
   min_new_tokens) on the same static batches: 1 × 16-token prompts, 32 × 16, 32 × 512; tokens/s =
   generated tokens / wall time including prefill.
@@ -75,6 +80,8 @@ from typing import Literal
 
 import torch
 
+from benchmarks import decode_attention as attention_bench
+from engine import kernels
 from engine.attention import attend, decode_attention
 from engine.block_pool import BlockPool
 from engine.builder import engine_from_weights, set_threads
@@ -111,6 +118,9 @@ class Sizes:
     breakdown_steps: int = 16     # profiled 32-row steps for the step breakdown
     split_steps: int = 8          # 32-row steps run through the Python block loop for the split
     e2e_new_tokens: int = 64
+    attn_rows: int = 32           # decode attention microbenchmark: rows × context tokens
+    attn_context: int = 1500
+    attn_repeats: int = 5
     e2e_cases: tuple[tuple[str, int, int], ...] = (
         ("b1_short", 1, 16), ("b32_short", 32, 16), ("b32_long", 32, 512))
 
@@ -119,6 +129,7 @@ FULL = Sizes()
 QUICK = Sizes(gemm_n=256, gemm_repeats=2, copy_mib=16, copy_repeats=2, prefill_prompt=48,
               prefill_requests=2, short_prompt=16, long_prompt=64, decode_steps=2, decode_skip=1,
               profile_steps=1, breakdown_steps=2, split_steps=2, e2e_new_tokens=4,
+              attn_rows=4, attn_context=64, attn_repeats=2,
               e2e_cases=(("b1_short", 1, 16), ("b32_short", 32, 16), ("b32_long", 32, 48)))
 
 
@@ -600,6 +611,12 @@ def main(argv: list[str] | None = None) -> int:
     read_bw = rep.add("machine.read_gbps", read_gbps(s.copy_mib, s.copy_repeats),
                       f"read bandwidth ({s.copy_mib} MiB sum)", "GB/s", "bytes read")
 
+    attn = {}
+    if kernels.available():
+        log(f"decode attention microbenchmark: {s.attn_rows} rows × {s.attn_context} tokens")
+        attn = attention_bench.measure(read_bw, s.attn_rows, s.attn_context, s.attn_repeats)
+    rep.meta["thp_mode"] = attention_bench.thp_mode()
+
     # 2. engine
     bench = Bench(s)
     args = bench.args
@@ -680,6 +697,32 @@ def main(argv: list[str] | None = None) -> int:
         rep.add(f"ratio.long_over_short.rows{rows}",
                 dec["long", rows]["step_ms"] / dec["short", rows]["step_ms"],
                 f"long / short ctx step time, {rows:>2} rows", "×")
+
+    # decode attention at long contexts, beside the 32-row steps it is part of
+    short32, long32 = dec["short", 32], dec["long", 32]
+    rep.add("attention.rows32.short_step_ms", short32["step_ms"], "32-row decode step, short ctx", "ms",
+            f"mean context {short32['context']:.0f}")
+    rep.add("attention.rows32.long_step_ms", long32["step_ms"], "32-row decode step, long ctx", "ms",
+            f"mean context {long32['context']:.0f}")
+    rep.add("attention.rows32.long_over_short", long32["step_ms"] / short32["step_ms"],
+            "long / short ctx 32-row step", "×")
+    for layout, what in (("4k", "4 KB pages, as the KV cache"), ("thp", "huge pages advised")):
+        r = attn.get(layout)
+        if r is None:
+            continue
+        k = f"attention.decode_{layout}"
+        shape = f"{s.attn_rows} × {s.attn_context} tokens"
+        rep.add(f"{k}.ms", 1000 * r.step_s, f"decode attention {shape}, {layout}", "ms",
+                f"best of {s.attn_repeats}, 30 layers; {what}"
+                + (f" ({r.huge_mb:.0f} MB in huge pages)" if layout == "thp" else ""))
+        rep.add(f"{k}.kv_bytes", r.kv_bytes, "  K/V bytes it reads", "B",
+                "layers · rows · context · kv_heads · head_dim · 2 · 2")
+        rep.add(f"{k}.gbps", r.gbps, "  achieved read rate", "GB/s", f"read bandwidth {read_bw:.1f} GB/s")
+        rep.add(f"{k}.over_floor", r.over_floor, "  time / (bytes ÷ read bandwidth)", "×",
+                "target ≤ 1.5")
+        rep.add(f"{k}.of_long_step", 1000 * r.step_s / long32["step_ms"],
+                "  of the long-ctx 32-row step", "", "microbenchmark time / step time (contexts "
+                f"{s.attn_context} vs {long32['context']:.0f})")
 
     # where a 32-row step goes: the production steps for the share outside the forward, the
     # Python-loop steps (same kernels, called one by one) for the split inside it

@@ -1,0 +1,267 @@
+"""Decode attention microbenchmark: `torch.ops.genserve.paged_decode` over one decode step's keys
+and values at long contexts, against the read bandwidth measured in the same run.
+
+Run from the repository root::
+
+    python -m benchmarks.decode_attention [--rows 32] [--context 1500] [--repeats 5]
+                                          [--baseline PATH] [--json PATH]
+
+`python -m benchmarks.engine` runs the same measurement (32 rows × 1,500 tokens) in every run.
+
+What is measured: one step's decode attention — SmolLM2-135M's shape (30 layers, 9 query heads
+over 3 KV heads of 64 dimensions, bf16, 16-token blocks), one `paged_decode` call per layer, each
+layer with its own pools — `rows` rows of `context` tokens each:
+
+    K/V bytes = layers · rows · context · kv_heads · head_dim · 2 (K and V) · 2 (bytes per bf16)
+              = 30 · 32 · 1,500 · 3 · 64 · 2 · 2 = 1,105,920,000 at the default sizes
+
+Each layer's pools hold rows · ⌈context / 16⌉ blocks plus 64 spare, handed out to the rows in a
+shuffled order (a long-running server's block tables are scattered across the pool); 1.1 GB in
+all at the default sizes, more than the caches hold, so every step reads from memory. Step time is
+the best of `repeats` steps after one warm-up step; GB/s = K/V bytes / step time; the ratio is step
+time / (K/V bytes / read bandwidth), the read bandwidth being `benchmarks.engine.read_gbps`
+(best-of-10 `torch.sum` over 256 MiB) measured in the same run.
+
+Two memory layouts: the pools as torch allocates them (4 KB pages, as the engine's KV cache is
+today), and the same pools advised for transparent huge pages (`madvise(MADV_HUGEPAGE)` before
+first touch; where the kernel's THP mode is "never" the line is left out). With 4 KB pages every
+16-token block of a layer's pool sits in its own pages, so reading a scattered block table costs a
+TLB miss every few KB (a two-level walk under a hypervisor).
+
+`--baseline PATH` also builds another version of `engine/csrc/decode_attention.cpp` (e.g. the
+previous commit's, from `git show REV:engine/csrc/decode_attention.cpp > /tmp/old.cpp`) as
+`torch.ops.genserve_baseline.paged_decode` and measures it in the same run, on the same pools.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import math
+import os
+import pathlib
+import sys
+import tempfile
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16    # SmolLM2-135M, the engine's blocks
+SPARE_BLOCKS = 64
+MADV_HUGEPAGE = 14                                            # Linux <asm-generic/mman-common.h>
+HUGE_PAGE = 2 << 20
+CSRC = pathlib.Path(__file__).resolve().parent.parent / "engine" / "csrc"
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionResult:
+    """One layout's measurement.
+
+    Attributes:
+        step_s: best step time (all layers), seconds.
+        kv_bytes: keys and values the step must read, bytes.
+        gbps: kv_bytes / step_s, GB/s (10⁹ bytes).
+        over_floor: step_s / (kv_bytes / read bandwidth); 1.0 = reading at the measured rate.
+        huge_mb: MB of the pools backed by huge pages (from /proc/self/smaps), 0 where unknown.
+    """
+
+    step_s: float
+    kv_bytes: int
+    gbps: float
+    over_floor: float
+    huge_mb: float
+
+
+def kv_bytes(rows: int, context: int) -> int:
+    """Keys and values one decode step reads: layers · rows · context · kv_heads · head_dim · 2 · 2."""
+    return LAYERS * rows * context * KV_HEADS * HEAD_DIM * 2 * 2
+
+
+def thp_mode() -> str:
+    """The kernel's transparent huge page mode ("always", "madvise", "never"; "" where unknown)."""
+    try:
+        text = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return ""
+    return text[text.index("[") + 1:text.index("]")] if "[" in text else ""
+
+
+def _advise_huge(t: torch.Tensor) -> None:
+    """madvise(MADV_HUGEPAGE) over the 2 MB-aligned part of `t`'s memory (before first touch).
+
+    Raises:
+        OSError: madvise failed (errno in the message).
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    start = t.data_ptr()
+    end = start + t.numel() * t.element_size()
+    lo = (start + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
+    hi = end // HUGE_PAGE * HUGE_PAGE
+    if hi > lo and libc.madvise(lo, hi - lo, MADV_HUGEPAGE) != 0:
+        raise OSError(ctypes.get_errno(), "madvise(MADV_HUGEPAGE) failed")
+
+
+def _huge_mb() -> float:
+    """MB of this process's anonymous memory in huge pages (AnonHugePages of /proc/self/smaps_rollup)."""
+    try:
+        for line in pathlib.Path("/proc/self/smaps_rollup").read_text().splitlines():
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1]) / 1000
+    except OSError:
+        pass
+    return 0.0
+
+
+def make_step(rows: int, context: int, huge: bool, seed: int = 0):
+    """Pools, queries, tables and lengths of one step (module docstring), filled with N(0, 1) bf16.
+
+    Returns:
+        (pools: list of `LAYERS` tensors [2, blocks, 16, 3, 64] bf16, q [rows, 9, 64] bf16,
+         tables int64 [rows, ⌈context / 16⌉], lens int64 [rows]).
+    """
+    g = torch.Generator().manual_seed(seed)
+    per_row = -(-context // BLOCK)
+    blocks = rows * per_row + SPARE_BLOCKS
+    pools = []
+    for _ in range(LAYERS):
+        pool = torch.empty(2, blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16)
+        if huge:
+            _advise_huge(pool)
+        pools.append(pool.normal_(generator=g))
+    tables = torch.randperm(blocks, generator=g)[:rows * per_row].view(rows, per_row).contiguous()
+    q = torch.randn(rows, HEADS, HEAD_DIM, generator=g).bfloat16()
+    return pools, q, tables, torch.full((rows,), context, dtype=torch.long)
+
+
+def time_step(op: Callable, pools, q, tables, lens, repeats: int) -> float:
+    """Best-of-`repeats` time of one step (one `op` call per layer) after a warm-up step, seconds."""
+    scale = HEAD_DIM ** -0.5
+
+    def step() -> None:
+        for pool in pools:
+            op(q, pool[0], pool[1], tables, lens, scale)
+
+    step()
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def baseline_op(path: str | pathlib.Path) -> Callable:
+    """Build another version of decode_attention.cpp as `torch.ops.genserve_baseline.paged_decode`.
+
+    The source's op registration and its `genserve::paged_decode` definition are renamed; it is
+    compiled with the flags of `engine.kernels` against the current headers of engine/csrc.
+
+    Raises:
+        ValueError: the source does not define and register `paged_decode` the way the renaming
+            expects.
+        RuntimeError: the build failed (from torch.utils.cpp_extension).
+    """
+    from torch.utils import cpp_extension
+
+    from engine import kernels
+
+    src = pathlib.Path(path).read_text()
+    renames = [("TORCH_LIBRARY(genserve, m)", "TORCH_LIBRARY(genserve_baseline, m)"),
+               ("TORCH_LIBRARY_IMPL(genserve, CPU, m)", "TORCH_LIBRARY_IMPL(genserve_baseline, CPU, m)"),
+               ("genserve::paged_decode", "genserve_baseline_paged_decode")]
+    for old, new in renames:
+        if old not in src:
+            raise ValueError(f"{path}: no {old!r} to rename")
+        src = src.replace(old, new)
+    tag = zlib.crc32(src.encode() + b"".join(f.read_bytes() for f in sorted(CSRC.glob("*.h"))))
+    out = pathlib.Path(tempfile.gettempdir()) / f"genserve_baseline_{tag:08x}.cpp"
+    out.write_text(src)
+    bin_dir = str(pathlib.Path(sys.executable).parent)          # ninja, as engine.kernels finds it
+    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    cpp_extension.load(name=f"genserve_baseline_{tag:08x}", sources=[str(out)],
+                       extra_cflags=kernels.CFLAGS, extra_include_paths=[str(CSRC)],
+                       is_python_module=False, verbose=False)
+    return torch.ops.genserve_baseline.paged_decode
+
+
+def measure(read_gbps: float, rows: int = 32, context: int = 1500, repeats: int = 5,
+            baseline: Callable | None = None) -> dict[str, AttentionResult]:
+    """Time `torch.ops.genserve.paged_decode` (and `baseline`, on the same pools) per layout.
+
+    Args:
+        read_gbps: the read bandwidth measured in this run, GB/s.
+        rows, context: rows of the step and tokens of each row's context.
+        repeats: timed steps per kernel and layout (best taken).
+        baseline: another build of the op (`baseline_op`), or None.
+
+    Returns:
+        {"4k": ..., "thp": ... (where the kernel's THP mode is not "never"), "4k_baseline",
+        "thp_baseline" (with a baseline)}: `AttentionResult` each.
+
+    Raises:
+        RuntimeError: genserve's kernels are not available (`engine.kernels.available()`).
+    """
+    from engine import kernels
+
+    if not kernels.available():
+        raise RuntimeError("genserve's CPU kernels are not available; nothing to measure")
+    total = kv_bytes(rows, context)
+    floor_s = total / (read_gbps * 1e9)
+    layouts = [("4k", False)] + ([("thp", True)] if thp_mode() not in ("never", "") else [])
+    ops = [("", torch.ops.genserve.paged_decode)] + ([("_baseline", baseline)] if baseline else [])
+    results = {}
+    for name, huge in layouts:
+        before = _huge_mb()
+        step = make_step(rows, context, huge)
+        huge_mb = max(0.0, _huge_mb() - before)
+        for suffix, op in ops:
+            t = time_step(op, *step, repeats)
+            results[name + suffix] = AttentionResult(t, total, total / t / 1e9, t / floor_s, huge_mb)
+        del step
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    from benchmarks.engine import read_gbps
+    from engine.builder import set_threads
+    from engine.config import EngineConfig
+
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.decode_attention",
+                                 description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", type=int, default=32)
+    ap.add_argument("--context", type=int, default=1500)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--baseline", metavar="PATH", help="another decode_attention.cpp to measure beside")
+    ap.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
+    opts = ap.parse_args(argv)
+    threads = set_threads(EngineConfig())
+    base = baseline_op(opts.baseline) if opts.baseline else None
+    load = os.getloadavg()[0]
+    bw = read_gbps(256, 10)
+    results = measure(bw, opts.rows, opts.context, opts.repeats, base)
+    print(f"decode attention, {opts.rows} rows × {opts.context} tokens, {LAYERS} layers, {threads} "
+          f"threads; read bandwidth {bw:.1f} GB/s; THP mode {thp_mode() or '?'}; 1-min load "
+          f"average {load:.1f} at start, {os.getloadavg()[0]:.1f} at end")
+    for name, r in results.items():
+        print(f"  {name:<13} {1000 * r.step_s:8.1f} ms  {r.kv_bytes / 1e9:.3f} GB  {r.gbps:6.1f} GB/s  "
+              f"{r.over_floor:5.2f} × bytes/read bw   (huge pages {r.huge_mb:.0f} MB)")
+    if opts.json:
+        pathlib.Path(opts.json).write_text(json.dumps(
+            {"read_gbps": bw, "rows": opts.rows, "context": opts.context, "threads": threads,
+             "results": {k: vars_of(r) for k, r in results.items()}}, indent=2))
+    return 0
+
+
+def vars_of(r: AttentionResult) -> dict[str, float]:
+    """An `AttentionResult` as a dict (slots dataclasses have no __dict__)."""
+    return {f: getattr(r, f) for f in r.__slots__}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
