@@ -20,10 +20,9 @@ this machine, sends one warm-up round, then `rounds` rounds of
 stream, each with a distinct `prompt`-token synthetic prompt (one API key).
 Per round, output tokens/s = tokens received by all streams / wall time from sending the first
 request to the last stream's end; the best and median rounds are printed with per-stream TTFT and
-TPOT, and the ratio to llama.cpp's server on the same GGUF and machine kind: ≈ 350 tokens/s for 32
-concurrent streams (Q4_1 kernels, 2 threads, 32 slots), a figure recorded on another day for this
-machine kind and not measured in this run, so the ratio is only indicative (the host's GEMM rate
-and bandwidth move by up to 2× between days).
+TPOT. The ratio to llama.cpp's server is `python -m benchmarks.peer`'s: both servers on the same
+GGUF, measured in alternating rounds of one run on this machine (the host's GEMM rate and bandwidth
+move by up to 2× between days, so a figure from another run is no baseline).
 
 Everything (client, bridge, service, engine) shares this machine's cores, as it would in a
 one-box deployment; the client's share is part of the figure, and each round prints the client's
@@ -50,8 +49,6 @@ from genserve.supervisor import free_port
 from loadgen.calibrate import LiveServer
 from loadgen.clients import RestClient, run_open_loop
 from loadgen.workload import WorkItem
-
-LLAMA_CPP_TOK_S = 350.0      # llama.cpp server, 32 concurrent streams, this machine kind, another day
 
 
 def one_round(url: str, streams: int, tokens: int, prompt: int, round_no: int) -> dict:
@@ -191,8 +188,6 @@ def main(argv: list[str] | None = None) -> int:
     median = statistics.median(r["tok_s"] for r in rounds)
     out = {"streams": opts.streams, "tokens": opts.tokens, "prompt": opts.prompt, "rounds": rounds,
            "best_tok_s": best["tok_s"], "median_tok_s": median,
-           "best_over_llama_cpp": best["tok_s"] / LLAMA_CPP_TOK_S,
-           "median_over_llama_cpp": median / LLAMA_CPP_TOK_S,
            "loadavg_1min": [load_start, os.getloadavg()[0]]}
     print(f"genserve live server — {opts.streams} concurrent REST+SSE streams × {opts.tokens} tokens "
           f"({opts.prompt}-token prompts), {opts.rounds} rounds, load average {load_start:.1f} → "
@@ -201,8 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  round {i}: {r['tokens']} tokens in {r['wall_s']:.2f} s = {r['tok_s']:7.1f} tok/s; "
               f"TTFT p50 {r['ttft_ms_p50']:.0f} ms, TPOT p50 {r['tpot_ms_p50']:.1f} ms; "
               f"client CPU {r['client_cpu_us_per_token']:.0f} µs/token")
-    print(f"  best {best['tok_s']:.1f} tok/s = {out['best_over_llama_cpp']:.2f} × llama.cpp's "
-          f"{LLAMA_CPP_TOK_S:.0f}; median {median:.1f} tok/s = {out['median_over_llama_cpp']:.2f} ×")
+    print(f"  best {best['tok_s']:.1f} tok/s; median {median:.1f} tok/s "
+          "(the ratio to llama.cpp's server: python -m benchmarks.peer)")
     if opts.json:
         opts.json.write_text(json.dumps(out, indent=2))
     return 0
