@@ -6,9 +6,10 @@ writes the step's new keys and values into their cache slots (`store_kv`, or fus
 block table (`attend`).
 
 Decode rows (one query each) run in genserve's own kernel when it could be built
-(`engine/kernels.py`, `torch.ops.genserve.paged_decode`): per (row, KV head) it reads the keys
-and values in place through the block table, fp32 scores, softmax and P·V, the `group` query heads
-of a KV head together. Otherwise, and for prefill, torch's fused CPU attention kernel runs
+(`engine/kernels.py`, `torch.ops.genserve.paged_decode`): per row (all its KV heads, or one KV
+head when rows are few) it reads each block's keys and then values once, in place through the
+block table, with fp32 scores (16 keys at a time on AMX), an online softmax and P·V, the `group`
+query heads of a KV head together. Otherwise, and for prefill, torch's fused CPU attention kernel runs
 (`scaled_dot_product_attention`, which picks `_scaled_dot_product_flash_attention_for_cpu` for
 these inputs: online softmax, fp32 accumulation, no [queries × keys] matrix in memory):
 
