@@ -26,6 +26,16 @@ inline __m512 exp_ps(__m512 x) {
   return _mm512_maskz_mov_ps(static_cast<__mmask16>(~neg_inf), _mm512_scalef_ps(p, n));
 }
 
+// Two fp32 vectors of 16 lanes each (the even and odd members of 16 pairs: dimensions 2i and
+// 2i + 1, or keys 2i and 2i + 1) as 32 bf16 in pair order: even0, odd0, even1, odd1, ...
+inline __m512i interleave_bf16(__m512 even, __m512 odd) {
+  const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(odd, even);   // words 0-15 even, 16-31 odd
+  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                       24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                       16, 0);
+  return _mm512_permutexvar_epi16(idx, both);
+}
+
 }  // namespace genserve
 
 #endif  // __AVX512BF16__ && __AVX512BW__

@@ -136,15 +136,6 @@ constexpr int LANES = 16;                  // fp32 lanes of a zmm: query heads p
 constexpr int64_t PREFETCH_BLOCKS = 2;     // how far ahead the next blocks are prefetched
 constexpr int AMX_HEADS = 3;               // KV heads per item with AMX: 6 Qᵀ tiles of 8
 
-// Two fp32 vectors (dimensions 2i and 2i + 1 of 16 pairs) as 32 bf16 in dimension order.
-inline __m512i interleave_bf16(__m512 even, __m512 odd) {
-  const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(odd, even);   // words 0-15 even, 16-31 odd
-  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
-                                       24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
-                                       16, 0);
-  return _mm512_permutexvar_epi16(idx, both);
-}
-
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define GENSERVE_DECODE_AMX 1
 // Linux keeps AMX's tile data off until a process asks for it (arch_prctl ARCH_REQ_XCOMP_PERM
@@ -324,7 +315,7 @@ void decode_item(const DecodeArgs& a, int64_t b, int64_t h0, int nh) {
       uint16_t* dst = out + (hl * G + g) * D;
       for (int i = 0; i < 2; ++i)
         _mm512_storeu_si512(dst + 32 * i,
-                            interleave_bf16(_mm512_mul_ps(_mm512_load_ps(acc[hl][g][2 * i]), r),
+                            genserve::interleave_bf16(_mm512_mul_ps(_mm512_load_ps(acc[hl][g][2 * i]), r),
                                             _mm512_mul_ps(_mm512_load_ps(acc[hl][g][2 * i + 1]), r)));
     }
 }

@@ -32,20 +32,13 @@
 namespace {
 
 using genserve::exp_ps;
+using genserve::interleave_bf16;
 
 constexpr int D = 64;        // head_dim
 constexpr int P = D / 2;     // bf16 pairs per head vector
 constexpr int TQ = 16;       // query positions per tile
 constexpr int KB = 64;       // keys per softmax block
 
-// Two fp32 vectors (keys 2i and 2i + 1 of 16 rows) as one vector of 16 bf16 pairs.
-inline __m512i interleave_bf16(__m512 even, __m512 odd) {
-  const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(odd, even);   // words 0-15 even, 16-31 odd
-  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
-                                       24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
-                                       16, 0);
-  return _mm512_permutexvar_epi16(idx, both);
-}
 
 struct Piece {
   const uint32_t* q;         // [q_len, heads, P] bf16 pairs
