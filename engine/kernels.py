@@ -15,8 +15,11 @@
   at load by `engine.model.q4.q4_pack`), decoded in registers to the bf16 values the bf16 engine
   loads and summed exactly as `packed_linear` sums them, so with `packed_linear`'s bits;
   `torch.ops.genserve.q4_linear` — AVX512-BF16 builds only; `q4_linear_available()` says whether
-  this build has it. With AMX (`q4_amx_available()`), also `torch.ops.genserve.q4_amx_linear`:
-  the same blocks summed with AMX tiles as oneDNN's AMX kernel sums, so with its bits.
+  this build has it.
+* `engine/csrc/amx_linear.cpp` (AMX builds, `q4_amx_available()`): x @ Wᵀ from W's Q4_1 blocks
+  (`torch.ops.genserve.q4_amx_linear`) or Q8_0 blocks (`q8_amx_linear`), re-grouped at load by
+  `engine.model.q4.amx_pack`, decoded to the bf16 engine's values and summed with AMX tiles as
+  oneDNN's AMX kernel sums, so with its bits.
 * `engine/csrc/decode_layers.cpp`: all blocks of a pure-decode step in one call
   (`torch.ops.genserve.decode_layers`), the same ops in the same order as the Python loop.
 
@@ -45,10 +48,11 @@ log = logging.getLogger(__name__)
 
 SOURCES = [pathlib.Path(__file__).with_name("csrc") / name
            for name in ("decode_attention.cpp", "prefill_attention.cpp", "layer_ops.cpp",
-                        "packed_linear.cpp", "q4_linear.cpp", "decode_layers.cpp")]
+                        "packed_linear.cpp", "q4_linear.cpp", "amx_linear.cpp",
+                        "decode_layers.cpp")]
 OPS = ("paged_decode", "rms_norm", "add_rms_norm_", "rope_store_kv", "silu_mul", "decode_layers")
 AVX512_BF16_OPS = ("paged_prefill", "packed_linear", "q4_linear")     # built only where the CPU has AVX512-BF16
-AMX_OPS = ("q4_amx_linear",)                # built only where the compiler targets AMX-BF16
+AMX_OPS = ("q4_amx_linear", "q8_amx_linear")   # built only where the compiler targets AMX-BF16
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 
 

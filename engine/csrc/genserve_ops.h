@@ -23,6 +23,7 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& q4, int64_t k_chunk)
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define GENSERVE_Q4_AMX 1
 at::Tensor q4_amx_linear(const at::Tensor& x, const at::Tensor& q4);
+at::Tensor q8_amx_linear(const at::Tensor& x, const at::Tensor& q8);
 #endif
 #endif
 

@@ -31,13 +31,8 @@
 // a per-thread bf16 buffer in `packed_linear`'s layout and every group of ROWS rows reads it from
 // cache.
 //
-// `q4_amx_linear` (AMX builds): the same decoded bf16 block, multiplied with AMX tiles — per
-// output one TDPBF16PS chain over k in blocks of 32, from zero, then one rounding to bf16. That is
-// how oneDNN's AMX kernel (brg_matmul:avx512_core_amx) sums a bf16 product on CPUs where genserve
-// runs oneDNN in fixed-size calls (`linear.onednn_tiled`): there `engine.model.q4` checks at load
-// that this kernel gives oneDNN's bits and then runs it for every product. The decoded block's
-// rows of k pairs are already the B tiles' rows (16 pairs x 16 columns x 2, 64 bytes each, 256
-// bytes apart), so the tiles load straight from the decode buffer.
+// On CPUs where genserve runs oneDNN's AMX kernel, `q4_amx_linear` (amx_linear.cpp) runs the
+// 4-bit products instead.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -45,8 +40,6 @@
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -122,9 +115,8 @@ void block_rows_q4(const uint32_t* x, const uint8_t* block, int64_t kp, int64_t 
                           (__m256i)_mm512_cvtneps_pbh(total[r][g]));
 }
 
-// One Q4 block of 64 columns decoded to bf16 in packed_linear's layout [kp][64][2] (noipa: see
-// amx_rows).
-__attribute__((noipa)) void decode_block(const uint8_t* block, int64_t kp, uint16_t* out) {
+// One Q4 block of 64 columns decoded to bf16 in packed_linear's layout [kp][64][2].
+void decode_block(const uint8_t* block, int64_t kp, uint16_t* out) {
   for (int64_t kb = 0; kb < kp / PAIRS; ++kb) {
     const uint8_t* blk = block + kb * KB_BYTES;
     for (int g = 0; g < GROUPS; ++g) {
@@ -184,86 +176,6 @@ void bf16_rows_upto(int rows, const uint32_t* x, const uint16_t* block, int64_t 
   block_rows_bf16<R>(x, block, kp, chunk_pairs, y, y_stride);
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-
-// Linux's arch_prctl request for the AMX tile data state (asm/prctl.h, XFEATURE_XTILEDATA): a
-// process must ask once before its threads touch the tiles.
-constexpr int ARCH_REQ_XCOMP_PERM = 0x1023;
-constexpr int XFEATURE_XTILEDATA = 18;
-
-bool amx_permitted() {
-  static const bool ok = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-  return ok;
-}
-
-// The 64-byte tile configuration (palette 1) of Intel's AMX: tmm0-3 the C tiles of the 4 column
-// groups (rows x 16 fp32), tmm4 the A tile (rows x 32 bf16 of x), tmm5-7 B tiles (16 k pairs x
-// 16 columns x 2 bf16).
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// GCC's tile intrinsics are asm statements that take addresses in registers and declare no
-// memory use: the compiler does not know that tile loads read and tile stores write memory.
-// Passing the address through an asm statement that clobbers memory makes the memory reachable
-// from it live.
-inline void memory_used(const void* p) { asm volatile("" : : "r"(p) : "memory"); }
-
-__attribute__((noipa)) void configure_tiles(int rows) {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = t < 5 ? rows : PAIRS;
-  }
-  // GCC's ldtilecfg statement names only the first 8 bytes as its operand: without this the
-  // compiler may drop the stores of the rest of the configuration.
-  memory_used(&cfg);
-  _tile_loadconfig(&cfg);
-}
-
-// Up to 16 rows of x (bf16 [.., k], row stride k) times one decoded block [kp][64][2] -> y.
-// noipa (here, on configure_tiles and on decode_block): GCC's interprocedural analysis
-// (ipa-modref, ipa-pure-const) does not see that the tile instructions read and write memory; at
-// -O3 the AMX products came out all zero until these three functions were kept out of it.
-__attribute__((noipa)) void amx_rows(const uint16_t* x, int64_t k, const uint16_t* decoded, int rows,
-              c10::BFloat16* y, int64_t y_stride) {
-  constexpr int64_t B_STRIDE = BLOCK_N * 2 * 2;     // bytes between a B tile's rows
-  memory_used(x);
-  memory_used(decoded);
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-  for (int64_t kb = 0; kb < k / QK; ++kb) {
-    const uint16_t* b = decoded + kb * PAIRS * BLOCK_N * 2;
-    _tile_loadd(4, x + kb * QK, k * 2);
-    _tile_loadd(5, b, B_STRIDE);
-    _tile_dpbf16ps(0, 4, 5);
-    _tile_loadd(6, b + 32, B_STRIDE);
-    _tile_dpbf16ps(1, 4, 6);
-    _tile_loadd(7, b + 64, B_STRIDE);
-    _tile_dpbf16ps(2, 4, 7);
-    _tile_loadd(5, b + 96, B_STRIDE);
-    _tile_dpbf16ps(3, 4, 5);
-  }
-  alignas(64) float c[16 * BLOCK_N];
-  _tile_stored(0, c, BLOCK_N * 4);
-  _tile_stored(1, c + 16, BLOCK_N * 4);
-  _tile_stored(2, c + 32, BLOCK_N * 4);
-  _tile_stored(3, c + 48, BLOCK_N * 4);
-  memory_used(c);
-  for (int r = 0; r < rows; ++r)
-    for (int g = 0; g < GROUPS; ++g)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * y_stride + g * 16),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(c + r * BLOCK_N + g * 16)));
-}
-
-#endif  // __AMX_TILE__ && __AMX_BF16__
-
 }  // namespace
 
 namespace genserve {
@@ -313,70 +225,13 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& q4, int64_t k_chunk)
   return y;
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-
-// x: bf16 [M, K] contiguous; q4: uint8 [N, K / 32 * 20] as for q4_linear. Returns bf16 [M, N]:
-// per output one TDPBF16PS chain over k (blocks of 32 k in order, from zero), rounded once to
-// bf16 — oneDNN's AMX bf16 product of the dequantized, bf16-rounded W where `engine.model.q4`'s
-// load check says so. Rows are computed independently (16 per tile), so a row's bits do not
-// depend on the batch. Raises (RuntimeError) on another dtype or shape, or when Linux refuses
-// this process the AMX tile state.
-at::Tensor q4_amx_linear(const at::Tensor& x, const at::Tensor& q4) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
-              "q4_amx_linear: x must be a contiguous bf16 [M, K] tensor");
-  TORCH_CHECK(q4.dim() == 2 && q4.is_contiguous() && q4.scalar_type() == at::kByte &&
-                  q4.size(1) % 20 == 0,
-              "q4_amx_linear: q4 must be a contiguous uint8 [N, K / 32 * 20] tensor");
-  const int64_t m = x.size(0), k = x.size(1), n = q4.size(0);
-  TORCH_CHECK(q4.size(1) / 20 * QK == k, "q4_amx_linear: x has K = ", k, ", the weight ",
-              q4.size(1) / 20 * QK);
-  TORCH_CHECK(n % BLOCK_N == 0 && k % QK == 0, "q4_amx_linear: N must be a multiple of ",
-              BLOCK_N, " and K of ", QK, ", got N = ", n, ", K = ", k);
-  TORCH_CHECK(amx_permitted(), "q4_amx_linear: Linux refused the AMX tile state "
-              "(arch_prctl ARCH_REQ_XCOMP_PERM)");
-  at::Tensor y = at::empty({m, n}, x.options());
-  if (m == 0) return y;
-  const auto* w = q4.data_ptr<uint8_t>();
-  const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  c10::BFloat16* ys = y.data_ptr<c10::BFloat16>();
-  const int64_t kp = k / 2;
-  const int64_t block_bytes = k / QK * KB_BYTES;
-  at::parallel_for(0, n / BLOCK_N, 1, [&](int64_t begin, int64_t end) {
-    std::vector<uint16_t> decoded(kp * BLOCK_N * 2);
-    int configured = 0;
-    for (int64_t b = begin; b < end; ++b) {
-      memory_used(decoded.data());  // the previous block's tile loads read the buffer first
-      decode_block(w + b * block_bytes, kp, decoded.data());
-      memory_used(decoded.data());
-      for (int64_t r = 0; r < m; r += 16) {
-        const int rows = static_cast<int>(std::min<int64_t>(16, m - r));
-        if (rows != configured) {
-          configure_tiles(rows);
-          configured = rows;
-        }
-        amx_rows(xs + r * k, k, decoded.data(), rows, ys + r * n + b * BLOCK_N, n);
-      }
-    }
-    if (configured) _tile_release();     // oneDNN configures its own tiles per call
-  });
-  return y;
-}
-
-#endif  // __AMX_TILE__ && __AMX_BF16__
-
 }  // namespace genserve
 
 TORCH_LIBRARY_FRAGMENT(genserve, m) {
   m.def("q4_linear(Tensor x, Tensor q4, int k_chunk) -> Tensor");
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  m.def("q4_amx_linear(Tensor x, Tensor q4) -> Tensor");
-#endif
 }
 TORCH_LIBRARY_IMPL(genserve, CPU, m) {
   m.impl("q4_linear", &genserve::q4_linear);
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  m.impl("q4_amx_linear", &genserve::q4_amx_linear);
-#endif
 }
 
 #endif  // __AVX512BF16__ && __AVX512BW__

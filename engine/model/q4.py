@@ -40,7 +40,7 @@ import torch
 from engine import kernels
 from engine.model.linear import (ANY_ROWS, PACKED_LINEAR_MAX_ROWS, DecodeWeights, PackedWeight,
                                  onednn_tiled, vnni_pack)
-from engine.model.weights import Q4_1_BLOCK_BYTES, load_gguf_q4_1
+from engine.model.weights import Q4_1_BLOCK_BYTES, Q8_0_BLOCK_BYTES, load_gguf_q4_1
 
 if TYPE_CHECKING:
     import gguf
@@ -88,6 +88,41 @@ def q4_pack(blocks: torch.Tensor) -> torch.Tensor:
     return torch.cat([scales, nibbles], dim=-1).reshape(n, row_bytes).contiguous()
 
 
+def amx_pack(blocks: torch.Tensor, block_bytes: int = Q4_1_BLOCK_BYTES) -> torch.Tensor:
+    """Quantized blocks in GGUF row order re-grouped into `q4_amx_linear`'s (Q4_1) or
+    `q8_amx_linear`'s (Q8_0) layout (engine/csrc/amx_linear.cpp).
+
+    The input holds, per weight row, its blocks along k in the file's format: Q4_1 (20 bytes:
+    fp16 d, fp16 m, 16 bytes of nibbles) or Q8_0 (34 bytes: fp16 d, 32 int8). The output holds
+    the same bytes per 64 output columns and 32 k, as 4 groups of 16 columns: the group's 16 d
+    (and for Q4_1 its 16 m) side by side, then each column's quants as in the file.
+
+    Args:
+        blocks: uint8 [N, K / 32 · block_bytes]; block_bytes: `Q4_1_BLOCK_BYTES` or
+            `Q8_0_BLOCK_BYTES`.
+    Returns:
+        uint8 [N, K / 32 · block_bytes], the same bytes re-ordered (a new tensor).
+    Raises:
+        ValueError: another block size, not uint8 2-D with whole blocks, or N not a multiple
+            of 64.
+    """
+    scale_bytes = {Q4_1_BLOCK_BYTES: 4, Q8_0_BLOCK_BYTES: 2}.get(block_bytes)
+    if scale_bytes is None:
+        raise ValueError(f"amx_pack: blocks of {block_bytes} bytes are neither Q4_1 "
+                         f"({Q4_1_BLOCK_BYTES}) nor Q8_0 ({Q8_0_BLOCK_BYTES})")
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % block_bytes:
+        raise ValueError(f"amx_pack: expected uint8 [N, K / 32 * {block_bytes}] blocks, got "
+                         f"{blocks.dtype} {tuple(blocks.shape)}")
+    n, row_bytes = blocks.shape
+    if n % BLOCK_N:
+        raise ValueError(f"amx_pack: N must be a multiple of {BLOCK_N}, got {n}")
+    nb, kb = n // BLOCK_N, row_bytes // block_bytes
+    b = blocks.view(nb, 4, 16, kb, block_bytes).permute(0, 3, 1, 2, 4)  # [nb, kb, group, col, ..]
+    parts = [b[..., i:i + 2].reshape(nb, kb, 4, 32) for i in range(0, scale_bytes, 2)]
+    parts.append(b[..., scale_bytes:].reshape(nb, kb, 4, 16 * (block_bytes - scale_bytes)))
+    return torch.cat(parts, dim=-1).reshape(n, row_bytes).contiguous()
+
+
 def fused_q4_blocks(blocks: dict[str, torch.Tensor], n_layers: int, n_heads: int,
                     n_kv_heads: int) -> dict[str, torch.Tensor]:
     """Per layer, the raw blocks of the fused matrices `Transformer.from_state_dict` builds:
@@ -111,7 +146,7 @@ def fused_q4_blocks(blocks: dict[str, torch.Tensor], n_layers: int, n_heads: int
 
 
 def amx_matches_onednn(weight: torch.Tensor, packed: PackedWeight, blocks: torch.Tensor) -> bool:
-    """Whether `q4_amx_linear` over `blocks` gives the bits of `packed`'s oneDNN calls of
+    """Whether `q4_amx_linear` over `blocks` (`amx_pack`'s layout) gives the bits of `packed`'s oneDNN calls of
     `packed.tile_rows` rows over `weight` (the blocks' bf16 values), on ≥ 2^20 random outputs
     and on one row alone. oneDNN's AMX summation order is not documented behaviour, so it is
     checked, as `linear.onednn_k_chunk` checks oneDNN's chunk; a different order rounds about
@@ -126,22 +161,24 @@ def amx_matches_onednn(weight: torch.Tensor, packed: PackedWeight, blocks: torch
 
 def q4_weight(packed: PackedWeight, weight: torch.Tensor, blocks: torch.Tensor,
               amx_checked: dict[tuple[int, int], bool] | None = None) -> PackedWeight:
-    """`packed` (a bf16 matrix's `PackedWeight`) with the matrix's 4-bit blocks attached
-    (`q4_pack`'s layout, of `weight`'s values) and the product they reproduce (module
-    docstring): `packed_linear`'s with oneDNN's chunk and row limit; oneDNN's AMX product on
-    every row count (k chunk 0: `q4_amx_linear`); else one chain over k on every product.
-    `amx_checked` (shape → `amx_matches_onednn`) saves the check for shapes already checked."""
+    """`packed` (a bf16 matrix's `PackedWeight`) with the matrix's 4-bit blocks attached (of
+    `weight`'s values; `blocks` in the file's format) and the product they reproduce (module
+    docstring): `packed_linear`'s with oneDNN's chunk and row limit (`q4_pack`'s layout);
+    oneDNN's AMX product on every row count (k chunk 0: `q4_amx_linear`, `amx_pack`'s layout);
+    else one chain over k on every product (`q4_pack`'s layout). `amx_checked` (shape →
+    `amx_matches_onednn`) saves the check for shapes already checked."""
     k = blocks.shape[1] // Q4_1_BLOCK_BYTES * QK
     if packed.k_chunk and not packed.tile_rows and packed.k_chunk % QK == 0:
-        return PackedWeight(packed.tensor, packed.k_chunk, packed.max_rows, 0, blocks)
+        return PackedWeight(packed.tensor, packed.k_chunk, packed.max_rows, 0, q4_pack(blocks))
     if packed.tile_rows and kernels.q4_amx_available():
         checked = {} if amx_checked is None else amx_checked
         shape = (weight.shape[0], weight.shape[1])
+        grouped = amx_pack(blocks)
         if shape not in checked:
-            checked[shape] = amx_matches_onednn(weight, packed, blocks)
+            checked[shape] = amx_matches_onednn(weight, packed, grouped)
         if checked[shape]:
-            return PackedWeight(packed.tensor, 0, ANY_ROWS, packed.tile_rows, blocks)
-    return PackedWeight(packed.tensor, k, ANY_ROWS, packed.tile_rows, blocks)
+            return PackedWeight(packed.tensor, 0, ANY_ROWS, packed.tile_rows, grouped)
+    return PackedWeight(packed.tensor, k, ANY_ROWS, packed.tile_rows, q4_pack(blocks))
 
 
 def bf16_twin(packed: PackedWeight, weight: torch.Tensor) -> PackedWeight:
@@ -195,7 +232,7 @@ def attach_q4(model: Transformer, source: str | pathlib.Path | gguf.GGUFReader |
                 raise ValueError(f"weights 'q4': layer {i} {name} has {blocks.shape[0]} rows of "
                                  f"blocks, the model {getattr(module, name).shape[0]}")
             setattr(module, name + "_packed",
-                    q4_weight(packed, getattr(module, name), q4_pack(blocks), amx_checked))
+                    q4_weight(packed, getattr(module, name), blocks, amx_checked))
     model.decode_weights = DecodeWeights.from_model(model)
     kinds = {describe(getattr(m, n + "_packed")) for layer in model.layers
              for m, n in ((layer.attention, "wqkv"), (layer.attention, "wo"),

@@ -250,6 +250,9 @@ def load_gguf(source: "str | pathlib.Path | gguf.GGUFReader | None" = None,
 # Bytes of one Q4_1 block of 32 weights: fp16 scale d, fp16 min m, 16 bytes of 4-bit q (ggml's
 # block_q4_1; gguf.quants.Q4_1 dequantizes it as d * q + m).
 Q4_1_BLOCK_BYTES = 20
+# Bytes of one Q8_0 block of 32 weights: fp16 scale d, 32 int8 q (ggml's block_q8_0;
+# gguf.quants.Q8_0 dequantizes it as d * q).
+Q8_0_BLOCK_BYTES = 34
 
 
 def load_gguf_q4_1(source: "str | pathlib.Path | gguf.GGUFReader | None" = None

@@ -1,7 +1,8 @@
-"""Serving the GGUF's 4-bit blocks (`--weights q4`, engine/csrc/q4_linear.cpp): on the embedded
-SmolLM2's real Q4_1 matrices the kernels decode exactly the bf16 weights the bf16 engine loads,
-their products have the bits of the bf16 products they reproduce at every row count (`q4_linear`:
-`packed_linear`'s; `q4_amx_linear`: oneDNN's AMX calls), they are within rounding of a dequantized
+"""Serving the GGUF's 4-bit blocks (`--weights q4`, engine/csrc/q4_linear.cpp and amx_linear.cpp):
+on the embedded SmolLM2's real Q4_1 matrices the kernels decode exactly the bf16 weights the bf16
+engine loads, their products have the bits of the bf16 products they reproduce at every row count
+(`q4_linear`: `packed_linear`'s; `q4_amx_linear`: oneDNN's AMX calls, on both sides of each of its
+row-count paths), they are within rounding of a dequantized
 reference summed in fp32, a row's bits do not depend on the batch, and the whole engine generates
 the bf16 engine's greedy tokens."""
 
@@ -17,8 +18,8 @@ from engine.builder import build_engine, engine_from_model, model_from_weights
 from engine.config import EngineConfig
 from engine.invariance import check_batch_invariance
 from engine.model.linear import ANY_ROWS, DecodeWeights, linear, vnni_pack
-from engine.model.q4 import attach_q4, bf16_twin, q4_pack
-from engine.model.weights import load_gguf_q4_1
+from engine.model.q4 import amx_pack, attach_q4, bf16_twin, fused_q4_blocks, q4_pack
+from engine.model.weights import Q4_1_BLOCK_BYTES, Q8_0_BLOCK_BYTES, load_gguf_q4_1
 from tests.engine.conftest import generate
 from tests.engine.test_model import mixed_prompts
 
@@ -34,6 +35,22 @@ def q4_model(gguf_weights, gguf_reader):
     model = model_from_weights(args, state, torch.bfloat16)
     attach_q4(model, gguf_reader)
     return model
+
+
+@pytest.fixture(scope="module")
+def file_blocks(gguf_reader, q4_model):
+    """The fused block matrices' Q4_1 blocks as the file holds them, by (layer, kind)."""
+    args = q4_model.args
+    fused = fused_q4_blocks(load_gguf_q4_1(gguf_reader), args.n_layers, args.n_heads,
+                            args.n_kv_heads)
+    owner = {"wqkv": "attention", "wo": "attention", "w13": "feed_forward", "w2": "feed_forward"}
+    return {(i, kind): fused[f"layers.{i}.{owner[kind]}.{kind}"]
+            for i in range(args.n_layers) for kind in KINDS}
+
+
+def amx_runs(packed) -> bool:
+    """Whether `q4_amx_linear` runs a `q4_weight`'s products (its blocks in `amx_pack`'s layout)."""
+    return not packed.k_chunk
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +94,7 @@ def bf16_twin_weights(model):
         model.decode_weights = decode
 
 
-def test_q4_blocks_decode_to_the_bf16_weights_the_engine_loads(q4_model):
+def test_q4_blocks_decode_to_the_bf16_weights_the_engine_loads(q4_model, file_blocks):
     # x = I: every output is one weight times 1 plus exact zeros, so y = Wᵀ exactly as decoded:
     # round_to_bf16(d·q + m) of each block must equal gguf's fp32 dequantization cast by torch,
     # with the Q/K rows permuted and Q/K/V, gate/up fused as the bf16 model's.
@@ -86,14 +103,20 @@ def test_q4_blocks_decode_to_the_bf16_weights_the_engine_loads(q4_model):
             weight, packed = matrix(q4_model, layer, kind)
             k = weight.shape[1]
             eye = torch.eye(k, dtype=torch.bfloat16)
-            decoded = torch.ops.genserve.q4_linear(eye, packed.q4, k).T
+            blocks = file_blocks[(layer, kind)]
+            decoded = torch.ops.genserve.q4_linear(eye, q4_pack(blocks), k).T
             assert torch.equal(decoded, weight), (
                 f"layer {layer} {kind}: {(decoded != weight).sum()} weights differ")
             assert torch.equal(linear(eye, weight, packed).T, weight)    # the kernel it runs
+            if genserve_kernels.q4_amx_available():     # by table lookup, each path of the kernel
+                for rows in (16, 32, k):
+                    decoded = torch.ops.genserve.q4_amx_linear(eye[:rows].contiguous(),
+                                                               amx_pack(blocks)).T
+                    assert torch.equal(decoded, weight[:, :rows]), f"{layer} {kind} {rows}"
 
 
-@pytest.mark.parametrize("rows", [1, 2, 7, 32, 64])
-def test_q4_product_has_the_bf16_products_bits(q4_model, bf16_engine, rows):
+@pytest.mark.parametrize("rows", [1, 2, 7, 16, 17, 32, 33, 64])
+def test_q4_product_has_the_bf16_products_bits(q4_model, bf16_engine, file_blocks, rows):
     gen = torch.Generator().manual_seed(rows)
     bf16_model = bf16_engine.executor.model
     for kind in KINDS:
@@ -109,7 +132,8 @@ def test_q4_product_has_the_bf16_products_bits(q4_model, bf16_engine, rows):
         # q4_linear reproduces packed_linear over genserve's own layout whatever runs here
         k = weight.shape[1]
         own = torch.ops.genserve.packed_linear(x, vnni_pack(weight), k)
-        assert torch.equal(torch.ops.genserve.q4_linear(x, packed.q4, k), own), kind
+        own_q4 = torch.ops.genserve.q4_linear(x, q4_pack(file_blocks[(7, kind)]), k)
+        assert torch.equal(own_q4, own), kind
 
 
 def test_q4_product_is_within_rounding_of_a_dequantized_fp32_reference(q4_model, gguf_weights):
@@ -174,17 +198,29 @@ def test_q4_engine_is_batch_invariant(q4_engine):
     assert result.distinct > 1
 
 
-def test_q4_linear_and_q4_pack_reject_bad_input(q4_model):
-    weight, packed = matrix(q4_model, 0, "wo")
+def test_q4_kernels_and_packing_reject_bad_input(q4_model, file_blocks):
+    weight, _ = matrix(q4_model, 0, "wo")
+    blocks = q4_pack(file_blocks[(0, "wo")])
     x = torch.zeros(2, weight.shape[1], dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="k_chunk must be a multiple of 32"):
-        torch.ops.genserve.q4_linear(x, packed.q4, 48)
+        torch.ops.genserve.q4_linear(x, blocks, 48)
     with pytest.raises(RuntimeError, match="x has K"):
-        torch.ops.genserve.q4_linear(x[:, :64].contiguous(), packed.q4, 64)
-    with pytest.raises(ValueError, match="multiple of 64"):
-        q4_pack(torch.zeros(32, 40, dtype=torch.uint8))
-    with pytest.raises(ValueError, match="uint8"):
-        q4_pack(torch.zeros(64, 40, dtype=torch.int16))
+        torch.ops.genserve.q4_linear(x[:, :64].contiguous(), blocks, 64)
+    for pack in (q4_pack, amx_pack):
+        with pytest.raises(ValueError, match="multiple of 64"):
+            pack(torch.zeros(32, 40, dtype=torch.uint8))
+        with pytest.raises(ValueError, match="uint8"):
+            pack(torch.zeros(64, 40, dtype=torch.int16))
+    with pytest.raises(ValueError, match="neither Q4_1"):
+        amx_pack(torch.zeros(64, 48, dtype=torch.uint8), 24)
+    if genserve_kernels.q4_amx_available():
+        grouped = amx_pack(file_blocks[(0, "wo")])
+        with pytest.raises(RuntimeError, match="x has K"):
+            torch.ops.genserve.q4_amx_linear(x[:, :64].contiguous(), grouped)
+        with pytest.raises(RuntimeError, match="contiguous bf16"):
+            torch.ops.genserve.q4_amx_linear(x.float(), grouped)
+        with pytest.raises(RuntimeError, match=r"K / 32 \* 34"):
+            torch.ops.genserve.q8_amx_linear(x, grouped[:, :-1].contiguous())
 
 
 def test_q4_pack_moves_nibbles_and_scales_without_changing_them(gguf_reader):
@@ -201,6 +237,28 @@ def test_q4_pack_moves_nibbles_and_scales_without_changing_them(gguf_reader):
     # the fp16 scales and mins, as 16-bit words: the same multiset
     words = lambda t: (t[:, 0::2].long() | (t[:, 1::2].long() << 8)).flatten().sort().values
     assert torch.equal(words(blocks.view(-1, 20)[:, :4]), words(packed.view(-1, 1280)[:, :256]))
+
+
+@pytest.mark.parametrize("block_bytes", [Q4_1_BLOCK_BYTES, Q8_0_BLOCK_BYTES])
+def test_amx_pack_groups_each_columns_block_without_changing_it(block_bytes):
+    # Random blocks, 128 columns x 64 k: in group g of 16 columns at (64-column block nb, k block
+    # kb), column c's scale bytes lie side by side with the group's others, and its quants in a
+    # run of their own, in the file's order.
+    n, kb = 128, 2
+    blocks = torch.randint(0, 256, (n, kb * block_bytes), dtype=torch.uint8,
+                           generator=torch.Generator().manual_seed(1))
+    grouped = amx_pack(blocks, block_bytes).view(n // 64, kb, 4, 16 * block_bytes)
+    scale_bytes = 4 if block_bytes == Q4_1_BLOCK_BYTES else 2
+    for col in (0, 17, 63, 64, 127):
+        for k in range(kb):
+            block = blocks[col, k * block_bytes:(k + 1) * block_bytes]
+            group = grouped[col // 64, k, col % 64 // 16]
+            c = col % 16
+            for s in range(0, scale_bytes, 2):            # d, then m: 16 fp16 each
+                assert torch.equal(group[s * 16 + 2 * c:s * 16 + 2 * c + 2], block[s:s + 2])
+            quants = block_bytes - scale_bytes
+            start = scale_bytes * 16 + c * quants
+            assert torch.equal(group[start:start + quants], block[scale_bytes:])
 
 
 def test_config_and_builder_reject_q4_where_it_cannot_run():
