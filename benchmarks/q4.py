@@ -17,7 +17,8 @@ For each row count, each engine gets that many requests (``--prompt-len``-token 
 times, so load from other processes falls on all of them alike. Counted: pure-decode steps at that
 row count, the executor's time (`Engine.step_listeners`: forward, logits, sampling); printed: the
 median and the ratio to ``bf16``. Weight bytes per step: the block matrices (2 bytes per weight in
-bf16, 20 per 32 in Q4_1) plus the output projection (bf16 in all), each read once per step.
+bf16, 20 per 32 in Q4_1) plus the output projection (bf16, or 34 bytes per 32 in Q8_0 where q4
+reads its blocks), each read once per step.
 ``q4`` must produce the tokens of the bf16 engine whose bits it reproduces (``bf16-twin`` where
 built, else ``bf16``); the run fails otherwise.
 
@@ -42,7 +43,7 @@ from engine.loop import Engine
 from engine.model.linear import ANY_ROWS, DecodeWeights
 from engine.model.llama import Transformer
 from engine.model.q4 import attach_q4, bf16_twin
-from engine.model.weights import Q4_1_BLOCK_BYTES, load_gguf, open_gguf
+from engine.model.weights import Q4_1_BLOCK_BYTES, Q8_0_BLOCK_BYTES, load_gguf, open_gguf
 from engine.request import Request, SamplingParams
 
 
@@ -56,10 +57,11 @@ def block_matrices(model: Transformer) -> list[tuple[torch.nn.Module, str]]:
 
 def weight_bytes(model: Transformer, q4: bool) -> int:
     """Bytes of the matrices one decode step reads once: block matrices (bf16, or Q4_1 blocks)
-    and the bf16 output projection."""
+    and the output projection (bf16, or its Q8_0 blocks where the model reads them)."""
     blocks = sum(getattr(m, n).numel() for m, n in block_matrices(model))
     per_weight = Q4_1_BLOCK_BYTES / 32 if q4 else 2
-    return int(blocks * per_weight) + 2 * model.output.numel()
+    q8 = model.output_packed is not None and model.output_packed.q8 is not None
+    return int(blocks * per_weight + model.output.numel() * (Q8_0_BLOCK_BYTES / 32 if q8 else 2))
 
 
 def build_models(threads: int) -> dict[str, Transformer]:

@@ -56,6 +56,9 @@ class PackedWeight:
             `torch.ops.genserve.q4_linear` with `k_chunk` (the bits `packed_linear` gives with
             that chunk over the bf16 weight), or with `k_chunk` 0 `q4_amx_linear` (the bits of
             oneDNN's AMX product, `onednn_tiled`), and `tile_rows` is not used below that.
+        q8: None, or the weight's Q8_0 blocks in `q8_amx_linear`'s layout (uint8 [out, in / 32 ·
+            34], `engine.model.q4.amx_pack`): then every product runs
+            `torch.ops.genserve.q8_amx_linear`, the bits of the `tile_rows`-row oneDNN calls.
     """
 
     tensor: torch.Tensor
@@ -63,13 +66,15 @@ class PackedWeight:
     max_rows: int = PACKED_LINEAR_MAX_ROWS
     tile_rows: int = 0
     q4: torch.Tensor | None = None
+    q8: torch.Tensor | None = None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor,
            packed: PackedWeight | None = None) -> torch.Tensor:
     """`x @ weight.T` whose rows do not depend on how many rows there are.
 
-    With `packed` (`pack_weights`) the product reads the packed copy: up to `packed.max_rows`
+    With `packed` (`pack_weights`) the product reads the packed copy: from its 8-bit blocks when
+    it has them (`q8_amx_linear`, oneDNN's AMX bits); up to `packed.max_rows`
     rows from its 4-bit blocks when it has them (`q4_linear`, engine/csrc/q4_linear.cpp, the
     bits of `packed_linear` with the same chunk, or without a chunk `q4_amx_linear`, the bits of
     the `tile_rows`-row oneDNN calls); else in `tile_rows`-row oneDNN
@@ -90,6 +95,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
     Returns:
         [M, out_features].
     """
+    if packed is not None and packed.q8 is not None:
+        return torch.ops.genserve.q8_amx_linear(x.contiguous(), packed.q8)
     if packed is not None and packed.q4 is not None and x.shape[0] <= packed.max_rows:
         if packed.k_chunk:
             return torch.ops.genserve.q4_linear(x.contiguous(), packed.q4, packed.k_chunk)

@@ -23,14 +23,17 @@ product they reproduce:
   which gives the bits of the own-layout bf16 engine (`linear.vnni_pack`): batch-invariant, but
   not the bits of that CPU's bf16 default, which `attach_q4` then logs.
 
-The output projection (Q8_0 in the embedded file, tied to the embedding) keeps its bf16 path.
-Memory: the blocks are 0.31× the bf16 matrices (75 MB for SmolLM2-135M's block matrices) and
-come on top of them; the bf16 copies stay for the oneDNN products above the row limit and for
-the checks.
+The output projection (Q8_0 in the embedded file, tied to the embedding) reads its Q8_0 blocks
+with `q8_amx_linear` where `q4_amx_linear` runs the block matrices (the same AMX summation,
+checked the same way); elsewhere it keeps its bf16 path.
+Memory: the blocks are 0.31× the bf16 matrices (75 MB for SmolLM2-135M's block matrices; the
+output's Q8_0 blocks 0.53×, 30 MB) and come on top of them; the bf16 copies stay for the oneDNN
+products above the row limit and for the checks.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import pathlib
 from typing import TYPE_CHECKING
@@ -40,7 +43,8 @@ import torch
 from engine import kernels
 from engine.model.linear import (ANY_ROWS, PACKED_LINEAR_MAX_ROWS, DecodeWeights, PackedWeight,
                                  onednn_tiled, vnni_pack)
-from engine.model.weights import Q4_1_BLOCK_BYTES, Q8_0_BLOCK_BYTES, load_gguf_q4_1
+from engine.model.weights import (Q4_1_BLOCK_BYTES, Q8_0_BLOCK_BYTES, load_gguf_output_q8_0,
+                                  load_gguf_q4_1)
 
 if TYPE_CHECKING:
     import gguf
@@ -145,8 +149,10 @@ def fused_q4_blocks(blocks: dict[str, torch.Tensor], n_layers: int, n_heads: int
     return fused
 
 
-def amx_matches_onednn(weight: torch.Tensor, packed: PackedWeight, blocks: torch.Tensor) -> bool:
-    """Whether `q4_amx_linear` over `blocks` (`amx_pack`'s layout) gives the bits of `packed`'s oneDNN calls of
+def amx_matches_onednn(weight: torch.Tensor, packed: PackedWeight, blocks: torch.Tensor,
+                       op: str = "q4_amx_linear") -> bool:
+    """Whether `op` (`q4_amx_linear`, or `q8_amx_linear` for Q8_0 blocks) over `blocks`
+    (`amx_pack`'s layout) gives the bits of `packed`'s oneDNN calls of
     `packed.tile_rows` rows over `weight` (the blocks' bf16 values), on ≥ 2^20 random outputs
     and on one row alone. oneDNN's AMX summation order is not documented behaviour, so it is
     checked, as `linear.onednn_k_chunk` checks oneDNN's chunk; a different order rounds about
@@ -155,8 +161,9 @@ def amx_matches_onednn(weight: torch.Tensor, packed: PackedWeight, blocks: torch
     rows = min(4096, max(64, -(-(1 << 20) // n)))
     probe = torch.randn(rows, k, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     want = onednn_tiled(probe, packed.tensor, packed.tile_rows)
-    return (torch.equal(torch.ops.genserve.q4_amx_linear(probe, blocks), want) and
-            torch.equal(torch.ops.genserve.q4_amx_linear(probe[:1].clone(), blocks), want[:1]))
+    product = getattr(torch.ops.genserve, op)
+    return (torch.equal(product(probe, blocks), want) and
+            torch.equal(product(probe[:1].clone(), blocks), want[:1]))
 
 
 def q4_weight(packed: PackedWeight, weight: torch.Tensor, blocks: torch.Tensor,
@@ -200,8 +207,9 @@ def attach_q4(model: Transformer, source: str | pathlib.Path | gguf.GGUFReader |
               ) -> None:
     """Serve `model`'s block matrices from the 4-bit blocks of the GGUF it was loaded from.
 
-    Sets each block matrix's `PackedWeight` to `q4_weight`'s and rebuilds `model.decode_weights`.
-    Logs which bits the 4-bit products give (module docstring).
+    Sets each block matrix's `PackedWeight` to `q4_weight`'s and rebuilds `model.decode_weights`;
+    where the output projection is Q8_0 in the file, sets its `PackedWeight` to
+    `q8_output_weight`'s. Logs which bits the products give (module docstring).
 
     Args:
         model: a bf16 CPU model built from `source` by `Transformer.from_state_dict` (packed).
@@ -238,6 +246,27 @@ def attach_q4(model: Transformer, source: str | pathlib.Path | gguf.GGUFReader |
              for m, n in ((layer.attention, "wqkv"), (layer.attention, "wo"),
                           (layer.feed_forward, "w13"), (layer.feed_forward, "w2"))}
     log.info("weights q4: %s", "; ".join(sorted(kinds)))
+    output = load_gguf_output_q8_0(source)
+    if output is not None and model.output_packed is not None:
+        model.output_packed = q8_output_weight(model.output_packed, model.output, output)
+    log.info("weights q4: output projection %s", "from its Q8_0 blocks (q8_amx_linear, the bf16 "
+             "engine's oneDNN AMX bits)" if model.output_packed is not None and
+             model.output_packed.q8 is not None else "in bf16")
+
+
+def q8_output_weight(packed: PackedWeight, weight: torch.Tensor, blocks: torch.Tensor
+                     ) -> PackedWeight:
+    """The output projection's `PackedWeight` reading its Q8_0 blocks (`blocks` in the file's
+    format, of `weight`'s values) where `q8_amx_linear` gives the bits of its products here:
+    oneDNN's fixed-size AMX calls (`packed.tile_rows`), checked by `amx_matches_onednn`; else
+    `packed` unchanged (the bf16 products)."""
+    if not (packed.tile_rows and kernels.q4_amx_available()
+            and weight.shape[0] % BLOCK_N == 0 and weight.shape[1] % QK == 0):
+        return packed
+    grouped = amx_pack(blocks, Q8_0_BLOCK_BYTES)
+    if not amx_matches_onednn(weight, packed, grouped, "q8_amx_linear"):
+        return packed
+    return dataclasses.replace(packed, q8=grouped)
 
 
 def describe(packed: PackedWeight) -> str:

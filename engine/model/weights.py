@@ -314,6 +314,37 @@ def load_gguf_q4_1(source: "str | pathlib.Path | gguf.GGUFReader | None" = None
     return blocks
 
 
+def load_gguf_output_q8_0(source: "str | pathlib.Path | gguf.GGUFReader | None" = None
+                          ) -> torch.Tensor | None:
+    """The output projection of a llama GGUF as its raw Q8_0 blocks, or None if it is stored
+    otherwise.
+
+    The tensor is ``output.weight``, or for a tied model ``token_embd.weight``, as
+    :func:`load_gguf` takes it: uint8 [vocab, dim / 32 · 34], row r the Q8_0 blocks of vocabulary
+    row r along the model dimension (``Q8_0_BLOCK_BYTES`` per 32 weights).
+    ``gguf.quants.dequantize`` of these blocks, cast as :func:`load_gguf` casts, is exactly the
+    output weight :func:`load_gguf` returns.
+
+    Args:
+        source: the ``.gguf`` file, a reader from :func:`open_gguf`, or ``None`` for
+            :func:`default_gguf_path`.
+    Raises:
+        FileNotFoundError: no file at ``source``.
+        KeyError: neither ``output.weight`` nor ``token_embd.weight`` is in the file.
+    """
+    import gguf  # imported here: only the loaders need it
+
+    reader = source if isinstance(source, gguf.GGUFReader) else open_gguf(source)
+    tensors = {t.name: t for t in reader.tensors}
+    name = "output.weight" if "output.weight" in tensors else "token_embd.weight"
+    if name not in tensors:
+        raise KeyError("tensor 'token_embd.weight' missing")
+    t = tensors[name]
+    if t.tensor_type != gguf.GGMLQuantizationType.Q8_0:
+        return None
+    return torch.from_numpy(np.array(t.data, dtype=np.uint8, copy=True))     # [vocab, bytes]
+
+
 def load_safetensors(directory: str | pathlib.Path, dtype: torch.dtype = torch.bfloat16,
                      device: torch.device | str = "cpu") -> tuple[ModelArgs, dict[str, torch.Tensor]]:
     """Read a Hugging Face Llama checkpoint (``config.json`` + ``*.safetensors``, e.g. Llama-2-7B).

@@ -170,6 +170,26 @@ def test_q4_rows_do_not_depend_on_the_batch(q4_model):
         assert torch.equal(linear(other, weight, packed)[37], full[3])
 
 
+def test_q8_output_projection_has_the_bf16_logits_bits(q4_model, bf16_engine, gguf_reader):
+    # The embedded file stores the output projection (tied to the embedding) in Q8_0. Where the
+    # block matrices run q4_amx_linear, the logits read those blocks: the same decoded weights
+    # (x = I) and the bits of the bf16 engine's logits at every row count, each row alone.
+    packed = q4_model.output_packed
+    if not amx_runs(matrix(q4_model, 0, "wqkv")[1]):
+        assert packed.q8 is None                   # q8_amx_linear runs only beside q4_amx_linear
+        pytest.skip("no AMX product to reproduce on this CPU: the logits stay bf16")
+    assert packed.q8 is not None and packed.q8.shape == (q4_model.args.vocab_size, 576 // 32 * 34)
+    eye = torch.eye(q4_model.args.dim, dtype=torch.bfloat16)
+    assert torch.equal(torch.ops.genserve.q8_amx_linear(eye, packed.q8).T, q4_model.output)
+    bf16_model = bf16_engine.executor.model
+    gen = torch.Generator().manual_seed(8)
+    x = (torch.randn(40, q4_model.args.dim, generator=gen) * 2).to(torch.bfloat16)
+    full = q4_model.logits(x)
+    assert torch.equal(full, bf16_model.logits(x))
+    for rows in (1, 5, 16, 17, 32, 33):
+        assert torch.equal(q4_model.logits(x[:rows]), full[:rows]), rows
+
+
 def test_q4_engine_generates_the_bf16_engines_greedy_tokens(q4_engine, bf16_engine, gguf_tokenizer):
     prompts = mixed_prompts(gguf_tokenizer)
     model = q4_engine.executor.model
