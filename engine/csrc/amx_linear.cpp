@@ -22,11 +22,14 @@
 // of 16 columns x 32 k once decoded: each column's 32 k are contiguous in the file's block.
 //
 // Decoding Q4_1 by table: per column and block the 16 possible weights bf16(d * q + m), q = 0..15,
-// are one FMA over (0..15) and one conversion, held twice in a 32-word register; the 16 nibble
-// bytes, zero-extended to words (twice) and shifted right by 0 (first half) or 4 (second half),
-// index it with vpermw, which reads the low 5 bits: in the first half bit 4 is the high nibble's
-// low bit, which the table's second copy makes irrelevant. One vpermw gives the column's 32
-// weights in k order — about half the instructions of decoding each weight with its own FMA.
+// are one FMA over (0..15) and one conversion, held twice in a 32-word register. The column's 16
+// nibble bytes, laid out at load so that word j holds q[j], q[8 + j], q[16 + j], q[24 + j], are
+// broadcast to the four 128-bit lanes and lane L shifted right by 4L: word 8L + j then holds
+// q[8L + j] in its low 4 bits, and vpermw, which reads the low 5 bits of each index, looks the
+// 32 weights up in k order (bit 4, the next nibble's, picks the table's second copy: the same
+// values). Per 32 weights: an FMA, a conversion, a shift and a permute, about a third of the
+// instructions of decoding each weight with its own FMA, and only the permute and half the
+// conversion on the shuffle port.
 //
 // Two ways to run the tiles, one sum. TDPBF16PS computes C[m][n] += sum over the tile's 16 k pairs
 // of A[m][pair] . B[pair][n]: each output's products and their order over k do not depend on
@@ -130,8 +133,9 @@ TileConfig many_rows_config(int rows) {
   return cfg;
 }
 
-// Q4_1 group: d[16] fp16, m[16] fp16, then per column the block's 16 nibble bytes (byte i: q[i]
-// low, q[i + 16] high, as ggml's block_q4_1).
+// Q4_1 group: d[16] fp16, m[16] fp16, then per column 16 nibble bytes read as 8 little-endian
+// words, word j holding q[j], q[8 + j], q[16 + j], q[24 + j] in its 4 nibbles from the lowest
+// (`amx_pack` re-orders the file's nibbles so).
 struct Q4_1 {
   static constexpr int64_t GROUP_BYTES = 64 + 16 * 16;
 
@@ -141,18 +145,22 @@ struct Q4_1 {
     _mm512_store_ps(d, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(group))));
     _mm512_store_ps(m, _mm512_cvtph_ps(
                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + 32))));
+    memory_used(d);            // broadcast each column's d and m from memory: no shuffles
+    memory_used(m);
     const __m512 q_values = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    // Words 0-15 shifted by 0 (low nibbles: k 0-15), words 16-31 by 4 (high nibbles: k 16-31).
-    const __m512i shifts = _mm512_set_epi64(0x0004000400040004LL, 0x0004000400040004LL,
-                                            0x0004000400040004LL, 0x0004000400040004LL, 0, 0, 0, 0);
+    // With the 8 words broadcast to the 4 128-bit lanes, lane L shifts nibble L down: word
+    // 8L + j then holds q[8L + j] in its low 4 bits.
+    const __m512i shifts = _mm512_set_epi64(
+        0x000C000C000C000CLL, 0x000C000C000C000CLL, 0x0008000800080008LL, 0x0008000800080008LL,
+        0x0004000400040004LL, 0x0004000400040004LL, 0, 0);
     const uint8_t* nibbles = group + 64;
     for (int c = 0; c < 16; ++c) {
       const __m512 v = _mm512_fmadd_ps(_mm512_set1_ps(d[c]), q_values, _mm512_set1_ps(m[c]));
       const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(v, v);     // bf16 w(q), twice
-      const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(nibbles + c * 16))));
+      const __m512i words = _mm512_broadcast_i32x4(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(nibbles + c * 16)));
       _mm512_store_si512(out + c * QK,
-                         _mm512_permutexvar_epi16(_mm512_srlv_epi16(bytes, shifts), table));
+                         _mm512_permutexvar_epi16(_mm512_srlv_epi16(words, shifts), table));
     }
   }
 };

@@ -97,9 +97,11 @@ def amx_pack(blocks: torch.Tensor, block_bytes: int = Q4_1_BLOCK_BYTES) -> torch
     `q8_amx_linear`'s (Q8_0) layout (engine/csrc/amx_linear.cpp).
 
     The input holds, per weight row, its blocks along k in the file's format: Q4_1 (20 bytes:
-    fp16 d, fp16 m, 16 bytes of nibbles) or Q8_0 (34 bytes: fp16 d, 32 int8). The output holds
-    the same bytes per 64 output columns and 32 k, as 4 groups of 16 columns: the group's 16 d
-    (and for Q4_1 its 16 m) side by side, then each column's quants as in the file.
+    fp16 d, fp16 m, 16 bytes whose byte i holds q[i] and q[i + 16]) or Q8_0 (34 bytes: fp16 d,
+    32 int8). The output holds the same values per 64 output columns and 32 k, as 4 groups of 16
+    columns: the group's 16 d (and for Q4_1 its 16 m) side by side, then each column's quants:
+    Q8_0's as in the file, Q4_1's nibbles re-paired so that byte 2j holds q[j] (low nibble) and
+    q[8 + j], byte 2j + 1 q[16 + j] and q[24 + j] (the kernel's table lookup reads them so).
 
     Args:
         blocks: uint8 [N, K / 32 · block_bytes]; block_bytes: `Q4_1_BLOCK_BYTES` or
@@ -123,7 +125,12 @@ def amx_pack(blocks: torch.Tensor, block_bytes: int = Q4_1_BLOCK_BYTES) -> torch
     nb, kb = n // BLOCK_N, row_bytes // block_bytes
     b = blocks.view(nb, 4, 16, kb, block_bytes).permute(0, 3, 1, 2, 4)  # [nb, kb, group, col, ..]
     parts = [b[..., i:i + 2].reshape(nb, kb, 4, 32) for i in range(0, scale_bytes, 2)]
-    parts.append(b[..., scale_bytes:].reshape(nb, kb, 4, 16 * (block_bytes - scale_bytes)))
+    quants = b[..., scale_bytes:]
+    if block_bytes == Q4_1_BLOCK_BYTES:         # byte 2j: q[j], q[8 + j]; 2j + 1: q[16 + j], q[24 + j]
+        q = torch.cat([quants & 0xF, quants >> 4], dim=-1).view(nb, kb, 4, 16, 4, 8)  # [.., L, j]
+        quants = torch.stack([q[..., 0, :] | (q[..., 1, :] << 4),
+                              q[..., 2, :] | (q[..., 3, :] << 4)], dim=-1)          # [.., j, 2]
+    parts.append(quants.reshape(nb, kb, 4, 16 * (block_bytes - scale_bytes)))
     return torch.cat(parts, dim=-1).reshape(n, row_bytes).contiguous()
 
 

@@ -263,7 +263,8 @@ def test_q4_pack_moves_nibbles_and_scales_without_changing_them(gguf_reader):
 def test_amx_pack_groups_each_columns_block_without_changing_it(block_bytes):
     # Random blocks, 128 columns x 64 k: in group g of 16 columns at (64-column block nb, k block
     # kb), column c's scale bytes lie side by side with the group's others, and its quants in a
-    # run of their own, in the file's order.
+    # run of their own: Q8_0's in the file's order, Q4_1's nibbles re-paired for the table
+    # lookup (byte 2j: q[j], q[8 + j]; byte 2j + 1: q[16 + j], q[24 + j]).
     n, kb = 128, 2
     blocks = torch.randint(0, 256, (n, kb * block_bytes), dtype=torch.uint8,
                            generator=torch.Generator().manual_seed(1))
@@ -278,7 +279,14 @@ def test_amx_pack_groups_each_columns_block_without_changing_it(block_bytes):
                 assert torch.equal(group[s * 16 + 2 * c:s * 16 + 2 * c + 2], block[s:s + 2])
             quants = block_bytes - scale_bytes
             start = scale_bytes * 16 + c * quants
-            assert torch.equal(group[start:start + quants], block[scale_bytes:])
+            got = group[start:start + quants]
+            if block_bytes == Q8_0_BLOCK_BYTES:
+                assert torch.equal(got, block[scale_bytes:])
+                continue
+            q = torch.cat([block[4:] & 0xF, block[4:] >> 4])           # q[0..31], the file's
+            for j in range(8):
+                assert got[2 * j] == q[j] | (q[8 + j] << 4)
+                assert got[2 * j + 1] == q[16 + j] | (q[24 + j] << 4)
 
 
 def test_config_and_builder_reject_q4_where_it_cannot_run():
