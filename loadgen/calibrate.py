@@ -33,6 +33,7 @@ import json
 import os
 import pathlib
 import platform
+import queue
 import subprocess
 import sys
 import threading
@@ -154,19 +155,35 @@ class LiveServer:
         self.start_timeout_s = start_timeout_s
 
     def __enter__(self) -> "LiveServer":
+        """Start the server and wait for its ready line. Raises RuntimeError (with the output's
+        last 40 lines) if it exits, or prints no ready line within `start_timeout_s` seconds,
+        even while it prints nothing at all."""
         self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        lines: queue.Queue[str | None] = queue.Queue()
+        started = threading.Event()
+
+        def pump(stdout) -> None:       # drains the pipe for the server's whole life
+            for line in stdout:
+                if not started.is_set():
+                    lines.put(line)
+            lines.put(None)             # the server closed its output: it has exited
+
+        threading.Thread(target=pump, args=(self.proc.stdout,), daemon=True).start()
         deadline = time.monotonic() + self.start_timeout_s
         tail: list[str] = []
         while True:
-            line = self.proc.stdout.readline()
-            tail = (tail + [line])[-40:]
-            if "genserve ready" in line:
-                break
-            if not line or self.proc.poll() is not None or time.monotonic() > deadline:
+            try:
+                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                line = None
+            if line is not None and "genserve ready" in line:
+                started.set()
+                return self
+            if line is None or time.monotonic() > deadline:
                 self.__exit__(None, None, None)
-                raise RuntimeError("genserve did not start:\n" + "".join(tail))
-        threading.Thread(target=lambda: [None for _ in self.proc.stdout], daemon=True).start()
-        return self
+                raise RuntimeError("genserve did not start within "
+                                   f"{self.start_timeout_s:g} s:\n" + "".join(tail))
+            tail = (tail + [line])[-40:]
 
     def metrics(self) -> dict[str, float]:
         import httpx
