@@ -184,6 +184,14 @@ struct Q8_0 {
   }
 };
 
+// The C tiles tmm0-3, the sums of every path, start from zero.
+inline void zero_c_tiles() {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+}
+
 // 16 x 16 dwords in place: r[i] (row i) becomes column i. Two unpack stages transpose within
 // 128-bit lanes, two 128-bit shuffle stages across them.
 inline void transpose_16x16(__m512i r[16]) {
@@ -218,10 +226,7 @@ __attribute__((noipa)) void few_rows_block(const uint8_t* block, int64_t kbs, co
                                            int m, uint16_t* a, float* c) {
   memory_used(xt);
   memory_used(a);
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+  zero_c_tiles();
   for (int64_t kb = 0; kb < kbs; ++kb) {
     const uint8_t* blk = block + kb * GROUPS * D::GROUP_BYTES;
     for (int g = 0; g < GROUPS; ++g) D::decode(blk + g * D::GROUP_BYTES, a + g * 16 * QK);
@@ -254,10 +259,7 @@ __attribute__((noipa)) void two_row_groups_half_block(const uint8_t* block, int6
   memory_used(xt0);
   memory_used(xt1);
   memory_used(a);
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+  zero_c_tiles();
   for (int64_t kb = 0; kb < kbs; ++kb) {
     const uint8_t* blk = block + (kb * GROUPS + 2 * half) * D::GROUP_BYTES;
     D::decode(blk, a);
@@ -306,10 +308,7 @@ __attribute__((noipa)) void many_rows_block(const uint16_t* x, int64_t k, const 
   constexpr int64_t B_STRIDE = BLOCK_N * 2 * 2;     // bytes between a B tile's rows
   memory_used(x);
   memory_used(decoded);
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+  zero_c_tiles();
   for (int64_t kb = 0; kb < k / QK; ++kb) {
     const uint16_t* b = decoded + kb * PAIRS * BLOCK_N * 2;
     _tile_loadd(4, x + kb * QK, k * 2);

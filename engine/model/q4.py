@@ -3,12 +3,12 @@
 The embedded SmolLM2 GGUF stores every block matrix in Q4_1 blocks (32 weights along the input
 dimension: fp16 scale d, fp16 min m, 4-bit q; weight = d · q + m). The bf16 engine dequantizes them
 at load (`weights.load_gguf`) and reads 2 bytes per weight in every decode step; here the blocks
-stay as they are, 20 bytes per 32 weights, and genserve's kernels (engine/csrc/q4_linear.cpp)
-decode them in registers to the very bf16 values the bf16 engine holds and sum them exactly as
+stay as they are, 20 bytes per 32 weights, and genserve's kernels (engine/csrc/q4_linear.cpp,
+engine/csrc/amx_linear.cpp) decode them in registers to the very bf16 values the bf16 engine holds and sum them exactly as
 the bf16 engine's product does: the same bits, 3.2× fewer weight bytes per product.
 
-`attach_q4` gives each block matrix's `PackedWeight` its blocks (`q4_pack`'s layout) and the
-product they reproduce:
+`attach_q4` gives each block matrix's `PackedWeight` its blocks (`q4_pack`'s layout for
+`q4_linear`, `amx_pack`'s for `q4_amx_linear`) and the product they reproduce:
 
 * where the model packed with oneDNN's copies and a k chunk (`packed_linear` up to
   `PACKED_LINEAR_MAX_ROWS` rows, oneDNN's same bits above), `q4_linear` replaces `packed_linear`
@@ -57,6 +57,16 @@ BLOCK_N = 64        # output columns per block of `q4_linear`'s layout
 QK = 32             # weights per Q4_1 block
 
 
+def _check_blocks(name: str, blocks: torch.Tensor, block_bytes: int) -> None:
+    """Raises ValueError (naming `name`) unless `blocks` is uint8 [N, whole blocks of
+    `block_bytes`] with N a multiple of `BLOCK_N`."""
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % block_bytes:
+        raise ValueError(f"{name}: expected uint8 [N, K / 32 * {block_bytes}] blocks, got "
+                         f"{blocks.dtype} {tuple(blocks.shape)}")
+    if blocks.shape[0] % BLOCK_N:
+        raise ValueError(f"{name}: N must be a multiple of {BLOCK_N}, got {blocks.shape[0]}")
+
+
 def q4_pack(blocks: torch.Tensor) -> torch.Tensor:
     """Q4_1 blocks in GGUF row order re-interleaved into `q4_linear`'s layout.
 
@@ -74,12 +84,8 @@ def q4_pack(blocks: torch.Tensor) -> torch.Tensor:
     Raises:
         ValueError: not uint8 2-D with whole blocks, or N not a multiple of 64.
     """
-    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % Q4_1_BLOCK_BYTES:
-        raise ValueError(f"q4_pack: expected uint8 [N, K / 32 * {Q4_1_BLOCK_BYTES}] blocks, got "
-                         f"{blocks.dtype} {tuple(blocks.shape)}")
+    _check_blocks("q4_pack", blocks, Q4_1_BLOCK_BYTES)
     n, row_bytes = blocks.shape
-    if n % BLOCK_N:
-        raise ValueError(f"q4_pack: N must be a multiple of {BLOCK_N}, got {n}")
     nb, kb = n // BLOCK_N, row_bytes // Q4_1_BLOCK_BYTES
     b = blocks.view(nb, 4, 16, kb, Q4_1_BLOCK_BYTES)                  # [nb, group, col, kb, 20]
     scales = b[..., :4].reshape(nb, 4, 16, kb, 2, 2)                  # [.., {d, m}, 2 bytes]
@@ -116,12 +122,8 @@ def amx_pack(blocks: torch.Tensor, block_bytes: int = Q4_1_BLOCK_BYTES) -> torch
     if scale_bytes is None:
         raise ValueError(f"amx_pack: blocks of {block_bytes} bytes are neither Q4_1 "
                          f"({Q4_1_BLOCK_BYTES}) nor Q8_0 ({Q8_0_BLOCK_BYTES})")
-    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % block_bytes:
-        raise ValueError(f"amx_pack: expected uint8 [N, K / 32 * {block_bytes}] blocks, got "
-                         f"{blocks.dtype} {tuple(blocks.shape)}")
+    _check_blocks("amx_pack", blocks, block_bytes)
     n, row_bytes = blocks.shape
-    if n % BLOCK_N:
-        raise ValueError(f"amx_pack: N must be a multiple of {BLOCK_N}, got {n}")
     nb, kb = n // BLOCK_N, row_bytes // block_bytes
     b = blocks.view(nb, 4, 16, kb, block_bytes).permute(0, 3, 1, 2, 4)  # [nb, kb, group, col, ..]
     parts = [b[..., i:i + 2].reshape(nb, kb, 4, 32) for i in range(0, scale_bytes, 2)]
