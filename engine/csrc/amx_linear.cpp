@@ -101,8 +101,8 @@ __attribute__((noipa)) void configure_tiles(const TileConfig& cfg) {
   _tile_loadconfig(&cfg);
 }
 
-// Few rows (m <= 16): tmm0-3 C^T of the 4 groups (16 columns x m fp32), tmm4 the B tile x^T
-// (16 k pairs x m rows), tmm5-7 A tiles (16 columns x 32 k).
+// Few rows (m <= 16): tmm0-1 C^T of 2 groups (16 columns x m fp32), tmm4 the B tile x^T
+// (16 k pairs x m rows), tmm5-6 A tiles (16 columns x 32 k).
 TileConfig few_rows_config(int m) {
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) {
@@ -219,33 +219,31 @@ inline void transpose_16x16(__m512i r[16]) {
   }
 }
 
-// Few rows: one 64-column block (kbs blocks of 32 k) against x^T (xt: [k pairs][m] dwords) ->
-// c[64 columns][m] fp32. a: 4 decoded groups (4 KB).
+// Few rows: half a 64-column block (groups 2 * half and 2 * half + 1; kbs blocks of 32 k) against
+// x^T (xt: [k pairs][m] dwords) -> c[32 columns][m] fp32. a: 2 decoded groups (2 KB). Half
+// blocks, not whole ones, are what the threads share: a 576-column matrix is 18 of them, which
+// 2 threads split evenly, where 9 whole blocks would leave one thread a ninth of the work idle.
 template <class D>
-__attribute__((noipa)) void few_rows_block(const uint8_t* block, int64_t kbs, const uint32_t* xt,
-                                           int m, uint16_t* a, float* c) {
+__attribute__((noipa)) void few_rows_half_block(const uint8_t* block, int64_t kbs, int half,
+                                                const uint32_t* xt, int m, uint16_t* a, float* c) {
   memory_used(xt);
   memory_used(a);
-  zero_c_tiles();
+  _tile_zero(0);
+  _tile_zero(1);
   for (int64_t kb = 0; kb < kbs; ++kb) {
-    const uint8_t* blk = block + kb * GROUPS * D::GROUP_BYTES;
-    for (int g = 0; g < GROUPS; ++g) D::decode(blk + g * D::GROUP_BYTES, a + g * 16 * QK);
+    const uint8_t* blk = block + (kb * GROUPS + 2 * half) * D::GROUP_BYTES;
+    D::decode(blk, a);
+    D::decode(blk + D::GROUP_BYTES, a + 16 * QK);
     memory_used(a);
     _tile_loadd(4, xt + kb * PAIRS * m, m * 4);
     _tile_loadd(5, a, 64);
     _tile_dpbf16ps(0, 5, 4);
     _tile_loadd(6, a + 16 * QK, 64);
     _tile_dpbf16ps(1, 6, 4);
-    _tile_loadd(7, a + 32 * QK, 64);
-    _tile_dpbf16ps(2, 7, 4);
-    _tile_loadd(5, a + 48 * QK, 64);
-    _tile_dpbf16ps(3, 5, 4);
     memory_used(a);            // the next block's decode writes what these loads read
   }
   _tile_stored(0, c, m * 4);
   _tile_stored(1, c + 16 * m, m * 4);
-  _tile_stored(2, c + 32 * m, m * 4);
-  _tile_stored(3, c + 48 * m, m * 4);
   memory_used(c);
 }
 
@@ -366,21 +364,24 @@ at::Tensor amx_linear(const char* name, const at::Tensor& x, const at::Tensor& w
     }
     const uint32_t* xt = m > 1 ? transposed.get() : x32;
     const TileConfig cfg = few_rows_config(static_cast<int>(m));
-    at::parallel_for(0, n / BLOCK_N, 1, [&](int64_t begin, int64_t end) {
-      alignas(64) uint16_t a[GROUPS * 16 * QK];
-      alignas(64) float c[BLOCK_N * FEW_ROWS];
+    at::parallel_for(0, 2 * n / BLOCK_N, 1, [&](int64_t begin, int64_t end) {
+      alignas(64) uint16_t a[2 * 16 * QK];
+      alignas(64) float c[2 * 16 * FEW_ROWS];
       configure_tiles(cfg);
       const __m512i column_starts = _mm512_mullo_epi32(
           _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
           _mm512_set1_epi32(static_cast<int>(m)));
-      for (int64_t b = begin; b < end; ++b) {
-        few_rows_block<D>(ws + b * block_bytes, kbs, xt, static_cast<int>(m), a, c);
+      for (int64_t h = begin; h < end; ++h) {
+        const int64_t b = h / 2;
+        const int half = static_cast<int>(h % 2);
+        few_rows_half_block<D>(ws + b * block_bytes, kbs, half, xt, static_cast<int>(m), a, c);
         for (int64_t r = 0; r < m; ++r)    // c[column][m] -> y[r][column]
-          for (int g = 0; g < GROUPS; ++g) {
+          for (int g = 0; g < 2; ++g) {
             const __m512 v = m == 1 ? _mm512_load_ps(c + g * 16)
                                     : _mm512_i32gather_ps(column_starts, c + g * 16 * m + r, 4);
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(ys + r * n + b * BLOCK_N + g * 16),
-                                (__m256i)_mm512_cvtneps_pbh(v));
+            _mm256_storeu_si256(
+                reinterpret_cast<__m256i*>(ys + r * n + b * BLOCK_N + (2 * half + g) * 16),
+                (__m256i)_mm512_cvtneps_pbh(v));
           }
       }
       _tile_release();         // oneDNN configures its own tiles per call
