@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -140,6 +141,10 @@ class EngineServer:
                              Validator(self.config, loaded.tokenizer, template_for(loaded.tokenizer)),
                              info, self.metrics)
         self.loaded = loaded
+        # What is loaded now (model, tokenizer, tables) lives as long as the process: moved out of
+        # the collector's generations, the full collections that Python runs as the steps allocate
+        # no longer walk it (they took ~4 % of a one-row decode step).
+        gc.freeze()
         engine.start()
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("engine serving gRPC on %s:%d (%d KV blocks)", self.host, self.port, engine.pool.num_blocks)
