@@ -26,7 +26,7 @@ the bf16 engine's product does: the same bits, 3.2× fewer weight bytes per prod
 The output projection (Q8_0 in the embedded file, tied to the embedding) reads its Q8_0 blocks
 with `q8_amx_linear` where `q4_amx_linear` runs the block matrices (the same AMX summation,
 checked the same way); elsewhere it keeps its bf16 path.
-Memory: the blocks are 0.31× the bf16 matrices (75 MB for SmolLM2-135M's block matrices; the
+Memory: the blocks are 0.31× the bf16 matrices (66 MB for SmolLM2-135M's block matrices; the
 output's Q8_0 blocks 0.53×, 30 MB) and come on top of them; the bf16 copies stay for the oneDNN
 products above the row limit and for the checks.
 """
