@@ -35,12 +35,13 @@
 // of A[m][pair] . B[pair][n]: each output's products and their order over k do not depend on
 // whether W is the A operand or the B one (checked bit for bit against oneDNN at load and in
 // tests/engine/test_q4_linear.py, at row counts on both sides of the switch):
-//   * up to 16 rows of x ("few rows", decode steps): the decoded group is the A tile (16 columns
-//     x 32 k, written to L1 and loaded at once), x^T the B tile (16 k pairs x M rows), C^T the
-//     result. Each group is decoded once and used once: what bounds this case is the decode.
-//   * more rows (prefill, large batches): a 64-column block is decoded once over all k, each
-//     group transposed (16 x 16 dwords) into B tiles, and every 16 rows of x are A tiles against
-//     them, as oneDNN runs it: the decode is shared by all rows.
+//   * up to 32 rows of x (decode steps): the decoded group is the A tile (16 columns x 32 k,
+//     written to L1 and loaded at once), x^T the B tile (16 k pairs x up to 16 rows; two B tiles
+//     above 16 rows), C^T the result. Each group is decoded once and used at once: what bounds
+//     this case is the decode. The threads share half blocks (32 columns).
+//   * more rows (prefill): a 64-column block is decoded once over all k, each group transposed
+//     (16 x 16 dwords) into B tiles, and every 16 rows of x are A tiles against them, as oneDNN
+//     runs it: the decode is shared by all rows.
 // Rows are computed independently either way, so a row's bits never depend on the batch.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -398,7 +399,7 @@ at::Tensor amx_linear(const char* name, const at::Tensor& x, const at::Tensor& w
         else xt1[p * m1 + r - FEW_ROWS] = x32[r * kp + p];
       }
     const TileConfig cfg = two_row_groups_config(m1);
-    at::parallel_for(0, n / BLOCK_N, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, 2 * n / BLOCK_N, 1, [&](int64_t begin, int64_t end) {
       alignas(64) uint16_t a[2 * 16 * QK];
       alignas(64) float c[2 * 16 * 2 * FEW_ROWS];
       configure_tiles(cfg);
@@ -408,21 +409,22 @@ at::Tensor amx_linear(const char* name, const at::Tensor& x, const at::Tensor& w
       const __m512i columns_m1 = _mm512_mullo_epi32(
           _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
           _mm512_set1_epi32(m1));
-      for (int64_t b = begin; b < end; ++b)
-        for (int half = 0; half < 2; ++half) {
-          two_row_groups_half_block<D>(ws + b * block_bytes, kbs, half, xt0.get(), xt1.get(), m1,
-                                       a, c);
-          for (int64_t r = 0; r < m; ++r)
-            for (int g = 0; g < 2; ++g) {
-              const __m512 v =
-                  r < FEW_ROWS ? _mm512_i32gather_ps(columns16, c + g * 16 * 16 + r, 4)
-                               : _mm512_i32gather_ps(columns_m1,
-                                                     c + 32 * 16 + g * 16 * m1 + r - FEW_ROWS, 4);
-              _mm256_storeu_si256(
-                  reinterpret_cast<__m256i*>(ys + r * n + b * BLOCK_N + (2 * half + g) * 16),
-                  (__m256i)_mm512_cvtneps_pbh(v));
-            }
-        }
+      for (int64_t h = begin; h < end; ++h) {
+        const int64_t b = h / 2;
+        const int half = static_cast<int>(h % 2);
+        two_row_groups_half_block<D>(ws + b * block_bytes, kbs, half, xt0.get(), xt1.get(), m1,
+                                     a, c);
+        for (int64_t r = 0; r < m; ++r)
+          for (int g = 0; g < 2; ++g) {
+            const __m512 v =
+                r < FEW_ROWS ? _mm512_i32gather_ps(columns16, c + g * 16 * 16 + r, 4)
+                             : _mm512_i32gather_ps(columns_m1,
+                                                   c + 32 * 16 + g * 16 * m1 + r - FEW_ROWS, 4);
+            _mm256_storeu_si256(
+                reinterpret_cast<__m256i*>(ys + r * n + b * BLOCK_N + (2 * half + g) * 16),
+                (__m256i)_mm512_cvtneps_pbh(v));
+          }
+      }
       _tile_release();
     });
     return y;
