@@ -35,6 +35,8 @@ EXPECTED_KEYS = (
                  "rope_ms", "forward_other_ms", "logits_ms", "sample_ms", "inputs_ms",
                  "scheduler_ms", "outside_forward_share")]
     + [f"e2e.ours.{c}.tok_s" for c in ("b1_short", "b32_short", "b32_long")]
+    + [f"attention.rows32.{k}" for k in ("short_step_ms", "long_step_ms", "long_over_short")]
+    + [f"attention.decode_4k.{k}" for k in ("ms", "kv_bytes", "gbps", "over_floor", "of_long_step")]
 )
 
 
