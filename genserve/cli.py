@@ -168,14 +168,22 @@ def envoy_argv(config_path: pathlib.Path, base_id: int) -> list[str]:
 
 
 def wait_ready(args: argparse.Namespace, timeout_s: float) -> bool:
-    """Whether the server answered within `timeout_s`: with Envoy, an engine SERVING through
-    Envoy's listener (grpc.health.v1) and the bridge's /health 200 through it too; with
-    --no-envoy, the engine SERVING on its own port."""
-    if args.no_envoy:
-        return wait_engine_ready(f"{ENGINE_HOST}:{args.grpc_port}", timeout_s)
+    """Whether the server answered within `timeout_s`: every engine replica SERVING on its own
+    port, then, with Envoy, an engine SERVING through Envoy's listener (grpc.health.v1) and the
+    bridge's /health 200 through it too.
+
+    Every replica first, not any one: a replica still loading its model takes the cores, and the
+    serving ones can then answer Envoy's health checks too late (1 s), be marked unhealthy, and
+    leave Envoy routing to the loading one (panic routing); /health would then flap to 503 right
+    after the ready message."""
     deadline = time.monotonic() + timeout_s
+    for port in engine_ports(args):
+        if not wait_engine_ready(f"{ENGINE_HOST}:{port}", max(deadline - time.monotonic(), 0.0)):
+            return False
+    if args.no_envoy:
+        return True
     target = public_target(args)
-    return wait_engine_ready(target, timeout_s) and \
+    return wait_engine_ready(target, max(deadline - time.monotonic(), 0.0)) and \
         wait_http_ok(f"http://{target}/health", max(deadline - time.monotonic(), 0.0))
 
 
