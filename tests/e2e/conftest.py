@@ -42,13 +42,19 @@ class Server:
                 out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
         return out
 
-    def wait_idle(self, timeout_s: float = 30.0) -> dict[str, float]:
-        """Poll /metrics until no request runs or waits; returns the last metrics."""
+    def wait_idle(self, timeout_s: float = 30.0, settle_s: float = 0.3) -> dict[str, float]:
+        """Poll /metrics until no request runs or waits, and still none `settle_s` seconds later;
+        returns that later snapshot. The engine frees a finished row under its lock and tells the
+        metrics listener just after, so one scrape can see the row gone and its finish (a cancel,
+        its steps) not yet counted; the second look comes after that gap."""
         deadline = time.monotonic() + timeout_s
         while True:
             m = self.metrics()
             if m["genserve_running_rows"] == 0 and m["genserve_queue_depth"] == 0:
-                return m
+                time.sleep(settle_s)
+                m = self.metrics()
+                if m["genserve_running_rows"] == 0 and m["genserve_queue_depth"] == 0:
+                    return m
             if time.monotonic() > deadline:
                 raise AssertionError(f"engine not idle after {timeout_s} s: {m['genserve_running_rows']} rows")
             time.sleep(0.1)
