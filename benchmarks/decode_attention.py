@@ -7,6 +7,8 @@ Run from the repository root::
                                           [--baseline PATH] [--json PATH]
 
 `python -m benchmarks.engine` runs the same measurement (32 rows × 1,500 tokens) in every run.
+Each layout is measured twice: bf16 pools, and pools in the 8-bit format (`engine.kv_quant`,
+66-byte rows: 0.52× the bytes; keys "..._int8").
 
 What is measured: one step's decode attention — SmolLM2-135M's shape (30 layers, 9 query heads
 over 3 KV heads of 64 dimensions, bf16, 16-token blocks), one `paged_decode` call per layer, each
@@ -48,6 +50,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kv_quant import row_bytes
+
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16    # SmolLM2-135M, the engine's blocks
 SPARE_BLOCKS = 64
 MADV_HUGEPAGE = 14                                            # Linux <asm-generic/mman-common.h>
@@ -74,9 +78,11 @@ class AttentionResult:
     huge_mb: float
 
 
-def kv_bytes(rows: int, context: int) -> int:
-    """Keys and values one decode step reads: layers · rows · context · kv_heads · head_dim · 2 · 2."""
-    return LAYERS * rows * context * KV_HEADS * HEAD_DIM * 2 * 2
+def kv_bytes(rows: int, context: int, eight_bit: bool = False) -> int:
+    """Keys and values one decode step reads: layers · rows · context · kv_heads · head_dim · 2 · 2
+    (bf16), or layers · rows · context · kv_heads · 66 · 2 (the 8-bit format's rows)."""
+    row = row_bytes(HEAD_DIM) if eight_bit else HEAD_DIM * 2
+    return LAYERS * rows * context * KV_HEADS * row * 2
 
 
 def thp_mode() -> str:
@@ -115,22 +121,34 @@ def _huge_mb() -> float:
     return 0.0
 
 
-def make_step(rows: int, context: int, huge: bool, seed: int = 0):
-    """Pools, queries, tables and lengths of one step (module docstring), filled with N(0, 1) bf16.
+def make_step(rows: int, context: int, huge: bool, seed: int = 0, eight_bit: bool = False):
+    """Pools, queries, tables and lengths of one step (module docstring), filled with N(0, 1) bf16,
+    or (`eight_bit`) with rows of the 8-bit format: uniform int8 q in -127..127, scales
+    2^-13 .. 2^-6.
 
     Returns:
-        (pools: list of `LAYERS` tensors [2, blocks, 16, 3, 64] bf16, q [rows, 9, 64] bf16,
-         tables int64 [rows, ⌈context / 16⌉], lens int64 [rows]).
+        (pools: list of `LAYERS` tensors [2, blocks, 16, 3, 64] bf16 or [2, blocks, 16, 3, 66]
+         int8, q [rows, 9, 64] bf16, tables int64 [rows, ⌈context / 16⌉], lens int64 [rows]).
     """
     g = torch.Generator().manual_seed(seed)
     per_row = -(-context // BLOCK)
     blocks = rows * per_row + SPARE_BLOCKS
     pools = []
     for _ in range(LAYERS):
-        pool = torch.empty(2, blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16)
+        if eight_bit:
+            pool = torch.empty(2, blocks, BLOCK, KV_HEADS, row_bytes(HEAD_DIM), dtype=torch.int8)
+        else:
+            pool = torch.empty(2, blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16)
         if huge:
             _advise_huge(pool)
-        pools.append(pool.normal_(generator=g))
+        if eight_bit:
+            pool[..., :HEAD_DIM] = torch.randint(-127, 128, (2, blocks, BLOCK, KV_HEADS, HEAD_DIM),
+                                                 generator=g, dtype=torch.int8)
+            exponents = torch.randint(127 - 7, 127, (2, blocks, BLOCK, KV_HEADS, 2), generator=g)
+            pool[..., HEAD_DIM:] = exponents.to(torch.uint8).view(torch.int8)
+            pools.append(pool)
+        else:
+            pools.append(pool.normal_(generator=g))
     tables = torch.randperm(blocks, generator=g)[:rows * per_row].view(rows, per_row).contiguous()
     q = torch.randn(rows, HEADS, HEAD_DIM, generator=g).bfloat16()
     return pools, q, tables, torch.full((rows,), context, dtype=torch.long)
@@ -196,7 +214,8 @@ def measure(read_gbps: float, rows: int = 32, context: int = 1500, repeats: int 
 
     Returns:
         {"4k": ..., "thp": ... (where the kernel's THP mode is not "never"), "4k_baseline",
-        "thp_baseline" (with a baseline)}: `AttentionResult` each.
+        "thp_baseline" (with a baseline), "4k_int8", "thp_int8" (genserve's op over pools in
+        the 8-bit format)}: `AttentionResult` each.
 
     Raises:
         RuntimeError: genserve's kernels are not available (`engine.kernels.available()`).
@@ -205,19 +224,21 @@ def measure(read_gbps: float, rows: int = 32, context: int = 1500, repeats: int 
 
     if not kernels.available():
         raise RuntimeError("genserve's CPU kernels are not available; nothing to measure")
-    total = kv_bytes(rows, context)
-    floor_s = total / (read_gbps * 1e9)
     layouts = [("4k", False)] + ([("thp", True)] if thp_mode() not in ("never", "") else [])
     ops = [("", torch.ops.genserve.paged_decode)] + ([("_baseline", baseline)] if baseline else [])
     results = {}
     for name, huge in layouts:
-        before = _huge_mb()
-        step = make_step(rows, context, huge)
-        huge_mb = max(0.0, _huge_mb() - before)
-        for suffix, op in ops:
-            t = time_step(op, *step, repeats)
-            results[name + suffix] = AttentionResult(t, total, total / t / 1e9, t / floor_s, huge_mb)
-        del step
+        for eight_bit in (False, True):
+            total = kv_bytes(rows, context, eight_bit)
+            floor_s = total / (read_gbps * 1e9)
+            before = _huge_mb()
+            step = make_step(rows, context, huge, eight_bit=eight_bit)
+            huge_mb = max(0.0, _huge_mb() - before)
+            for suffix, op in (ops[:1] if eight_bit else ops):
+                t = time_step(op, *step, repeats)
+                key = name + suffix + ("_int8" if eight_bit else "")
+                results[key] = AttentionResult(t, total, total / t / 1e9, t / floor_s, huge_mb)
+            del step
     return results
 
 

@@ -36,13 +36,14 @@ host-to-device copy per step); the other backends there (xformers, FlexAttention
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from engine import kernels as genserve_kernels
+from engine.kv_quant import dequantize_kv, quantize_kv, quantized
 
 if TYPE_CHECKING:
     from engine.attention_backends import AttentionBackend
@@ -286,7 +287,8 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetada
 
     Args:
         q: [B, n_heads, head_dim] queries of the decode rows.
-        cache: one layer's pools [2, num_blocks, block_size, n_kv_heads, head_dim] (K, V).
+        cache: one layer's pools [2, num_blocks, block_size, n_kv_heads, head_dim] (K, V), or
+            int8 rows of the 8-bit format (`engine.kv_quant`), read as their dequantized values.
         meta: `decode_blocks` [B × nb] and `decode_bias` [B, 1, 1, nb × block_size]; the SDPA
             path gathers into `meta.gather` when it is set.
     Returns:
@@ -300,7 +302,7 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetada
     """
     b, n_heads, hd = q.shape
     n_kv = cache.shape[-2]
-    if meta.kernels:
+    if meta.kernels:                     # reads either cache format in place
         tables = meta.decode_blocks.view(b, -1)
         return torch.ops.genserve.paged_decode(q.contiguous(), cache[0], cache[1], tables,
                                                meta.decode_lens, hd ** -0.5)
@@ -311,6 +313,8 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetada
     kv = buffer.take(gathered.numel(), cache.dtype, cache.device).view(gathered)
     torch.index_select(pools[0], 0, meta.decode_blocks, out=kv[0])
     torch.index_select(pools[1], 0, meta.decode_blocks, out=kv[1])
+    if quantized(cache.dtype):                                          # the 8-bit format
+        kv = dequantize_kv(kv.view(2, -1, cache.shape[-1]), q.dtype)
     keys = kv[0].view(b, length, n_kv, hd).transpose(1, 2)             # [B, kvh, L, hd]
     values = kv[1].view(b, length, n_kv, hd).transpose(1, 2)
     qg = q.view(b, n_kv, n_heads // n_kv, hd)              # [B, kvh, group, hd]: group as queries
@@ -349,9 +353,13 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, slots: torch
 
     Args:
         k, v: [T, n_kv_heads, head_dim] (RoPE already applied to k).
-        cache: one layer's pools [2, num_blocks, block_size, n_kv_heads, head_dim] (K, V).
+        cache: one layer's pools [2, num_blocks, block_size, n_kv_heads, head_dim] (K, V), or
+            int8 [..., row_bytes(head_dim)]: then k and v are stored in the 8-bit format
+            (`engine.kv_quant.quantize_kv`).
         slots: int64 [T], rows of the pools viewed as [num_blocks × block_size, ...].
     """
+    if quantized(cache.dtype):
+        k, v = quantize_kv(k), quantize_kv(v)
     rows = cache.view(2, -1, *cache.shape[-2:])               # [2, num_blocks·bs, kvh, hd]
     rows[0].index_copy_(0, slots, k)
     rows[1].index_copy_(0, slots, v)
@@ -362,8 +370,10 @@ def attend(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> tor
 
     Args:
         q: [T, n_heads, head_dim] queries of the flat batch (RoPE applied).
-        cache: one layer's K and V pools, [2, num_blocks, block_size, n_kv_heads, head_dim];
-            same dtype as q.
+        cache: one layer's K and V pools, [2, num_blocks, block_size, n_kv_heads, head_dim] in
+            q's dtype, or int8 rows of the 8-bit format (`engine.kv_quant`). Decode rows read
+            the 8-bit rows in place on the kernel path; every other path attends over the
+            dequantized blocks of its context (`dequantized_context`).
         meta: spans of this step.
     Returns:
         [T, n_heads, head_dim] attention output, dtype of q.
@@ -377,9 +387,32 @@ def attend(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> tor
         and genserve_kernels.prefill_kernel_available()
     for s in meta.seqs:
         piece = q[s.q_start:s.q_end]
+        piece_cache = cache
+        if quantized(cache.dtype):
+            piece_cache, s = dequantized_context(cache, s, q.dtype)
         if kernel:
             out[s.q_start:s.q_end] = torch.ops.genserve.paged_prefill(
-                piece, cache[0], cache[1], s.blocks, s.context_len - len(piece), q.shape[-1] ** -0.5)
+                piece, piece_cache[0], piece_cache[1], s.blocks, s.context_len - len(piece),
+                q.shape[-1] ** -0.5)
         else:
-            out[s.q_start:s.q_end] = prefill_attention(piece, cache, s)
+            out[s.q_start:s.q_end] = prefill_attention(piece, piece_cache, s)
     return out
+
+
+def dequantized_context(cache: torch.Tensor, span: SeqSpan,
+                        dtype: torch.dtype) -> tuple[torch.Tensor, SeqSpan]:
+    """A prefill piece's context blocks of an 8-bit cache, dequantized.
+
+    Args:
+        cache: one layer's int8 pools [2, num_blocks, block_size, n_kv_heads, row_bytes].
+        span: the piece; its `blocks` name the context's blocks in position order.
+        dtype: the model dtype.
+    Returns:
+        (pools [2, nb, block_size, n_kv_heads, head_dim] in `dtype` holding the piece's nb
+        blocks in order, the span with `blocks` = 0..nb-1 over them): the same attention as the
+        pools in `dtype` holding the dequantized numbers. Prefill is bound by arithmetic, not by
+        reading the context, so one dequantized copy per piece and layer costs little.
+    """
+    local = dequantize_kv(cache.index_select(1, span.blocks), dtype)
+    blocks = torch.arange(len(span.blocks), dtype=torch.long, device=span.blocks.device)
+    return local, replace(span, blocks=blocks)

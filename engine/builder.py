@@ -227,10 +227,17 @@ def kv_pool_blocks(config: EngineConfig, args: ModelArgs, dtype: torch.dtype,
 
 
 def engine_from_model(config: EngineConfig, model: Transformer) -> Engine:
-    """A stopped engine over `model`, its KV pool on the model's device (sized by `kv_pool_blocks`)."""
+    """A stopped engine over `model`, its KV pool on the model's device (sized by `kv_pool_blocks`)
+    in the model dtype or, with `config.kv_cache_dtype` "int8", in the 8-bit format.
+
+    Raises:
+        ValueError: fewer than 2 blocks fit; the 8-bit format with a head_dim that is not a
+            multiple of 32 or with an attention backend that cannot read it (ModelExecutor).
+    """
     device = model.output.device
-    num_blocks = kv_pool_blocks(config, model.args, model.dtype, device)
-    kv = KVCache(model.args, num_blocks, config.block_size, model.dtype, device)
+    kv_dtype = torch.int8 if config.kv_cache_dtype == "int8" else model.dtype
+    num_blocks = kv_pool_blocks(config, model.args, kv_dtype, device)
+    kv = KVCache(model.args, num_blocks, config.block_size, kv_dtype, device)
     # genserve's CPU kernels take bf16 or fp32 only; fp16 on the CPU runs the torch ops
     kernels = False if model.dtype == torch.float16 else None
     return Engine(config, ModelExecutor(model, kv, kernels=kernels),

@@ -14,6 +14,7 @@ DTYPES = ("bfloat16", "float32", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 POLICIES = ("fixed", "slo")
 WEIGHTS = ("auto", "bf16", "q4")
+KV_CACHE_DTYPES = ("auto", "int8")
 
 
 @dataclass(slots=True)
@@ -80,6 +81,12 @@ class EngineConfig:
             with the bits of genserve's bf16 products (`engine.model.q4` says where those are the
             bf16 path's; GGUF models on AVX512-BF16 CPUs, bfloat16 only); "auto" (default): "q4"
             where it can run, else "bf16" (faster at 1 and 32 rows: docs/benchmarks/q4.md).
+        kv_cache_dtype: how the KV pool stores keys and values (`KV_CACHE_DTYPES`, vLLM's
+            `--kv-cache-dtype`): "auto" (default): in the model dtype; "int8": the 8-bit format
+            of `engine.kv_quant` (int8 with a power-of-two scale per 32 numbers, OCP MX's
+            MXINT8; 0.52x the bytes of bf16 at head_dim 64): twice the tokens in the same pool and fewer bytes for decode
+            attention to read, at the cost of rounding every cached key and value (the model's
+            outputs change; docs/benchmarks/kv_int8.md measures by how much and how fast).
     """
 
     block_size: int = 16
@@ -110,6 +117,7 @@ class EngineConfig:
     slo_row_limit: int = 256
     prefix_caching: bool = True
     weights: str = "auto"
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -154,6 +162,9 @@ class EngineConfig:
             raise ValueError(f"slo_row_limit must be in 1..4096, got {self.slo_row_limit}")
         if self.weights not in WEIGHTS:
             raise ValueError(f"weights must be one of {WEIGHTS}, got {self.weights!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got "
+                             f"{self.kv_cache_dtype!r}")
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold `num_tokens` tokens (ceil division by block_size)."""

@@ -23,7 +23,7 @@ import typing
 from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
-from engine.config import BATCHING_MODES, DEVICES, DTYPES, EngineConfig
+from engine.config import BATCHING_MODES, DEVICES, DTYPES, KV_CACHE_DTYPES, EngineConfig
 
 GIB = 1024**3
 GB = 10**9
@@ -62,6 +62,7 @@ FLAG_CHOICES: typing.Mapping[str, tuple[str, ...]] = types.MappingProxyType({
     "dtype": DTYPES,
     "batching": BATCHING_MODES,
     "device": DEVICES,
+    "kv_cache_dtype": KV_CACHE_DTYPES,
 })
 
 

@@ -16,6 +16,7 @@ from engine.attention import AttentionMetadata, GatherBuffer
 from engine.attention_backends import AttentionBackend, CpuBackend, choose_backend
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KVCache
+from engine.kv_quant import quantized
 from engine.model.llama import Transformer
 from engine.request import Request
 from engine.sampler import make_generator, sample
@@ -49,8 +50,9 @@ class ModelExecutor:
         cuda_graphs: replay decode-only steps of up to 64 rows from CUDA graphs captured per
             row bucket (`engine.cuda_graphs.DecodeGraphs`); CUDA only, off by default.
     Raises:
-        ValueError: the weights and the KV pools are on different devices, or `attention` is
-            not a backend name.
+        ValueError: the weights and the KV pools are on different devices, `attention` is
+            not a backend name, or the pools are in the 8-bit format (int8) with `attention`
+            other than "cpu" or "sdpa" or with `cuda_graphs`.
         RuntimeError: the forced `attention` backend cannot run on this device.
 
     The device is the one the model's weights and the KV pools are on (they must agree). On the
@@ -79,6 +81,19 @@ class ModelExecutor:
             model.pack()                  # moved after packing: drop the CPU-only copies
         if kernels is None:
             kernels = (model.args.head_dim == 64 and on_cpu and genserve_kernels.available())
+        eight_bit = quantized(kv.layers[0].dtype)
+        if eight_bit:
+            # The 8-bit cache is read by genserve's bf16 kernels and by the torch SDPA path (on
+            # any device); the other backends read the pools as numbers.
+            if attention not in (None, "cpu", "sdpa"):
+                raise ValueError(f"the 8-bit KV cache runs with the cpu or sdpa attention backend, "
+                                 f"not {attention!r}")
+            if cuda_graphs:
+                raise ValueError("CUDA graphs are not captured for the 8-bit KV cache")
+            attention = attention or ("cpu" if on_cpu else "sdpa")
+            # genserve's decode kernel reads the 8-bit rows with bf16 queries on AVX512-BF16
+            kernels = (kernels and model.dtype == torch.bfloat16
+                       and genserve_kernels.prefill_kernel_available())
         self.kernels = kernels and on_cpu
         args = model.args
         self.attention: AttentionBackend = choose_backend(

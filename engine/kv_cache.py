@@ -6,17 +6,25 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kv_quant import quantized, row_bytes
 from engine.model.llama import ModelArgs
 
 
+def head_bytes(head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one cached head vector (one token, one KV head, K or V): head_dim × element
+    bytes, or the 8-bit format's row (`engine.kv_quant.row_bytes`: 66 for head_dim 64) when
+    `dtype` is int8. Raises ValueError for int8 with a head_dim that is not a multiple of 32."""
+    return row_bytes(head_dim) if quantized(dtype) else head_dim * _element_size(dtype)
+
+
 def bytes_per_block(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers: layers × 2 (K, V) × block × kv_heads × head_dim × elem.
+    """Bytes one block takes across all layers: layers × 2 (K, V) × block × kv_heads × head bytes.
 
     For the reference 7B model in fp16 (docs/design.md): 32 × 2 × 16 × 32 × 128 × 2 = 8,388,608 bytes (8.39 MB);
-    for SmolLM2-135M in bf16: 30 × 2 × 16 × 3 × 64 × 2 = 368,640 bytes.
+    for SmolLM2-135M in bf16: 30 × 2 × 16 × 3 × 64 × 2 = 368,640 bytes; in the 8-bit format
+    (int8): 30 × 2 × 16 × 3 × 66 = 190,080 bytes.
     """
-    elem = _element_size(dtype)
-    return args.n_layers * 2 * block_size * args.n_kv_heads * args.head_dim * elem
+    return args.n_layers * 2 * block_size * args.n_kv_heads * head_bytes(args.head_dim, dtype)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,8 +121,11 @@ def device_pool_size(args: ModelArgs, block_size: int, dtype: torch.dtype, devic
         raise ValueError(f"device pool sizing needs a CUDA device, got {device}")
     torch.cuda.empty_cache()
     free, _total = torch.cuda.mem_get_info(device)
+    # The 8-bit format's row counts as row_bytes one-byte numbers.
+    width, elem = ((row_bytes(args.head_dim), 1) if quantized(dtype)
+                   else (args.head_dim, _element_size(dtype)))
     return kv_pool_size(free, 0, reserve_bytes, n_layers=args.n_layers, n_kv_heads=args.n_kv_heads,
-                        head_dim=args.head_dim, dtype_bytes=_element_size(dtype), block_size=block_size)
+                        head_dim=width, dtype_bytes=elem, block_size=block_size)
 
 
 def _element_size(dtype: torch.dtype) -> int:
@@ -124,7 +135,9 @@ def _element_size(dtype: torch.dtype) -> int:
 class KVCache:
     """Per-layer K/V block storage.
 
-    Layout per layer: `[2, num_blocks, block_size, n_kv_heads, head_dim]` in `dtype`; index 0 of
+    Layout per layer: `[2, num_blocks, block_size, n_kv_heads, head_dim]` in `dtype`, or
+    `[2, num_blocks, block_size, n_kv_heads, row_bytes(head_dim)]` int8 when `dtype` is int8 (the
+    8-bit format of `engine.kv_quant`: each row's int8 numbers, then its scales' exponents); index 0 of
     the first dimension is the K pool, 1 the V pool. Token position p of a request lives in block
     `block_table[p // block_size]` at offset `p % block_size`, i.e. flat slot
     `block_id * block_size + offset` of each pool's `[num_blocks * block_size, ...]` view. K and V
@@ -135,15 +148,18 @@ class KVCache:
         args: model shape (layers, kv heads, head dim).
         num_blocks: blocks in the pool.
         block_size: tokens per block.
-        dtype: element type (bf16 on CPU by default).
+        dtype: element type (the model dtype, or int8 for the 8-bit format).
         device: where the pools live (CPU by default).
+    Raises:
+        ValueError: int8 with a head_dim that is not a multiple of 32.
     """
 
     def __init__(self, args: ModelArgs, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str = "cpu") -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (2, num_blocks, block_size, args.n_kv_heads, args.head_dim)
+        width = row_bytes(args.head_dim) if quantized(dtype) else args.head_dim
+        shape = (2, num_blocks, block_size, args.n_kv_heads, width)
         self.layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)]
 
     def copy_block(self, src: int, dst: int) -> None:

@@ -1,5 +1,8 @@
 // Paged decode attention on CPU: one query token per row, keys and values read in place from the
-// block pools through each row's block table (no gather copy, no padding).
+// block pools through each row's block table (no gather copy, no padding). The pools hold bf16
+// or fp32 numbers, or (bf16 queries on AVX512-BF16 CPUs) rows of the 8-bit format
+// (engine/kv_quant.py), turned in registers into the numbers a bf16 pool holding them would hold,
+// so the result has those bits at about half the bytes read.
 //
 //   out[b, h, :] = softmax_j(q[b, h] · k[b, j] * scale) · v[b, j],  j < context_lens[b]
 //
@@ -157,17 +160,82 @@ struct alignas(64) TileConfig {
 };
 #endif
 
+// How a pool row (one token's head vector, 64 numbers) is read:
+//   load:   as two registers of 32 bf16 (dimensions 0-31, 32-63), the AMX / vdpbf16ps operands;
+//   values: as four registers of 16 fp32, the P·V operands, in the accumulator's order;
+//   store:  the row's output from those accumulators (fp32, that order) as 64 bf16.
+// bf16 rows keep the pairs' interleaving (even dimensions, then odd, of 0-31, then of 32-63),
+// which costs one shift or mask per register; 8-bit rows are read in dimension order.
+struct Bf16Rows {
+  using Elem = uint16_t;
+  static constexpr int64_t WIDTH = 64;     // elements per row
+  static inline void load(const Elem* row, __m512i& x0, __m512i& x1) {
+    x0 = _mm512_loadu_si512(row);
+    x1 = _mm512_loadu_si512(row + 32);
+  }
+  static inline void values(const Elem* row, __m512 v[4]) {
+    const __m512i odd_mask = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+    const __m512i x0 = _mm512_loadu_si512(row), x1 = _mm512_loadu_si512(row + 32);
+    v[0] = _mm512_castsi512_ps(_mm512_slli_epi32(x0, 16));
+    v[1] = _mm512_castsi512_ps(_mm512_and_si512(x0, odd_mask));
+    v[2] = _mm512_castsi512_ps(_mm512_slli_epi32(x1, 16));
+    v[3] = _mm512_castsi512_ps(_mm512_and_si512(x1, odd_mask));
+  }
+  static inline void store(uint16_t* dst, const __m512 o[4]) {
+    _mm512_storeu_si512(dst, genserve::interleave_bf16(o[0], o[1]));
+    _mm512_storeu_si512(dst + 32, genserve::interleave_bf16(o[2], o[3]));
+  }
+};
+
+// The 8-bit format (engine/kv_quant.py): 64 int8 q, then the bytes E0 (dimensions 0-31) and E1
+// (32-63); a number is q * 2^(E - 133), exact in fp32 and in bf16 (at most 7 significant bits,
+// an fp32 normal), so one conversion and one exact multiply give the numbers a bf16 pool holding
+// them would give, and converting them to bf16 rounds nothing.
+struct Q8Rows {
+  using Elem = int8_t;
+  static constexpr int64_t WIDTH = 66;
+  static inline __m512 scale(const Elem* row, int group) {     // 2^(E - 133) from its bits
+    const int e = static_cast<uint8_t>(row[64 + group]) - genserve::KV8_Q_BITS;
+    return _mm512_castsi512_ps(_mm512_set1_epi32(e << 23));
+  }
+  static inline __m512 numbers(const Elem* q16, __m512 d) {
+    return _mm512_mul_ps(
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q16)))), d);
+  }
+  static inline void values(const Elem* row, __m512 v[4]) {
+    const __m512 d0 = scale(row, 0), d1 = scale(row, 1);
+    v[0] = numbers(row, d0);
+    v[1] = numbers(row + 16, d0);
+    v[2] = numbers(row + 32, d1);
+    v[3] = numbers(row + 48, d1);
+  }
+  static inline void load(const Elem* row, __m512i& x0, __m512i& x1) {
+    __m512 v[4];
+    values(row, v);
+    x0 = (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]);
+    x1 = (__m512i)_mm512_cvtne2ps_pbh(v[3], v[2]);
+  }
+  static inline void store(uint16_t* dst, const __m512 o[4]) {
+    _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(o[1], o[0]));
+    _mm512_storeu_si512(dst + 32, (__m512i)_mm512_cvtne2ps_pbh(o[3], o[2]));
+  }
+};
+
+template <class R>
 struct DecodeArgs {
-  const uint16_t *q, *k, *v;               // q [B, heads, D]; pools [blocks, block, kv_heads, D]
+  const uint16_t* q;                       // [B, heads, D]
+  const typename R::Elem *k, *v;           // pools [blocks, block, kv_heads, R::WIDTH]
   const int64_t *tables, *lens;
   uint16_t* out;                           // [B, heads, D]
-  int64_t heads, kv_heads, block, table_width, block_stride, token_stride;
+  int64_t heads, kv_heads, block, table_width, block_stride, token_stride;   // strides in Elems
   float scale;
 };
 
-template <int G, bool AMX>
-void decode_item(const DecodeArgs& a, int64_t b, int64_t h0, int nh) {
+template <int G, bool AMX, class R>
+void decode_item(const DecodeArgs<R>& a, int64_t b, int64_t h0, int nh) {
   constexpr int D = 64;
+  constexpr int64_t W = R::WIDTH;          // a row's elements in the pool
+  constexpr bool DIRECT = std::is_same_v<R, Bf16Rows>;   // AMX reads keys from the pool itself
   constexpr int HMAX = LANES / G;          // KV heads an item may hold
   const int64_t len = a.lens[b];
   const int64_t* table = a.tables + b * a.table_width;
@@ -179,7 +247,9 @@ void decode_item(const DecodeArgs& a, int64_t b, int64_t h0, int nh) {
   }
   alignas(64) float s[TILE][LANES] = {};            // scores, then probabilities, of a tile
   alignas(64) float corr[LANES];
-  alignas(64) float acc[HMAX][G][4][16] = {};       // O: dims (even, odd) of 0-31, then of 32-63
+  alignas(64) float acc[HMAX][G][4][16] = {};       // O, in R::values's order of the dimensions
+  // The 8-bit path's keys of a tile as bf16: [token][KV head's dimensions 0-31, 32-63].
+  alignas(64) __m512i kbuf[DIRECT || !AMX ? 1 : TILE][2 * AMX_HEADS];
 #ifdef GENSERVE_DECODE_AMX
   // Qᵀ block-diagonal, as bf16 pairs: slice k (dimensions 32k'..32k'+31 of KV head k / 2, k' =
   // k % 2) holds pair p of each of that head's G query heads in their lanes, zeros elsewhere.
@@ -200,7 +270,6 @@ void decode_item(const DecodeArgs& a, int64_t b, int64_t h0, int nh) {
 #endif
   const __m512 scale = _mm512_set1_ps(a.scale);
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  const __m512i odd_mask = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
   __m512 m = ninf, l = _mm512_setzero_ps();
   const int64_t ts = a.token_stride;
   for (int64_t start = 0; start < len; start += a.block) {
@@ -210,35 +279,47 @@ void decode_item(const DecodeArgs& a, int64_t b, int64_t h0, int nh) {
     const int64_t ahead = start + PREFETCH_BLOCKS * a.block;
     const int64_t ahead_rows = ahead < len ? std::min(a.block, len - ahead) : 0;
     const int64_t ahead_blk = ahead < len ? table[ahead / a.block] : blk;
-    const char* kahead = reinterpret_cast<const char*>(a.k + ahead_blk * a.block_stride + h0 * D);
-    const char* vahead = reinterpret_cast<const char*>(a.v + ahead_blk * a.block_stride + h0 * D);
-    const uint16_t* kblock = a.k + blk * a.block_stride + h0 * D;
-    const uint16_t* vblock = a.v + blk * a.block_stride + h0 * D;
+    const char* kahead = reinterpret_cast<const char*>(a.k + ahead_blk * a.block_stride + h0 * W);
+    const char* vahead = reinterpret_cast<const char*>(a.v + ahead_blk * a.block_stride + h0 * W);
+    const typename R::Elem* kblock = a.k + blk * a.block_stride + h0 * W;
+    const typename R::Elem* vblock = a.v + blk * a.block_stride + h0 * W;
     for (int64_t t0 = 0; t0 < a.block && start + t0 < len; t0 += TILE) {
       const int n = static_cast<int>(std::min<int64_t>({TILE, a.block - t0, len - start - t0}));
-      const uint16_t* krow = kblock + t0 * ts;
-      const uint16_t* vrow = vblock + t0 * ts;
+      const typename R::Elem* krow = kblock + t0 * ts;
+      const typename R::Elem* vrow = vblock + t0 * ts;
       // S [16 keys × lanes]: one column per query head of the run.
 #ifdef GENSERVE_DECODE_AMX
       if constexpr (AMX) {
         // S = Σₖ K[:, slice k] · Qᵀ[slice k]: the keys' 32-dimension slices straight from the
-        // pool (row stride = one token); a lane's other slices are zeros and add exact zeros.
-        const uint16_t* kk = krow;
+        // pool (row stride = one token), or from kbuf where the 8-bit rows were decoded to the
+        // same bf16 keys; a lane's other slices are zeros and add exact zeros.
+        const uint16_t* kk;
+        int64_t kstride;                                   // bytes between keys
+        if constexpr (DIRECT) {
+          kk = krow;
+          kstride = ts * 2;
+        } else {
+          for (int t = 0; t < n; ++t)
+            for (int hl = 0; hl < nh; ++hl)
+              R::load(krow + t * ts + hl * W, kbuf[t][2 * hl], kbuf[t][2 * hl + 1]);
+          kk = reinterpret_cast<const uint16_t*>(kbuf);
+          kstride = sizeof(kbuf[0]);
+        }
         _tile_zero(0);
-        _tile_loadd(1, kk, ts * 2);
+        _tile_loadd(1, kk, kstride);
         _tile_dpbf16ps(0, 1, 2);
-        _tile_loadd(1, kk + 32, ts * 2);
+        _tile_loadd(1, kk + 32, kstride);
         _tile_dpbf16ps(0, 1, 3);
         if (nh > 1) {
-          _tile_loadd(1, kk + 64, ts * 2);
+          _tile_loadd(1, kk + 64, kstride);
           _tile_dpbf16ps(0, 1, 4);
-          _tile_loadd(1, kk + 96, ts * 2);
+          _tile_loadd(1, kk + 96, kstride);
           _tile_dpbf16ps(0, 1, 5);
         }
         if (nh > 2) {
-          _tile_loadd(1, kk + 128, ts * 2);
+          _tile_loadd(1, kk + 128, kstride);
           _tile_dpbf16ps(0, 1, 6);
-          _tile_loadd(1, kk + 160, ts * 2);
+          _tile_loadd(1, kk + 160, kstride);
           _tile_dpbf16ps(0, 1, 7);
         }
         _tile_stored(0, s[0], LANES * 4);
@@ -251,12 +332,12 @@ void decode_item(const DecodeArgs& a, int64_t b, int64_t h0, int nh) {
             for (int i = 0; i < 2; ++i)
               qv[g][i] = (__m512bh)_mm512_loadu_si512(q + (hl * G + g) * D + 32 * i);
           for (int t = 0; t < n; ++t) {
-            const uint16_t* row = krow + t * ts + hl * D;
-            const __m512bh k0 = (__m512bh)_mm512_loadu_si512(row);
-            const __m512bh k1 = (__m512bh)_mm512_loadu_si512(row + 32);
+            __m512i k0, k1;
+            R::load(krow + t * ts + hl * W, k0, k1);
             for (int g = 0; g < G; ++g)
               s[t][hl * G + g] = _mm512_reduce_add_ps(
-                  _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], k0), qv[g][1], k1));
+                  _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], (__m512bh)k0),
+                                   qv[g][1], (__m512bh)k1));
           }
         }
       }
@@ -284,19 +365,15 @@ void decode_item(const DecodeArgs& a, int64_t b, int64_t h0, int nh) {
           for (int i = 0; i < 4; ++i) o[g][i] = _mm512_mul_ps(_mm512_load_ps(acc[hl][g][i]), cg);
         }
         for (int t = 0; t < n; ++t) {
-          if (t0 + t < ahead_rows) {
-            const int64_t at = ((t0 + t) * ts + hl * D) * 2;
+          if (t0 + t < ahead_rows) {       // the row's bytes: two cache lines at most
+            const int64_t at = ((t0 + t) * ts + hl * W) * sizeof(typename R::Elem);
             _mm_prefetch(kahead + at, _MM_HINT_T1);
-            _mm_prefetch(kahead + at + 64, _MM_HINT_T1);
+            _mm_prefetch(kahead + at + W * sizeof(typename R::Elem) - 1, _MM_HINT_T1);
             _mm_prefetch(vahead + at, _MM_HINT_T1);
-            _mm_prefetch(vahead + at + 64, _MM_HINT_T1);
+            _mm_prefetch(vahead + at + W * sizeof(typename R::Elem) - 1, _MM_HINT_T1);
           }
-          const uint16_t* row = vrow + t * ts + hl * D;
-          const __m512i x0 = _mm512_loadu_si512(row), x1 = _mm512_loadu_si512(row + 32);
-          const __m512 v[4] = {_mm512_castsi512_ps(_mm512_slli_epi32(x0, 16)),
-                               _mm512_castsi512_ps(_mm512_and_si512(x0, odd_mask)),
-                               _mm512_castsi512_ps(_mm512_slli_epi32(x1, 16)),
-                               _mm512_castsi512_ps(_mm512_and_si512(x1, odd_mask))};
+          __m512 v[4];
+          R::values(vrow + t * ts + hl * W, v);
           for (int g = 0; g < G; ++g) {
             const __m512 p = _mm512_set1_ps(s[t][hl * G + g]);
             for (int i = 0; i < 4; ++i) o[g][i] = _mm512_fmadd_ps(p, v[i], o[g][i]);
@@ -312,27 +389,25 @@ void decode_item(const DecodeArgs& a, int64_t b, int64_t h0, int nh) {
   for (int hl = 0; hl < nh; ++hl)
     for (int g = 0; g < G; ++g) {
       const __m512 r = _mm512_set1_ps(inv[hl * G + g]);
-      uint16_t* dst = out + (hl * G + g) * D;
-      for (int i = 0; i < 2; ++i)
-        _mm512_storeu_si512(dst + 32 * i,
-                            genserve::interleave_bf16(_mm512_mul_ps(_mm512_load_ps(acc[hl][g][2 * i]), r),
-                                            _mm512_mul_ps(_mm512_load_ps(acc[hl][g][2 * i + 1]), r)));
+      __m512 o[4];
+      for (int i = 0; i < 4; ++i) o[i] = _mm512_mul_ps(_mm512_load_ps(acc[hl][g][i]), r);
+      R::store(out + (hl * G + g) * D, o);
     }
 }
 
-template <int G, bool AMX>
+template <int G, bool AMX, class R>
 void decode_kernel_avx512(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                           const at::Tensor& tables, const at::Tensor& lens, at::Tensor& out,
                           double scale) {
-  constexpr int D = 64;
+  constexpr int64_t W = R::WIDTH;
   const int64_t rows = q.size(0), kv_heads = k_pool.size(2), block = k_pool.size(1);
-  const DecodeArgs a{reinterpret_cast<const uint16_t*>(q.data_ptr<c10::BFloat16>()),
-                     reinterpret_cast<const uint16_t*>(k_pool.data_ptr<c10::BFloat16>()),
-                     reinterpret_cast<const uint16_t*>(v_pool.data_ptr<c10::BFloat16>()),
-                     tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
-                     reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()),
-                     q.size(1), kv_heads, block, tables.size(1), block * kv_heads * D, kv_heads * D,
-                     static_cast<float>(scale)};
+  const DecodeArgs<R> a{reinterpret_cast<const uint16_t*>(q.data_ptr<c10::BFloat16>()),
+                        static_cast<const typename R::Elem*>(k_pool.data_ptr()),
+                        static_cast<const typename R::Elem*>(v_pool.data_ptr()),
+                        tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
+                        reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()),
+                        q.size(1), kv_heads, block, tables.size(1), block * kv_heads * W,
+                        kv_heads * W, static_cast<float>(scale)};
   // A row's KV heads go together (contiguous reads, one exp per token for all of them) when
   // there are rows enough to keep every thread busy; else one KV head per item. Same bits.
   const int64_t most = AMX ? std::min<int64_t>(AMX_HEADS, LANES / G) : LANES / G;
@@ -351,7 +426,7 @@ void decode_kernel_avx512(const at::Tensor& q, const at::Tensor& k_pool, const a
 #endif
     for (int64_t item = begin; item < end; ++item) {
       const int64_t h0 = item % per_row * run;
-      decode_item<G, AMX>(a, item / per_row, h0, static_cast<int>(std::min(run, kv_heads - h0)));
+      decode_item<G, AMX, R>(a, item / per_row, h0, static_cast<int>(std::min(run, kv_heads - h0)));
     }
 #ifdef GENSERVE_DECODE_AMX
     if constexpr (AMX) _tile_release();
@@ -359,17 +434,26 @@ void decode_kernel_avx512(const at::Tensor& q, const at::Tensor& k_pool, const a
   });
 }
 
-template <int G>
-void decode_bf16(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+template <int G, class R>
+void decode_rows(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                  const at::Tensor& tables, const at::Tensor& lens, at::Tensor& out, double scale) {
 #ifdef GENSERVE_DECODE_AMX
   // AMX tiles hold 16 keys, and a tile never crosses a block boundary. GENSERVE_DECODE_AMX=0
   // (read at every call) runs the vdpbf16ps scores instead, so both are tested on AMX machines.
   const char* env = std::getenv("GENSERVE_DECODE_AMX");
   if (k_pool.size(1) % TILE == 0 && !(env && std::strcmp(env, "0") == 0) && amx_permitted())
-    return decode_kernel_avx512<G, true>(q, k_pool, v_pool, tables, lens, out, scale);
+    return decode_kernel_avx512<G, true, R>(q, k_pool, v_pool, tables, lens, out, scale);
 #endif
-  decode_kernel_avx512<G, false>(q, k_pool, v_pool, tables, lens, out, scale);
+  decode_kernel_avx512<G, false, R>(q, k_pool, v_pool, tables, lens, out, scale);
+}
+
+// bf16 queries over bf16 pools, or over pools in the 8-bit format (int8).
+template <int G>
+void decode_bf16(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                 const at::Tensor& tables, const at::Tensor& lens, at::Tensor& out, double scale) {
+  if (k_pool.scalar_type() == at::kChar)
+    return decode_rows<G, Q8Rows>(q, k_pool, v_pool, tables, lens, out, scale);
+  decode_rows<G, Bf16Rows>(q, k_pool, v_pool, tables, lens, out, scale);
 }
 #endif  // __AVX512BF16__ && __AVX512BW__
 
@@ -407,12 +491,23 @@ at::Tensor genserve::paged_decode(const at::Tensor& q, const at::Tensor& k_pool,
               "q [B, H, D], pools [blocks, block, kv_heads, D]");
   TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous() &&
                   tables.is_contiguous() && lens.is_contiguous(), "contiguous inputs");
-  TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && q.scalar_type() == v_pool.scalar_type(),
-              "q and pools share a dtype");
   TORCH_CHECK(tables.scalar_type() == at::kLong && lens.scalar_type() == at::kLong, "int64 tables");
+  TORCH_CHECK(k_pool.scalar_type() == v_pool.scalar_type(), "K and V pools share a dtype");
+  at::Tensor out = at::empty_like(q);
+  if (k_pool.scalar_type() == at::kChar) {           // the 8-bit format
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    TORCH_CHECK(q.scalar_type() == at::kBFloat16 && q.size(2) == 64 &&
+                    k_pool.size(3) == genserve::kv8_row_bytes(64) && q.size(1) % k_pool.size(2) == 0,
+                "8-bit pools: bf16 q, head_dim 64 (rows of 66 bytes) and whole GQA groups");
+    dispatch_group<c10::BFloat16>(q, k_pool, v_pool, tables, lens, out, scale);
+    return out;
+#else
+    TORCH_CHECK(false, "8-bit KV pools need the AVX512-BF16 build of genserve's kernels");
+#endif
+  }
+  TORCH_CHECK(q.scalar_type() == k_pool.scalar_type(), "q and pools share a dtype");
   TORCH_CHECK(q.size(2) == 64 && k_pool.size(3) == 64 && q.size(1) % k_pool.size(2) == 0,
               "head_dim 64 and whole GQA groups");
-  at::Tensor out = at::empty_like(q);
   if (q.scalar_type() == at::kBFloat16) {
     dispatch_group<c10::BFloat16>(q, k_pool, v_pool, tables, lens, out, scale);
   } else {

@@ -6,6 +6,13 @@
 
 namespace genserve {
 
+// The 8-bit KV cache format (engine/kv_quant.py, OCP MX's MXINT8 block): a row is head_dim int8 q,
+// then one byte per KV8_GROUP numbers, the biased exponent E = e + 127; a number is q * 2^(E - 133).
+constexpr int64_t KV8_GROUP = 32;
+constexpr int KV8_EXP_BIAS = 127, KV8_EXP_MIN = -120, KV8_Q_BITS = 6;
+inline int64_t kv8_row_bytes(int64_t head_dim) { return head_dim + head_dim / KV8_GROUP; }
+inline int64_t kv8_head_dim(int64_t row_bytes) { return row_bytes * KV8_GROUP / (KV8_GROUP + 1); }
+
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                         const at::Tensor& tables, const at::Tensor& lens, double scale);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);

@@ -5,6 +5,7 @@
 //   add_rms_norm_(h, d, w, eps)     -> h := h + d (rounded to h's dtype, in place); rms_norm(h)
 //   rope_store_kv(qkv, rope, pos, cache, slots, H, KVH)
 //                                   -> q rotated; k rotated and v written into their cache slots
+//                                      (in the 8-bit format when the cache is int8)
 //   silu_mul(gate_up)               -> silu(gate) * up                           (fp32 math)
 //
 // Every row is computed alone, in a fixed order, so a row's bits never depend on the other rows
@@ -16,9 +17,11 @@
 #include "bf16.h"
 #include "genserve_ops.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -65,6 +68,63 @@ inline void rotate(const T* x, const float* cs, T* y, int64_t hd) {
   }
 }
 
+// One head vector x [hd] (the numbers a bf16/fp32 cache would hold) as a row of the 8-bit
+// format (engine/kv_quant.py, whose quantize_kv stores the same bytes): per group of 32, e from
+// frexp of the fp32 amax (0 for an all-zero group, at least -120), q = x * 2^(6 - e) (exact)
+// rounded half to even and clamped to ±127, then the groups' e + 127 after the hd int8.
+// Compiled without -ffast-math, which may assume no rounding-mode dependence of nearbyint.
+__attribute__((optimize("no-fast-math"))) void quantize_row(const float* x, int8_t* dst, int64_t hd) {
+  using namespace genserve;
+  for (int64_t g = 0; g < hd / KV8_GROUP; ++g) {
+    const float* xg = x + g * KV8_GROUP;
+    float amax = 0.f;
+    for (int i = 0; i < KV8_GROUP; ++i) amax = std::max(amax, std::fabs(xg[i]));
+    int k = 0;
+    std::frexp(amax, &k);                                  // amax = m * 2^k, 0.5 <= m < 1
+    const int e = amax == 0.f ? 0 : std::max(k - 1, KV8_EXP_MIN);
+    for (int i = 0; i < KV8_GROUP; ++i) {
+      const float v = std::nearbyint(std::ldexp(xg[i], KV8_Q_BITS - e));
+      dst[g * KV8_GROUP + i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, v)));
+    }
+    dst[hd + g] = static_cast<int8_t>(static_cast<uint8_t>(e + KV8_EXP_BIAS));
+  }
+}
+
+// rope_store_kv into an 8-bit cache: q and k rotated as into a cache of qkv's dtype (k rounded
+// to that dtype first, the numbers that cache would hold), then k and v quantized by row.
+void rope_store_kv8(const at::Tensor& qkv, const at::Tensor& rope, const at::Tensor& positions,
+                    at::Tensor& cache, const at::Tensor& slots, int64_t n_heads, int64_t n_kv_heads,
+                    at::Tensor& q) {
+  const int64_t t_len = qkv.size(0), row = cache.size(4), hd = genserve::kv8_head_dim(row);
+  const int64_t pool_rows = cache.size(1) * cache.size(2), width = qkv.size(1);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, qkv.scalar_type(), "rope_store_kv8", [&] {
+    const scalar_t* src = qkv.data_ptr<scalar_t>();
+    scalar_t* qd = q.data_ptr<scalar_t>();
+    int8_t* kd = cache.data_ptr<int8_t>();
+    int8_t* vd = kd + pool_rows * n_kv_heads * row;
+    const float* cs = rope.data_ptr<float>();
+    at::parallel_for(0, t_len, grain(width), [&](int64_t b, int64_t e) {
+      std::vector<scalar_t> k(hd);
+      std::vector<float> x(hd);
+      for (int64_t t = b; t < e; ++t) {
+        const scalar_t* in = src + t * width;
+        const float* c = cs + pos[t] * hd;
+        for (int64_t h = 0; h < n_heads; ++h) rotate(in + h * hd, c, qd + (t * n_heads + h) * hd, hd);
+        for (int64_t h = 0; h < n_kv_heads; ++h) {
+          rotate(in + (n_heads + h) * hd, c, k.data(), hd);
+          for (int64_t i = 0; i < hd; ++i) x[i] = to_float(k[i]);
+          quantize_row(x.data(), kd + (slot[t] * n_kv_heads + h) * row, hd);
+          const scalar_t* v = in + (n_heads + n_kv_heads + h) * hd;
+          for (int64_t i = 0; i < hd; ++i) x[i] = to_float(v[i]);
+          quantize_row(x.data(), vd + (slot[t] * n_kv_heads + h) * row, hd);
+        }
+      }
+    });
+  });
+}
+
 }  // namespace
 
 at::Tensor genserve::rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -106,10 +166,15 @@ at::Tensor genserve::rope_store_kv(const at::Tensor& qkv, const at::Tensor& rope
                          at::Tensor cache, const at::Tensor& slots, int64_t n_heads,
                          int64_t n_kv_heads) {
   check_rows(qkv, "qkv");
+  const bool eight_bit = cache.scalar_type() == at::kChar;
   TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.is_contiguous() &&
-                  cache.scalar_type() == qkv.scalar_type(),
-              "cache must be a contiguous [2, blocks, block, kv_heads, hd] tensor of qkv's dtype");
-  const int64_t t_len = qkv.size(0), hd = cache.size(4);
+                  (cache.scalar_type() == qkv.scalar_type() || eight_bit),
+              "cache must be a contiguous [2, blocks, block, kv_heads, hd] tensor of qkv's dtype "
+              "or int8 rows of the 8-bit format");
+  const int64_t t_len = qkv.size(0),
+                hd = eight_bit ? genserve::kv8_head_dim(cache.size(4)) : cache.size(4);
+  TORCH_CHECK(!eight_bit || (hd % genserve::KV8_GROUP == 0 && genserve::kv8_row_bytes(hd) == cache.size(4)),
+              "an 8-bit cache row is head_dim int8 + 2 bytes per 32");
   TORCH_CHECK(cache.size(3) == n_kv_heads && qkv.size(1) == (n_heads + 2 * n_kv_heads) * hd,
               "qkv must hold (n_heads + 2 n_kv_heads) * hd columns");
   TORCH_CHECK(rope.dim() == 3 && rope.size(1) * 2 == hd && rope.size(2) == 2 &&
@@ -128,6 +193,10 @@ at::Tensor genserve::rope_store_kv(const at::Tensor& qkv, const at::Tensor& rope
   }
   at::Tensor q = at::empty({t_len, n_heads, hd}, qkv.options());
   const int64_t width = qkv.size(1), kv_row = n_kv_heads * hd;
+  if (eight_bit) {
+    rope_store_kv8(qkv, rope, positions, cache, slots, n_heads, n_kv_heads, q);
+    return q;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, qkv.scalar_type(), "rope_store_kv", [&] {
     const scalar_t* src = qkv.data_ptr<scalar_t>();
     scalar_t* qd = q.data_ptr<scalar_t>();

@@ -46,11 +46,12 @@ class TorchLayerOps:
             qkv: [T, (H + 2·KVH)·hd], Q | K | V, Q and K in interleaved-pair order.
             rope: fp32 [max_context, hd / 2, 2], (cos, sin) of position p, pair j.
             positions: int64 [T]; slots: int64 [T], each token's row in the cache pools.
-            cache: one layer's pools [2, num_blocks, block_size, KVH, hd] (K, V), written.
+            cache: one layer's pools [2, num_blocks, block_size, KVH, hd] (K, V), or int8 rows of
+                the 8-bit format (`engine.kv_quant`), written.
         Returns:
             q [T, H, hd] rotated: (a, b) of pair j → (a·cos − b·sin, a·sin + b·cos).
         """
-        t, hd = qkv.shape[0], cache.shape[-1]
+        t, hd = qkv.shape[0], qkv.shape[1] // (n_heads + 2 * n_kv_heads)
         qk, v = qkv.split([(n_heads + n_kv_heads) * hd, n_kv_heads * hd], dim=-1)
         freqs = torch.view_as_complex(rope[positions])                       # [T, hd / 2]
         xc = torch.view_as_complex(qk.float().reshape(t, n_heads + n_kv_heads, hd // 2, 2))
