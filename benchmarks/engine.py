@@ -706,7 +706,9 @@ def main(argv: list[str] | None = None) -> int:
             f"mean context {long32['context']:.0f}")
     rep.add("attention.rows32.long_over_short", long32["step_ms"] / short32["step_ms"],
             "long / short ctx 32-row step", "×")
-    for layout, what in (("4k", "4 KB pages, as the KV cache"), ("thp", "huge pages advised")):
+    for layout, what in (("4k", "4 KB pages, as the KV cache"), ("thp", "huge pages advised"),
+                         ("4k_int8", "4 KB pages, the 8-bit KV format (--kv-cache-dtype int8)"),
+                         ("thp_int8", "huge pages advised, the 8-bit KV format")):
         r = attn.get(layout)
         if r is None:
             continue
@@ -714,9 +716,9 @@ def main(argv: list[str] | None = None) -> int:
         shape = f"{s.attn_rows} × {s.attn_context} tokens"
         rep.add(f"{k}.ms", 1000 * r.step_s, f"decode attention {shape}, {layout}", "ms",
                 f"best of {s.attn_repeats}, 30 layers; {what}"
-                + (f" ({r.huge_mb:.0f} MB in huge pages)" if layout == "thp" else ""))
+                + (f" ({r.huge_mb:.0f} MB in huge pages)" if layout.startswith("thp") else ""))
         rep.add(f"{k}.kv_bytes", r.kv_bytes, "  K/V bytes it reads", "B",
-                "layers · rows · context · kv_heads · head_dim · 2 · 2")
+                "layers · rows · context · kv_heads · row bytes (128, or 66 in 8 bits) · 2")
         rep.add(f"{k}.gbps", r.gbps, "  achieved read rate", "GB/s", f"read bandwidth {read_bw:.1f} GB/s")
         rep.add(f"{k}.over_floor", r.over_floor, "  time / (bytes ÷ read bandwidth)", "×",
                 "target ≤ 1.5")

@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     args, state = load_gguf(open_gguf())
     model = model_from_weights(args, state, torch.bfloat16)
     attach_weights(config.weights, model, parse_model_source(None))     # the embedded GGUF
-    blocks = max(rows_list) * -(-(opts.prompt_len + opts.steps + 16) // 16) + 64
+    # every request admitted at once, above the 5 % admission margin
+    blocks = max(rows_list) * -(-(opts.prompt_len + opts.steps + 16) // 16) * 5 // 4 + 64
     engines = {fmt: engine_from_model(EngineConfig(num_blocks=blocks, max_rows=max(rows_list),
                                                    kv_cache_dtype=fmt), model)
                for fmt in FORMATS}

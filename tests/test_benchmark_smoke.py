@@ -1,7 +1,8 @@
-"""Smoke test of `python -m benchmarks.engine`: it runs end to end and reports every figure.
+"""Smoke tests of `python -m benchmarks.engine` and `python -m benchmarks.kv_int8`: each runs end
+to end and reports every figure.
 
-Runs the benchmark's --quick sizes in a subprocess (15–30 s on 2 cores, mostly model loading).
-No timing is asserted: only that each figure is present, finite and positive.
+Each runs at small sizes in a subprocess (15–30 s on 2 cores, mostly model loading). No timing is
+asserted: only that each figure is present, finite and positive.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ EXPECTED_KEYS = (
                  "scheduler_ms", "outside_forward_share")]
     + [f"e2e.ours.{c}.tok_s" for c in ("b1_short", "b32_short", "b32_long")]
     + [f"attention.rows32.{k}" for k in ("short_step_ms", "long_step_ms", "long_over_short")]
-    + [f"attention.decode_4k.{k}" for k in ("ms", "kv_bytes", "gbps", "over_floor", "of_long_step")]
+    + [f"attention.decode_{layout}.{k}" for layout in ("4k", "4k_int8")
+       for k in ("ms", "kv_bytes", "gbps", "over_floor", "of_long_step")]
 )
 
 
@@ -55,3 +57,20 @@ def test_benchmark_quick_reports_every_figure(gguf_path, tmp_path):
     assert not bad, f"figures not finite and positive: {bad}"
     assert report["meta"]["quick"] is True
     assert "share outside forward" in proc.stdout       # the printed table
+
+
+def test_kv_int8_benchmark_times_both_cache_formats(gguf_path, tmp_path):
+    out = tmp_path / "kv.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.kv_int8", "--rows", "1,3", "--prompt-len", "40",
+         "--steps", "3", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    assert report["kv_bytes_per_token"] == {"auto": 30 * 2 * 3 * 64 * 2, "int8": 30 * 2 * 3 * 66}
+    for rows in ("1", "3"):
+        times = report["decode_ms"][rows]
+        assert set(times) == {"auto", "int8"} and all(math.isfinite(t) and t > 0 for t in times.values())
+        mb = report["kv_mb_per_step"][rows]
+        assert mb["int8"] == mb["auto"] * 66 / 128
+    assert "tokens a 2 GiB pool holds" in proc.stdout
