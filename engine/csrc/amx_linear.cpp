@@ -67,6 +67,12 @@ constexpr int64_t QK = 32;                   // weights per quantized block (alo
 constexpr int64_t PAIRS = QK / 2;            // k pairs per block: rows of a B tile
 constexpr int GROUPS = BLOCK_N / 16;         // 16-column groups (one tile each) per block
 constexpr int FEW_ROWS = 16;                 // up to this many rows: W as the A tile
+// The few-row paths prefetch the groups they will decode this many k blocks ahead. A thread reads
+// two of every four groups (its half of each block), interleaved with ~100 instructions of
+// decode per group: the hardware prefetchers left the loads waiting on memory, and prefetching
+// made the 120 block products of a one-row step 1.28x faster and its logits 1.2x (A/B in one
+// process; 8 and 12 blocks ahead did the same, 4 a little less).
+constexpr int64_t PREFETCH_KBS = 8;
 
 // Linux's arch_prctl request for the AMX tile data state (asm/prctl.h, XFEATURE_XTILEDATA): a
 // process must ask once before its threads touch the tiles.
@@ -185,6 +191,14 @@ struct Q8_0 {
   }
 };
 
+// The two groups at `groups` into L1 (PREFETCH_KBS). Past the end of the matrix, a prefetch
+// neither faults nor reads anything that matters.
+template <class D>
+inline void prefetch_groups(const uint8_t* groups) {
+  for (int64_t o = 0; o < 2 * D::GROUP_BYTES; o += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(groups + o), _MM_HINT_T0);
+}
+
 // The C tiles tmm0-3, the sums of every path, start from zero.
 inline void zero_c_tiles() {
   _tile_zero(0);
@@ -233,6 +247,7 @@ __attribute__((noipa)) void few_rows_half_block(const uint8_t* block, int64_t kb
   _tile_zero(1);
   for (int64_t kb = 0; kb < kbs; ++kb) {
     const uint8_t* blk = block + (kb * GROUPS + 2 * half) * D::GROUP_BYTES;
+    prefetch_groups<D>(blk + PREFETCH_KBS * GROUPS * D::GROUP_BYTES);
     D::decode(blk, a);
     D::decode(blk + D::GROUP_BYTES, a + 16 * QK);
     memory_used(a);
@@ -261,6 +276,7 @@ __attribute__((noipa)) void two_row_groups_half_block(const uint8_t* block, int6
   zero_c_tiles();
   for (int64_t kb = 0; kb < kbs; ++kb) {
     const uint8_t* blk = block + (kb * GROUPS + 2 * half) * D::GROUP_BYTES;
+    prefetch_groups<D>(blk + PREFETCH_KBS * GROUPS * D::GROUP_BYTES);
     D::decode(blk, a);
     D::decode(blk + D::GROUP_BYTES, a + 16 * QK);
     memory_used(a);
