@@ -27,48 +27,14 @@ import sys
 
 import torch
 
-from benchmarks.q4 import _decoding, submit
+from benchmarks.q4 import decode_in_turn
 from engine.builder import attach_weights, engine_from_model, model_from_weights, set_threads
 from engine.config import EngineConfig
 from engine.kv_cache import bytes_per_block
-from engine.loop import Engine
 from engine.model.weights import load_gguf, open_gguf
 from genserve.model_source import parse_model_source
 
 FORMATS = ("auto", "int8")
-
-
-def measure(engines: dict[str, Engine], rows: int, steps: int, prompt_len: int
-            ) -> tuple[dict[str, list[float]], float]:
-    """Per engine, the executor's seconds of each pure-decode step at `rows` rows, the engines
-    stepping in turn, and the mean context (tokens) of the counted steps."""
-    times: dict[str, list[float]] = {name: [] for name in engines}
-    contexts: list[int] = []
-    for name, engine in engines.items():
-        submit(engine, rows, prompt_len, steps + 8, name)
-        while engine.scheduler.has_work and not _decoding(engine, rows):
-            engine.step()
-
-    def listener(name: str):
-        def on_step(plan, events, step_s: float) -> None:
-            if plan.num_decode_rows == rows and plan.num_prefill_tokens == 0:
-                times[name].append(step_s)
-                contexts.extend(seg.end for seg in plan.segments)
-        return on_step
-
-    hooks = {name: listener(name) for name in engines}
-    for name, engine in engines.items():
-        engine.step_listeners.append(hooks[name])
-    try:
-        for _ in range(steps):
-            for engine in engines.values():
-                engine.step()
-    finally:
-        for name, engine in engines.items():
-            engine.step_listeners.remove(hooks[name])
-    for engine in engines.values():
-        engine.run_until_idle()
-    return times, statistics.mean(contexts)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,8 +65,9 @@ def main(argv: list[str] | None = None) -> int:
                                  "decode_ms": {}, "kv_mb_per_step": {}}
     print(f"{'rows':>4} {'bf16 KV':>10} {'int8 KV':>10}   (median ms per decode step)")
     for rows in rows_list:
-        times, context = measure(engines, rows, opts.steps, opts.prompt_len)
-        med = {fmt: statistics.median(ts) * 1e3 for fmt, ts in times.items()}
+        run = decode_in_turn(engines, rows, opts.steps, opts.prompt_len)
+        context = statistics.mean(run.contexts)
+        med = {fmt: statistics.median(ts) * 1e3 for fmt, ts in run.times.items()}
         mb = {fmt: rows * context * per_token[fmt] / 1e6 for fmt in FORMATS}
         result["decode_ms"][str(rows)] = med                              # type: ignore[index]
         result["kv_mb_per_step"][str(rows)] = mb                          # type: ignore[index]

@@ -34,6 +34,7 @@ import pathlib
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -96,11 +97,28 @@ def submit(engine: Engine, rows: int, prompt_len: int, max_tokens: int, tag: str
     return reqs
 
 
-def measure(engines: dict[str, Engine], rows: int, steps: int, prompt_len: int
-            ) -> dict[str, list[float]]:
-    """Per engine, the executor's seconds of each pure-decode step at `rows` rows, the engines
-    stepping in turn; asserts that q4 generated the tokens of the bf16 engine it reproduces."""
+@dataclass(frozen=True, slots=True)
+class InTurn:
+    """What `decode_in_turn` measured.
+
+    Attributes:
+        times: per engine, the executor's seconds of each counted step (pure decode at `rows`).
+        contexts: the context length (tokens) of every row of every counted step, all engines.
+        requests: per engine, its requests (run to their end).
+    """
+
+    times: dict[str, list[float]]
+    contexts: list[int]
+    requests: dict[str, list[Request]]
+
+
+def decode_in_turn(engines: dict[str, Engine], rows: int, steps: int, prompt_len: int) -> InTurn:
+    """Give each engine the same `rows` greedy requests of `prompt_len` seeded token ids
+    (`submit`), prefill them, then let the engines take one step each in turn, `steps` times (so
+    load from other processes falls on all alike), and run them to the end. Counted: the
+    pure-decode steps at `rows` rows (`Engine.step_listeners`: the executor's time)."""
     times: dict[str, list[float]] = {name: [] for name in engines}
+    contexts: list[int] = []
     submitted: dict[str, list[Request]] = {}
     for name, engine in engines.items():
         submitted[name] = submit(engine, rows, prompt_len, steps + 8, name)
@@ -111,6 +129,7 @@ def measure(engines: dict[str, Engine], rows: int, steps: int, prompt_len: int
         def on_step(plan, events, step_s: float) -> None:
             if plan.num_decode_rows == rows and plan.num_prefill_tokens == 0:
                 times[name].append(step_s)
+                contexts.extend(seg.end for seg in plan.segments)
         return on_step
 
     hooks = {name: listener(name) for name in engines}
@@ -125,11 +144,20 @@ def measure(engines: dict[str, Engine], rows: int, steps: int, prompt_len: int
             engine.step_listeners.remove(hooks[name])
     for engine in engines.values():
         engine.run_until_idle()
-    outputs = {name: [r.generated for r in reqs] for name, reqs in submitted.items()}
+    return InTurn(times, contexts, submitted)
+
+
+def measure(engines: dict[str, Engine], rows: int, steps: int, prompt_len: int
+            ) -> dict[str, list[float]]:
+    """Per engine, the executor's seconds of each pure-decode step at `rows` rows, the engines
+    stepping in turn (`decode_in_turn`); asserts that q4 generated the tokens of the bf16 engine
+    it reproduces."""
+    run = decode_in_turn(engines, rows, steps, prompt_len)
+    outputs = {name: [r.generated for r in reqs] for name, reqs in run.requests.items()}
     same = "bf16-twin" if "bf16-twin" in outputs else "bf16"
     if outputs["q4"] != outputs[same]:
         raise AssertionError(f"{rows} rows: q4 and {same} generated different tokens")
-    return times
+    return run.times
 
 
 def _decoding(engine: Engine, rows: int) -> bool:

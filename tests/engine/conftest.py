@@ -55,3 +55,31 @@ def generate(engine: Engine, prompts: list[list[int]], max_tokens: int, **sampli
     engine.run_until_idle()
     engine.pool.check_all_free()
     return [list(r.generated) for r in reqs]
+
+
+def check_preemption_keeps_tokens(engine: Engine, gguf_weights, prompts: list[list[int]],
+                                  **config) -> None:
+    """Run six requests (greedy and seeded top-p, 40 tokens each) on `engine`, then on a fresh
+    engine of the same settings (`config`: extra EngineConfig fields) whose 14-block pool must
+    preempt them as they grow; assert that it did preempt and that every request produced the same
+    tokens, and that both pools end with every block free.
+
+    Six requests of 5-9 prompt tokens growing by 40 need 3 blocks each at the end (18); a pool of
+    14 blocks admits all six and must preempt as they grow.
+    """
+    args, state = gguf_weights
+    settings = [dict(temperature=0.0), dict(temperature=0.8, top_p=0.9, seed=99)] * 3
+
+    def run(e: Engine) -> list[list[int]]:
+        reqs = [new_request(p, 40, ignore_eos=True, **s) for p, s in zip(prompts, settings)]
+        for r in reqs:
+            e.submit(r)
+        e.run_until_idle()
+        e.pool.check_all_free()
+        return [list(r.generated) for r in reqs]
+
+    full = run(engine)
+    small = engine_from_weights(EngineConfig(num_blocks=14, free_margin=0.0, **config), args, state)
+    shrunk = run(small)
+    assert small.scheduler.num_preemptions > 0
+    assert shrunk == full

@@ -13,7 +13,7 @@ from engine.kv_cache import KVCache, bytes_per_block
 from engine.kv_quant import dequantize_kv, quantize_kv, row_bytes
 from engine.model.layer_ops import KernelLayerOps, TorchLayerOps
 from engine.model.llama import ModelArgs, rope_tables
-from tests.engine.conftest import generate, new_request
+from tests.engine.conftest import check_preemption_keeps_tokens, generate
 from tests.engine.test_model import mixed_prompts
 
 BS, KVH, HD, GROUP = 16, 3, 64, 3          # SmolLM2's shape: 9 query heads over 3 KV heads
@@ -196,27 +196,8 @@ def test_int8_cache_keeps_the_bf16_cache_next_token_and_logits_close(int8_engine
 
 def test_int8_preempted_requests_produce_the_tokens_of_an_unpreempted_run(gguf_weights, gguf_tokenizer,
                                                                           int8_engine):
-    from engine.builder import engine_from_weights
-    from engine.config import EngineConfig
-
-    args, state = gguf_weights
-    prompts = mixed_prompts(gguf_tokenizer)[:6]
-    settings = [dict(temperature=0.0), dict(temperature=0.8, top_p=0.9, seed=99)] * 3
-
-    def run(engine):
-        reqs = [new_request(p, 40, ignore_eos=True, **s) for p, s in zip(prompts, settings)]
-        for r in reqs:
-            engine.submit(r)
-        engine.run_until_idle()
-        engine.pool.check_all_free()
-        return [list(r.generated) for r in reqs]
-
-    full = run(int8_engine)
-    small = engine_from_weights(EngineConfig(num_blocks=14, free_margin=0.0, kv_cache_dtype="int8"),
-                                args, state)
-    shrunk = run(small)
-    assert small.scheduler.num_preemptions > 0
-    assert shrunk == full
+    check_preemption_keeps_tokens(int8_engine, gguf_weights, mixed_prompts(gguf_tokenizer)[:6],
+                                  kv_cache_dtype="int8")
 
 
 def test_int8_cache_refuses_backends_that_read_numbers(gguf_weights):

@@ -8,7 +8,7 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.kv_cache import KVCache
-from tests.engine.conftest import generate, new_request
+from tests.engine.conftest import check_preemption_keeps_tokens, generate, new_request
 
 PARAGRAPH = ("Continuous batching rebuilds the batch at every decode step, so a short answer "
              "leaves as soon as it ends and a new request joins at the next step. ")
@@ -95,28 +95,7 @@ def test_blocks_return_to_the_pool_after_mixed_run_with_cancels(bf16_engine, ggu
 
 
 def test_preempted_requests_produce_the_tokens_of_an_unpreempted_run(gguf_weights, gguf_tokenizer, bf16_engine):
-    from engine.builder import engine_from_weights
-    from engine.config import EngineConfig
-
-    args, state = gguf_weights
-    prompts = mixed_prompts(gguf_tokenizer)[:6]
-    settings = [dict(temperature=0.0), dict(temperature=0.8, top_p=0.9, seed=99)] * 3
-
-    def run(engine):
-        reqs = [new_request(p, 40, ignore_eos=True, **s) for p, s in zip(prompts, settings)]
-        for r in reqs:
-            engine.submit(r)
-        engine.run_until_idle()
-        engine.pool.check_all_free()
-        return [list(r.generated) for r in reqs]
-
-    full = run(bf16_engine)
-    # Six requests of 5-9 prompt tokens growing by 40 need 3 blocks each at the end (18);
-    # a pool of 14 blocks admits all six and must preempt as they grow.
-    small = engine_from_weights(EngineConfig(num_blocks=14, free_margin=0.0), args, state)
-    shrunk = run(small)
-    assert small.scheduler.num_preemptions > 0
-    assert shrunk == full
+    check_preemption_keeps_tokens(bf16_engine, gguf_weights, mixed_prompts(gguf_tokenizer)[:6])
 
 
 def test_decode_step_in_cpp_gives_the_python_loop_bits(bf16_engine, gguf_tokenizer):
