@@ -23,6 +23,7 @@ def test_kv_bytes_counts_keys_and_values_of_every_layer():
     # 30 layers · 32 rows · 1,500 tokens · 3 KV heads · 64 dims · (K, V) · 2 bytes
     assert bench.kv_bytes(32, 1500) == 1_105_920_000
     assert bench.kv_bytes(1, 1) == 30 * 3 * 64 * 2 * 2
+    assert bench.kv_bytes(1, 1, eight_bit=True) == 30 * 3 * 66 * 2
 
 
 def test_step_tables_hand_out_distinct_blocks_in_a_shuffled_order():
@@ -44,9 +45,9 @@ def test_benchmark_reports_each_layout(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
     layouts = {"4k"} | ({"thp"} if bench.thp_mode() not in ("never", "") else set())
-    assert set(report["results"]) == layouts
-    for r in report["results"].values():
-        assert r["kv_bytes"] == bench.kv_bytes(2, 40)
+    assert set(report["results"]) == layouts | {f"{layout}_int8" for layout in layouts}
+    for name, r in report["results"].items():
+        assert r["kv_bytes"] == bench.kv_bytes(2, 40, eight_bit=name.endswith("_int8"))
         assert math.isclose(r["gbps"], r["kv_bytes"] / r["step_s"] / 1e9)
         assert math.isclose(r["over_floor"], r["step_s"] / (r["kv_bytes"] / (report["read_gbps"] * 1e9)))
         assert r["step_s"] > 0
