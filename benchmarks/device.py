@@ -8,8 +8,9 @@ What it does, in order (docs/benchmarks/device.md):
 
 1. **Checks**: on the device, a random-initialised tiny model's greedy tokens through the engine
    (paged KV cache, chunked prefill, the chosen attention backend) against a dense fp32
-   reference written here (plain torch: RMSNorm, rotate-half RoPE, causal attention, SwiGLU); and
-   optionally the engine's pytest files, when pytest is importable (`--pytest`).
+   reference written here (plain torch: RMSNorm, rotate-half RoPE, causal attention, SwiGLU);
+   the 8-bit KV cache (`check_int8_cache`: tokens against the model-dtype cache, batch
+   invariance); and optionally the engine's pytest files, when pytest is importable (`--pytest`).
 2. **Model**: `random:llama-2-7b` (no weights travel) in FP16 on the device; the KV pool sized
    from the device's free memory after the weights and the activation reserve, as the server
    does (`engine.builder.kv_pool_blocks`).
@@ -284,6 +285,31 @@ def check_reference(device: torch.device, plan: CheckPlan) -> dict[str, Any]:
             "backend": getattr(getattr(executor.inner, "attention", None), "name", None)}
 
 
+def check_int8_cache(device: torch.device, plan: CheckPlan) -> dict[str, Any]:
+    """The 8-bit KV cache (`--kv-cache-dtype int8`) on `device`, for a tiny random model in
+    `plan.dtype`: the greedy tokens of three prompts with the cache in the model dtype and in 8
+    bits (how many agree: the 8-bit cache rounds every key and value, so some may not), and batch
+    invariance with the 8-bit cache (`engine.invariance.check_batch_invariance`)."""
+    from engine.invariance import check_batch_invariance
+
+    args = random_shape("tiny")
+    dtype = getattr(torch, plan.dtype)
+    state = random_weights(args, torch.float32, device, seed=12, std=0.1)
+    model = model_from_weights(args, state, dtype, device)
+    prompts = [prompt(n, s, args.vocab_size) for s, n in ((4, 9), (5, 70), (6, 140))]
+    tokens = {}
+    for name, kv_dtype in (("model_dtype", dtype), ("int8", torch.int8)):
+        executor = SyncedExecutor(ModelExecutor(model, KVCache(args, 128, 16, kv_dtype, device)))
+        engine = engine_over(executor, 128, 16, prefill_chunk=64, prefill_chunk_few_rows=64)
+        tokens[name] = [r.generated for r in run(engine, prompts, plan.reference_tokens, f"kv-{name}")]
+        backend = getattr(executor.inner.attention, "name", None)
+    agree = sum(a == b for x, y in zip(tokens["model_dtype"], tokens["int8"]) for a, b in zip(x, y))
+    invariant = check_batch_invariance(engine_over(executor, 128, 16), batch=8, max_tokens=8,
+                                       checked=2)
+    return {"tokens": sum(len(t) for t in tokens["int8"]), "agree_with_model_dtype": agree,
+            "invariance": invariant.identical, "backend": backend}
+
+
 def run_pytest(device: torch.device, files: Sequence[str] = DEVICE_TEST_FILES,
                timeout_s: float = 150.0) -> dict[str, Any]:
     """The engine's pytest files, when pytest is importable: their CUDA cases run where torch sees
@@ -407,6 +433,10 @@ def device_check(plan: CheckPlan, device: torch.device, *, pytest_files: bool = 
     result["reference"] = check_reference(device, plan)
     log(f"  dense fp32 reference: {result['reference']['agree']}/{result['reference']['tokens']} greedy "
         "tokens agree")
+    result["kv_int8"] = check_int8_cache(device, plan)
+    log(f"  8-bit KV cache ({result['kv_int8']['backend']}): {result['kv_int8']['agree_with_model_dtype']}/"
+        f"{result['kv_int8']['tokens']} greedy tokens as with the {plan.dtype} cache; batch invariance "
+        f"{'holds' if result['kv_int8']['invariance'] else 'BROKEN'}")
     save()
     if pytest_files:
         result["pytest"] = run_pytest(device)

@@ -34,6 +34,9 @@ def test_dry_run_checks_hold(dry_run):
     assert ref["identical"] and ref["agree"] == ref["tokens"] == 18     # 3 prompts × 6 tokens
     inv = result["variants"]["eager"]["invariance"]
     assert inv["identical"] and inv["batch"] == 6 and inv["checked"] == 2 and inv["distinct"] == 2
+    kv8 = result["kv_int8"]                  # 3 prompts × 6 tokens, fp32 model, 8-bit cache
+    assert kv8["tokens"] == 18 and kv8["invariance"] and kv8["backend"] == "cpu-sdpa"
+    assert kv8["agree_with_model_dtype"] >= 12
 
 
 def test_dry_run_measures_every_figure(dry_run):
