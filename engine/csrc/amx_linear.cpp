@@ -348,6 +348,29 @@ __attribute__((noipa)) void many_rows_block(const uint16_t* x, int64_t k, const 
                           (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(c + r * BLOCK_N + g * 16)));
 }
 
+// x^T of `rows` rows of x from row r0 (x32: [M][kp] bf16 pairs): [kp][rows] pairs, the B operand
+// of the few-row paths.
+std::unique_ptr<uint32_t[]> transpose_rows(const uint32_t* x32, int64_t kp, int64_t r0, int64_t rows) {
+  std::unique_ptr<uint32_t[]> xt(new uint32_t[kp * rows]);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t p = 0; p < kp; ++p) xt[p * rows + r] = x32[(r0 + r) * kp + p];
+  return xt;
+}
+
+// C^T of a half block for `rows` rows (c: [2 groups][16 columns][rows] fp32) into y (row stride
+// n): each row's 32 outputs rounded once to bf16.
+inline void store_columns(const float* c, int rows, c10::BFloat16* y, int64_t n) {
+  const __m512i column_starts = _mm512_mullo_epi32(
+      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(rows));
+  for (int r = 0; r < rows; ++r)
+    for (int g = 0; g < 2; ++g) {
+      const __m512 v = rows == 1 ? _mm512_loadu_ps(c + g * 16)
+                                 : _mm512_i32gather_ps(column_starts, c + g * 16 * rows + r, 4);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * n + g * 16),
+                          (__m256i)_mm512_cvtneps_pbh(v));
+    }
+}
+
 template <class D>
 at::Tensor amx_linear(const char* name, const at::Tensor& x, const at::Tensor& w) {
   constexpr int64_t BYTES_PER_32 = D::GROUP_BYTES / 16;
@@ -371,77 +394,34 @@ at::Tensor amx_linear(const char* name, const at::Tensor& x, const at::Tensor& w
   c10::BFloat16* ys = y.data_ptr<c10::BFloat16>();
   const int64_t kp = k / 2, kbs = k / QK;
   const int64_t block_bytes = kbs * GROUPS * D::GROUP_BYTES;
-  if (m <= FEW_ROWS) {
-    // x^T: per k pair the m rows' pairs (one row: x itself).
-    const auto* x32 = reinterpret_cast<const uint32_t*>(xs);
-    std::unique_ptr<uint32_t[]> transposed(m > 1 ? new uint32_t[kp * m] : nullptr);
-    if (m > 1) {
-      for (int64_t r = 0; r < m; ++r)
-        for (int64_t p = 0; p < kp; ++p) transposed[p * m + r] = x32[r * kp + p];
-    }
-    const uint32_t* xt = m > 1 ? transposed.get() : x32;
-    const TileConfig cfg = few_rows_config(static_cast<int>(m));
-    at::parallel_for(0, 2 * n / BLOCK_N, 1, [&](int64_t begin, int64_t end) {
-      alignas(64) uint16_t a[2 * 16 * QK];
-      alignas(64) float c[2 * 16 * FEW_ROWS];
-      configure_tiles(cfg);
-      const __m512i column_starts = _mm512_mullo_epi32(
-          _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-          _mm512_set1_epi32(static_cast<int>(m)));
-      for (int64_t h = begin; h < end; ++h) {
-        const int64_t b = h / 2;
-        const int half = static_cast<int>(h % 2);
-        few_rows_half_block<D>(ws + b * block_bytes, kbs, half, xt, static_cast<int>(m), a, c);
-        for (int64_t r = 0; r < m; ++r)    // c[column][m] -> y[r][column]
-          for (int g = 0; g < 2; ++g) {
-            const __m512 v = m == 1 ? _mm512_load_ps(c + g * 16)
-                                    : _mm512_i32gather_ps(column_starts, c + g * 16 * m + r, 4);
-            _mm256_storeu_si256(
-                reinterpret_cast<__m256i*>(ys + r * n + b * BLOCK_N + (2 * half + g) * 16),
-                (__m256i)_mm512_cvtneps_pbh(v));
-          }
-      }
-      _tile_release();         // oneDNN configures its own tiles per call
-    });
-    return y;
-  }
   if (m <= 2 * FEW_ROWS) {
-    const int m1 = static_cast<int>(m - FEW_ROWS);
+    // x^T in row groups: rows 0-15 (all m when m <= 16), then the other m1 rows. One row is
+    // x itself.
     const auto* x32 = reinterpret_cast<const uint32_t*>(xs);
-    std::unique_ptr<uint32_t[]> xt0(new uint32_t[kp * FEW_ROWS]), xt1(new uint32_t[kp * m1]);
-    for (int64_t r = 0; r < m; ++r)
-      for (int64_t p = 0; p < kp; ++p) {
-        if (r < FEW_ROWS) xt0[p * FEW_ROWS + r] = x32[r * kp + p];
-        else xt1[p * m1 + r - FEW_ROWS] = x32[r * kp + p];
-      }
-    const TileConfig cfg = two_row_groups_config(m1);
+    const int m0 = static_cast<int>(std::min<int64_t>(m, FEW_ROWS));
+    const int m1 = static_cast<int>(m - m0);
+    const std::unique_ptr<uint32_t[]> xt0 = m > 1 ? transpose_rows(x32, kp, 0, m0) : nullptr;
+    const std::unique_ptr<uint32_t[]> xt1 = m1 > 0 ? transpose_rows(x32, kp, m0, m1) : nullptr;
+    const uint32_t* xt = m > 1 ? xt0.get() : x32;
+    const TileConfig cfg = m1 > 0 ? two_row_groups_config(m1) : few_rows_config(m0);
     at::parallel_for(0, 2 * n / BLOCK_N, 1, [&](int64_t begin, int64_t end) {
       alignas(64) uint16_t a[2 * 16 * QK];
       alignas(64) float c[2 * 16 * 2 * FEW_ROWS];
       configure_tiles(cfg);
-      const __m512i columns16 = _mm512_mullo_epi32(
-          _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-          _mm512_set1_epi32(16));
-      const __m512i columns_m1 = _mm512_mullo_epi32(
-          _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-          _mm512_set1_epi32(m1));
       for (int64_t h = begin; h < end; ++h) {
         const int64_t b = h / 2;
         const int half = static_cast<int>(h % 2);
-        two_row_groups_half_block<D>(ws + b * block_bytes, kbs, half, xt0.get(), xt1.get(), m1,
-                                     a, c);
-        for (int64_t r = 0; r < m; ++r)
-          for (int g = 0; g < 2; ++g) {
-            const __m512 v =
-                r < FEW_ROWS ? _mm512_i32gather_ps(columns16, c + g * 16 * 16 + r, 4)
-                             : _mm512_i32gather_ps(columns_m1,
-                                                   c + 32 * 16 + g * 16 * m1 + r - FEW_ROWS, 4);
-            _mm256_storeu_si256(
-                reinterpret_cast<__m256i*>(ys + r * n + b * BLOCK_N + (2 * half + g) * 16),
-                (__m256i)_mm512_cvtneps_pbh(v));
-          }
+        c10::BFloat16* yh = ys + b * BLOCK_N + 2 * half * 16;
+        if (m1 == 0) {
+          few_rows_half_block<D>(ws + b * block_bytes, kbs, half, xt, m0, a, c);
+          store_columns(c, m0, yh, n);
+        } else {
+          two_row_groups_half_block<D>(ws + b * block_bytes, kbs, half, xt, xt1.get(), m1, a, c);
+          store_columns(c, FEW_ROWS, yh, n);
+          store_columns(c + 2 * 16 * FEW_ROWS, m1, yh + FEW_ROWS * n, n);
+        }
       }
-      _tile_release();
+      _tile_release();         // oneDNN configures its own tiles per call
     });
     return y;
   }
