@@ -50,7 +50,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from bridge.chat import ChatCompletionBuilder, ChatCompletionRequest
 from bridge.console import INDEX_HTML, STATIC_DIR, snapshot_event
 from bridge.errors import DEFAULT_RETRY_AFTER_S, ApiError, from_grpc
-from bridge.events import SSE_DONE, Builder, CompletionBuilder, sse_data, sse_error
+from bridge.events import SSE_DONE, SSE_KEEPALIVE, Builder, CompletionBuilder, sse_data, sse_error
 from bridge.metrics import BridgeMetrics
 from bridge.schemas import UINT32_MAX, CompletionRequest
 from genserve.chat_messages import ChatError
@@ -67,6 +67,9 @@ HEALTH_TIMEOUT_S = 2.0
 CANCEL_TIMEOUT_S = 5.0
 # Cancel a client that reads nothing for 30 s (docs/design.md, "Fairness, cancellation and streaming").
 SLOW_CLIENT_TIMEOUT_S = 30.0
+# A queued stream's keep-alive comment interval, seconds (sse-starlette's default ping interval):
+# far below Envoy's 300 s stream_idle_timeout (charts/genserve/values.yaml).
+SSE_KEEPALIVE_S = 15.0
 # Largest request body accepted (413 above). A full 8,192-token prompt is well under 100 KB.
 MAX_BODY_BYTES = 1024 * 1024
 # While the engine is down (restarting), calls fail at once with UNAVAILABLE (503 + Retry-After);
@@ -297,6 +300,9 @@ class BridgeState:
         model_name: the one model served (every completion names it, whatever the body asked).
         created_at: Unix time (s) the app was built: the model's `created` in `GET /v1/models`.
         slow_client_timeout_s: a stream whose client reads nothing this long is cancelled (s).
+        keepalive_s: while a stream waits for its first token (queued behind other requests), an
+            SSE comment (`SSE_KEEPALIVE`) is sent every this many seconds, so that proxies with
+            an idle timeout (Envoy's stream_idle_timeout, 300 s in the chart) do not cut it.
         tracer: OpenTelemetry tracer of the request spans.
         metrics: the bridge's Prometheus metrics (and the engine's, appended to `GET /metrics`).
         backend: the gRPC channel and stubs: opened by the lifespan at startup (closed at
@@ -310,6 +316,7 @@ class BridgeState:
     slow_client_timeout_s: float
     tracer: trace.Tracer
     metrics: BridgeMetrics
+    keepalive_s: float = SSE_KEEPALIVE_S
     backend: _Backend | None = None
 
     def connect(self) -> _Backend:
@@ -333,6 +340,7 @@ def create_app(
     engine_metrics_url: str | Sequence[str] | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
     tracer: trace.Tracer | None = None,
+    keepalive_s: float = SSE_KEEPALIVE_S,
 ) -> FastAPI:
     """Build the bridge app for the GenerateService at `grpc_target` ("host:port").
 
@@ -340,6 +348,7 @@ def create_app(
     URLs (one per engine replica) each engine's series get a `replica` label (`BridgeMetrics`).
     `max_body_bytes` bounds request bodies (413 above). `tracer`: OpenTelemetry tracer for
     request spans (default: the global provider's, a no-op unless tracing was set up).
+    `keepalive_s`: see `BridgeState.keepalive_s`.
     """
     metrics = BridgeMetrics(engine_metrics_url)
     app = FastAPI(title="genserve bridge", lifespan=_lifespan)
@@ -350,6 +359,7 @@ def create_app(
         slow_client_timeout_s=slow_client_timeout_s,
         tracer=tracer or trace.get_tracer("genserve.bridge"),
         metrics=metrics,
+        keepalive_s=keepalive_s,
     )
     app.add_middleware(BodyGuard, max_body_bytes=max_body_bytes)
     app.add_middleware(ResponseCounter, metrics=metrics)
@@ -474,7 +484,7 @@ async def _generate(request: Request, state: BridgeState, route: str, proto: pb.
         headers = {"X-Request-Id": builder.request_id}
         if stream:
             response = SSEResponse(
-                _sse_events(call, builder, _SpanNotes(span), first_events),
+                _sse_events(call, builder, _SpanNotes(span), first_events, state.keepalive_s),
                 call=call,
                 write_timeout_s=state.slow_client_timeout_s,
                 headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
@@ -651,17 +661,38 @@ async def _drain(call: grpc.aio.UnaryStreamCall, builder: Builder, notes: _SpanN
         builder.events_for(msg)
 
 
+async def _first_message(call: grpc.aio.UnaryStreamCall,
+                         keepalive_s: float) -> AsyncIterator[pb.GenerateResponse | None]:
+    """The call's next message (or EOF), after a None every `keepalive_s` seconds that it waits.
+    Raises what `call.read()` raises."""
+    read = asyncio.ensure_future(call.read())
+    try:
+        while not (await asyncio.wait({read}, timeout=keepalive_s))[0]:
+            yield None
+        yield read.result()
+    finally:
+        read.cancel()                     # the client left while it waited (no-op when done)
+
+
 async def _sse_events(call: grpc.aio.UnaryStreamCall, builder: Builder, notes: _SpanNotes,
-                      first_events: Sequence[dict] = ()) -> AsyncIterator[str]:
+                      first_events: Sequence[dict] = (),
+                      keepalive_s: float = SSE_KEEPALIVE_S) -> AsyncIterator[str]:
     """`first_events`, then the builder's events for each message (one per token and per
-    finished sample), then [DONE]; errors as `event: error`."""
+    finished sample), then [DONE]; errors as `event: error`. Until the first message after
+    Started arrives (a queued request's wait), an SSE comment every `keepalive_s` seconds; then
+    messages are read one by one, as fast as they come."""
     for event in first_events:
         yield sse_data(event)
     try:
-        while (msg := await call.read()) is not grpc.aio.EOF:
+        msg = grpc.aio.EOF
+        async for msg in _first_message(call, keepalive_s):
+            if msg is None:
+                yield SSE_KEEPALIVE
+        while msg is not grpc.aio.EOF:
             notes.on_message(msg)
             for event in builder.events_for(msg):
                 yield sse_data(event)
+            msg = await call.read()
     except grpc.aio.AioRpcError as err:
         api_error = from_grpc(err)
         log.warning("stream ended with %s: %s", api_error.code, api_error.message,

@@ -23,6 +23,9 @@ FINISH_REASON_NAME: dict[int, str] = {
 }
 
 SSE_DONE = "data: [DONE]\n\n"
+# An SSE comment line: clients skip it (the SSE specification's "lines starting with a colon"),
+# while its bytes keep proxies from closing a stream that waits (Envoy's stream_idle_timeout).
+SSE_KEEPALIVE = ": keep-alive\n\n"
 TIMING_DECIMALS = 3     # final events' timing values, ms to the microsecond (finer digits are clock noise)
 
 

@@ -10,6 +10,7 @@ behaves according to the prompt text:
     "midstream-error:<CODE>"   Started, one token, then abort with that status
     "hang"                     Started, one token, then wait until cancelled
     "hang-before-token"        Started, then wait until cancelled
+    "slow-first-token:<s>"     Started, then <s> seconds (a queued request), then as below
     "incomplete"               Started, one token, then end without Finished
     anything else              TOKENS for each of the n samples, then Finished
 
@@ -84,6 +85,8 @@ class FakeGenerateService(pb_grpc.GenerateServiceServicer):
                 request_id=request_id,
                 started=pb.Started(request_id=request_id, prompt_tokens=num_prompt),
             )
+            if prompt.startswith("slow-first-token:"):    # queued this long before its tokens
+                await asyncio.sleep(float(prompt.split(":")[1]))
             if prompt == "hang-before-token":
                 self.hanging.set()
                 await cancel_flag.wait()

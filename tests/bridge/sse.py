@@ -12,8 +12,8 @@ def parse_sse(body: str) -> list[tuple[str | None, str]]:
     """(event name or None, data) of every SSE event in a response body."""
     events = []
     for block in body.split("\n\n"):
-        if not block.strip():
-            continue
+        if not block.strip() or all(line.startswith(":") for line in block.split("\n")):
+            continue                        # empty, or comments only (keep-alives)
         name, data = None, []
         for line in block.split("\n"):
             if line.startswith("event:"):

@@ -146,3 +146,29 @@ async def test_prompt_token_ids(client, fake, body, ids):
     assert req.WhichOneof("prompt_input") == "prompt_token_ids"
     assert list(req.prompt_token_ids.ids) == ids
     assert resp.json()["usage"]["prompt_tokens"] == len(ids)
+
+
+async def test_queued_stream_sends_keepalive_comments_until_its_first_token(fake):
+    """A stream whose first token waits (a queued request) gets an SSE comment every
+    `keepalive_s`, which clients skip and proxies count as activity; then its events as usual,
+    and none once tokens flow."""
+    import httpx
+
+    from bridge.app import create_app
+
+    app = create_app(fake.target, model_name=MODEL_NAME, keepalive_s=0.1)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://bridge", timeout=10) as c:
+            resp = await c.post("/v1/completions",
+                                json={"prompt": "slow-first-token:0.45", "stream": True})
+            fast = await c.post("/v1/completions", json={"prompt": "one two", "stream": True})
+    assert resp.status_code == 200
+    blocks = [b for b in resp.text.split("\n\n") if b]
+    first_data = next(i for i, b in enumerate(blocks) if b.startswith("data:"))
+    assert 3 <= first_data <= 5 and all(b == ": keep-alive" for b in blocks[:first_data])
+    assert ": keep-alive" not in blocks[first_data:]
+    events = data_events(resp.text)                 # the comments do not disturb the events
+    assert "".join(e["text"] for e in events[:-1]) == FULL_TEXT
+    assert events[-1]["finish_reason"] == "stop"
+    assert ": keep-alive" not in fast.text and data_events(fast.text)[-1]["finish_reason"] == "stop"
