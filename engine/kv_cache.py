@@ -10,11 +10,18 @@ from engine.kv_quant import quantized, row_bytes
 from engine.model.llama import ModelArgs
 
 
+def stored_row(head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
+    """How one cached head vector (one token, one KV head, K or V) is stored: (elements, bytes per
+    element) — (head_dim, the dtype's size), or, when `dtype` is int8, the 8-bit format's row as
+    one-byte elements (`engine.kv_quant.row_bytes`: 66 for head_dim 64). Raises ValueError for
+    int8 with a head_dim that is not a multiple of 32."""
+    return (row_bytes(head_dim), 1) if quantized(dtype) else (head_dim, _element_size(dtype))
+
+
 def head_bytes(head_dim: int, dtype: torch.dtype) -> int:
-    """Bytes of one cached head vector (one token, one KV head, K or V): head_dim × element
-    bytes, or the 8-bit format's row (`engine.kv_quant.row_bytes`: 66 for head_dim 64) when
-    `dtype` is int8. Raises ValueError for int8 with a head_dim that is not a multiple of 32."""
-    return row_bytes(head_dim) if quantized(dtype) else head_dim * _element_size(dtype)
+    """Bytes of one cached head vector: elements × bytes per element of `stored_row`."""
+    elements, elem = stored_row(head_dim, dtype)
+    return elements * elem
 
 
 def bytes_per_block(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
@@ -121,9 +128,7 @@ def device_pool_size(args: ModelArgs, block_size: int, dtype: torch.dtype, devic
         raise ValueError(f"device pool sizing needs a CUDA device, got {device}")
     torch.cuda.empty_cache()
     free, _total = torch.cuda.mem_get_info(device)
-    # The 8-bit format's row counts as row_bytes one-byte numbers.
-    width, elem = ((row_bytes(args.head_dim), 1) if quantized(dtype)
-                   else (args.head_dim, _element_size(dtype)))
+    width, elem = stored_row(args.head_dim, dtype)
     return kv_pool_size(free, 0, reserve_bytes, n_layers=args.n_layers, n_kv_heads=args.n_kv_heads,
                         head_dim=width, dtype_bytes=elem, block_size=block_size)
 
@@ -158,8 +163,7 @@ class KVCache:
                  device: torch.device | str = "cpu") -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        width = row_bytes(args.head_dim) if quantized(dtype) else args.head_dim
-        shape = (2, num_blocks, block_size, args.n_kv_heads, width)
+        shape = (2, num_blocks, block_size, args.n_kv_heads, stored_row(args.head_dim, dtype)[0])
         self.layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)]
 
     def copy_block(self, src: int, dst: int) -> None:

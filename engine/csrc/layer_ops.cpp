@@ -90,41 +90,6 @@ __attribute__((optimize("no-fast-math"))) void quantize_row(const float* x, int8
   }
 }
 
-// rope_store_kv into an 8-bit cache: q and k rotated as into a cache of qkv's dtype (k rounded
-// to that dtype first, the numbers that cache would hold), then k and v quantized by row.
-void rope_store_kv8(const at::Tensor& qkv, const at::Tensor& rope, const at::Tensor& positions,
-                    at::Tensor& cache, const at::Tensor& slots, int64_t n_heads, int64_t n_kv_heads,
-                    at::Tensor& q) {
-  const int64_t t_len = qkv.size(0), row = cache.size(4), hd = genserve::kv8_head_dim(row);
-  const int64_t pool_rows = cache.size(1) * cache.size(2), width = qkv.size(1);
-  const int64_t* pos = positions.data_ptr<int64_t>();
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, qkv.scalar_type(), "rope_store_kv8", [&] {
-    const scalar_t* src = qkv.data_ptr<scalar_t>();
-    scalar_t* qd = q.data_ptr<scalar_t>();
-    int8_t* kd = cache.data_ptr<int8_t>();
-    int8_t* vd = kd + pool_rows * n_kv_heads * row;
-    const float* cs = rope.data_ptr<float>();
-    at::parallel_for(0, t_len, grain(width), [&](int64_t b, int64_t e) {
-      std::vector<scalar_t> k(hd);
-      std::vector<float> x(hd);
-      for (int64_t t = b; t < e; ++t) {
-        const scalar_t* in = src + t * width;
-        const float* c = cs + pos[t] * hd;
-        for (int64_t h = 0; h < n_heads; ++h) rotate(in + h * hd, c, qd + (t * n_heads + h) * hd, hd);
-        for (int64_t h = 0; h < n_kv_heads; ++h) {
-          rotate(in + (n_heads + h) * hd, c, k.data(), hd);
-          for (int64_t i = 0; i < hd; ++i) x[i] = to_float(k[i]);
-          quantize_row(x.data(), kd + (slot[t] * n_kv_heads + h) * row, hd);
-          const scalar_t* v = in + (n_heads + n_kv_heads + h) * hd;
-          for (int64_t i = 0; i < hd; ++i) x[i] = to_float(v[i]);
-          quantize_row(x.data(), vd + (slot[t] * n_kv_heads + h) * row, hd);
-        }
-      }
-    });
-  });
-}
-
 }  // namespace
 
 at::Tensor genserve::rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -193,26 +158,39 @@ at::Tensor genserve::rope_store_kv(const at::Tensor& qkv, const at::Tensor& rope
   }
   at::Tensor q = at::empty({t_len, n_heads, hd}, qkv.options());
   const int64_t width = qkv.size(1), kv_row = n_kv_heads * hd;
-  if (eight_bit) {
-    rope_store_kv8(qkv, rope, positions, cache, slots, n_heads, n_kv_heads, q);
-    return q;
-  }
+  // An 8-bit row per (token, KV head): k rotated as into a cache of qkv's dtype (rounded to it,
+  // the numbers that cache would hold), then k and v quantized.
+  const int64_t row8 = eight_bit ? cache.size(4) : 0;
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, qkv.scalar_type(), "rope_store_kv", [&] {
     const scalar_t* src = qkv.data_ptr<scalar_t>();
     scalar_t* qd = q.data_ptr<scalar_t>();
-    scalar_t* kd = cache.data_ptr<scalar_t>();
-    scalar_t* vd = kd + pool_rows * kv_row;
+    scalar_t* kd = eight_bit ? nullptr : cache.data_ptr<scalar_t>();
+    scalar_t* vd = eight_bit ? nullptr : kd + pool_rows * kv_row;
+    int8_t* kd8 = eight_bit ? cache.data_ptr<int8_t>() : nullptr;
+    int8_t* vd8 = eight_bit ? kd8 + pool_rows * n_kv_heads * row8 : nullptr;
     const float* cs = rope.data_ptr<float>();
     at::parallel_for(0, t_len, grain(width), [&](int64_t b, int64_t e) {
+      std::vector<scalar_t> k(eight_bit ? hd : 0);
+      std::vector<float> x(eight_bit ? hd : 0);
       for (int64_t t = b; t < e; ++t) {
         const scalar_t* row = src + t * width;
         const float* c = cs + pos[t] * hd;
         for (int64_t h = 0; h < n_heads; ++h) rotate(row + h * hd, c, qd + (t * n_heads + h) * hd, hd);
-        scalar_t* k_dst = kd + slot[t] * kv_row;
-        for (int64_t h = 0; h < n_kv_heads; ++h)
-          rotate(row + (n_heads + h) * hd, c, k_dst + h * hd, hd);
-        std::memcpy(vd + slot[t] * kv_row, row + (n_heads + n_kv_heads) * hd,
-                    kv_row * sizeof(scalar_t));
+        const scalar_t* v = row + (n_heads + n_kv_heads) * hd;
+        if (!eight_bit) {
+          scalar_t* k_dst = kd + slot[t] * kv_row;
+          for (int64_t h = 0; h < n_kv_heads; ++h)
+            rotate(row + (n_heads + h) * hd, c, k_dst + h * hd, hd);
+          std::memcpy(vd + slot[t] * kv_row, v, kv_row * sizeof(scalar_t));
+          continue;
+        }
+        for (int64_t h = 0; h < n_kv_heads; ++h) {
+          rotate(row + (n_heads + h) * hd, c, k.data(), hd);
+          for (int64_t i = 0; i < hd; ++i) x[i] = to_float(k[i]);
+          quantize_row(x.data(), kd8 + (slot[t] * n_kv_heads + h) * row8, hd);
+          for (int64_t i = 0; i < hd; ++i) x[i] = to_float(v[h * hd + i]);
+          quantize_row(x.data(), vd8 + (slot[t] * n_kv_heads + h) * row8, hd);
+        }
       }
     });
   });
