@@ -22,6 +22,8 @@
 #include "genserve_ops.h"
 
 #include <algorithm>
+#include <atomic>
+#include <memory>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -115,10 +117,12 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_pool, const at::Tens
 // The bf16 kernel for CPUs with AVX512-BF16, with AMX-BF16 where the compiler targets it and the
 // OS grants the tile state.
 //
-// Work item = (row, run of up to 16 / G KV heads — all 3 of SmolLM2's): the run's query heads sit
-// in the lanes of one zmm, lane = (KV head − first) · G + g. The row's context goes 16 tokens at a
-// time (a tile, never across a block boundary), in position order, in one pass (online softmax,
-// Milakov & Gimelshein 2018):
+// Work item = (row, chunk of its context, run of up to 16 / G KV heads — all 3 of SmolLM2's): the
+// run's query heads sit in the lanes of one zmm, lane = (KV head − first) · G + g. A chunk is
+// CHUNK_TOKENS positions (rounded up to whole blocks), the row's last chunk what is left, so a row
+// of 1,250 tokens is 5 items per run and one row alone keeps every thread busy. A chunk goes
+// 16 tokens at a time (a tile, never across a block boundary), in position order, in one pass
+// (online softmax, Milakov & Gimelshein 2018):
 //
 //   S[t][lane] = q[lane] · k[t]      AMX: S = Σₖ K[:, slice k] · Qᵀ[slice k] over the run's
 //                                    32-dimension slices, one TDPBF16PS each, the 16 keys' slices
@@ -131,13 +135,24 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_pool, const at::Tens
 //
 // so each key and value is read once; the block PREFETCH_BLOCKS ahead is prefetched into L2,
 // spread over the work on this one (blocks are scattered in the pool, which defeats the hardware
-// prefetcher at every block boundary). A lane's arithmetic is the same whichever heads share its item and however
-// the items are split between threads, in an order fixed by the row's own length: a row gives
-// the same bits whatever else is in the batch.
+// prefetcher at every block boundary). A row of one chunk writes O / l. A longer row's chunks
+// leave (m, l, O), and the thread that finishes the row's last item merges them in chunk order
+// (the split-KV decoding of FlashDecoding, Dao et al. 2023):
+//
+//   M = maxᶜ mᶜ,   L = Σᶜ lᶜ·exp(mᶜ − M),   out = (Σᶜ Oᶜ·exp(mᶜ − M)) / L
+//
+// A lane's arithmetic is the same whichever heads share its item and however the items are
+// split between threads, and the chunks are fixed by the row's own length: a row gives the same
+// bits whatever else is in the batch.
 constexpr int TILE = 16;                   // tokens per score tile
 constexpr int LANES = 16;                  // fp32 lanes of a zmm: query heads per item at most
 constexpr int64_t PREFETCH_BLOCKS = 2;     // how far ahead the next blocks are prefetched
 constexpr int AMX_HEADS = 3;               // KV heads per item with AMX: 6 Qᵀ tiles of 8
+// Context positions per work item (whole blocks). Smaller chunks balance one short row better but
+// cost more per chunk where many rows keep the threads busy anyway; docs/benchmarks/kernels.md
+// has the measurements behind this choice. A constant: the chunks, and so a row's bits, must not
+// depend on the batch or the threads.
+constexpr int64_t CHUNK_TOKENS = 256;
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define GENSERVE_DECODE_AMX 1
@@ -229,15 +244,28 @@ struct DecodeArgs {
   uint16_t* out;                           // [B, heads, D]
   int64_t heads, kv_heads, block, table_width, block_stride, token_stride;   // strides in Elems
   float scale;
+  int64_t chunk;                           // tokens per chunk, a multiple of `block`
+  float* partial;                          // [chunks of rows with 2+, kv_heads, G, PARTIAL]
+  const int64_t* partial_base;             // [B]: a row's first chunk in `partial`
 };
 
+// A chunk's (m, l, O) for one query head: O in R::values's order of the dimensions.
+constexpr int64_t PARTIAL = 2 + 64;
+
+// Chunks of a row of `len` positions.
+inline int64_t chunks_of(int64_t len, int64_t chunk) { return len <= 0 ? 1 : (len + chunk - 1) / chunk; }
+
+// Chunk `c` of row `b`, KV heads h0 .. h0 + nh − 1. `load_q`: pack and load the row's Qᵀ tiles
+// (false when this thread's previous item was the same row and run, whose tiles are still loaded).
 template <int G, bool AMX, class R>
-void decode_item(const DecodeArgs<R>& a, int64_t b, int64_t h0, int nh) {
+void decode_item(const DecodeArgs<R>& a, int64_t b, int64_t c, int64_t h0, int nh, bool load_q) {
   constexpr int D = 64;
   constexpr int64_t W = R::WIDTH;          // a row's elements in the pool
   constexpr bool DIRECT = std::is_same_v<R, Bf16Rows>;   // AMX reads keys from the pool itself
   constexpr int HMAX = LANES / G;          // KV heads an item may hold
   const int64_t len = a.lens[b];
+  const int64_t first = c * a.chunk, last = std::min(len, first + a.chunk);
+  const bool whole = chunks_of(len, a.chunk) == 1;
   const int64_t* table = a.tables + b * a.table_width;
   const uint16_t* q = a.q + (b * a.heads + h0 * G) * D;
   uint16_t* out = a.out + (b * a.heads + h0 * G) * D;
@@ -247,14 +275,15 @@ void decode_item(const DecodeArgs<R>& a, int64_t b, int64_t h0, int nh) {
   }
   alignas(64) float s[TILE][LANES] = {};            // scores, then probabilities, of a tile
   alignas(64) float corr[LANES];
-  alignas(64) float acc[HMAX][G][4][16] = {};       // O, in R::values's order of the dimensions
+  alignas(64) float acc[HMAX][G][4][16];            // O, in R::values's order of the dimensions
+  std::memset(acc, 0, sizeof(acc[0]) * nh);
   // The 8-bit path's keys of a tile as bf16: [token][KV head's dimensions 0-31, 32-63].
   alignas(64) __m512i kbuf[DIRECT || !AMX ? 1 : TILE][2 * AMX_HEADS];
 #ifdef GENSERVE_DECODE_AMX
   // Qᵀ block-diagonal, as bf16 pairs: slice k (dimensions 32k'..32k'+31 of KV head k / 2, k' =
   // k % 2) holds pair p of each of that head's G query heads in their lanes, zeros elsewhere.
   alignas(64) uint32_t qt[AMX_HEADS * 2][16][LANES];
-  if constexpr (AMX) {
+  if (AMX && load_q) {
     std::memset(qt, 0, sizeof(uint32_t) * nh * 2 * 16 * LANES);
     const uint32_t* qp = reinterpret_cast<const uint32_t*>(q);
     for (int hl = 0; hl < nh; ++hl)
@@ -272,7 +301,7 @@ void decode_item(const DecodeArgs<R>& a, int64_t b, int64_t h0, int nh) {
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   __m512 m = ninf, l = _mm512_setzero_ps();
   const int64_t ts = a.token_stride;
-  for (int64_t start = 0; start < len; start += a.block) {
+  for (int64_t start = first; start < last; start += a.block) {
     const int64_t blk = table[start / a.block];
     // The block PREFETCH_BLOCKS ahead, whose keys and values the value loop below prefetches
     // (into L2) token by token, spread over this block's work.
@@ -283,8 +312,8 @@ void decode_item(const DecodeArgs<R>& a, int64_t b, int64_t h0, int nh) {
     const char* vahead = reinterpret_cast<const char*>(a.v + ahead_blk * a.block_stride + h0 * W);
     const typename R::Elem* kblock = a.k + blk * a.block_stride + h0 * W;
     const typename R::Elem* vblock = a.v + blk * a.block_stride + h0 * W;
-    for (int64_t t0 = 0; t0 < a.block && start + t0 < len; t0 += TILE) {
-      const int n = static_cast<int>(std::min<int64_t>({TILE, a.block - t0, len - start - t0}));
+    for (int64_t t0 = 0; t0 < a.block && start + t0 < last; t0 += TILE) {
+      const int n = static_cast<int>(std::min<int64_t>({TILE, a.block - t0, last - start - t0}));
       const typename R::Elem* krow = kblock + t0 * ts;
       const typename R::Elem* vrow = vblock + t0 * ts;
       // S [16 keys × lanes]: one column per query head of the run.
@@ -384,6 +413,19 @@ void decode_item(const DecodeArgs<R>& a, int64_t b, int64_t h0, int nh) {
       }
     }
   }
+  if (!whole) {                            // (m, l, O) of each query head, for merge_chunks
+    alignas(64) float ms[LANES], ls[LANES];
+    _mm512_store_ps(ms, m);
+    _mm512_store_ps(ls, l);
+    for (int hl = 0; hl < nh; ++hl)
+      for (int g = 0; g < G; ++g) {
+        float* p = a.partial + (((a.partial_base[b] + c) * a.kv_heads + h0 + hl) * G + g) * PARTIAL;
+        p[0] = ms[hl * G + g];
+        p[1] = ls[hl * G + g];
+        std::memcpy(p + 2, acc[hl][g], sizeof(float) * D);
+      }
+    return;
+  }
   alignas(64) float inv[LANES];
   _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), l));
   for (int hl = 0; hl < nh; ++hl)
@@ -395,25 +437,71 @@ void decode_item(const DecodeArgs<R>& a, int64_t b, int64_t h0, int nh) {
     }
 }
 
+// Row b's output for KV head h from its chunks' (m, l, O), merged in chunk order.
+template <int G, class R>
+void merge_chunks(const DecodeArgs<R>& a, int64_t b, int64_t h) {
+  const int64_t chunks = chunks_of(a.lens[b], a.chunk);
+  for (int g = 0; g < G; ++g) {
+    const float* p0 = a.partial + ((a.partial_base[b] * a.kv_heads + h) * G + g) * PARTIAL;
+    const int64_t stride = a.kv_heads * G * PARTIAL;          // between a row's chunks
+    float mx = p0[0];
+    for (int64_t c = 1; c < chunks; ++c) mx = std::max(mx, p0[c * stride]);
+    float sum = 0.f;
+    __m512 o[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t c = 0; c < chunks; ++c) {
+      const float* p = p0 + c * stride;
+      const float w = std::exp(p[0] - mx);
+      sum += p[1] * w;
+      const __m512 wv = _mm512_set1_ps(w);
+      for (int i = 0; i < 4; ++i) o[i] = _mm512_fmadd_ps(_mm512_loadu_ps(p + 2 + 16 * i), wv, o[i]);
+    }
+    const __m512 r = _mm512_set1_ps(1.f / sum);
+    for (int i = 0; i < 4; ++i) o[i] = _mm512_mul_ps(o[i], r);
+    R::store(a.out + (b * a.heads + h * G + g) * 64, o);
+  }
+}
+
 template <int G, bool AMX, class R>
 void decode_kernel_avx512(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                           const at::Tensor& tables, const at::Tensor& lens, at::Tensor& out,
                           double scale) {
   constexpr int64_t W = R::WIDTH;
   const int64_t rows = q.size(0), kv_heads = k_pool.size(2), block = k_pool.size(1);
+  const int64_t chunk = (CHUNK_TOKENS + block - 1) / block * block;
+  const int64_t* ld = lens.data_ptr<int64_t>();
+  // The (row, chunk) pairs in order, and where each row with two chunks or more keeps its
+  // partials (partial_base[b]: that row's first chunk among them).
+  std::vector<int64_t> item_row, item_chunk, partial_base(rows);
+  int64_t partials = 0;
+  for (int64_t b = 0; b < rows; ++b) {
+    const int64_t n = chunks_of(ld[b], chunk);
+    partial_base[b] = partials;
+    if (n > 1) partials += n;
+    for (int64_t c = 0; c < n; ++c) {
+      item_row.push_back(b);
+      item_chunk.push_back(c);
+    }
+  }
+  // A row's KV heads go together (contiguous reads, one exp per token for all of them) when
+  // there are chunks enough to keep every thread busy; else one KV head per item. Same bits.
+  const int64_t most = AMX ? std::min<int64_t>(AMX_HEADS, LANES / G) : LANES / G;
+  const int64_t chunks = static_cast<int64_t>(item_row.size());
+  const int64_t run = chunks >= at::get_num_threads() ? std::min<int64_t>(kv_heads, most) : 1;
+  const int64_t per_row = (kv_heads + run - 1) / run;
+  std::vector<float> partial(partials * kv_heads * G * PARTIAL);
+  // A row's items still running; the thread that finishes its last one merges its chunks.
+  std::unique_ptr<std::atomic<int64_t>[]> left(new std::atomic<int64_t>[rows]);
+  for (int64_t b = 0; b < rows; ++b)
+    left[b].store(chunks_of(ld[b], chunk) * per_row, std::memory_order_relaxed);
   const DecodeArgs<R> a{reinterpret_cast<const uint16_t*>(q.data_ptr<c10::BFloat16>()),
                         static_cast<const typename R::Elem*>(k_pool.data_ptr()),
                         static_cast<const typename R::Elem*>(v_pool.data_ptr()),
-                        tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
+                        tables.data_ptr<int64_t>(), ld,
                         reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()),
                         q.size(1), kv_heads, block, tables.size(1), block * kv_heads * W,
-                        kv_heads * W, static_cast<float>(scale)};
-  // A row's KV heads go together (contiguous reads, one exp per token for all of them) when
-  // there are rows enough to keep every thread busy; else one KV head per item. Same bits.
-  const int64_t most = AMX ? std::min<int64_t>(AMX_HEADS, LANES / G) : LANES / G;
-  const int64_t run = rows >= 4 * at::get_num_threads() ? std::min<int64_t>(kv_heads, most) : 1;
-  const int64_t per_row = (kv_heads + run - 1) / run;
-  at::parallel_for(0, rows * per_row, 1, [&](int64_t begin, int64_t end) {
+                        kv_heads * W, static_cast<float>(scale), chunk, partial.data(),
+                        partial_base.data()};
+  at::parallel_for(0, chunks * per_row, 1, [&](int64_t begin, int64_t end) {
 #ifdef GENSERVE_DECODE_AMX
     if constexpr (AMX) {
       TileConfig cfg;
@@ -424,9 +512,16 @@ void decode_kernel_avx512(const at::Tensor& q, const at::Tensor& k_pool, const a
       _tile_loadconfig(&cfg);
     }
 #endif
+    int64_t loaded_row = -1, loaded_h0 = -1;           // whose Qᵀ the tiles hold
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t h0 = item % per_row * run;
-      decode_item<G, AMX, R>(a, item / per_row, h0, static_cast<int>(std::min(run, kv_heads - h0)));
+      const int64_t i = item / per_row, h0 = item % per_row * run, b = item_row[i];
+      decode_item<G, AMX, R>(a, b, item_chunk[i], h0, static_cast<int>(std::min(run, kv_heads - h0)),
+                             b != loaded_row || h0 != loaded_h0);
+      loaded_row = b;
+      loaded_h0 = h0;
+      // acq_rel: the merging thread sees every other thread's partials of the row.
+      if (left[b].fetch_sub(1, std::memory_order_acq_rel) == 1 && chunks_of(ld[b], chunk) > 1)
+        for (int64_t h = 0; h < kv_heads; ++h) merge_chunks<G, R>(a, b, h);
     }
 #ifdef GENSERVE_DECODE_AMX
     if constexpr (AMX) _tile_release();

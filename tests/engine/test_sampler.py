@@ -50,6 +50,18 @@ def test_a_rows_draw_does_not_depend_on_the_other_rows():
     assert together[1] == int(logits[1].argmax())
 
 
+def test_greedy_rows_pick_argmax_first_maximum_even_with_ties_nan_and_inf():
+    """Greedy is torch.argmax's choice: the first of tied maxima, the first NaN, the first +inf."""
+    logits = torch.randn(5, 49152)
+    logits[0, [70, 9000, 40000]] = 50.0
+    logits[1, [123, 456]] = float("nan")
+    logits[2, [8, 30000]] = float("inf")
+    logits[3] = logits[3].round()             # many ties at the maximum
+    tokens = sample(logits, [SamplingParams(temperature=0.0)] * 5, [make_generator(i) for i in range(5)])[0]
+    assert tokens == torch.argmax(logits, dim=-1).tolist()
+    assert tokens[:3] == [70, 123, 8]
+
+
 def test_logprobs_only_for_rows_that_ask_and_they_are_log_softmax():
     logits = torch.randn(3, 100)
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, logprobs=True, top_logprobs=2),
