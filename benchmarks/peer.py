@@ -378,7 +378,8 @@ def markdown(report: dict) -> str:
         "| round | streams | server | tokens/s | TTFT p50 (ms) | TTFT p95 (ms) | TPOT p50 (ms) | client CPU (µs/token) | genserve / llama.cpp |",
         "|---:|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
-    ratio_of = {(row["round"], s): row["ratio"] for s, lv in report["summary"]["levels"].items()
+    # int(s): a report read back from its JSON has the levels' stream counts as string keys.
+    ratio_of = {(row["round"], int(s)): row["ratio"] for s, lv in report["summary"]["levels"].items()
                 for row in lv["rounds"]}
     for r in report["rounds"]:
         if r["round"] == 0:

@@ -147,6 +147,7 @@ def test_summary_ratios_per_round_and_medians_and_the_page():
     assert "| 2 | 2 | llama.cpp | 2.7 |" in page                      # round 2: 8 tokens / 3 s
     assert "| 2 | 2 | genserve | 8.0 |" in page and "| 3.00× |" in page
     assert "| 2 | 8.0 | 4.0 | **2.00×** (1.00–3.00) |" in page
+    assert markdown(json.loads(json.dumps(report))) == page          # a page from the saved JSON
     with pytest.raises(ValueError, match="measured only"):
         summarize(results[:-1])
 
