@@ -24,9 +24,9 @@ the best of `repeats` steps after one warm-up step; GB/s = K/V bytes / step time
 time / (K/V bytes / read bandwidth), the read bandwidth being `benchmarks.engine.read_gbps`
 (best-of-10 `torch.sum` over 256 MiB) measured in the same run.
 
-Two memory layouts: the pools as torch allocates them (4 KB pages, as the engine's KV cache is
-today), and the same pools advised for transparent huge pages (`madvise(MADV_HUGEPAGE)` before
-first touch; where the kernel's THP mode is "never" the line is left out). With 4 KB pages every
+Two memory layouts: the pools as torch allocates them (4 KB pages), and the same pools advised
+for transparent huge pages before first touch, as the engine's KV cache asks for them
+(`engine.huge_pages`; where the kernel's THP mode is "never" the line is left out). With 4 KB pages every
 16-token block of a layer's pool sits in its own pages, so reading a scattered block table costs a
 TLB miss every few KB (a two-level walk under a hypervisor).
 
@@ -38,7 +38,6 @@ previous commit's, from `git show REV:engine/csrc/decode_attention.cpp > /tmp/ol
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import pathlib
@@ -50,12 +49,11 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.huge_pages import advise_huge_pages, collapse_huge_pages, huge_page_bytes, thp_mode
 from engine.kv_quant import row_bytes
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16    # SmolLM2-135M, the engine's blocks
 SPARE_BLOCKS = 64
-MADV_HUGEPAGE = 14                                            # Linux <asm-generic/mman-common.h>
-HUGE_PAGE = 2 << 20
 CSRC = pathlib.Path(__file__).resolve().parent.parent / "engine" / "csrc"
 
 
@@ -85,42 +83,6 @@ def kv_bytes(rows: int, context: int, eight_bit: bool = False) -> int:
     return LAYERS * rows * context * KV_HEADS * row * 2
 
 
-def thp_mode() -> str:
-    """The kernel's transparent huge page mode ("always", "madvise", "never"; "" where unknown)."""
-    try:
-        text = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
-    except OSError:
-        return ""
-    return text[text.index("[") + 1:text.index("]")] if "[" in text else ""
-
-
-def _advise_huge(t: torch.Tensor) -> None:
-    """madvise(MADV_HUGEPAGE) over the 2 MB-aligned part of `t`'s memory (before first touch).
-
-    Raises:
-        OSError: madvise failed (errno in the message).
-    """
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    start = t.data_ptr()
-    end = start + t.numel() * t.element_size()
-    lo = (start + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
-    hi = end // HUGE_PAGE * HUGE_PAGE
-    if hi > lo and libc.madvise(lo, hi - lo, MADV_HUGEPAGE) != 0:
-        raise OSError(ctypes.get_errno(), "madvise(MADV_HUGEPAGE) failed")
-
-
-def _huge_mb() -> float:
-    """MB of this process's anonymous memory in huge pages (AnonHugePages of /proc/self/smaps_rollup)."""
-    try:
-        for line in pathlib.Path("/proc/self/smaps_rollup").read_text().splitlines():
-            if line.startswith("AnonHugePages:"):
-                return int(line.split()[1]) / 1000
-    except OSError:
-        pass
-    return 0.0
-
-
 def make_step(rows: int, context: int, huge: bool, seed: int = 0, eight_bit: bool = False):
     """Pools, queries, tables and lengths of one step (module docstring), filled with N(0, 1) bf16,
     or (`eight_bit`) with rows of the 8-bit format: uniform int8 q in -127..127, scales
@@ -140,15 +102,17 @@ def make_step(rows: int, context: int, huge: bool, seed: int = 0, eight_bit: boo
         else:
             pool = torch.empty(2, blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16)
         if huge:
-            _advise_huge(pool)
+            advise_huge_pages(pool)
         if eight_bit:
             pool[..., :HEAD_DIM] = torch.randint(-127, 128, (2, blocks, BLOCK, KV_HEADS, HEAD_DIM),
                                                  generator=g, dtype=torch.int8)
             exponents = torch.randint(127 - 7, 127, (2, blocks, BLOCK, KV_HEADS, 2), generator=g)
             pool[..., HEAD_DIM:] = exponents.to(torch.uint8).view(torch.int8)
-            pools.append(pool)
         else:
-            pools.append(pool.normal_(generator=g))
+            pool.normal_(generator=g)
+        if huge:                 # what malloc handed out already touched, as the KV cache does
+            collapse_huge_pages(pool)
+        pools.append(pool)
     tables = torch.randperm(blocks, generator=g)[:rows * per_row].view(rows, per_row).contiguous()
     q = torch.randn(rows, HEADS, HEAD_DIM, generator=g).bfloat16()
     return pools, q, tables, torch.full((rows,), context, dtype=torch.long)
@@ -231,9 +195,9 @@ def measure(read_gbps: float, rows: int = 32, context: int = 1500, repeats: int 
         for eight_bit in (False, True):
             total = kv_bytes(rows, context, eight_bit)
             floor_s = total / (read_gbps * 1e9)
-            before = _huge_mb()
+            before = huge_page_bytes() / 1e6
             step = make_step(rows, context, huge, eight_bit=eight_bit)
-            huge_mb = max(0.0, _huge_mb() - before)
+            huge_mb = max(0.0, huge_page_bytes() / 1e6 - before)
             for suffix, op in (ops[:1] if eight_bit else ops):
                 t = time_step(op, *step, repeats)
                 key = name + suffix + ("_int8" if eight_bit else "")

@@ -39,7 +39,7 @@ What is measured:
 * decode attention (`benchmarks.decode_attention`): `torch.ops.genserve.paged_decode` alone over
   one step's keys and values, 32 rows × 1,500 tokens × 30 layers on shuffled block tables (1.1 GB):
   step time, K/V bytes, GB/s and time / (bytes ÷ the read bandwidth above), with the pools in
-  4 KB pages (as the engine's KV cache) and advised for transparent huge pages; printed beside
+  4 KB pages and advised for transparent huge pages (as the engine's KV cache); printed beside
   the 32-row short- and long-context decode steps.
 * end to end: the engine and transformers' `generate` (bf16, greedy, 64 new tokens forced with
   min_new_tokens) on the same static batches: 1 × 16-token prompts, 32 × 16, 32 × 512; tokens/s =
@@ -706,9 +706,9 @@ def main(argv: list[str] | None = None) -> int:
             f"mean context {long32['context']:.0f}")
     rep.add("attention.rows32.long_over_short", long32["step_ms"] / short32["step_ms"],
             "long / short ctx 32-row step", "×")
-    for layout, what in (("4k", "4 KB pages, as the KV cache"), ("thp", "huge pages advised"),
+    for layout, what in (("4k", "4 KB pages"), ("thp", "huge pages advised, as the KV cache"),
                          ("4k_int8", "4 KB pages, the 8-bit KV format (--kv-cache-dtype int8)"),
-                         ("thp_int8", "huge pages advised, the 8-bit KV format")):
+                         ("thp_int8", "huge pages advised, the 8-bit KV format, as the KV cache")):
         r = attn.get(layout)
         if r is None:
             continue

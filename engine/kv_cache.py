@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.huge_pages import advise_huge_pages, collapse_huge_pages
 from engine.kv_quant import quantized, row_bytes
 from engine.model.llama import ModelArgs
 
@@ -137,6 +138,20 @@ def _element_size(dtype: torch.dtype) -> int:
     return torch.tensor([], dtype=dtype).element_size()
 
 
+def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zero-filled tensor of `shape` and `dtype` on `device`. On the CPU it asks for huge pages
+    before the zeros first touch it (`engine.huge_pages.advise_huge_pages`), then collapses what
+    malloc handed out already touched (`collapse_huge_pages`)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    pool = torch.empty(shape, dtype=dtype)
+    if advise_huge_pages(pool):
+        pool.zero_()
+        collapse_huge_pages(pool)
+        return pool
+    return pool.zero_()
+
+
 class KVCache:
     """Per-layer K/V block storage.
 
@@ -148,6 +163,10 @@ class KVCache:
     `block_id * block_size + offset` of each pool's `[num_blocks * block_size, ...]` view. K and V
     are separate pools so that gathering a request's blocks gives its keys as one
     `[tokens, n_kv_heads, head_dim]` run that attention reads without another copy.
+
+    On the CPU each layer's pool asks Linux for transparent huge pages before its first touch
+    (`engine.huge_pages`): decode reads scattered blocks, and 4 KB pages cost a TLB miss every few
+    KB of them.
 
     Args:
         args: model shape (layers, kv heads, head dim).
@@ -164,7 +183,7 @@ class KVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         shape = (2, num_blocks, block_size, args.n_kv_heads, stored_row(args.head_dim, dtype)[0])
-        self.layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)]
+        self.layers = [zeroed_pool(shape, dtype, device) for _ in range(args.n_layers)]
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy block `src`'s K and V into block `dst` in every layer (copy-on-write)."""

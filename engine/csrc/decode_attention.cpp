@@ -23,12 +23,12 @@
 
 #include <algorithm>
 #include <atomic>
-#include <memory>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -488,7 +488,7 @@ void decode_kernel_avx512(const at::Tensor& q, const at::Tensor& k_pool, const a
   const int64_t chunks = static_cast<int64_t>(item_row.size());
   const int64_t run = chunks >= at::get_num_threads() ? std::min<int64_t>(kv_heads, most) : 1;
   const int64_t per_row = (kv_heads + run - 1) / run;
-  std::vector<float> partial(partials * kv_heads * G * PARTIAL);
+  std::unique_ptr<float[]> partial(new float[partials * kv_heads * G * PARTIAL]);   // not zeroed
   // A row's items still running; the thread that finishes its last one merges its chunks.
   std::unique_ptr<std::atomic<int64_t>[]> left(new std::atomic<int64_t>[rows]);
   for (int64_t b = 0; b < rows; ++b)
@@ -499,7 +499,7 @@ void decode_kernel_avx512(const at::Tensor& q, const at::Tensor& k_pool, const a
                         tables.data_ptr<int64_t>(), ld,
                         reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()),
                         q.size(1), kv_heads, block, tables.size(1), block * kv_heads * W,
-                        kv_heads * W, static_cast<float>(scale), chunk, partial.data(),
+                        kv_heads * W, static_cast<float>(scale), chunk, partial.get(),
                         partial_base.data()};
   at::parallel_for(0, chunks * per_row, 1, [&](int64_t begin, int64_t end) {
 #ifdef GENSERVE_DECODE_AMX

@@ -110,8 +110,9 @@ def test_group_sizes_and_block_sizes(scores_path, kv_heads, group, block):
 
 
 def test_row_bits_do_not_depend_on_the_batch_or_threads(scores_path):
-    """32 rows at 1,400–1,560 tokens (a KV head run per work item) against each row alone (one
-    KV head per item), subsets, a permuted order, and one thread: the same bits."""
+    """32 rows at 1,400–1,560 tokens (6–7 context chunks each, a run of KV heads per work item)
+    against each row alone, subsets, a permuted order, one thread, and rows alone on more threads
+    than they have chunks (one KV head per item): the same bits."""
     g = torch.Generator().manual_seed(5)
     contexts = torch.randint(1400, 1561, (32,), generator=g).tolist()
     q, k_pool, v_pool, tables, lens = make_case(contexts, 3, 3, 16, torch.bfloat16, seed=2)
@@ -128,5 +129,9 @@ def test_row_bits_do_not_depend_on_the_batch_or_threads(scores_path):
     try:
         torch.set_num_threads(1)
         assert torch.equal(decode(q, k_pool, v_pool, tables, lens), together)
+        torch.set_num_threads(8)
+        for row in (0, 13, 31):
+            alone = decode(q[row:row + 1], k_pool, v_pool, tables[row:row + 1], lens[row:row + 1])
+            assert torch.equal(alone[0], together[row]), f"row {row} on 8 threads"
     finally:
         torch.set_num_threads(threads)

@@ -91,8 +91,8 @@ def contexts_and_tables(contexts: list[int]) -> list[list[int]]:
 def test_decode_reads_int8_rows_as_the_bf16_cache_of_their_numbers(path, monkeypatch):
     """Decode rows over an 8-bit cache give, bit for bit, what the same path gives over a bf16
     cache holding the dequantized numbers: torch SDPA, and the kernel with its AMX scores (where
-    the CPU has AMX) and with its vdpbf16ps ones, at row counts on both sides of the kernel's work
-    split."""
+    the CPU has AMX) and with its vdpbf16ps ones, on both sides of the kernel's work split: a
+    short row alone (one KV head per work item), a row of two context chunks, and batches."""
     kernels = path != "torch"
     if kernels and not genserve_kernels.available():
         pytest.skip("genserve's CPU kernels did not build here (g++/ninja missing?)")
@@ -102,7 +102,7 @@ def test_decode_reads_int8_rows_as_the_bf16_cache_of_their_numbers(path, monkeyp
     contexts = [1, 5, 16, 17, 64, 100, 300, 513, 700, 1100]
     tables = contexts_and_tables(contexts)
     q = torch.randn(len(contexts), H, HD, generator=torch.Generator().manual_seed(5)).bfloat16()
-    for rows in ([6], [0, 3, 9], list(range(10))):
+    for rows in ([4], [6], [0, 3, 9], list(range(10))):
         spans = [(contexts[i] - 1, 1, tables[i], True) for i in rows]
         outs = []
         for cache in (cache8, cache16):
