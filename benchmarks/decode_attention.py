@@ -49,7 +49,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.huge_pages import advise_huge_pages, collapse_huge_pages, huge_page_bytes, thp_mode
+from engine.huge_pages import huge_page_bytes, thp_mode
+from engine.kv_cache import zeroed_pool
 from engine.kv_quant import row_bytes
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16    # SmolLM2-135M, the engine's blocks
@@ -97,12 +98,10 @@ def make_step(rows: int, context: int, huge: bool, seed: int = 0, eight_bit: boo
     blocks = rows * per_row + SPARE_BLOCKS
     pools = []
     for _ in range(LAYERS):
-        if eight_bit:
-            pool = torch.empty(2, blocks, BLOCK, KV_HEADS, row_bytes(HEAD_DIM), dtype=torch.int8)
-        else:
-            pool = torch.empty(2, blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16)
-        if huge:
-            advise_huge_pages(pool)
+        shape = (2, blocks, BLOCK, KV_HEADS, row_bytes(HEAD_DIM) if eight_bit else HEAD_DIM)
+        dtype = torch.int8 if eight_bit else torch.bfloat16
+        # Huge pages exactly as the KV cache gets them (its zeroed pool, then filled in place).
+        pool = zeroed_pool(shape, dtype, "cpu") if huge else torch.empty(shape, dtype=dtype)
         if eight_bit:
             pool[..., :HEAD_DIM] = torch.randint(-127, 128, (2, blocks, BLOCK, KV_HEADS, HEAD_DIM),
                                                  generator=g, dtype=torch.int8)
@@ -110,8 +109,6 @@ def make_step(rows: int, context: int, huge: bool, seed: int = 0, eight_bit: boo
             pool[..., HEAD_DIM:] = exponents.to(torch.uint8).view(torch.int8)
         else:
             pool.normal_(generator=g)
-        if huge:                 # what malloc handed out already touched, as the KV cache does
-            collapse_huge_pages(pool)
         pools.append(pool)
     tables = torch.randperm(blocks, generator=g)[:rows * per_row].view(rows, per_row).contiguous()
     q = torch.randn(rows, HEADS, HEAD_DIM, generator=g).bfloat16()

@@ -145,11 +145,11 @@ def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     pool = torch.empty(shape, dtype=dtype)
-    if advise_huge_pages(pool):
-        pool.zero_()
+    advised = advise_huge_pages(pool)
+    pool.zero_()
+    if advised:
         collapse_huge_pages(pool)
-        return pool
-    return pool.zero_()
+    return pool
 
 
 class KVCache:
