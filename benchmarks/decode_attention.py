@@ -7,7 +7,7 @@ Run from the repository root::
                                           [--baseline PATH] [--json PATH]
 
 `python -m benchmarks.engine` runs the same measurement (32 rows × 1,500 tokens) in every run.
-Each layout is measured twice: bf16 pools, and pools in the 8-bit format (`engine.kv_quant`,
+Each layout is measured twice: bf16 pools, and pools in the 8-bit format (`engine.attention.kv_quant`,
 66-byte rows: 0.52× the bytes; keys "..._int8").
 
 What is measured: one step's decode attention — SmolLM2-135M's shape (30 layers, 9 query heads
@@ -26,12 +26,12 @@ time / (K/V bytes / read bandwidth), the read bandwidth being `benchmarks.engine
 
 Two memory layouts: the pools as torch allocates them (4 KB pages), and the same pools advised
 for transparent huge pages before first touch, as the engine's KV cache asks for them
-(`engine.huge_pages`; where the kernel's THP mode is "never" the line is left out). With 4 KB pages every
+(`engine.runner.huge_pages`; where the kernel's THP mode is "never" the line is left out). With 4 KB pages every
 16-token block of a layer's pool sits in its own pages, so reading a scattered block table costs a
 TLB miss every few KB (a two-level walk under a hypervisor).
 
-`--baseline PATH` also builds another version of `engine/csrc/decode_attention.cpp` (e.g. the
-previous commit's, from `git show REV:engine/csrc/decode_attention.cpp > /tmp/old.cpp`) as
+`--baseline PATH` also builds another version of `engine/kernels/csrc/decode_attention.cpp` (e.g. the
+previous commit's, from `git show REV:engine/kernels/csrc/decode_attention.cpp > /tmp/old.cpp`) as
 `torch.ops.genserve_baseline.paged_decode` and measures it in the same run, on the same pools.
 """
 
@@ -49,9 +49,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.huge_pages import huge_page_bytes, thp_mode
-from engine.kv_cache import zeroed_pool
-from engine.kv_quant import row_bytes
+from engine.attention.kv_quant import row_bytes
+from engine.runner.huge_pages import huge_page_bytes, thp_mode
+from engine.runner.kv_cache import zeroed_pool
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16    # SmolLM2-135M, the engine's blocks
 SPARE_BLOCKS = 64
@@ -132,7 +132,7 @@ def baseline_op(path: str | pathlib.Path) -> Callable:
     """Build another version of decode_attention.cpp as `torch.ops.genserve_baseline.paged_decode`.
 
     The source's op registration and its `genserve::paged_decode` definition are renamed; it is
-    compiled with the flags of `engine.kernels` against the current headers of engine/csrc.
+    compiled with the flags of `engine.kernels` against the current headers of engine/kernels/csrc.
 
     Raises:
         ValueError: the source does not define and register `paged_decode` the way the renaming
@@ -205,8 +205,8 @@ def measure(read_gbps: float, rows: int = 32, context: int = 1500, repeats: int 
 
 def main(argv: list[str] | None = None) -> int:
     from benchmarks.engine import read_gbps
-    from engine.builder import set_threads
     from engine.config import EngineConfig
+    from engine.runner.builder import set_threads
 
     ap = argparse.ArgumentParser(prog="python -m benchmarks.decode_attention",
                                  description=__doc__.split("\n")[0])

@@ -13,13 +13,13 @@ What it does, in order (docs/benchmarks/device.md):
    invariance); and optionally the engine's pytest files, when pytest is importable (`--pytest`).
 2. **Model**: `random:llama-2-7b` (no weights travel) in FP16 on the device; the KV pool sized
    from the device's free memory after the weights and the activation reserve, as the server
-   does (`engine.builder.kv_pool_blocks`).
+   does (`engine.runner.builder.kv_pool_blocks`).
 3. **Prefill**: one 3,584-token prompt alone, at prefill chunks of 256, 512 and 2,048 tokens:
    prompt tokens / Σ step time.
 4. **Decode**: R rows (1, 8, 32, 48, 64) with 1,536-token prompts, prefilled, then the median
    time of the pure-decode steps with exactly R rows (contexts ≈ 1,540–1,560), with and without
-   CUDA graphs (`ModelExecutor(cuda_graphs=True)`) when the executor offers them.
-5. **Batch invariance** at temperature 0 (`engine.invariance.check_batch_invariance`): 32
+   CUDA graphs (`ModelRunner(cuda_graphs=True)`) when the executor offers them.
+5. **Batch invariance** at temperature 0 (`engine.runner.invariance.check_batch_invariance`): 32
    mixed-length requests, several of them also alone.
 6. **Peak memory** (`torch.cuda.max_memory_allocated`).
 7. **Cost model and load test**: every measured step (its rows, prefill tokens, context and
@@ -56,16 +56,15 @@ from typing import Any
 
 import torch
 
-from engine.block_pool import BlockPool
-from engine.builder import kv_pool_blocks, load_weights, model_from_weights, resolve_device
 from engine.config import EngineConfig
-from engine.executor import ModelExecutor
-from engine.kv_cache import KVCache
-from engine.loop import Engine
+from engine.core.engine import Engine
+from engine.core.request import Request, SamplingParams
+from engine.core.sim_executor import SimExecutor
 from engine.model.llama import ModelArgs, Transformer
 from engine.model.weights import random_shape, random_weights
-from engine.request import Request, SamplingParams
-from engine.sim_executor import SimExecutor
+from engine.runner.builder import kv_pool_blocks, load_weights, model_from_weights, resolve_device
+from engine.runner.kv_cache import KVCache
+from engine.runner.model_runner import ModelRunner
 from genserve.model_source import parse_model_source
 
 # The design's assumptions (docs/design.md, "The numbers").
@@ -133,11 +132,11 @@ class SyncedExecutor:
     step's host time is otherwise only its launch time), its features and time recorded.
 
     Attributes:
-        samples: one dict per step: rows, prefill, context, pairs (`SimExecutor.plan_features`)
+        samples: one dict per step: rows, prefill, context, pairs (`StepPlan.features`)
             and ms.
     """
 
-    def __init__(self, inner: ModelExecutor) -> None:
+    def __init__(self, inner: ModelRunner) -> None:
         self.inner = inner
         self.device = inner.kv.layers[0].device
         self.samples: list[dict[str, float]] = []
@@ -152,7 +151,7 @@ class SyncedExecutor:
         sync(self.device)
         ms = (time.perf_counter() - t0) * 1000.0
         if not plan.empty:
-            b, c, k, p = SimExecutor.plan_features(plan)
+            b, c, k, p = plan.features().as_tuple()
             self.samples.append({"rows": b, "prefill": c, "context": k, "pairs": p, "ms": ms})
         return out
 
@@ -164,10 +163,11 @@ def sync(device: torch.device) -> None:
 
 
 def engine_over(executor: SyncedExecutor, num_blocks: int, block_size: int, **dials: Any) -> Engine:
-    """A fresh engine (scheduler, pool) over a shared executor; admission never refuses."""
-    config = EngineConfig(num_blocks=num_blocks, block_size=block_size, queue_budget_s=1e9,
-                          device=executor.device.type, **dials)
-    return Engine(config, executor, BlockPool(num_blocks, block_size))
+    """A fresh engine (scheduler, pool) over a shared executor; admission never refuses, and no
+    prefix caching unless `dials` turn it on."""
+    settings = dict(num_blocks=num_blocks, block_size=block_size, queue_budget_s=1e9,
+                    device=executor.device.type, prefix_caching=False)
+    return Engine(EngineConfig(**{**settings, **dials}), executor)
 
 
 def prompt(n: int, salt: int, vocab: int) -> list[int]:
@@ -192,7 +192,7 @@ def measure_prefill(executor: SyncedExecutor, num_blocks: int, plan: CheckPlan, 
     """Prompt tokens per second of one `plan.prefill_prompt`-token prompt alone, per chunk size."""
     out = {}
     for chunk in plan.prefill_chunks:
-        engine = engine_over(executor, num_blocks, 16, prefill_chunk=chunk, prefill_chunk_few_rows=chunk,
+        engine = engine_over(executor, num_blocks, 16, prefill_token_budget=chunk, prefill_token_budget_few_rows=chunk,
                              prefill_piece=min(64, chunk), max_rows=64)
         run(engine, [prompt(plan.prefill_prompt, 1, vocab)], 1, f"warm{chunk}")     # warm-up
         first = len(executor.samples)
@@ -207,8 +207,8 @@ def measure_prefill(executor: SyncedExecutor, num_blocks: int, plan: CheckPlan, 
 def measure_decode(executor: SyncedExecutor, num_blocks: int, plan: CheckPlan, vocab: int) -> dict[str, Any]:
     """Median ms of the pure-decode steps with exactly R rows of ≈ `plan.decode_context` tokens."""
     biggest = max(plan.prefill_chunks)
-    engine = engine_over(executor, num_blocks, 16, max_rows=max(plan.decode_rows), prefill_chunk=biggest,
-                         prefill_chunk_few_rows=biggest)
+    engine = engine_over(executor, num_blocks, 16, max_rows=max(plan.decode_rows), prefill_token_budget=biggest,
+                         prefill_token_budget_few_rows=biggest)
     run(engine, [prompt(plan.decode_context, 3, vocab)], 4, "warm-decode")
     out = {}
     for rows in plan.decode_rows:
@@ -270,8 +270,8 @@ def check_reference(device: torch.device, plan: CheckPlan) -> dict[str, Any]:
     state = random_weights(args, torch.float32, device, seed=11, std=0.1)
     model = model_from_weights(args, state, torch.float32, device)
     kv = KVCache(args, 64, 16, torch.float32, device)
-    executor = SyncedExecutor(ModelExecutor(model, kv))
-    engine = engine_over(executor, 64, 16, prefill_chunk=64, prefill_chunk_few_rows=64)
+    executor = SyncedExecutor(ModelRunner(model, kv))
+    engine = engine_over(executor, 64, 16, prefill_token_budget=64, prefill_token_budget_few_rows=64)
     prompts = [prompt(n, s, args.vocab_size) for s, n in ((1, 5), (2, 77), (3, 150))]
     reqs = run(engine, prompts, plan.reference_tokens, "reference")
     agree = total = 0
@@ -289,8 +289,8 @@ def check_int8_cache(device: torch.device, plan: CheckPlan) -> dict[str, Any]:
     """The 8-bit KV cache (`--kv-cache-dtype int8`) on `device`, for a tiny random model in
     `plan.dtype`: the greedy tokens of three prompts with the cache in the model dtype and in 8
     bits (how many agree: the 8-bit cache rounds every key and value, so some may not), and batch
-    invariance with the 8-bit cache (`engine.invariance.check_batch_invariance`)."""
-    from engine.invariance import check_batch_invariance
+    invariance with the 8-bit cache (`engine.runner.invariance.check_batch_invariance`)."""
+    from engine.runner.invariance import check_batch_invariance
 
     args = random_shape("tiny")
     dtype = getattr(torch, plan.dtype)
@@ -299,8 +299,8 @@ def check_int8_cache(device: torch.device, plan: CheckPlan) -> dict[str, Any]:
     prompts = [prompt(n, s, args.vocab_size) for s, n in ((4, 9), (5, 70), (6, 140))]
     tokens = {}
     for name, kv_dtype in (("model_dtype", dtype), ("int8", torch.int8)):
-        executor = SyncedExecutor(ModelExecutor(model, KVCache(args, 128, 16, kv_dtype, device)))
-        engine = engine_over(executor, 128, 16, prefill_chunk=64, prefill_chunk_few_rows=64)
+        executor = SyncedExecutor(ModelRunner(model, KVCache(args, 128, 16, kv_dtype, device)))
+        engine = engine_over(executor, 128, 16, prefill_token_budget=64, prefill_token_budget_few_rows=64)
         tokens[name] = [r.generated for r in run(engine, prompts, plan.reference_tokens, f"kv-{name}")]
         backend = getattr(executor.inner.attention, "name", None)
     agree = sum(a == b for x, y in zip(tokens["model_dtype"], tokens["int8"]) for a, b in zip(x, y))
@@ -365,7 +365,7 @@ def prefill_limit_tokens_per_s(args: ModelArgs, elem: int, chunk: int, prompt_to
 def fit(samples: Sequence[dict[str, float]]) -> tuple[dict[str, float], dict[str, Any]]:
     """The simulator's cost fields fitted to the measured steps (the project's fit)."""
     try:
-        from engine.cost_model import fit_step_model as fit_fn
+        from engine.core.cost_model import fit_step_model as fit_fn
     except ImportError:
         from loadgen.calibrate import fit_cost_model as fit_fn
     return fit_fn(samples)
@@ -394,7 +394,7 @@ def load_test(fields: dict[str, float], num_blocks: int, plan: CheckPlan, seed: 
     points = [(r["rate"], r["slo_attainment"]) for r in runs]
     return {"slo_ttft_ms": st.DEFAULT_SLO_TTFT_MS, "slo_tpot_ms": st.DEFAULT_SLO_TPOT_MS,
             "quantile": st.GOODPUT_QUANTILE, "duration_s": plan.sim_duration_s, "num_blocks": num_blocks,
-            "engine": {"max_rows": config.max_rows, "prefill_chunk": config.prefill_chunk},
+            "engine": {"max_rows": config.max_rows, "prefill_token_budget": config.prefill_token_budget},
             "runs": runs, "goodput_rps": st.goodput(points)}
 
 
@@ -412,8 +412,8 @@ def environment(device: torch.device) -> dict[str, Any]:
 
 
 def graphs_supported() -> bool:
-    """Whether this ModelExecutor takes `cuda_graphs`."""
-    return "cuda_graphs" in inspect.signature(ModelExecutor).parameters
+    """Whether this ModelRunner takes `cuda_graphs`."""
+    return "cuda_graphs" in inspect.signature(ModelRunner).parameters
 
 
 def device_check(plan: CheckPlan, device: torch.device, *, pytest_files: bool = False,
@@ -472,7 +472,7 @@ def device_check(plan: CheckPlan, device: torch.device, *, pytest_files: bool = 
     all_samples: list[dict[str, float]] = []
     for name, use_graphs in variants.items():
         kw = {"cuda_graphs": True} if use_graphs else {}
-        executor = SyncedExecutor(ModelExecutor(model, kv, **kw))
+        executor = SyncedExecutor(ModelRunner(model, kv, **kw))
         measured: dict[str, Any] = {}
         if name == "eager":
             measured["prefill"] = measure_prefill(executor, num_blocks, plan, args.vocab_size)
@@ -501,8 +501,8 @@ def device_check(plan: CheckPlan, device: torch.device, *, pytest_files: bool = 
 
 
 def invariance(executor: SyncedExecutor, num_blocks: int, plan: CheckPlan) -> dict[str, Any]:
-    """Greedy alone = in a batch of mixed lengths (`engine.invariance.check_batch_invariance`)."""
-    from engine.invariance import check_batch_invariance
+    """Greedy alone = in a batch of mixed lengths (`engine.runner.invariance.check_batch_invariance`)."""
+    from engine.runner.invariance import check_batch_invariance
 
     engine = engine_over(executor, num_blocks, 16, max_rows=max(32, plan.invariance_batch))
     res = check_batch_invariance(engine, batch=plan.invariance_batch, max_tokens=plan.invariance_tokens,

@@ -15,8 +15,8 @@ What is measured:
   `torch.sum` over 256 MiB of fp32 (bytes read / s; a reduction reads and hardly writes). The
   1-row decode floor is weight bytes / read bandwidth; an older estimate took half the copy rate
   (the copy's read share) instead, printed beside it.
-* prefill: 1,024-token prompts (max_tokens 1) at `prefill_chunk` 256 and 1,024 (and
-  `prefill_chunk_few_rows` set equal, so the budget holds with no decode row); time per step from
+* prefill: 1,024-token prompts (max_tokens 1) at `prefill_token_budget` 256 and 1,024 (and
+  `prefill_token_budget_few_rows` set equal, so the budget holds with no decode row); time per step from
   `Engine.step_listeners` (the executor's time), only steps that carry no decode row.
 * decode: one engine (max_rows 48, prefill budget 1,024) runs 48 requests with 16-token (short) or
   1,480-token (long: contexts ≈ 1,490–1,560 while counted, the mean is printed) prompts,
@@ -32,7 +32,7 @@ What is measured:
   in `linear`, `attend` and `rope_store_kv`. Measured with `torch.profiler` (CPU activity, no
   shapes), started and stopped around each of those steps only, so the profiler's cost per op
   is in their times but not in the decode figures: the executor's ranges "genserve.forward",
-  "genserve.logits" and "genserve.sample" (`ModelExecutor.execute`) give the breakdown; for the
+  "genserve.logits" and "genserve.sample" (`ModelRunner.execute`) give the breakdown; for the
   split the profiler also records Python calls (`with_stack=True`), and the calls of those
   functions inside the forward are summed. The share outside the forward counts the logits projection (the LM head) as part
   of the forward; the rest — scheduling, building inputs, sampling, pushing events — is outside.
@@ -82,17 +82,16 @@ import torch
 
 from benchmarks import decode_attention as attention_bench
 from engine import kernels
-from engine.attention import attend, decode_attention
-from engine.block_pool import BlockPool
-from engine.builder import engine_from_weights, set_threads
+from engine.attention.paged_sdpa import attend, decode_attention
 from engine.config import EngineConfig
-from engine.loop import Engine
+from engine.core.engine import Engine
+from engine.core.plan import StepPlan
+from engine.core.request import Request, SamplingParams
 from engine.model.layer_ops import KernelLayerOps, TorchLayerOps
 from engine.model.linear import linear
 from engine.model.llama import ModelArgs
 from engine.model.weights import default_gguf_path, load_gguf, open_gguf
-from engine.request import Request, SamplingParams
-from engine.step import StepPlan
+from engine.runner.builder import engine_from_weights, set_threads
 
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
 
@@ -233,7 +232,7 @@ def matmul_weight_bytes(model: torch.nn.Module) -> int:
 
 
 # -- step profile -------------------------------------------------------------------------------
-# Breakdown part -> the `torch.profiler.record_function` range of `ModelExecutor.execute` it sums
+# Breakdown part -> the `torch.profiler.record_function` range of `ModelRunner.execute` it sums
 # (the rest of execute is reported as building inputs).
 EXECUTE_RANGES = (("forward", "genserve.forward"), ("logits", "genserve.logits"),
                   ("sample", "genserve.sample"))
@@ -333,9 +332,9 @@ class Bench:
     def engine(self, **overrides) -> Engine:
         """A fresh engine (own scheduler and pool) over the shared executor and KV cache."""
         kv = self.executor.kv
-        cfg = EngineConfig(num_blocks=kv.num_blocks, block_size=kv.block_size, dtype="bfloat16",
-                           queue_budget_s=1e9, default_deadline_s=1e9, **overrides)
-        return Engine(cfg, self.executor, BlockPool(kv.num_blocks, kv.block_size))
+        settings = dict(num_blocks=kv.num_blocks, block_size=kv.block_size, dtype="bfloat16",
+                        queue_budget_s=1e9, default_deadline_s=1e9, prefix_caching=False)
+        return Engine(EngineConfig(**{**settings, **overrides}), self.executor)
 
     def prompts(self, n: int, length: int) -> list[list[int]]:
         """`n` distinct deterministic prompts of `length` token ids."""
@@ -406,7 +405,7 @@ class Bench:
 
     def prefill(self, chunk: int) -> dict[str, float]:
         s = self.sizes
-        eng = self.engine(prefill_chunk=chunk, prefill_chunk_few_rows=chunk)
+        eng = self.engine(prefill_token_budget=chunk, prefill_token_budget_few_rows=chunk)
         self.submit(eng, self.prompts(s.prefill_requests, s.prefill_prompt), 1)
         recs = [r for r in self.run(eng) if r.rows == 0 and r.prefill > 0]
         tokens = sum(r.prefill for r in recs)
@@ -431,7 +430,7 @@ class Bench:
 
         Returns the counted steps per row count; `breakdown_steps` more 32-row steps, profiled
         (`profiled_parts`: forward, logits, sample); and `split_steps` more 32-row steps run
-        through the Python block loop (`model.decode_weights` set aside), profiled with the
+        through the Python block loop (the runner's `decode_loop` set aside), profiled with the
         forward split: the production path runs a pure-decode step's blocks in one C++ call
         (`decode_layers`), inside which the profiler cannot time the matrix products and
         attention apart; the Python loop calls the same kernels one by one, so its steps give the
@@ -445,8 +444,8 @@ class Bench:
         """
         s = self.sizes
         phases = s.decode_phases
-        eng = self.engine(max_rows=max(phases), prefill_chunk=s.decode_chunk,
-                          prefill_chunk_few_rows=s.decode_chunk)
+        eng = self.engine(max_rows=max(phases), prefill_token_budget=s.decode_chunk,
+                          prefill_token_budget_few_rows=s.decode_chunk)
         max_tokens = self.decode_max_tokens(prompt_len)
         reqs = self.submit(eng, self.prompts(max(phases), prompt_len), max_tokens)
         counted: dict[int, list[StepRecord]] = {rows: [] for rows in phases}
@@ -454,7 +453,7 @@ class Bench:
         split: list[StepRecord] = []
         st = {"phase": 0, "seen": 0, "prof": None, "prof_left": 0, "breakdown": False,
               "splitting": False}
-        saved_weights = self.model.decode_weights
+        saved_loop = self.executor.decode_loop
 
         def on_record(rec: StepRecord) -> None:
             if st["breakdown"]:
@@ -462,7 +461,7 @@ class Bench:
                     breakdown.append(rec)
                 if len(breakdown) >= s.breakdown_steps:
                     st["breakdown"] = False
-                    self.model.decode_weights = None
+                    self.executor.decode_loop = None
                     self.profiling = "split"
                     st["splitting"] = True
                 return
@@ -470,7 +469,7 @@ class Bench:
                 if rec.rows == 32 and rec.prefill == 0 and rec.parts:
                     split.append(rec)
                 if len(split) >= s.split_steps:
-                    self.model.decode_weights = saved_weights
+                    self.executor.decode_loop = saved_loop
                     self.profiling = None
                     st["splitting"] = False
                     after_32()
@@ -522,7 +521,7 @@ class Bench:
         try:
             self.run(eng, on_record)
         finally:
-            self.model.decode_weights = saved_weights
+            self.executor.decode_loop = saved_loop
             self.profiling = None
         if st["phase"] < len(phases):
             raise RuntimeError(f"decode sweep ended in phase {st['phase']} "

@@ -6,7 +6,7 @@ Run from the repository root::
 
 Two engines over one model (the embedded SmolLM2-135M, weights as the default engine reads them
 here), identical but for `EngineConfig.kv_cache_dtype`: "auto" (bf16 pools) and "int8"
-(`engine.kv_quant`'s format, 66 bytes a row instead of 128). For each row count, each engine
+(`engine.attention.kv_quant`'s format, 66 bytes a row instead of 128). For each row count, each engine
 gets `rows` greedy requests of `--prompt-len` seeded token ids (the design's prompts average
 ≈ 1,250 tokens) and prefills them; then the engines take one step each in turn, `--steps`
 times, so load from other processes falls on both alike. Counted: pure-decode steps at that row
@@ -28,10 +28,10 @@ import sys
 import torch
 
 from benchmarks.q4 import decode_in_turn
-from engine.builder import attach_weights, engine_from_model, model_from_weights, set_threads
 from engine.config import EngineConfig
-from engine.kv_cache import bytes_per_block
 from engine.model.weights import load_gguf, open_gguf
+from engine.runner.builder import attach_weights, engine_from_model, model_from_weights, set_threads
+from engine.runner.kv_cache import bytes_per_block
 from genserve.model_source import parse_model_source
 
 FORMATS = ("auto", "int8")

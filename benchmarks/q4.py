@@ -7,10 +7,10 @@ Run from the repository root::
 Engines over the embedded SmolLM2-135M, built from one load of the GGUF:
 
 * ``bf16``: `EngineConfig.weights` "bf16", the default engine of this CPU;
-* ``q4``: `EngineConfig.weights` "q4" (`engine.model.q4.attach_q4`);
+* ``q4``: `EngineConfig.weights` "q4" (`engine.model.quant.attach_q4`);
 * ``bf16-twin``, only where the 4-bit products do not reproduce the default engine's bits on this
-  CPU (`engine.model.q4` says when): bf16 weights run by exactly the products they do reproduce
-  (`engine.model.q4.bf16_twin`, genserve's own layout).
+  CPU (`engine.model.quant` says when): bf16 weights run by exactly the products they do reproduce
+  (`engine.model.quant.bf16_twin`, genserve's own layout).
 
 For each row count, each engine gets that many requests (``--prompt-len``-token prompts, greedy,
 ``ignore_eos``) and prefills them; then the engines take one step each in turn, ``--steps``
@@ -38,14 +38,14 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.builder import engine_from_model, model_from_weights, set_threads
 from engine.config import EngineConfig
-from engine.loop import Engine
-from engine.model.linear import ANY_ROWS, DecodeWeights
+from engine.core.engine import Engine
+from engine.core.request import Request, SamplingParams
+from engine.model.linear import ANY_ROWS
 from engine.model.llama import Transformer
-from engine.model.q4 import attach_q4, bf16_twin
+from engine.model.quant import attach_q4, bf16_twin
 from engine.model.weights import Q4_1_BLOCK_BYTES, Q8_0_BLOCK_BYTES, load_gguf, open_gguf
-from engine.request import Request, SamplingParams
+from engine.runner.builder import engine_from_model, model_from_weights, set_threads
 
 
 
@@ -79,7 +79,6 @@ def build_models(threads: int) -> dict[str, Transformer]:
                                                  block_matrices(models["q4"])):
             setattr(module, name + "_packed",
                     bf16_twin(getattr(q_module, name + "_packed"), getattr(module, name)))
-        twin.decode_weights = DecodeWeights.from_model(twin)
     return models
 
 

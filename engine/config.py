@@ -1,7 +1,7 @@
 """Engine configuration: every dial of the scheduler and the KV pool, with its unit.
 
 The defaults are the design's numbers (docs/design.md): 16-token blocks, a row cap
-of 32, a 256-token prefill chunk, an 8,192-token context limit, a 5 % free-block margin at
+of 32, a 256-token prefill token budget per step, an 8,192-token context limit, a 5 % free-block margin at
 admission, 8 rows per API key while others wait, and 2 device-seconds of queued work before 429.
 """
 
@@ -24,12 +24,12 @@ class EngineConfig:
     Attributes:
         block_size: tokens per KV block (16, the design's PagedAttention block).
         max_rows: row cap, the most requests in one step (32; set by the TPOT target).
-        prefill_chunk: prompt tokens one step may carry while many rows decode (256; bounds
+        prefill_token_budget: prompt tokens one step may carry while many rows decode (256; bounds
             the step time at 40 + 25.6 ms in the design).
         prefill_piece: alignment grid of prefill, tokens (64): a request's prompt is cut at
             multiples of it whatever else shares the step, so its arithmetic is batch-invariant.
-        few_rows / prefill_chunk_few_rows: with at most `few_rows` decode rows (4), a step may
-            carry `prefill_chunk_few_rows` prompt tokens (1,024): a longer step then delays few
+        few_rows / prefill_token_budget_few_rows: with at most `few_rows` decode rows (4), a step may
+            carry `prefill_token_budget_few_rows` prompt tokens (1,024): a longer step then delays few
             users, and the newcomer's TTFT drops (the design's "raise it when few rows decode").
         max_context: prompt + max_tokens limit in tokens (8,192, the model's context).
         max_new_tokens: upper bound for a request's max_tokens (1,000).
@@ -44,7 +44,7 @@ class EngineConfig:
         num_threads: torch intra-op threads; 0 means "the cores this process may use".
         batching: how batches form (the design's scheduler comparison; `BATCHING_MODES`):
             "continuous" (default): rows join and leave at every step, prefill in chunks of
-                `prefill_chunk` tokens per step;
+                `prefill_token_budget` tokens per step;
             "continuous_unchunked": rows join and leave at every step, each prompt prefilled
                 whole in one step (no prefill budget);
             "static": wait until `max_rows` requests are queued, admit them (as many as the
@@ -60,7 +60,7 @@ class EngineConfig:
             left after the weights and this reserve, unless `num_blocks` is given. Not used on CPU,
             where `kv_pool_bytes` sizes the pool.
         policy: how each step is sized (`POLICIES`): "fixed" (default): at most `max_rows` rows and
-            `prefill_chunk` prompt tokens (`prefill_chunk_few_rows` with few rows), the design's
+            `prefill_token_budget` prompt tokens (`prefill_token_budget_few_rows` with few rows), the design's
             caps; "slo": as many rows and prefill pieces as the cost model predicts fit in the
             TPOT and gap targets (with `batching` "continuous"; the other modes keep the caps).
         tpot_target_ms: the TPOT target, ms (70, the design's); "slo" keeps every decoding row's
@@ -78,12 +78,12 @@ class EngineConfig:
             whole `prefill_piece` pieces, so a cached answer is bit-identical to a computed one.
         weights: how the block matrices are read (`WEIGHTS`): "bf16": dequantized to bf16 at
             load; "q4": the GGUF's 4-bit Q4_1 blocks as they are, 3.2x fewer bytes per product,
-            with the bits of genserve's bf16 products (`engine.model.q4` says where those are the
+            with the bits of genserve's bf16 products (`engine.model.quant` says where those are the
             bf16 path's; GGUF models on AVX512-BF16 CPUs, bfloat16 only); "auto" (default): "q4"
             where it can run, else "bf16" (faster at 1 and 32 rows: docs/benchmarks/q4.md).
         kv_cache_dtype: how the KV pool stores keys and values (`KV_CACHE_DTYPES`, vLLM's
             `--kv-cache-dtype`): "auto" (default): in the model dtype; "int8": the 8-bit format
-            of `engine.kv_quant` (int8 with a power-of-two scale per 32 numbers, OCP MX's
+            of `engine.attention.kv_quant` (int8 with a power-of-two scale per 32 numbers, OCP MX's
             MXINT8; 0.52x the bytes of bf16 at head_dim 64): twice the tokens in the same pool and fewer bytes for decode
             attention to read, at the cost of rounding every cached key and value (the model's
             outputs change; docs/benchmarks/kv_int8.md measures by how much and how fast).
@@ -91,10 +91,10 @@ class EngineConfig:
 
     block_size: int = 16
     max_rows: int = 32
-    prefill_chunk: int = 256
+    prefill_token_budget: int = 256
     prefill_piece: int = 64
     few_rows: int = 4
-    prefill_chunk_few_rows: int = 1024
+    prefill_token_budget_few_rows: int = 1024
     max_context: int = 8192
     max_new_tokens: int = 1000
     kv_pool_bytes: int = 2 * 1024**3
@@ -124,15 +124,15 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two > 0, got {self.block_size}")
         if not 1 <= self.max_rows <= 1024:
             raise ValueError(f"max_rows must be in 1..1024, got {self.max_rows}")
-        if self.prefill_chunk < self.block_size:
-            raise ValueError(f"prefill_chunk must be >= block_size ({self.block_size}), got {self.prefill_chunk}")
-        if self.prefill_chunk % self.block_size:
-            raise ValueError(f"prefill_chunk must be a multiple of block_size, got {self.prefill_chunk}")
-        if self.prefill_piece % self.block_size or self.prefill_piece > self.prefill_chunk:
-            raise ValueError(f"prefill_piece must be a multiple of block_size and <= prefill_chunk, "
+        if self.prefill_token_budget < self.block_size:
+            raise ValueError(f"prefill_token_budget must be >= block_size ({self.block_size}), got {self.prefill_token_budget}")
+        if self.prefill_token_budget % self.block_size:
+            raise ValueError(f"prefill_token_budget must be a multiple of block_size, got {self.prefill_token_budget}")
+        if self.prefill_piece % self.block_size or self.prefill_piece > self.prefill_token_budget:
+            raise ValueError(f"prefill_piece must be a multiple of block_size and <= prefill_token_budget, "
                              f"got {self.prefill_piece}")
-        if self.prefill_chunk_few_rows < self.prefill_chunk:
-            raise ValueError("prefill_chunk_few_rows must be >= prefill_chunk")
+        if self.prefill_token_budget_few_rows < self.prefill_token_budget:
+            raise ValueError("prefill_token_budget_few_rows must be >= prefill_token_budget")
         if self.max_context <= 0 or self.max_new_tokens <= 0:
             raise ValueError("max_context and max_new_tokens must be positive")
         if not 0.0 <= self.free_margin < 1.0:

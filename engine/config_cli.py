@@ -4,9 +4,10 @@ Every field of `engine.config.EngineConfig` becomes a `--kebab-case` flag whose 
 are the field's and whose help is the field's entry in the class docstring's "Attributes:"
 section, so a new dial is on the command line of `python -m service` and `genserve serve` as soon
 as it is declared and documented. The docstring stays the one place the dials are described: it
-reads as one table, which per-field `metadata={"help": ...}` would scatter over nineteen
-`field(...)` calls. `FLAG_SPELLINGS` lists the fields spelled otherwise on the command line,
-`FLAG_CHOICES` the ones with a closed set of values.
+reads as one table, which per-field `metadata={"help": ...}` would scatter over thirty
+`field(...)` calls. `FLAG_SPELLINGS` lists the fields spelled otherwise on the command line
+(and a renamed field's old flag, kept as an alias for a release), `FLAG_CHOICES` the ones with a
+closed set of values.
 
 `engine_config_argv` writes a config back as flags (the round trip
 `engine_config_from_args(parse(engine_config_argv(c))) == c` holds), which is how
@@ -23,7 +24,7 @@ import typing
 from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
-from engine.config import BATCHING_MODES, DEVICES, DTYPES, KV_CACHE_DTYPES, EngineConfig
+from engine.config import BATCHING_MODES, DEVICES, DTYPES, KV_CACHE_DTYPES, POLICIES, WEIGHTS, EngineConfig
 
 GIB = 1024**3
 GB = 10**9
@@ -39,11 +40,13 @@ class FlagSpelling:
             unit; 1 = the same unit). A scaled flag takes a float; an int field keeps the integer
             part of the product.
         help: replaces the field's docstring text (say the command line's unit); None keeps it.
+        aliases: older spellings of the flag that still work (a renamed field's old flag).
     """
 
     flag: str
     scale: int = 1
     help: str | None = None
+    aliases: tuple[str, ...] = ()
 
 
 FLAG_SPELLINGS: typing.Mapping[str, FlagSpelling] = types.MappingProxyType({
@@ -57,12 +60,18 @@ FLAG_SPELLINGS: typing.Mapping[str, FlagSpelling] = types.MappingProxyType({
         help="on CUDA, device memory kept free for the forward pass's activations, GB (10^9 "
              "bytes); the KV pool takes the free memory left after the weights and this reserve "
              "unless --num-blocks is given"),
+    # Renamed to the field's term (vLLM's max_num_batched_tokens); the old flags stay a release.
+    "prefill_token_budget": FlagSpelling("--prefill-token-budget", aliases=("--prefill-chunk",)),
+    "prefill_token_budget_few_rows": FlagSpelling("--prefill-token-budget-few-rows",
+                                                  aliases=("--prefill-chunk-few-rows",)),
 })
 FLAG_CHOICES: typing.Mapping[str, tuple[str, ...]] = types.MappingProxyType({
     "dtype": DTYPES,
     "batching": BATCHING_MODES,
     "device": DEVICES,
     "kv_cache_dtype": KV_CACHE_DTYPES,
+    "policy": POLICIES,
+    "weights": WEIGHTS,
 })
 
 
@@ -73,6 +82,7 @@ class FieldFlag:
     Attributes:
         field: the EngineConfig attribute.
         flag: the flag, e.g. "--max-rows".
+        aliases: older spellings that set the same field.
         dest: where argparse stores the value in its Namespace ("max_rows", "threads").
         field_type: the field's type without None: int, float, str or bool (a bool is a pair of
             flags, `--name` and `--no-name`).
@@ -85,6 +95,7 @@ class FieldFlag:
 
     field: str
     flag: str
+    aliases: tuple[str, ...]
     dest: str
     field_type: type
     arg_type: type
@@ -174,7 +185,8 @@ def engine_flags() -> tuple[FieldFlag, ...]:
             raise ValueError(f"EngineConfig.{f.name} is not documented in the class docstring's Attributes")
         default = f.default if f.default is None or spelling.scale == 1 else f.default / spelling.scale
         result.append(FieldFlag(
-            field=f.name, flag=spelling.flag, dest=spelling.flag[2:].replace("-", "_"),
+            field=f.name, flag=spelling.flag, aliases=spelling.aliases,
+            dest=spelling.flag[2:].replace("-", "_"),
             field_type=field_type, arg_type=float if spelling.scale != 1 else field_type,
             default=default, scale=spelling.scale, choices=FLAG_CHOICES.get(f.name),
             help=_help_text(text, default, flag_of)))
@@ -188,11 +200,11 @@ def add_engine_config_args(parser: argparse.ArgumentParser) -> None:
         "Scheduler and KV-pool settings; the defaults are the design's numbers.")
     for flag in engine_flags():
         if flag.field_type is bool:
-            group.add_argument(flag.flag, dest=flag.dest, default=flag.default, help=flag.help,
-                               action=argparse.BooleanOptionalAction)
+            group.add_argument(flag.flag, *flag.aliases, dest=flag.dest, default=flag.default,
+                               help=flag.help, action=argparse.BooleanOptionalAction)
             continue
-        group.add_argument(flag.flag, dest=flag.dest, type=flag.arg_type, default=flag.default,
-                           choices=flag.choices, help=flag.help)
+        group.add_argument(flag.flag, *flag.aliases, dest=flag.dest, type=flag.arg_type,
+                           default=flag.default, choices=flag.choices, help=flag.help)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -3,7 +3,7 @@
     .venv/bin/python -m loadgen.calibrate --out docs/benchmarks
 
 1. **Measure** the embedded model's step times (SmolLM2-135M, the server's own `EngineConfig`
-   defaults) in this process: `engine.builder.build_engine` and `Engine.step_listeners`, on a grid
+   defaults) in this process: `engine.runner.builder.build_engine` and `Engine.step_listeners`, on a grid
    of decode rows (1..32) × prefill tokens (0..512) × context (32, 256 and 1,536 tokens: the
    attention term that grows with context needs the design's long contexts). A sample is one whole
    engine pass (schedule → forward → sample → update), timed around `Engine.step()`, which is what
@@ -64,10 +64,10 @@ def measure_grid(rows: Sequence[int] = GRID_ROWS, prefill: Sequence[int] = GRID_
                  contexts: Sequence[int] = GRID_CONTEXT, reps: int = 3,
                  progress: bool = True) -> tuple[list[dict[str, float]], dict[str, Any]]:
     """Step samples of the real model: [{rows, prefill, context, pairs, ms}], and engine facts."""
-    from engine.builder import build_engine
     from engine.config import EngineConfig
-    from engine.sim_executor import SimExecutor
-    from engine.request import Request, SamplingParams
+    from engine.core.request import Request, SamplingParams
+    from engine.core.sim_executor import SimExecutor
+    from engine.runner.builder import build_engine
 
     # The server's defaults, except a row cap above 32 so a probe can join 32 decoding rows.
     loaded = build_engine(EngineConfig(queue_budget_s=1e6, max_rows=64), calibrate=False)
@@ -85,7 +85,7 @@ def measure_grid(rows: Sequence[int] = GRID_ROWS, prefill: Sequence[int] = GRID_
         ms = (time.perf_counter() - t0) * 1000.0
         plan = last[-1] if last else None
         if record and plan is not None and not plan.empty:
-            b, c, k, p = SimExecutor.plan_features(plan)
+            b, c, k, p = plan.features().as_tuple()
             samples.append({"rows": b, "prefill": c, "context": k, "pairs": p, "ms": ms})
 
     def submit(n: int, max_tokens: int) -> Request:
@@ -130,10 +130,10 @@ def measure_grid(rows: Sequence[int] = GRID_ROWS, prefill: Sequence[int] = GRID_
 
 # -- 2. fit ---------------------------------------------------------------------------------------
 def fit_cost_model(samples: Sequence[dict[str, float]]) -> tuple[dict[str, float], dict[str, Any]]:
-    """SimExecutor fields fitted to `samples`, and the fit's quality: `engine.cost_model.fit_step_model`
+    """SimExecutor fields fitted to `samples`, and the fit's quality: `engine.core.cost_model.fit_step_model`
     (least squares on relative error, terms ≥ 0, steps slowed by other work left out and counted), the
     same fit a running engine applies to its own steps."""
-    from engine.cost_model import fit_step_model
+    from engine.core.cost_model import fit_step_model
 
     return fit_step_model(samples)
 
@@ -219,7 +219,7 @@ class LiveServer:
 def capacity_rps(fields: dict[str, float], mix: LengthMix, rows: int = 32) -> float:
     """Requests/s the fitted model serves when full: 1 / (device time of an average request with
     `rows` rows sharing each decode step; docs/design.md's 2 requests/s for its own numbers)."""
-    from engine.sim_executor import SimExecutor
+    from engine.core.sim_executor import SimExecutor
 
     sim = SimExecutor(**fields)
     ctx = mix.prompt_mean + mix.output_mean / 2
@@ -230,7 +230,7 @@ def capacity_rps(fields: dict[str, float], mix: LengthMix, rows: int = 32) -> fl
 
 def cpu_slo_ms(fields: dict[str, float], mix: LengthMix) -> tuple[float, float]:
     """(TTFT, TPOT) targets for this machine, scaled from the design's 3 s / 70 ms (see the docstring)."""
-    from engine.sim_executor import SimExecutor
+    from engine.core.sim_executor import SimExecutor
 
     sim = SimExecutor(**fields)
     ctx = int(mix.prompt_mean + mix.output_mean / 2)
@@ -247,7 +247,7 @@ def _round_rate(r: float) -> float:
 def compare(fields: dict[str, float], facts: dict[str, Any], *, scale: float, rates: Sequence[float],
             duration_s: float, seed: int, slo: tuple[float, float], progress: bool = True) -> dict[str, Any]:
     """Live runs at `rates` (one server), then the same items in the simulator; errors per metric."""
-    from engine.sim_executor import SimExecutor
+    from engine.core.sim_executor import SimExecutor
     from loadgen.clients import RestClient, run_open_loop
     from loadgen.sim import design_config, simulate
 
@@ -350,7 +350,7 @@ def plot_fit(samples, fields, out: pathlib.Path) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from engine.sim_executor import SimExecutor
+    from engine.core.sim_executor import SimExecutor
 
     sim = SimExecutor(**fields)
     y = np.array([s["ms"] for s in samples])

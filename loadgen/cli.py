@@ -136,13 +136,13 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_sim(args: argparse.Namespace) -> int:
     """The same workload through the real scheduler in virtual time, one run per rate."""
-    from engine.sim_executor import SimExecutor
+    from engine.core.sim_executor import SimExecutor
     from loadgen.sim import design_config, simulate
 
     if args.duration is None and args.num_requests is None and not args.trace:
         raise SystemExit("give --duration or --num-requests (or a --trace)")
     config = design_config(num_blocks=args.num_blocks, block_size=args.block_size, max_rows=args.max_rows,
-                           prefill_chunk=args.prefill_chunk, queue_budget_s=args.queue_budget_s,
+                           prefill_token_budget=args.prefill_token_budget, queue_budget_s=args.queue_budget_s,
                            per_key_rows=args.per_key_rows, batching=args.batching,
                            dynamic_window_s=args.dynamic_window_ms / 1000.0, policy=args.policy,
                            tpot_target_ms=args.tpot_target_ms, gap_target_ms=args.gap_target_ms)
@@ -240,7 +240,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     e.add_argument("--num-blocks", type=int, default=7152, help="KV pool, blocks")
     e.add_argument("--block-size", type=int, default=16, help="tokens per block")
     e.add_argument("--max-rows", type=int, default=32, help="row cap")
-    e.add_argument("--prefill-chunk", type=int, default=256, help="prefill tokens per step")
+    e.add_argument("--prefill-token-budget", type=int, default=256, help="prefill tokens per step")
     e.add_argument("--queue-budget-s", type=float, default=2.0, help="device-seconds queued before 429")
     e.add_argument("--per-key-rows", type=int, default=8, help="rows per key while others wait")
     e.add_argument("--decode-1-ms", type=float, default=25.0, help="decode step of 1 row, ms")

@@ -100,7 +100,7 @@ def run_live(policy: str, workloads: dict[float, list[WorkItem]], extra_args: Se
 def simulate_policy(items: list[WorkItem], fields: dict[str, float], facts: dict[str, Any], config: Any,
                     *, step_overhead_ms: float = 0.0, submit_delay_s: float = 0.0) -> list[st.RequestRecord]:
     """The simulator's records for `items` under `config` with the fitted costs (+ live-path terms)."""
-    from engine.sim_executor import SimExecutor
+    from engine.core.sim_executor import SimExecutor
     from loadgen.sim import simulate
 
     f = {**fields, "step_base_ms": fields["step_base_ms"] + step_overhead_ms}
@@ -212,7 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-progress", dest="progress", action="store_false")
     args = parser.parse_args(argv)
     from engine.config import EngineConfig
-    from engine.cost_model import CostModel
+    from engine.core.cost_model import CostModel
     from loadgen.calibrate import cpu_slo_ms, fit_cost_model, measure_grid
     from loadgen.sim import design_config
 

@@ -69,7 +69,7 @@ STALL_TARGET_MS = 200.0
 # policy (max_num_batched_tokens 2,048, max_num_seqs 256). Each is EngineConfig overrides.
 POLICIES = {"fixed": (),
             "slo": (("policy", "slo"),),
-            "vllm": (("max_rows", 256), ("prefill_chunk", 2048), ("prefill_chunk_few_rows", 2048))}
+            "vllm": (("max_rows", 256), ("prefill_token_budget", 2048), ("prefill_token_budget_few_rows", 2048))}
 POLICY_LABELS = {"fixed": "fixed caps: 32 rows, 256-token chunk (design)",
                  "slo": "SLO-driven steps (TPOT 70 ms, gap 100 ms)",
                  "vllm": "vLLM-default-like: 256 rows, 2,048-token chunk"}
@@ -131,7 +131,7 @@ def fairness_workload(seconds: float) -> list[WorkItem]:
 
 def run_point(p: Point) -> dict[str, Any]:
     """Simulate one point; its summary (latencies in ms) plus the engine's numbers."""
-    from engine.sim_executor import SimExecutor
+    from engine.core.sim_executor import SimExecutor
     from loadgen.sim import design_config, simulate
 
     if p.group == "fairness":
@@ -172,7 +172,7 @@ def plan(rates: Sequence[float] = RATES, minutes: float = 10.0, rows: Sequence[i
     """Every point of the report, in report order."""
     pts = [Point("modes", r, (("batching", m), ("queue_budget_s", COMPARISON_BUDGET_S)), minutes, seed)
            for m in MODES for r in rates]
-    pts += [Point("sweep", r, (("max_rows", n), ("prefill_chunk", c)), minutes, seed)
+    pts += [Point("sweep", r, (("max_rows", n), ("prefill_token_budget", c)), minutes, seed)
             for n in rows for c in chunks for r in rates]
     pts += [Point("fairness", 1.0, (), minutes, seed, max_retries=k, fairness_seconds=fairness_seconds)
             for k in (0, FAIR_RETRIES)]
@@ -220,15 +220,15 @@ def analyse(results: Sequence[dict[str, Any]], rates: Sequence[float]) -> dict[s
         modes[m] = {"goodput_rps": st.goodput((r["rate"], r["slo"]["attainment"]) for r in runs),
                     "goodput_with_stall_target_rps": st.goodput((r["rate"], r["slo_stall"]["attainment"])
                                                                 for r in runs)}
-    design = [r for r in _group(results, "sweep", max_rows=32, prefill_chunk=256)]
+    design = [r for r in _group(results, "sweep", max_rows=32, prefill_token_budget=256)]
     sweep = []
     rows = sorted({r["point"]["overrides"]["max_rows"] for r in _group(results, "sweep")})
-    chunks = sorted({r["point"]["overrides"]["prefill_chunk"] for r in _group(results, "sweep")})
+    chunks = sorted({r["point"]["overrides"]["prefill_token_budget"] for r in _group(results, "sweep")})
     for n in rows:
         for c in chunks:
-            runs = _group(results, "sweep", max_rows=n, prefill_chunk=c)
+            runs = _group(results, "sweep", max_rows=n, prefill_token_budget=c)
             sat = next(r for r in runs if r["rate"] == top)
-            sweep.append({"max_rows": n, "prefill_chunk": c,
+            sweep.append({"max_rows": n, "prefill_token_budget": c,
                           "goodput_rps": st.goodput((r["rate"], r["slo"]["attainment"]) for r in runs),
                           "at_rate": top, "throughput_rps": sat["throughput_rps"],
                           "output_tokens_per_s": sat["output_tokens_per_s"],
@@ -279,7 +279,7 @@ def busy_minute(rate: float = BUSY_RATE, minute: int = BUSY_MINUTE, minutes: flo
                 seed: int = 0) -> dict[str, list[tuple[float, float, int]]]:
     """(start s, step ms, decode rows) of every step in virtual minute `minute` of a run at `rate`,
     per policy (the same trace for each)."""
-    from engine.sim_executor import SimExecutor
+    from engine.core.sim_executor import SimExecutor
     from loadgen.sim import design_config, simulate
 
     items = trace_workload(rate, minutes, seed)
@@ -365,8 +365,8 @@ def plots(results, summary, rates, out: pathlib.Path) -> list[str]:
             if s[metric] is None or s["output_tokens_per_s"] is None:
                 continue
             ax.scatter(s[metric], s["output_tokens_per_s"], color=colors.get(s["max_rows"], "k"),
-                       marker=markers.get(s["prefill_chunk"], "x"), s=60, zorder=3)
-            ax.annotate(f"{s['max_rows']}/{s['prefill_chunk']}", (s[metric], s["output_tokens_per_s"]),
+                       marker=markers.get(s["prefill_token_budget"], "x"), s=60, zorder=3)
+            ax.annotate(f"{s['max_rows']}/{s['prefill_token_budget']}", (s[metric], s["output_tokens_per_s"]),
                         textcoords="offset points", xytext=(5, 4), fontsize=8)
         ax.axvline(slo, color="grey", ls="--", lw=1)
         ax.set(xlabel=label, ylabel="throughput, output tokens/s",
@@ -551,7 +551,7 @@ def markdown(results, summary, meta, images) -> str:
           "prompt). Chunked prefill bounds the gap near the 65.6 ms step and pays with TTFT.",
           f"- Above ≈ 2 requests/s the device is full (the design's estimate); with a {COMPARISON_BUDGET_S:g} s "
           "budget the queue grows to a minute of work and TTFT follows it.", ""]
-    design = _group(results, "sweep", max_rows=32, prefill_chunk=256)
+    design = _group(results, "sweep", max_rows=32, prefill_token_budget=256)
     L += ["## 2. The design's server: continuous, chunked, 2 s admission budget", "",
           f"Goodput: **{_rps(summary['design_goodput_rps'])}** (the design assumed 2 requests/s of capacity and "
           "planned for 1.5). Over capacity, admission control answers 429 instead of letting the queue grow, "
@@ -567,17 +567,17 @@ def markdown(results, summary, meta, images) -> str:
           "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for s in summary["sweep"]:
         best = " **(best)**" if s is summary["sweep_best"] or s == summary["sweep_best"] else ""
-        L.append(f"| {s['max_rows']} | {s['prefill_chunk']}{best} | {_rps(s['goodput_rps'])} "
+        L.append(f"| {s['max_rows']} | {s['prefill_token_budget']}{best} | {_rps(s['goodput_rps'])} "
                  f"| {_f(s['output_tokens_per_s'])} | {_f(s['throughput_rps'], 2)} | {_f(s['tpot_p95_ms'], 1)} "
                  f"| {_f(s['ttft_p95_ms'] / 1000 if s['ttft_p95_ms'] is not None else None, 2)} "
                  f"| {_f(s['max_gap_p95_ms'])} | {_pct(s['slo_attainment'])} |")
     b = summary["sweep_best"]
     if b:
         L += ["", f"Best setting (highest goodput, then p95 TPOT within target, then throughput at "
-                  f"{max(rates):g} requests/s): **row cap {b['max_rows']}, chunk {b['prefill_chunk']}**, goodput "
+                  f"{max(rates):g} requests/s): **row cap {b['max_rows']}, chunk {b['prefill_token_budget']}**, goodput "
                   f"{_rps(b['goodput_rps'])}, {_f(b['output_tokens_per_s'])} output tokens/s at p95 TPOT "
                   f"{_f(b['tpot_p95_ms'], 1)} ms."]
-        over = [f"{x['max_rows']}/{x['prefill_chunk']}" for x in summary["sweep"]
+        over = [f"{x['max_rows']}/{x['prefill_token_budget']}" for x in summary["sweep"]
                 if (x["tpot_p95_ms"] or 0.0) > st.DEFAULT_SLO_TPOT_MS]
         if over:
             L += ["", f"Over the {st.DEFAULT_SLO_TPOT_MS:g} ms TPOT target at p95 when saturated: "
@@ -586,7 +586,7 @@ def markdown(results, summary, meta, images) -> str:
                       "the rows are full."]
     L += ["", "All sweep runs, every rate:", ""]
     L += _run_table(_group(results, "sweep"),
-                    lambda r: f"{r['point']['overrides']['max_rows']} rows / {r['point']['overrides']['prefill_chunk']}")
+                    lambda r: f"{r['point']['overrides']['max_rows']} rows / {r['point']['overrides']['prefill_token_budget']}")
     L += _policy_section(results, summary, meta)
     n, p_long, a_long = FAIR_LONG
     L += ["", "## 5. Fairness: one key floods, another sends one short request per second", "",

@@ -1,8 +1,8 @@
 """The virtual-time driver: the real scheduler and engine loop, a cost model in place of the GPU.
 
-`simulate(items)` runs a workload through `engine.loop.Engine` — the same `Scheduler`, block pool,
+`simulate(items)` runs a workload through `engine.core.engine.Engine` — the same `Scheduler`, block pool,
 admission control, fair queueing, chunked prefill and preemption as the server — over
-`engine.sim_executor.SimExecutor`, whose step time is the design's cost model (25 ms for one decode
+`engine.core.sim_executor.SimExecutor`, whose step time is the design's cost model (25 ms for one decode
 row to 40 ms for 32, plus 0.1 ms per prefill token). Nothing sleeps: a virtual clock jumps by each
 step's modelled time (`SimExecutor.last_step_s`) and, when the engine is idle, to the next arrival
 (or, under static/dynamic batching, to when the batcher's window closes: `Scheduler.join_wait_s`).
@@ -23,7 +23,7 @@ it records a `StepRow` (decode rows, prefill tokens, running rows, queue depth, 
 preemptions), summarised into rows per step, pool use, preemptions, 429s and cancelled tokens.
 
 Default scale is the design's: EngineConfig(num_blocks=7152, block_size=16, max_rows=32,
-prefill_chunk=256) and SimExecutor's default costs.
+prefill_token_budget=256) and SimExecutor's default costs.
 """
 
 from __future__ import annotations
@@ -37,14 +37,15 @@ from typing import Any
 
 import numpy as np
 
-from engine.block_pool import BlockPool
 from engine.config import EngineConfig
-from engine.sim_executor import SimExecutor
-from engine.loop import Engine
-from engine.request import FinishReason, Request, SamplingParams
-from engine.scheduler import AdmissionRejected
-from engine.step import SampledTokens, StepPlan, TokenEvent
-from loadgen.stats import STATUS_OK, STATUS_REJECTED, RequestRecord, TokenTimer
+from engine.core.cost_model import CostModel
+from engine.core.engine import Engine
+from engine.core.outputs import FinishReason, SampledTokens, TokenEvent
+from engine.core.plan import StepPlan
+from engine.core.request import Request, SamplingParams
+from engine.core.sched.scheduler import AdmissionRejected
+from engine.core.sim_executor import SimExecutor
+from loadgen.stats import RequestRecord, STATUS_OK, STATUS_REJECTED, TokenTimer
 from loadgen.workload import WorkItem
 
 IDLE_TICK_S = 0.001     # clock advance when work is queued but nothing could run (never expected)
@@ -52,8 +53,12 @@ DESIGN_NUM_BLOCKS = 7152
 
 
 def design_config(**overrides: Any) -> EngineConfig:
-    """The reference deployment's engine (docs/design.md): 7,152 blocks of 16 tokens, 32 rows, 256-token prefill chunk."""
-    settings: dict[str, Any] = dict(num_blocks=DESIGN_NUM_BLOCKS, block_size=16, max_rows=32, prefill_chunk=256)
+    """The reference deployment's engine (docs/design.md): 7,152 blocks of 16 tokens, 32 rows,
+    256-token prefill budget, and no prefix caching: the design's load test draws prompts of
+    token 1 repeated (`simulate`'s default), which a prefix cache would all hit, so a simulated
+    run turns it on only when asked (`prefix_caching=True`)."""
+    settings: dict[str, Any] = dict(num_blocks=DESIGN_NUM_BLOCKS, block_size=16, max_rows=32, prefill_token_budget=256,
+                                    prefix_caching=False)
     settings.update(overrides)
     return EngineConfig(**settings)
 
@@ -77,7 +82,6 @@ class VirtualTimeExecutor:
     def __init__(self, sim: SimExecutor, clock: VirtualClock) -> None:
         self.sim = sim
         self.clock = clock
-        self.cost_model = sim.cost_model
         self.num_steps = 0
 
     def execute(self, plan: StepPlan) -> SampledTokens:
@@ -93,7 +97,7 @@ class StepRow:
 
     Attributes:
         start_s: virtual time the step began.
-        step_s: its modelled duration (SimExecutor.step_seconds of its rows and prefill tokens).
+        step_s: its modelled duration (`SimExecutor.step_seconds` of its features).
         num_rows: segments in the step (decode rows + prefill chunks): the batch's rows.
         num_decode_rows / num_prefill_tokens: B and C of the step (as SimExecutor counts them).
         num_running: rows admitted after the step (decoding or prefilling).
@@ -242,15 +246,16 @@ def simulate(items: Sequence[WorkItem], config: EngineConfig | None = None,
     sim = executor or SimExecutor()
     clock = VirtualClock()
     vexec = VirtualTimeExecutor(sim, clock)
-    pool = BlockPool(config.num_blocks, config.block_size)
-    engine = Engine(config, vexec, pool, clock)
+    engine = Engine(config, vexec, cost_model=CostModel(**sim.device_costs.params(), refit_every=0),
+                    clock=clock)
+    pool = engine.pool
     steps: list[StepRow] = []
 
     def on_step(plan: StepPlan, events: list[TokenEvent], _wall_s: float) -> None:
         if plan.empty:
             return
         sched = engine.scheduler
-        _, _, context, pairs = SimExecutor.plan_features(plan)
+        _, _, context, pairs = plan.features().as_tuple()
         steps.append(StepRow(clock.now - sim.last_step_s, sim.last_step_s, len(plan.segments), plan.num_decode_rows,
                              plan.num_prefill_tokens, len(sched.running), sched.queue_depth,
                              pool.num_free, plan.num_preempted, context, pairs))

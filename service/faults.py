@@ -17,7 +17,8 @@ import logging
 import os
 import pathlib
 
-from engine.step import SampledTokens, StepPlan
+from engine.core.outputs import SampledTokens
+from engine.core.plan import StepPlan
 
 log = logging.getLogger(__name__)
 

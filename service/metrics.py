@@ -12,9 +12,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, Info
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from engine.loop import Engine
-from engine.request import FinishReason
-from engine.step import StepPlan, TokenEvent
+from engine.core.engine import Engine
+from engine.core.outputs import FinishReason, TokenEvent
+from engine.core.plan import StepPlan
 from genserve.process_metrics import ComponentProcessCollector
 
 PROMPT_BUCKETS = (256, 1024, 4096, 8192)            # prompt-length bucket upper bounds, tokens
@@ -116,7 +116,7 @@ class EngineMetrics:
         for code in ("400", "401", "429", "503"):
             self.rejected.labels(code)
         backend = getattr(getattr(engine.executor, "attention", None), "name", None)
-        if backend:     # the model executor's attention backend (engine/attention_backends.py)
+        if backend:     # the model executor's attention backend (engine/attention/__init__.py)
             Info("genserve_attention_backend", "Attention backend the engine runs.",
                  registry=r).info({"backend": backend})
         r.register(_SchedulerGauges(engine))

@@ -29,19 +29,18 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
-from engine.builder import LoadedEngine, build_engine
 from engine.config import EngineConfig
+from engine.runner.builder import LoadedEngine, build_engine
 from genserve.ports import PortInUse, check_ports_free
 from genserve.telemetry import setup_logging, setup_tracing
-from genserve.v1 import generate_pb2 as pb
-from genserve.v1 import generate_pb2_grpc as pb_grpc
+from genserve.v1 import generate_pb2 as pb, generate_pb2_grpc as pb_grpc
 from service.auth import Authenticator
 from service.chat import template_for
 from service.command_line import (DRAIN_GRACE_S, HelpFormatter, add_engine_args, config_from_args,
                                   options_from_args)
 from service.faults import FailingExecutor, fault_settings
 from service.metrics import EngineMetrics
-from service.servicer import MAX_BUFFERED_EVENTS, GenerateServicer
+from service.servicer import GenerateServicer, MAX_BUFFERED_EVENTS
 from service.validation import Validator
 
 log = logging.getLogger("genserve.service")

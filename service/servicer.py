@@ -34,14 +34,13 @@ import grpc
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from engine.loop import Engine, EngineUnavailable
-from engine.request import FinishReason, Request
-from engine.scheduler import AdmissionRejected
-from engine.snapshot import LatencySummary, SchedulerSnapshot, SnapshotSource
-from engine.step import TokenEvent
-from genserve.v1 import generate_pb2 as pb
+from engine.core.engine import Engine, EngineUnavailable
+from engine.core.outputs import FinishReason, TokenEvent
+from engine.core.request import Request
+from engine.core.sched.scheduler import AdmissionRejected
+from engine.core.snapshot import LatencySummary, SchedulerSnapshot, SnapshotSource
 from genserve.telemetry import REQUEST_ID, extract_metadata
-from genserve.v1 import generate_pb2_grpc as pb_grpc
+from genserve.v1 import generate_pb2 as pb, generate_pb2_grpc as pb_grpc
 from service.auth import ANONYMOUS, Authenticator
 from service.handoff import LoopHandoff
 from service.metrics import EngineMetrics

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.request import FinishReason
-from engine.step import TokenEvent
+from engine.core.outputs import FinishReason, TokenEvent
 from genserve.v1 import generate_pb2 as pb
 from service.detokenizer import IncrementalDetokenizer
 from service.stop import StopMatcher

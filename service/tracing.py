@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 from opentelemetry import trace
 
-from engine.loop import Engine
-from engine.request import Request, RequestState
+from engine.core.engine import Engine
+from engine.core.request import Request, RequestState
 
-_RUNNING = (RequestState.PREFILL, RequestState.DECODE)
+_RUNNING = (RequestState.RUNNING,)
 
 
 @dataclass(slots=True)

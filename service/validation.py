@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, replace
 
 from engine.config import EngineConfig
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
 from genserve.chat_messages import ChatError, parse_messages
 from genserve.v1 import generate_pb2 as pb
 from service.chat import ChatTemplate

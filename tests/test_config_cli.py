@@ -20,8 +20,8 @@ from engine.config_cli import (
 
 # Every field away from its default (and still a valid config): the round trip must carry each.
 NON_DEFAULT = EngineConfig(
-    block_size=32, max_rows=16, prefill_chunk=512, prefill_piece=128, few_rows=2,
-    prefill_chunk_few_rows=2048, max_context=4096, max_new_tokens=500,
+    block_size=32, max_rows=16, prefill_token_budget=512, prefill_piece=128, few_rows=2,
+    prefill_token_budget_few_rows=2048, max_context=4096, max_new_tokens=500,
     kv_pool_bytes=3 * GIB + 12_345, num_blocks=100, free_margin=0.1, per_key_rows=4,
     queue_budget_s=3.5, output_token_weight=6.25, default_deadline_s=60.0, dtype="float32",
     num_threads=3, batching="dynamic", dynamic_window_s=0.02, device="cpu",
@@ -91,6 +91,14 @@ def test_existing_spellings_keep_their_meaning():
     assert parse(["--kv-pool-gib", "0.3"]).kv_pool_bytes == int(0.3 * GIB)   # truncated, as before
 
 
+def test_renamed_flags_keep_their_old_spelling_as_an_alias():
+    old = parse(["--prefill-chunk", "512", "--prefill-chunk-few-rows", "2048"])
+    new = parse(["--prefill-token-budget", "512", "--prefill-token-budget-few-rows", "2048"])
+    assert old == new
+    assert (new.prefill_token_budget, new.prefill_token_budget_few_rows) == (512, 2048)
+    assert engine_config_argv(new) == ["--prefill-token-budget=512", "--prefill-token-budget-few-rows=2048"]
+
+
 def test_fractional_gib_round_trips_to_the_byte():
     config = parse(["--kv-pool-gib", "0.3"])
     assert parse(engine_config_argv(config)) == config
@@ -101,7 +109,8 @@ def test_choices_are_enforced(capsys):
     assert flags["dtype"].choices == DTYPES
     assert flags["batching"].choices == BATCHING_MODES
     assert flags["device"].choices == ("auto", "cpu", "cuda")
-    for flag, value in (("--dtype", "float8"), ("--device", "tpu")):
+    assert flags["policy"].choices == ("fixed", "slo") and flags["weights"].choices == ("auto", "bf16", "q4")
+    for flag, value in (("--dtype", "float8"), ("--device", "tpu"), ("--policy", "fast")):
         with pytest.raises(SystemExit):
             parse([flag, value])
         assert "invalid choice" in capsys.readouterr().err

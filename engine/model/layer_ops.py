@@ -1,12 +1,12 @@
 """The per-token steps of a Llama block between its matrix products, in two implementations.
 
 `TorchLayerOps` composes torch ops; `KernelLayerOps` calls genserve's fused CPU kernels
-(`engine/csrc/layer_ops.cpp`, built by `engine.kernels`), one pass over the rows per step instead
+(`engine/kernels/csrc/layer_ops.cpp`, built by `engine.kernels`), one pass over the rows per step instead
 of 3–12 torch ops with their dispatch and fp32 temporaries. Both compute the same formulas in fp32
 and round once to the activation dtype (the kernels round `silu(gate) · up` once where torch
 rounds `silu(gate)` first, so bf16 results may differ in the last bit); every row is computed
 alone, so neither makes a row depend on the rest of the batch. One process uses one of them,
-chosen with the decode-attention path (`AttentionMetadata.kernels`).
+chosen by the model runner with its attention backend (`Transformer.forward`'s `ops`).
 
 Shapes: T tokens of the flat batch, D = dim, H / KVH query / KV heads, hd = head_dim,
 F = intermediate size. Activations are bf16 or fp32; norm weights and the RoPE table fp32.
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.attention import store_kv
+from engine.attention.base import store_kv
 
 
 class TorchLayerOps:
@@ -47,7 +47,7 @@ class TorchLayerOps:
             rope: fp32 [max_context, hd / 2, 2], (cos, sin) of position p, pair j.
             positions: int64 [T]; slots: int64 [T], each token's row in the cache pools.
             cache: one layer's pools [2, num_blocks, block_size, KVH, hd] (K, V), or int8 rows of
-                the 8-bit format (`engine.kv_quant`), written.
+                the 8-bit format (`engine.attention.kv_quant`), written.
         Returns:
             q [T, H, hd] rotated: (a, b) of pair j → (a·cos − b·sin, a·sin + b·cos).
         """

@@ -1,27 +1,22 @@
 """The model's matrix products: oneDNN's packed weights, genserve's `packed_linear` for few rows,
 oneDNN in fixed-size calls or genserve's own weight layout where oneDNN's rows depend on the row
-count, and the per-model arguments of the C++ decode loop (`torch.ops.genserve.decode_layers`).
+count.
 
 Every path a model is packed for gives a row the same bits whatever else is in the batch (see
 `pack_weights`); which path runs is chosen at load, by checks and by measurement
-(docs/benchmarks/linear.md). A model served from its 4-bit GGUF blocks (`engine.model.q4`) runs
+(docs/benchmarks/linear.md). A model served from its 4-bit GGUF blocks (`engine.model.quant`) runs
 genserve's `q4_linear` over them where it would run `packed_linear`, with the same bits.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from engine import kernels
 
-if TYPE_CHECKING:
-    from engine.attention import AttentionMetadata
-    from engine.model.llama import Transformer
 
 # Rows up to which `linear` (and the C++ decode loop) runs genserve's `packed_linear`; above,
 # oneDNN. Both give the same bits, so this is a speed choice only, chosen by measurement (see
@@ -52,12 +47,12 @@ class PackedWeight:
             input padded with zero rows): every row is then computed by the one kernel oneDNN
             picks for that row count, whatever the batch (`onednn_tiled`).
         q4: None, or the weight's 4-bit blocks in `q4_linear`'s layout (uint8 [out, in / 32 · 20],
-            `engine.model.q4.q4_pack`): then the products up to `max_rows` rows run
+            `engine.model.quant.q4_pack`): then the products up to `max_rows` rows run
             `torch.ops.genserve.q4_linear` with `k_chunk` (the bits `packed_linear` gives with
             that chunk over the bf16 weight), or with `k_chunk` 0 `q4_amx_linear` (the bits of
             oneDNN's AMX product, `onednn_tiled`), and `tile_rows` is not used below that.
         q8: None, or the weight's Q8_0 blocks in `q8_amx_linear`'s layout (uint8 [out, in / 32 ·
-            34], `engine.model.q4.amx_pack`): then every product runs
+            34], `engine.model.quant.amx_pack`): then every product runs
             `torch.ops.genserve.q8_amx_linear`, the bits of the `tile_rows`-row oneDNN calls.
     """
 
@@ -75,12 +70,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
 
     With `packed` (`pack_weights`) the product reads the packed copy: from its 8-bit blocks when
     it has them (`q8_amx_linear`, oneDNN's AMX bits); up to `packed.max_rows`
-    rows from its 4-bit blocks when it has them (`q4_linear`, engine/csrc/q4_linear.cpp, the
+    rows from its 4-bit blocks when it has them (`q4_linear`, engine/kernels/csrc/q4_linear.cpp, the
     bits of `packed_linear` with the same chunk, or without a chunk `q4_amx_linear`, the bits of
     the `tile_rows`-row oneDNN calls); else in `tile_rows`-row oneDNN
     calls when the copy says so (`onednn_tiled`); otherwise for up to `packed.max_rows` rows,
     when the weight has a `k_chunk`, through genserve's
-    `packed_linear` (engine/csrc/packed_linear.cpp), else through oneDNN. The two give the same
+    `packed_linear` (engine/kernels/csrc/packed_linear.cpp), else through oneDNN. The two give the same
     bits, and oneDNN gives `F.linear`'s bits (`pack_weight` checks both); which is faster where
     is in docs/benchmarks/linear.md. oneDNN and `F.linear` take a different kernel for a single
     row whose low bits differ from the many-row kernel's on some inputs (seen on real
@@ -268,84 +263,3 @@ def onednn_k_chunk(packed: torch.Tensor) -> int:
         except RuntimeError:        # a padded layout: not the one packed_linear reads
             return 0
     return 0
-
-
-@dataclass(frozen=True)
-class DecodeWeights:
-    """The per-model arguments of `torch.ops.genserve.decode_layers`
-    (engine/csrc/decode_layers.cpp), built once at pack time by `from_model`; `run` makes a
-    pure-decode step's call.
-
-    Attributes:
-        wqkv, wo, w13, w2: per layer, the oneDNN packed matrices (`PackedWeight.tensor`).
-        ffn_norm: per layer, fp32 [dim] weights of the FFN norm; next_norm: of the norm after the
-            layer (the next layer's attention norm, the final norm after the last).
-        eps: RMSNorm epsilon of every norm.
-        n_heads, n_kv_heads: query and key/value heads.
-        scale: attention score scale, head_dim ** -0.5.
-        k_chunks: the `PackedWeight.k_chunk` of wqkv, wo, w13, w2 (0: oneDNN runs that kind).
-        max_rows: rows up to which the products run `packed_linear` (the weights' least
-            `PackedWeight.max_rows`); above, oneDNN.
-        q4: empty, or every block matrix's 4-bit blocks (`PackedWeight.q4`), layer by layer in
-            the order wqkv, wo, w13, w2: then the products up to `max_rows` rows run `q4_linear`.
-    """
-
-    wqkv: list[torch.Tensor]
-    wo: list[torch.Tensor]
-    w13: list[torch.Tensor]
-    w2: list[torch.Tensor]
-    ffn_norm: list[torch.Tensor]
-    next_norm: list[torch.Tensor]
-    eps: float
-    n_heads: int
-    n_kv_heads: int
-    scale: float
-    k_chunks: list[int]
-    max_rows: int = PACKED_LINEAR_MAX_ROWS
-    q4: list[torch.Tensor] = dataclasses.field(default_factory=list)
-
-    @classmethod
-    def from_model(cls, model: Transformer) -> DecodeWeights | None:
-        """From a packed model (`Transformer.pack`, or `engine.model.q4.attach_q4`); None unless
-        every block matrix packed, with no oneDNN calls of fixed size (which the C++ loop does
-        not run) unless its 4-bit blocks run every product."""
-        layers, args = model.layers, model.args
-        packed = [[layer.attention.wqkv_packed for layer in layers],
-                  [layer.attention.wo_packed for layer in layers],
-                  [layer.feed_forward.w13_packed for layer in layers],
-                  [layer.feed_forward.w2_packed for layer in layers]]
-        if any(w is None or (w.tile_rows and not (w.q4 is not None and w.max_rows == ANY_ROWS))
-               for ws in packed for w in ws):
-            return None             # the C++ loop runs no tiled products: the Python loop does
-        with_q4 = [w.q4 is not None for ws in packed for w in ws]
-        if any(with_q4) and not all(with_q4):
-            return None             # the C++ loop takes 4-bit blocks for every matrix or none
-        wqkv, wo, w13, w2 = ([w.tensor for w in ws] for ws in packed)
-        # One k chunk per kind: oneDNN's chunk follows the shape, which the layers share.
-        chunks = [ws[0].k_chunk if len({w.k_chunk for w in ws}) == 1 else 0 for ws in packed]
-        next_norm = [layer.attention_norm.weight for layer in layers[1:]] + [model.norm.weight]
-        return cls(wqkv, wo, w13, w2,
-                   ffn_norm=[layer.ffn_norm.weight for layer in layers], next_norm=next_norm,
-                   eps=args.norm_eps, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads,
-                   scale=args.head_dim ** -0.5, k_chunks=chunks,
-                   max_rows=min(w.max_rows for ws in packed for w in ws),
-                   q4=[ws[i].q4 for i in range(len(layers)) for ws in packed] if all(with_q4)
-                   else [])
-
-    def run(self, h: torch.Tensor, x: torch.Tensor, rope: torch.Tensor, positions: torch.Tensor,
-            kv_layers: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        """Every block of a pure-decode step in one C++ call: the same ops, in the same order and
-        with the same bits, as `Transformer.forward`'s Python loop with `KernelLayerOps`.
-
-        Args:
-            h: [B, dim] residual stream, updated in place; x: attention_norm_0(h) [B, dim].
-            rope: [max_context, head_dim / 2, 2] fp32; positions: int64 [B].
-            kv_layers: per-layer K and V pools; meta: a pure-decode step's metadata (B rows).
-        Returns:
-            [B, dim] final-norm hidden states.
-        """
-        return torch.ops.genserve.decode_layers(
-            h, x, self.wqkv, self.wo, self.w13, self.w2, self.ffn_norm, self.next_norm, self.eps,
-            rope, positions, kv_layers, meta.slots, meta.decode_blocks.view(meta.num_decode, -1),
-            meta.decode_lens, self.n_heads, self.n_kv_heads, self.scale, self.k_chunks,
-            self.max_rows, self.q4)

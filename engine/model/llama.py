@@ -7,9 +7,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.attention import AttentionMetadata, attend
-from engine.model.layer_ops import KernelLayerOps, TorchLayerOps
-from engine.model.linear import DecodeWeights, PackedWeight, linear, pack_weights
+from engine.attention.base import AttentionMetadata
+from engine.model.layer_ops import TorchLayerOps
+from engine.model.linear import PackedWeight, linear, pack_weights
+from engine.model.rope import interleave_rope_rows, rope_tables
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,28 +73,6 @@ class RMSNorm(nn.Module):
         return TorchLayerOps.rms_norm(x, self.weight, self.eps)
 
 
-def rope_tables(args: ModelArgs) -> torch.Tensor:
-    """RoPE rotations e^(i·p·θ_j) as complex64 [max_context, head_dim / 2] (Su et al. 2021).
-
-    θ_j = theta^(-2j / head_dim). Dimension pair j of a head is (2j, 2j + 1) — the interleaved
-    layout of the original Llama code; `Transformer.from_state_dict` reorders the Q and K rows of
-    Hugging Face's rotate-half layout (pair (j, j + head_dim / 2)) into it, which rotates the same
-    pairs by the same angles in one complex product.
-    """
-    hd = args.head_dim
-    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
-    angles = torch.outer(torch.arange(args.max_context, dtype=torch.float32), inv_freq)
-    return torch.polar(torch.ones_like(angles), angles)
-
-
-def interleave_rope_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """Reorder the rows of a Q or K projection [heads · hd, dim] from rotate-half order
-    (pair j = rows j and j + hd/2 of a head) to interleaved order (pair j = rows 2j, 2j + 1)."""
-    hd = w.shape[0] // heads
-    order = torch.stack([torch.arange(hd // 2), torch.arange(hd // 2) + hd // 2], dim=1).reshape(-1)
-    return w.view(heads, hd, -1)[:, order].reshape(w.shape)
-
-
 class Attention(nn.Module):
     """GQA self-attention with a fused QKV projection over the paged KV cache."""
 
@@ -111,7 +90,7 @@ class Attention(nn.Module):
         qkv = linear(x, self.wqkv, self.wqkv_packed)                     # x: [T, dim]
         q = ops.rope_store_kv(qkv, rope, positions, cache, meta.slots,   # [T, H, hd]; K, V stored
                               self.n_heads, self.n_kv)
-        o = attend(q, cache, meta) if meta.backend is None else meta.backend.attend(q, cache, meta)
+        o = meta.backend.attend(q, cache, meta)
         return linear(o.reshape(x.shape[0], -1), self.wo, self.wo_packed)             # [T, dim]
 
 
@@ -175,9 +154,9 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Parameter(torch.empty(args.vocab_size, args.dim))
-        self.register_buffer("rope_freqs", rope_tables(args), persistent=False)
+        self.register_buffer("rope_freqs", rope_tables(args.head_dim, args.max_context, args.rope_theta),
+                             persistent=False)
         self.output_packed: PackedWeight | None = None
-        self.decode_weights: DecodeWeights | None = None
 
     @classmethod
     def from_state_dict(cls, args: ModelArgs, state: dict[str, torch.Tensor],
@@ -214,14 +193,13 @@ class Transformer(nn.Module):
         fused = {k: (t.float() if k.endswith("norm.weight") else t.to(dtype)).to(device).contiguous()
                  for k, t in fused.items()}
         model.load_state_dict(fused, strict=False, assign=True)
-        model.rope_freqs = rope_tables(args).to(device)
+        model.rope_freqs = rope_tables(args.head_dim, args.max_context, args.rope_theta).to(device)
         model = model.eval().requires_grad_(False)
         model.pack()
         return model
 
     def pack(self) -> None:
-        """Attach packed copies of every matrix (bf16 on CPU only; see `linear.pack_weights`)
-        and, when every block matrix packed, `decode_weights`: what the C++ decode loop takes.
+        """Attach packed copies of every matrix (bf16 on CPU only; see `linear.pack_weights`).
         On another device every packed copy is None (the products run `F.linear`); call it again
         after moving the model."""
         attn = [layer.attention for layer in self.layers]
@@ -233,33 +211,43 @@ class Transformer(nn.Module):
         packed = pack_weights(weights) if on_cpu else [None] * len(weights)
         for (module, name), p in zip(owners, packed):
             setattr(module, name + "_packed", p)
-        self.decode_weights = DecodeWeights.from_model(self)
 
     @property
     def dtype(self) -> torch.dtype:
         """Weight dtype of the matrix products (bf16 or fp32)."""
         return self.output.dtype
 
+    def embed(self, token_ids: torch.Tensor, ops: type[TorchLayerOps] = TorchLayerOps
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first block's inputs: (residual stream h [T, dim], attention_norm_0(h) [T, dim]),
+        both in the model dtype, from token_ids int64 [T], the norm computed by `ops`."""
+        h = self.tok_embeddings(token_ids)                               # [T, dim] residual
+        first = self.layers[0].attention_norm
+        return h, ops.rms_norm(h, first.weight, first.eps)
+
+    @property
+    def rope(self) -> torch.Tensor:
+        """The RoPE table as fp32 (cos, sin) pairs [max_context, head_dim / 2, 2] (a view)."""
+        return torch.view_as_real(self.rope_freqs)
+
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor,
-                kv_layers: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+                kv_layers: list[torch.Tensor], meta: AttentionMetadata,
+                ops: type[TorchLayerOps] = TorchLayerOps) -> torch.Tensor:
         """Hidden states of a flat batch.
 
         Args:
             token_ids: int64 [T]; positions: int64 [T] (each token's position in its request).
             kv_layers: per-layer K and V pools `[2, num_blocks, block_size, kv_heads, hd]`.
-            meta: where to write this step's K/V, which context each request reads, and whether
-                the step runs genserve's kernels (`KernelLayerOps`) or torch ops (`TorchLayerOps`).
+            meta: where to write this step's K/V, which context each request reads, and the
+                backend that attends over it.
+            ops: the per-token steps between the matrix products: `TorchLayerOps` (any device)
+                or `KernelLayerOps` (genserve's CPU kernels, once `engine.kernels.available()`);
+                the model runner chooses, with its attention backend.
         Returns:
             [T, dim] final-norm hidden states in the model dtype.
         """
-        ops = KernelLayerOps if meta.kernels else TorchLayerOps
-        rope = torch.view_as_real(self.rope_freqs)                       # [ctx, hd / 2, 2] fp32
-        h = self.tok_embeddings(token_ids)                               # [T, dim] residual
-        first = self.layers[0].attention_norm
-        x = ops.rms_norm(h, first.weight, first.eps)
-        if meta.kernels and not meta.seqs and self.decode_weights is not None:
-            # A pure-decode step: the loop below, run in C++ (engine/csrc/decode_layers.cpp).
-            return self.decode_weights.run(h, x, rope, positions, kv_layers, meta)
+        rope = self.rope                                                 # [ctx, hd / 2, 2] fp32
+        h, x = self.embed(token_ids, ops)
         norms = [layer.attention_norm for layer in self.layers[1:]] + [self.norm]
         for layer, cache, next_norm in zip(self.layers, kv_layers, norms):
             x = layer.forward(h, x, rope, positions, cache, meta, ops, next_norm)  # no hooks

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from engine.model.llama import ModelArgs
+from engine.model.rope import unpermute_rope_rows
 
 if TYPE_CHECKING:
     import gguf
@@ -104,34 +105,6 @@ def _f32_metadata(value: float) -> float:
     returns 1e-05, the value the model was configured with (and what ``ModelArgs`` presets hold).
     """
     return float(np.format_float_positional(np.float32(value), unique=True, trim="-"))
-
-
-def unpermute_rope_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's RoPE row permutation of a Q or K projection weight.
-
-    llama.cpp's ``convert_hf_to_gguf.py`` (``LlamaModel.permute``) reorders the rows of each head
-    from the Hugging Face ``rotate_half`` layout ``[x_0 .. x_{h/2-1}, y_0 .. y_{h/2-1}]`` to the
-    interleaved layout ``[x_0, y_0, x_1, y_1, ...]`` its own RoPE kernel expects::
-
-        w.reshape(n_heads, 2, hd // 2, in).swapaxes(1, 2).reshape(w.shape)
-
-    This is the inverse, as in transformers' ``LlamaTensorProcessor._reverse_permute_weights``::
-
-        w.reshape(n_heads, hd // 2, 2, in).swapaxes(1, 2).reshape(w.shape)
-
-    Args:
-        weight: ``[n_heads * head_dim, in_features]``, GGUF row order.
-        n_heads: heads the rows belong to (``n_heads`` for Q, ``n_kv_heads`` for K).
-
-    Returns:
-        A new contiguous tensor of the same shape and dtype, Hugging Face row order.
-    """
-    rows = weight.shape[0]
-    head_dim = rows // n_heads
-    if rows % n_heads or head_dim % 2:
-        raise ValueError(f"cannot split {rows} rows into {n_heads} heads of even size")
-    return (weight.reshape(n_heads, head_dim // 2, 2, *weight.shape[1:])
-            .transpose(1, 2).reshape(weight.shape).contiguous())
 
 
 def open_gguf(path: str | pathlib.Path | None = None) -> "gguf.GGUFReader":

@@ -7,10 +7,10 @@ import itertools
 import pytest
 
 from engine import kernels as genserve_kernels
-from engine.builder import engine_from_weights
 from engine.config import EngineConfig
-from engine.loop import Engine
-from engine.request import Request, SamplingParams
+from engine.core.engine import Engine
+from engine.core.request import Request, SamplingParams
+from engine.runner.builder import engine_from_weights
 
 _ids = itertools.count()
 

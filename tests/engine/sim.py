@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import itertools
 
-from engine.block_pool import BlockPool
 from engine.config import EngineConfig
-from engine.sim_executor import SimExecutor
-from engine.loop import Engine
-from engine.request import Request, SamplingParams
+from engine.core.engine import Engine
+from engine.core.request import Request, SamplingParams
+from engine.core.sim_executor import SimExecutor
 
 
 class FakeClock:
@@ -26,8 +25,7 @@ def sim_engine(num_blocks: int = 512, **config) -> tuple[Engine, FakeClock]:
     unless `prefix_caching=True` is given: `make_request`'s prompts all share their first tokens."""
     cfg = EngineConfig(num_blocks=num_blocks, **{"prefix_caching": False, **config})
     clock = FakeClock()
-    pool = BlockPool(num_blocks, cfg.block_size, prefix_caching=cfg.prefix_caching)
-    return Engine(cfg, SimExecutor(), pool, clock), clock
+    return Engine(cfg, SimExecutor(), num_blocks, clock=clock), clock
 
 
 _ids = itertools.count()

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata, GatherBuffer, attend, prefill_attention, store_kv
+from engine.attention.base import GatherBuffer, store_kv
+from engine.attention.paged_sdpa import prefill_attention
+from tests.engine.attention_oracle import step_metadata
 
 BS, KVH, HD, GROUP = 16, 3, 64, 3          # SmolLM2's shape: 9 query heads over 3 KV heads
 H = KVH * GROUP
@@ -50,12 +52,12 @@ def test_decode_and_prefill_match_dense_attention(dtype, tol, kernels):
     spans = [(c - 1, 1, t, True) for c, t in zip(contexts, tables)]
     spans.append((prefill_start, prefill_ctx - prefill_start, prefill_table, False))
     gather = None if kernels else GatherBuffer()       # as the executor builds it
-    meta = AttentionMetadata.build(spans, BS, dtype, kernels, gather)
+    meta = step_metadata(spans, BS, dtype, kernels, gather)
     q = torch.randn(len(contexts) + 64, H, HD, generator=g).to(dtype)
     new_k = torch.cat([kv[i][0][-1:] for i in range(5)] + [kv["p"][0][prefill_start:]])
     new_v = torch.cat([kv[i][1][-1:] for i in range(5)] + [kv["p"][1][prefill_start:]])
     store_kv(new_k, new_v, cache, meta.slots)
-    out = attend(q, cache, meta)
+    out = meta.backend.attend(q, cache, meta)
     for i, c in enumerate(contexts):
         want = dense_reference(q[i:i + 1], *kv[i], torch.tensor([c - 1]))
         assert (out[i:i + 1].float() - want).abs().max().item() < tol
@@ -77,12 +79,12 @@ def test_decode_row_bits_do_not_depend_on_batch_or_padding(kernels):
     gather = None if kernels else GatherBuffer()
 
     def decode(rows: list[int]) -> torch.Tensor:
-        meta = AttentionMetadata.build([(contexts[i] - 1, 1, tables[i], True) for i in rows],
+        meta = step_metadata([(contexts[i] - 1, 1, tables[i], True) for i in rows],
                                        BS, torch.bfloat16, kernels, gather)
         k = cache[0, [tables[i][(contexts[i] - 1) // BS] for i in rows], [(contexts[i] - 1) % BS for i in rows]]
         v = cache[1, [tables[i][(contexts[i] - 1) // BS] for i in rows], [(contexts[i] - 1) % BS for i in rows]]
         store_kv(k, v, cache, meta.slots)
-        return attend(q[rows], cache, meta)
+        return meta.backend.attend(q[rows], cache, meta)
 
     together = decode(list(range(len(contexts))))
     for i in range(len(contexts)):
@@ -112,11 +114,11 @@ def test_prefill_pieces_match_dense_attention_and_sdpa(kernels, start, length):
     cache = torch.randn(2, 90, BS, KVH, HD, generator=g).bfloat16()
     end = start + length
     table = torch.randperm(90, generator=g)[:-(-end // BS)].tolist()
-    meta = AttentionMetadata.build([(start, length, table, False)], BS, torch.bfloat16, kernels)
+    meta = step_metadata([(start, length, table, False)], BS, torch.bfloat16, kernels)
     q = torch.randn(length, H, HD, generator=g).bfloat16()
     keys, values = (cache[i, table].reshape(-1, KVH, HD)[:end] for i in (0, 1))
-    out = attend(q, cache, meta)
+    out = meta.backend.attend(q, cache, meta)
     want = dense_reference(q, keys, values, torch.arange(start, end))
     err = (out.float() - want).abs().max().item()
-    sdpa = (prefill_attention(q, cache, meta.seqs[0]).float() - want).abs().max().item()
+    sdpa = (prefill_attention(q, cache, meta.pieces[0]).float() - want).abs().max().item()
     assert err < 2e-2 and err <= 1.5 * sdpa + 1e-3, (err, sdpa)

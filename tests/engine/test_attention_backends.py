@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from engine import kernels as genserve_kernels
-from engine.attention import AttentionMetadata, store_kv
-from engine.attention_backends import (CpuBackend, FlexBackend, SdpaBackend, XformersBackend,
-                                       attend_step, choose_backend, paged_step_mask,
-                                       xformers_step_bias)
+from engine.attention import CpuBackend, FlexBackend, SdpaBackend, XformersBackend, attend_step, choose_backend
+from engine.attention.base import StepLayout, build_metadata, store_kv
+from engine.attention.xformers import xformers_step_bias
+from tests.engine.attention_oracle import paged_step_mask, step_metadata
 
 BS, KVH, GROUP, HD, NUM_BLOCKS = 16, 3, 3, 64, 96
 H = KVH * GROUP
@@ -45,7 +45,7 @@ def random_step(seed: int = 0):
 
 
 def own_pool_mask(spans, meta: AttentionMetadata) -> torch.Tensor:
-    """genserve's CPU masks (`AttentionMetadata.build`'s decode_bias and each piece's causal bias
+    """genserve's CPU masks (`build_metadata`'s decode_bias and each piece's causal bias
     over its logical keys) mapped onto pool slots through the block tables."""
     rows = []
     decode = [s for s in spans if s[3]]
@@ -55,7 +55,7 @@ def own_pool_mask(spans, meta: AttentionMetadata) -> torch.Tensor:
         for j in allowed.nonzero()[:, 0].tolist():
             row[table[j // BS] * BS + j % BS] = True
         rows.append(row[None])
-    for (start, length, table, _), seq in zip([s for s in spans if not s[3]], meta.seqs):
+    for (start, length, table, _), seq in zip([s for s in spans if not s[3]], meta.pieces):
         block = torch.zeros(length, NUM_BLOCKS * BS, dtype=torch.bool)
         allowed = torch.ones(length, seq.context_len, dtype=torch.bool) if seq.bias is None \
             else seq.bias[0, 0] == 0
@@ -76,7 +76,7 @@ def dense_reference(q: torch.Tensor, cache: torch.Tensor, mask: torch.Tensor) ->
 
 def test_pool_mask_is_genserves_own_mask_for_the_same_segments():
     spans = random_step()
-    meta = AttentionMetadata.build(spans, BS, torch.float32)
+    meta = step_metadata(spans, BS, torch.float32)
     mask = paged_step_mask(spans, BS, NUM_BLOCKS)
     assert mask.shape == (4 + 64 + 86 + 40, NUM_BLOCKS * BS)
     assert torch.equal(mask, own_pool_mask(spans, meta))
@@ -113,7 +113,7 @@ def test_flex_block_mask_equals_genserves_mask_and_covers_every_allowed_key():
     want = paged_step_mask(spans, BS, NUM_BLOCKS)
     t = want.shape[0]
     backend = FlexBackend(compiled=False)
-    meta = AttentionMetadata.build(spans, BS, torch.float32, backend=backend, device="cpu",
+    meta = step_metadata(spans, BS, torch.float32, backend=backend, device="cpu",
                                    num_blocks=NUM_BLOCKS)
     bm = meta.state
     rows = bm.seq_lengths[0]
@@ -150,7 +150,7 @@ def test_cpu_backends_match_dense_fp32_reference(backend, dtype, tol):
     cache = torch.randn(2, NUM_BLOCKS, BS, KVH, HD, generator=g).to(dtype)
     t = sum(n for _, n, _, _ in spans)
     q = torch.randn(t, H, HD, generator=g).to(dtype)
-    meta = AttentionMetadata.build(spans, BS, dtype)
+    meta = step_metadata(spans, BS, dtype)
     store_kv(torch.randn(t, KVH, HD, generator=g).to(dtype),
              torch.randn(t, KVH, HD, generator=g).to(dtype), cache, meta.slots)
     out = attend_step(backend, q, cache, spans, BS)
@@ -194,16 +194,17 @@ def test_choice_is_made_once_and_named():
         choose_backend("cpu", torch.float32, BS, H, KVH, HD, preferred="xformers")
 
 
-def test_device_metadata_matches_host_metadata():
-    """The one-copy build gives the host build's slots, tables, lengths and masks."""
+def test_every_backend_gets_the_same_metadata_and_the_callers_ints():
+    """One builder for every backend: the CPU backend's metadata and the SDPA backend's have the
+    same slots, tables, lengths and masks, and the caller's lists ride in the same copy."""
     spans = random_step(7)
-    host = AttentionMetadata.build(spans, BS, torch.bfloat16)
-    dev = AttentionMetadata.build(spans, BS, torch.bfloat16, backend=SdpaBackend(), device="cpu",
-                                  num_blocks=NUM_BLOCKS, inputs=([5, 6, 7], [1]))
+    host = step_metadata(spans, BS, torch.bfloat16)
+    dev, extra = build_metadata(SdpaBackend(), StepLayout.from_segments(spans, BS), torch.bfloat16,
+                                "cpu", NUM_BLOCKS, extra=([5, 6, 7], [1]))
     for name in ("slots", "decode_blocks", "decode_bias", "decode_lens"):
         assert torch.equal(getattr(host, name), getattr(dev, name)), name
-    for a, b in zip(host.seqs, dev.seqs, strict=True):
+    for a, b in zip(host.pieces, dev.pieces, strict=True):
         assert (a.q_start, a.q_end, a.context_len) == (b.q_start, b.q_end, b.context_len)
         assert torch.equal(a.blocks, b.blocks)
         assert (a.bias is None and b.bias is None) or torch.equal(a.bias, b.bias)
-    assert [x.tolist() for x in dev.inputs] == [[5, 6, 7], [1]]
+    assert [x.tolist() for x in extra] == [[5, 6, 7], [1]]

@@ -1,6 +1,6 @@
 """EngineConfig.batching: each mode's defining property, on the real scheduler over SimExecutor.
 
-* continuous (default): joins at every step, prefill in chunks of `prefill_chunk` tokens.
+* continuous (default): joins at every step, prefill in chunks of `prefill_token_budget` tokens.
 * continuous_unchunked: joins at every step, a whole prompt prefilled in one step.
 * static: waits for `max_rows` queued requests, then runs that batch with no joins until it ends.
 * dynamic: as static, but also fires once the oldest request has waited `dynamic_window_s`.
@@ -31,7 +31,7 @@ def test_default_is_continuous_and_unknown_modes_are_refused():
 
 
 def test_continuous_admits_a_newcomer_into_a_running_batch():
-    engine, _ = sim_engine(max_rows=4, prefill_chunk_few_rows=256)
+    engine, _ = sim_engine(max_rows=4, prefill_token_budget_few_rows=256)
     engine.submit(make_request(16, 50))
     engine.step()
     assert engine.scheduler.join_wait_s(0.0) == 0.0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_pool import HASH_BYTES, BlockPool, BlockPoolError, prefix_block_hashes
+from engine.core.block_pool import BlockPool, BlockPoolError, HASH_BYTES, prefix_block_hashes
 
 BS = 4
 

@@ -1,4 +1,4 @@
-"""engine.builder.set_threads: torch's thread count, and the warning about pinned threads."""
+"""engine.runner.builder.set_threads: torch's thread count, and the warning about pinned threads."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from engine.builder import set_threads, threads_bound
 from engine.config import EngineConfig
+from engine.runner.builder import set_threads, threads_bound
 
 
 @pytest.fixture
@@ -39,7 +39,7 @@ def test_pinned_threads_are_warned_about(restore_threads, monkeypatch, caplog, b
     for name in ("OMP_PLACES", "GOMP_CPU_AFFINITY"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("OMP_PROC_BIND", bind)
-    with caplog.at_level(logging.WARNING, logger="engine.builder"):
+    with caplog.at_level(logging.WARNING, logger="engine.runner.builder"):
         set_threads(EngineConfig(num_threads=1))
     warned = [r.getMessage() for r in caplog.records if "OMP_PROC_BIND" in r.getMessage()]
     assert bool(warned) == warns, warned
@@ -49,7 +49,7 @@ def test_pinned_threads_are_warned_about(restore_threads, monkeypatch, caplog, b
 def test_cost_measurement_fits_a_small_row_cap_or_pool(config):
     """The start-up measurement runs at most the row cap's rows and reads the decode cost off the
     fullest decode steps the pool allowed, so a small --max-rows or --num-blocks still starts."""
-    from engine.builder import measure_costs
+    from engine.runner.builder import measure_costs
     from tests.engine.sim import sim_engine
 
     engine, _ = sim_engine(**{"num_blocks": 512, **config})
@@ -60,7 +60,7 @@ def test_cost_measurement_fits_a_small_row_cap_or_pool(config):
 
 def test_the_start_up_measurement_leaves_the_prefix_cache_counters_at_zero():
     """The warm-up requests are not traffic: prefix-cache hit rates start from the first user."""
-    from engine.builder import measure_costs
+    from engine.runner.builder import measure_costs
     from tests.engine.sim import sim_engine
 
     engine, _ = sim_engine(num_blocks=512, prefix_caching=True)

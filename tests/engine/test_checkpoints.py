@@ -1,5 +1,5 @@
 """Models from --model: Hugging Face safetensors checkpoints (sharded, with tokenizer.json) and
-random-initialised shapes, loaded by engine.builder.build_engine and served under their own name."""
+random-initialised shapes, loaded by engine.runner.builder.build_engine and served under their own name."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import functools
 import pytest
 import torch
 
-from engine.builder import build_engine, engine_from_weights
 from engine.config import EngineConfig
 from engine.model.llama import ModelArgs
 from engine.model.weights import load_safetensors, random_shape, random_weights
+from engine.runner.builder import build_engine, engine_from_weights
 from engine.tokenizer import ByteTokenizer, Tokenizer
 from tests.engine.checkpoint import sentencepiece_tokenizer, write_checkpoint
 from tests.engine.conftest import generate
@@ -105,8 +105,7 @@ def test_checkpoint_generates_as_its_weights(gpt2_checkpoint, gguf_tokenizer):
 async def test_service_serves_the_checkpoint_under_its_name(gpt2_checkpoint):
     import grpc
 
-    from genserve.v1 import generate_pb2 as pb
-    from genserve.v1 import generate_pb2_grpc as pb_grpc
+    from genserve.v1 import generate_pb2 as pb, generate_pb2_grpc as pb_grpc
     from service.server import EngineServer
     from tests.service.harness import collect, request
 

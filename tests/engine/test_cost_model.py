@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.cost_model import CostModel, StepFeatures, fit_step_model, piece_pairs
+from engine.core.cost_model import CostModel, StepFeatures, fit_step_model, piece_pairs
 
 # A CPU-like model: a 32-row step at 1,500-token contexts takes ≈ 3.8× the short-context one.
 CPU = {"step_base_ms": 8.5, "decode_1_ms": 0.0, "decode_32_ms": 9.3, "prefill_ms_per_token": 0.26,
@@ -18,7 +18,7 @@ def test_design_defaults_and_the_per_token_form():
     assert m.step_ms(StepFeatures(rows=1)) == pytest.approx(25.0)
     assert m.decode_ms_per_token == pytest.approx(1.25)
     assert m.estimate_ms(1000, 100) == pytest.approx(225.0)        # 1000 × 0.1 + 100 × 1.25
-    # A measured per-token cost (what engine.builder measures) sets the 32-row step.
+    # A measured per-token cost (what engine.runner.builder measures) sets the 32-row step.
     measured = CostModel(prefill_ms_per_token=0.3, decode_ms_per_token=0.5)
     assert measured.decode_32_ms == pytest.approx(16.0) and measured.decode_ms_per_token == pytest.approx(0.5)
 

@@ -7,30 +7,38 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata
-from engine.attention_backends import SdpaBackend
-from engine.block_pool import BlockPool
+from engine.attention import SdpaBackend
+from engine.attention.base import StepLayout
 from engine.config import EngineConfig
-from engine.cuda_graphs import (BUCKETS, decode_forward, key_blocks, pad_decode_step,
+from engine.runner.cuda_graphs import (BUCKETS, decode_forward, key_blocks, pad_decode_step,
                                 row_bucket)
-from engine.executor import ModelExecutor
-from engine.invariance import check_batch_invariance, invariance_prompts
-from engine.kv_cache import KVCache
-from engine.loop import Engine
+from engine.core.engine import Engine
 from engine.model.llama import ModelArgs, Transformer
+from engine.runner.invariance import check_batch_invariance, invariance_prompts
+from engine.runner.kv_cache import KVCache
+from engine.runner.inputs import StepInputs
+from engine.runner.model_runner import ModelRunner
+from tests.engine.attention_oracle import step_metadata
 from tests.engine.conftest import generate, new_request
 from tests.engine.test_model import PARAGRAPH
 
 NO_CUDA = "needs a CUDA device (none here): {}"
 
 
+def decode_inputs(tokens: list[int], spans: list, block_size: int = 16) -> StepInputs:
+    """The inputs of a step of these segments (each samples its last token) with these tokens."""
+    rows = list(range(len(tokens)))
+    return StepInputs(tokens, [p for start, n, _, _ in spans for p in range(start, start + n)],
+                      rows, rows, StepLayout.from_segments(spans, block_size))
+
+
 def generic_engine(model: Transformer, attention: str | None, num_blocks: int = 256,
                    device: str = "cpu", cuda_graphs: bool = False) -> Engine:
     kv = KVCache(model.args, num_blocks, 16, model.dtype)
     kv.layers = [layer.to(device) for layer in kv.layers]
-    executor = ModelExecutor(model, kv, attention=attention, cuda_graphs=cuda_graphs)
-    return Engine(EngineConfig(num_blocks=num_blocks, dtype=str(model.dtype).removeprefix("torch.")),
-                  executor, BlockPool(num_blocks, 16))
+    executor = ModelRunner(model, kv, attention=attention, cuda_graphs=cuda_graphs)
+    return Engine(EngineConfig(num_blocks=num_blocks, dtype=str(model.dtype).removeprefix("torch."),
+                               prefix_caching=False), executor)
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "flex"])
@@ -42,10 +50,10 @@ def test_generic_path_logits_and_greedy_tokens_match_the_cpu_path(fp32_engine, g
     prompt = gguf_tokenizer.encode(PARAGRAPH + "The capital of France is")[:32]
     ids, pos = torch.tensor(prompt), torch.arange(32)
     with torch.inference_mode():
-        host = AttentionMetadata.build([(0, 32, [0, 1], False)], 16, model.dtype,
-                                       fp32_engine.executor.kernels)
-        want = model.logits(model(ids, pos, fp32_engine.executor.kv.layers, host))
-        meta = AttentionMetadata.build([(0, 32, [0, 1], False)], 16, model.dtype,
+        cpu = fp32_engine.executor
+        host = step_metadata([(0, 32, [0, 1], False)], 16, model.dtype, cpu.kernels)
+        want = model.logits(model(ids, pos, cpu.kv.layers, host, cpu.layer_ops))
+        meta = step_metadata([(0, 32, [0, 1], False)], 16, model.dtype,
                                        backend=engine.executor.attention, device="cpu",
                                        num_blocks=32)
         got = model.logits(model(ids, pos, engine.executor.kv.layers, meta))
@@ -64,16 +72,16 @@ def test_row_buckets_and_key_padding():
 
 def test_padded_decode_step_repeats_the_last_row():
     spans = [(20, 1, [7, 3], True), (36, 1, [1, 9, 4], True), (4, 1, [5], True)]
-    padded = pad_decode_step(4, [101, 102, 103], spans, 16)
+    padded = pad_decode_step(4, decode_inputs([101, 102, 103], spans))
     assert padded.blocks_per_row == 4
     assert padded.tokens == [101, 102, 103, 103] and padded.positions == [20, 36, 4, 4]
     assert padded.slots == [3 * 16 + 4, 4 * 16 + 4, 5 * 16 + 4, 5 * 16 + 4]
     assert padded.lens == [21, 37, 5, 5]
     assert padded.tables == [7, 3, 0, 0, 1, 9, 4, 0, 5, 0, 0, 0, 5, 0, 0, 0]
     with pytest.raises(ValueError, match="1..2 decode rows"):
-        pad_decode_step(2, [1, 2, 3], spans, 16)
+        pad_decode_step(2, decode_inputs([1, 2, 3], spans))
     with pytest.raises(ValueError, match="decode rows"):
-        pad_decode_step(4, [1], [(0, 5, [1], False)], 16)
+        pad_decode_step(4, decode_inputs([1, 2, 3, 4, 5], [(0, 5, [1], False)]))
 
 
 def test_padded_decode_forward_gives_the_unpadded_rows(fp32_engine):
@@ -88,14 +96,14 @@ def test_padded_decode_forward_gives_the_unpadded_rows(fp32_engine):
     prompts = [torch.randint(10, 1000, (n + 1,), generator=g) for n in lens]
     with torch.inference_mode():
         for p, t, n in zip(prompts, tables, lens):
-            meta = AttentionMetadata.build([(0, n, t, False)], 16, model.dtype, backend=backend,
+            meta = step_metadata([(0, n, t, False)], 16, model.dtype, backend=backend,
                                            num_blocks=64)
             model(p[:n], torch.arange(n), kv.layers, meta)
         spans = [(n, 1, t, True) for n, t in zip(lens, tables)]
         tokens = [int(p[n]) for p, n in zip(prompts, lens)]
-        meta = AttentionMetadata.build(spans, 16, model.dtype, backend=backend, num_blocks=64)
+        meta = step_metadata(spans, 16, model.dtype, backend=backend, num_blocks=64)
         want = model(torch.tensor(tokens), torch.tensor(lens), kv.layers, meta)
-        padded = pad_decode_step(4, tokens, spans, 16)
+        padded = pad_decode_step(4, decode_inputs(tokens, spans))
         got = decode_forward(model, kv, torch.tensor(padded.ints()), 4, padded.blocks_per_row)
     assert got.shape == (4, model.args.dim)
     assert (got[:3] - want).abs().max().item() < 1e-4

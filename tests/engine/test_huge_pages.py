@@ -1,13 +1,13 @@
-"""The CPU KV pools ask for transparent huge pages before their first touch (engine.huge_pages)."""
+"""The CPU KV pools ask for transparent huge pages before their first touch (engine.runner.huge_pages)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.huge_pages import HUGE_PAGE_BYTES, advise_huge_pages, thp_mode
-from engine.kv_cache import KVCache
 from engine.model.llama import ModelArgs
+from engine.runner.huge_pages import HUGE_PAGE_BYTES, advise_huge_pages, thp_mode
+from engine.runner.kv_cache import KVCache
 
 THP_ON = thp_mode() in ("always", "madvise")
 

@@ -1,4 +1,4 @@
-"""The 8-bit KV cache (`engine.kv_quant`): its format, every attention path's bits against the same
+"""The 8-bit KV cache (`engine.attention.kv_quant`): its format, every attention path's bits against the same
 path over a cache of the dequantized numbers, batch invariance, preemption, and its parity with
 the bf16 cache through the real model."""
 
@@ -8,11 +8,13 @@ import pytest
 import torch
 
 from engine import kernels as genserve_kernels
-from engine.attention import AttentionMetadata, GatherBuffer, attend, store_kv
-from engine.kv_cache import KVCache, bytes_per_block
-from engine.kv_quant import dequantize_kv, quantize_kv, row_bytes
+from engine.attention.kv_quant import dequantize_kv, quantize_kv, row_bytes
+from engine.attention.base import GatherBuffer, store_kv
+from tests.engine.attention_oracle import step_metadata
 from engine.model.layer_ops import KernelLayerOps, TorchLayerOps
-from engine.model.llama import ModelArgs, rope_tables
+from engine.model.llama import ModelArgs
+from engine.model.rope import rope_tables
+from engine.runner.kv_cache import KVCache, bytes_per_block
 from tests.engine.conftest import check_preemption_keeps_tokens, generate
 from tests.engine.test_model import mixed_prompts
 
@@ -66,7 +68,7 @@ def test_rope_store_kv_kernel_stores_the_bytes_of_the_torch_path():
         pytest.skip("genserve's CPU kernels did not build here (g++/ninja missing?)")
     g = torch.Generator().manual_seed(3)
     args = ModelArgs.smollm2_135m()
-    rope = torch.view_as_real(rope_tables(args))
+    rope = torch.view_as_real(rope_tables(args.head_dim, args.max_context, args.rope_theta))
     t = 40
     qkv = (torch.randn(t, (H + 2 * KVH) * HD, generator=g) * 3).bfloat16()
     positions = torch.randint(0, 4000, (t,), generator=g)
@@ -107,8 +109,8 @@ def test_decode_reads_int8_rows_as_the_bf16_cache_of_their_numbers(path, monkeyp
         outs = []
         for cache in (cache8, cache16):
             gather = None if kernels else GatherBuffer()
-            meta = AttentionMetadata.build(spans, BS, torch.bfloat16, kernels, gather)
-            outs.append(attend(q[rows], cache, meta))
+            meta = step_metadata(spans, BS, torch.bfloat16, kernels, gather)
+            outs.append(meta.backend.attend(q[rows], cache, meta))
         assert torch.equal(outs[0], outs[1]), f"rows {rows}"
         assert outs[0].isfinite().all()
 
@@ -119,8 +121,8 @@ def test_prefill_pieces_read_int8_rows_as_the_bf16_cache_of_their_numbers(kernel
     cache16 = dequantize_kv(cache8, torch.bfloat16)
     table = list(range(20, 20 + -(-(start + length) // BS)))
     q = torch.randn(length, H, HD, generator=torch.Generator().manual_seed(7)).bfloat16()
-    meta = AttentionMetadata.build([(start, length, table, False)], BS, torch.bfloat16, kernels)
-    assert torch.equal(attend(q, cache8, meta), attend(q, cache16, meta))
+    meta = step_metadata([(start, length, table, False)], BS, torch.bfloat16, kernels)
+    assert torch.equal(meta.backend.attend(q, cache8, meta), meta.backend.attend(q, cache16, meta))
 
 
 def test_decode_row_bits_do_not_depend_on_the_batch(kernels):
@@ -132,8 +134,8 @@ def test_decode_row_bits_do_not_depend_on_the_batch(kernels):
 
     def decode(rows: list[int]) -> torch.Tensor:
         spans = [(contexts[i] - 1, 1, tables[i], True) for i in rows]
-        return attend(q[rows], cache8, AttentionMetadata.build(spans, BS, torch.bfloat16, kernels,
-                                                               gather))
+        meta = step_metadata(spans, BS, torch.bfloat16, kernels, gather)
+        return meta.backend.attend(q[rows], cache8, meta)
 
     together = decode(list(range(10)))
     for i in range(10):
@@ -152,8 +154,8 @@ def test_store_kv_quantizes_into_an_int8_cache():
 
 @pytest.fixture(scope="module")
 def int8_engine(gguf_weights):
-    from engine.builder import engine_from_weights
     from engine.config import EngineConfig
+    from engine.runner.builder import engine_from_weights
 
     args, state = gguf_weights
     return engine_from_weights(EngineConfig(num_blocks=1024, kv_cache_dtype="int8"), args, state)
@@ -182,10 +184,10 @@ def test_int8_cache_keeps_the_bf16_cache_next_token_and_logits_close(int8_engine
         for engine in (bf16_engine, int8_engine):
             ex = engine.executor
             table = list(range(-(-len(ids) // 16)))
-            meta = AttentionMetadata.build([(0, len(ids), table, False)], 16, ex.model.dtype,
+            meta = step_metadata([(0, len(ids), table, False)], 16, ex.model.dtype,
                                            ex.kernels)
             with torch.inference_mode():
-                hidden = ex.model(ids, torch.arange(len(ids)), ex.kv.layers, meta)
+                hidden = ex.model(ids, torch.arange(len(ids)), ex.kv.layers, meta, ex.layer_ops)
                 logits.append(ex.model.logits(hidden[len(prompt) - 1:]))
         agree += (logits[0].argmax(-1) == logits[1].argmax(-1)).sum().item()
         total += len(answer) + 1
@@ -203,16 +205,16 @@ def test_int8_preempted_requests_produce_the_tokens_of_an_unpreempted_run(gguf_w
 
 
 def test_int8_cache_refuses_backends_that_read_numbers(gguf_weights):
-    from engine.builder import model_from_weights
-    from engine.executor import ModelExecutor
+    from engine.runner.builder import model_from_weights
+    from engine.runner.model_runner import ModelRunner
 
     args, state = gguf_weights
     model = model_from_weights(args, state, torch.bfloat16)
     kv = KVCache(args, 8, 16, torch.int8)
     with pytest.raises(ValueError, match="cpu or sdpa"):
-        ModelExecutor(model, kv, attention="flex")
+        ModelRunner(model, kv, attention="flex")
     with pytest.raises(ValueError, match="CUDA graphs"):
-        ModelExecutor(model, kv, cuda_graphs=True)
+        ModelRunner(model, kv, cuda_graphs=True)
 
 
 def test_kv_cache_dtype_setting_is_checked():

@@ -1,4 +1,4 @@
-"""The KV pool's size from device memory (engine/kv_cache.py) and the pool on the engine's device."""
+"""The KV pool's size from device memory (engine/runner/kv_cache.py) and the pool on the engine's device."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import logging
 import pytest
 import torch
 
-from engine.builder import kv_pool_blocks
 from engine.config import EngineConfig
-from engine.kv_cache import KVCache, bytes_per_block, kv_pool_size
 from engine.model.llama import ModelArgs
+from engine.runner.builder import kv_pool_blocks
+from engine.runner.kv_cache import KVCache, bytes_per_block, kv_pool_size
 
 LLAMA_7B = dict(n_layers=32, n_kv_heads=32, head_dim=128, dtype_bytes=2, block_size=16)
 
@@ -50,7 +50,7 @@ def test_too_little_memory_raises_with_the_arithmetic():
 
 def test_cpu_pool_keeps_the_byte_budget_and_the_override(caplog):
     args = ModelArgs.smollm2_135m()
-    with caplog.at_level(logging.INFO, logger="engine.builder"):
+    with caplog.at_level(logging.INFO, logger="engine.runner.builder"):
         n = kv_pool_blocks(EngineConfig(), args, torch.bfloat16, torch.device("cpu"))
     assert n == 2 * 1024**3 // 368_640 == 5825
     assert "5825 blocks" in caplog.text
@@ -66,7 +66,7 @@ def test_kv_cache_lives_on_the_given_device():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none visible to torch)")
 def test_cuda_pool_takes_the_free_memory_after_the_reserve():
-    from engine.kv_cache import device_pool_size
+    from engine.runner.kv_cache import device_pool_size
 
     args = ModelArgs.smollm2_135m()
     device = torch.device("cuda")

@@ -8,7 +8,8 @@ import torch
 
 from engine import kernels as genserve_kernels
 from engine.model.layer_ops import KernelLayerOps, TorchLayerOps
-from engine.model.llama import ModelArgs, rope_tables
+from engine.model.llama import ModelArgs
+from engine.model.rope import rope_tables
 
 H, KVH, HD, D, F = 9, 3, 64, 576, 1536          # SmolLM2-135M's shapes
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -36,7 +37,7 @@ def close(got: torch.Tensor, want: torch.Tensor, dtype) -> None:
 def rope_table(max_context: int = 64) -> torch.Tensor:
     args = ModelArgs(dim=H * HD, n_layers=1, n_heads=H, n_kv_heads=KVH, intermediate_size=F,
                      vocab_size=10, max_context=max_context, rope_theta=100000.0)
-    return torch.view_as_real(rope_tables(args))                         # [ctx, hd / 2, 2]
+    return torch.view_as_real(rope_tables(args.head_dim, args.max_context, args.rope_theta))                         # [ctx, hd / 2, 2]
 
 
 def reference_rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

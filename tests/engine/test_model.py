@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata
-from engine.kv_cache import KVCache
+from engine.model.layer_ops import KernelLayerOps, TorchLayerOps
+from tests.engine.attention_oracle import step_metadata
+from engine.runner.kv_cache import KVCache
 from tests.engine.conftest import check_preemption_keeps_tokens, generate, new_request
 
 PARAGRAPH = ("Continuous batching rebuilds the batch at every decode step, so a short answer "
@@ -32,8 +33,9 @@ def test_logits_and_greedy_tokens_match_transformers(fp32_engine, hf_reference_m
     executor = fp32_engine.executor
     ids = torch.tensor(prompt)
     with torch.inference_mode():
-        meta = AttentionMetadata.build([(0, 32, [0, 1], False)], 16, executor.model.dtype, kernels)
-        ours = executor.model.logits(executor.model(ids, torch.arange(32), executor.kv.layers, meta))
+        meta = step_metadata([(0, 32, [0, 1], False)], 16, executor.model.dtype, kernels)
+        ops = KernelLayerOps if kernels else TorchLayerOps
+        ours = executor.model.logits(executor.model(ids, torch.arange(32), executor.kv.layers, meta, ops))
         ref = hf(ids[None]).logits[0].float()
         diff = (ours - ref).abs().max().item()
         print(f"parity ({'kernels' if kernels else 'torch ops'}): max |logit difference| over "
@@ -102,7 +104,8 @@ def test_decode_step_in_cpp_gives_the_python_loop_bits(bf16_engine, gguf_tokeniz
     """`torch.ops.genserve.decode_layers` (a pure-decode step's blocks in one C++ call) against
     the Python loop over the same kernels: identical hidden states, at 1 row and at 5."""
     model = bf16_engine.executor.model
-    if not bf16_engine.executor.kernels or model.decode_weights is None:
+    loop = bf16_engine.executor.decode_loop
+    if loop is None:
         pytest.skip("no C++ decode loop here: genserve's CPU kernels are not built, the weights are "
                     "not packed, or they run as oneDNN in fixed-size calls, which the loop does not do")
     prompts = mixed_prompts(gguf_tokenizer)[:5]
@@ -110,17 +113,13 @@ def test_decode_step_in_cpp_gives_the_python_loop_bits(bf16_engine, gguf_tokeniz
     tables = [list(range(10 * i, 10 * i + 10)) for i in range(len(prompts))]
     with torch.inference_mode():
         for p, table in zip(prompts, tables):              # prefill each prompt but its last token
-            meta = AttentionMetadata.build([(0, len(p) - 1, table, False)], 16, torch.bfloat16, True)
-            model(torch.tensor(p[:-1]), torch.arange(len(p) - 1), kv.layers, meta)
+            meta = step_metadata([(0, len(p) - 1, table, False)], 16, torch.bfloat16, True)
+            model(torch.tensor(p[:-1]), torch.arange(len(p) - 1), kv.layers, meta, KernelLayerOps)
         for rows in ([0], [0, 1, 2, 3, 4]):
             spans = [(len(prompts[i]) - 1, 1, tables[i], True) for i in rows]
-            meta = AttentionMetadata.build(spans, 16, torch.bfloat16, True)
+            meta = step_metadata(spans, 16, torch.bfloat16, True)
             ids = torch.tensor([prompts[i][-1] for i in rows])
             pos = torch.tensor([len(prompts[i]) - 1 for i in rows])
-            in_cpp = model(ids, pos, kv.layers, meta)
-            saved, model.decode_weights = model.decode_weights, None
-            try:
-                in_python = model(ids, pos, kv.layers, meta)
-            finally:
-                model.decode_weights = saved
+            in_cpp = loop.run(model, ids, pos, kv.layers, meta)
+            in_python = model(ids, pos, kv.layers, meta, KernelLayerOps)
             assert torch.equal(in_cpp, in_python), f"{len(rows)} rows"

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from engine import kernels as genserve_kernels
-from engine.attention import AttentionMetadata
-from engine.kv_cache import KVCache
+from engine.model.layer_ops import KernelLayerOps
+from tests.engine.attention_oracle import step_metadata
 from engine.model.linear import ANY_ROWS, PACKED_LINEAR_MAX_ROWS, linear, onednn_k_chunk, pack_weight
+from engine.runner.kv_cache import KVCache
 from tests.engine.test_model import mixed_prompts
 
 
@@ -100,15 +101,15 @@ def test_a_decode_row_has_the_same_hidden_state_beside_a_long_prefill_piece(mode
     kv = KVCache(model.args, 64, 16, torch.bfloat16)
     table, other = list(range(0, 16)), list(range(16, 64))
     with torch.inference_mode():
-        meta = AttentionMetadata.build([(0, len(p) - 1, table, False)], 16, torch.bfloat16, True)
-        model(torch.tensor(p[:-1]), torch.arange(len(p) - 1), kv.layers, meta)
+        meta = step_metadata([(0, len(p) - 1, table, False)], 16, torch.bfloat16, True)
+        model(torch.tensor(p[:-1]), torch.arange(len(p) - 1), kv.layers, meta, KernelLayerOps)
         decode = (len(p) - 1, 1, table, True)
-        meta = AttentionMetadata.build([decode], 16, torch.bfloat16, True)
-        alone = model(torch.tensor([p[-1]]), torch.tensor([len(p) - 1]), kv.layers, meta)
-        meta = AttentionMetadata.build([decode, (0, piece, other, False)], 16, torch.bfloat16, True)
+        meta = step_metadata([decode], 16, torch.bfloat16, True)
+        alone = model(torch.tensor([p[-1]]), torch.tensor([len(p) - 1]), kv.layers, meta, KernelLayerOps)
+        meta = step_metadata([decode, (0, piece, other, False)], 16, torch.bfloat16, True)
         ids = torch.tensor([p[-1]] + long_prompt[:piece])
         pos = torch.cat([torch.tensor([len(p) - 1]), torch.arange(piece)])
-        mixed = model(ids, pos, kv.layers, meta)
+        mixed = model(ids, pos, kv.layers, meta, KernelLayerOps)
     assert torch.equal(alone[0], mixed[0])
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.builder import engine_from_weights
 from engine.config import EngineConfig
+from engine.runner.builder import engine_from_weights
 from tests.engine.conftest import generate
 from tests.engine.sim import make_request, sim_engine
 from tests.engine.test_model import PARAGRAPH

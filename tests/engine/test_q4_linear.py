@@ -1,4 +1,4 @@
-"""Serving the GGUF's 4-bit blocks (`--weights q4`, engine/csrc/q4_linear.cpp and amx_linear.cpp):
+"""Serving the GGUF's 4-bit blocks (`--weights q4`, engine/kernels/csrc/q4_linear.cpp and amx_linear.cpp):
 on the embedded SmolLM2's real Q4_1 matrices the kernels decode exactly the bf16 weights the bf16
 engine loads, their products have the bits of the bf16 products they reproduce at every row count
 (`q4_linear`: `packed_linear`'s; `q4_amx_linear`: oneDNN's AMX calls, on both sides of each of its
@@ -14,12 +14,13 @@ import pytest
 import torch
 
 from engine import kernels as genserve_kernels
-from engine.builder import build_engine, engine_from_model, model_from_weights
 from engine.config import EngineConfig
-from engine.invariance import check_batch_invariance
-from engine.model.linear import ANY_ROWS, DecodeWeights, linear, vnni_pack
-from engine.model.q4 import amx_pack, attach_q4, bf16_twin, fused_q4_blocks, q4_pack
+from engine.model.linear import ANY_ROWS, linear, vnni_pack
+from engine.runner.decode_loop import DecodeLoop
+from engine.model.quant import amx_pack, attach_q4, bf16_twin, fused_q4_blocks, q4_pack
 from engine.model.weights import Q4_1_BLOCK_BYTES, Q8_0_BLOCK_BYTES, load_gguf_q4_1
+from engine.runner.builder import build_engine, engine_from_model, model_from_weights
+from engine.runner.invariance import check_batch_invariance
 from tests.engine.conftest import generate
 from tests.engine.test_model import mixed_prompts
 
@@ -73,9 +74,10 @@ def matrix(model, layer: int, kind: str):
 
 
 @contextlib.contextmanager
-def bf16_twin_weights(model):
-    """Within the block, every block matrix of `model` runs the bf16 `packed_linear` product its
-    4-bit blocks reproduce (`bf16_twin`), and the C++ decode loop takes those."""
+def bf16_twin_weights(runner):
+    """Within the block, every block matrix of the runner's model runs the bf16 `packed_linear`
+    product its 4-bit blocks reproduce (`bf16_twin`), and the runner's C++ decode loop takes those."""
+    model = runner.model
     saved = {}
     for i in range(len(model.layers)):
         for kind in KINDS:
@@ -84,14 +86,14 @@ def bf16_twin_weights(model):
                 model.layers[i].feed_forward
             saved[(module, kind)] = packed
             setattr(module, kind + "_packed", bf16_twin(packed, weight))
-    decode = model.decode_weights
-    model.decode_weights = DecodeWeights.from_model(model)
+    decode = runner.decode_loop
+    runner.decode_loop = DecodeLoop.from_model(model)
     try:
         yield model
     finally:
         for (module, kind), packed in saved.items():
             setattr(module, kind + "_packed", packed)
-        model.decode_weights = decode
+        runner.decode_loop = decode
 
 
 def test_q4_blocks_decode_to_the_bf16_weights_the_engine_loads(q4_model, file_blocks):
@@ -192,16 +194,17 @@ def test_q8_output_projection_has_the_bf16_logits_bits(q4_model, bf16_engine, gg
 
 def test_q4_engine_generates_the_bf16_engines_greedy_tokens(q4_engine, bf16_engine, gguf_tokenizer):
     prompts = mixed_prompts(gguf_tokenizer)
-    model = q4_engine.executor.model
-    assert model.decode_weights is not None and model.decode_weights.q4   # the C++ decode loop
+    runner = q4_engine.executor
+    model = runner.model
+    assert runner.decode_loop is not None and runner.decode_loop.q4   # the C++ decode loop
     q4_tokens = generate(q4_engine, prompts, 16, temperature=0.0)
-    decode = model.decode_weights
-    model.decode_weights = None                                  # the Python block loop
+    decode = runner.decode_loop
+    runner.decode_loop = None                                    # the Python block loop
     try:
         assert generate(q4_engine, prompts, 16, temperature=0.0) == q4_tokens
     finally:
-        model.decode_weights = decode
-    with bf16_twin_weights(model):
+        runner.decode_loop = decode
+    with bf16_twin_weights(runner):
         twin_tokens = generate(q4_engine, prompts, 16, temperature=0.0)
     assert twin_tokens == q4_tokens
     assert len({tuple(t) for t in q4_tokens}) > len(prompts) // 2    # not one answer for all

@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from engine.request import SamplingParams
-from engine.sampler import keep_top_p_, make_generator, sample
+from engine.core.request import SamplingParams
+from engine.runner.sampler import keep_top_p_, make_generator, sample
 
 
 def draws(logits: torch.Tensor, p: SamplingParams, n: int, seed: int = 0) -> torch.Tensor:

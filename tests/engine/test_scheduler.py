@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from engine.request import FinishReason
-from engine.scheduler import AdmissionRejected
+from engine.core.outputs import FinishReason
+from engine.core.sched.scheduler import AdmissionRejected
 from tests.engine.sim import make_request, sim_engine
 
 
 def test_long_prompt_is_chunked_while_other_rows_decode():
-    engine, _ = sim_engine(prefill_chunk_few_rows=256)   # a 256-token budget at any row count
+    engine, _ = sim_engine(prefill_token_budget_few_rows=256)   # a 256-token budget at any row count
     ev_short, ev_long = [], []
     engine.submit(make_request(10, 50, events=ev_short))
     engine.step()                                   # short prompt prefilled, first token
@@ -40,7 +40,7 @@ def test_prefill_budget_rises_when_few_rows_decode():
 
 
 def test_short_prompt_of_a_light_key_prefills_before_a_heavy_keys_long_prompt():
-    engine, _ = sim_engine(prefill_chunk_few_rows=256)
+    engine, _ = sim_engine(prefill_token_budget_few_rows=256)
     engine.submit(make_request(4000, 5, api_key="a"))
     engine.step()
     engine.submit(make_request(100, 5, api_key="b"))

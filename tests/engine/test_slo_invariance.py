@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from engine.builder import engine_from_weights
 from engine.config import EngineConfig
+from engine.runner.builder import engine_from_weights
 from tests.engine.conftest import generate
 from tests.engine.test_model import mixed_prompts
 

@@ -8,9 +8,9 @@ from dataclasses import replace
 import pytest
 
 from engine.config import EngineConfig
-from engine.cost_model import StepFeatures
-from engine.sim_executor import SimExecutor
-from engine.scheduler import AdmissionRejected
+from engine.core.cost_model import StepFeatures
+from engine.core.sched.scheduler import AdmissionRejected
+from engine.core.sim_executor import SimExecutor
 from loadgen.sim import design_config, simulate
 from loadgen.workload import LengthMix, arrival_times, synthetic_workload
 from tests.engine.sim import make_request, sim_engine
@@ -23,7 +23,7 @@ def _plans(engine):
 
 
 def _ms(engine, plan) -> float:
-    return engine.scheduler.cost.step_ms(StepFeatures.of_plan(plan))
+    return engine.scheduler.cost.step_ms(plan.features())
 
 
 def test_fixed_is_the_default_and_keeps_the_design_caps():
@@ -81,7 +81,7 @@ def test_slo_steps_stretch_to_the_gap_target_when_every_row_has_slack():
 
 @pytest.mark.parametrize("policy", ["fixed", "slo"])
 def test_prompts_are_cut_on_the_64_token_grid_under_both_policies(policy):
-    engine, _ = sim_engine(policy=policy, prefill_chunk_few_rows=256)
+    engine, _ = sim_engine(policy=policy, prefill_token_budget_few_rows=256)
     engine.submit(make_request(10, 100))
     engine.step()
     long = make_request(1000, 3)
@@ -149,7 +149,8 @@ def test_slo_rows_do_not_collapse_where_one_prefill_piece_takes_half_the_target(
     live = dict(step_base_ms=10.26, decode_1_ms=20.91, decode_32_ms=24.90, prefill_ms_per_token=0.502,
                 decode_ms_per_context_token=0.00201, prefill_ms_per_kpair=0.456)
     items = synthetic_workload(arrival_times(4.0, duration_s=60.0, seed=0), LengthMix.design(0.064), seed=0)
-    cfg = EngineConfig(num_blocks=4096, policy="slo", tpot_target_ms=64.5, gap_target_ms=92.2, queue_budget_s=60.0)
+    cfg = EngineConfig(num_blocks=4096, policy="slo", tpot_target_ms=64.5, gap_target_ms=92.2, queue_budget_s=60.0,
+                       prefix_caching=False)       # as the simulator ran it: the synthetic prompts repeat one token
     res = simulate(items, cfg, SimExecutor(**live))
     done = [r for r in res.records if r.completed]
     assert len(done) == len(items)

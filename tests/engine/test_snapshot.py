@@ -1,11 +1,11 @@
-"""Scheduler snapshots (engine/snapshot.py) over the real scheduler with the simulated executor:
+"""Scheduler snapshots (engine/core/snapshot.py) over the real scheduler with the simulated executor:
 rows, queues per key, the block map, the step split and the latency window."""
 
 from __future__ import annotations
 
-from engine.snapshot import (BLOCK_CACHED, BLOCK_FREE, BLOCK_SHARED, BLOCK_USED, LATENCY_WINDOW_S,
+from engine.core.snapshot import (BLOCK_CACHED, BLOCK_FREE, BLOCK_SHARED, BLOCK_USED, LATENCY_WINDOW_S,
                              LatencySummary, SnapshotSource, read_scheduler)
-from engine.step import Segment, StepPlan
+from engine.core.plan import Segment, StepPlan
 from tests.engine.sim import make_request, sim_engine
 
 

@@ -9,7 +9,8 @@ import torch
 
 from engine.model import weights
 from engine.model.llama import ModelArgs
-from engine.model.weights import expected_shapes, load_gguf, load_safetensors, unpermute_rope_rows
+from engine.model.rope import unpermute_rope_rows
+from engine.model.weights import expected_shapes, load_gguf, load_safetensors
 from engine.tokenizer import Tokenizer
 
 # our per-layer leaf -> transformers LlamaForCausalLM leaf

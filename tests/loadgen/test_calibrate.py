@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from engine.sim_executor import SimExecutor
+from engine.core.sim_executor import SimExecutor
 from loadgen.calibrate import LiveServer, capacity_rps, cpu_slo_ms, fit_cost_model
 from loadgen.workload import LengthMix
 
@@ -41,7 +41,7 @@ def test_fit_recovers_the_model_that_made_the_samples():
         assert fields[k] == pytest.approx(v, abs=1e-6 + 1e-6 * v)
     assert quality["median_abs_rel_error"] < 1e-9 and quality["r2"] == pytest.approx(1.0)
     # The fields load straight into the simulator.
-    assert SimExecutor.from_json(fields).cost_params() == pytest.approx(fields)
+    assert SimExecutor.from_json(fields).device_costs.params() == pytest.approx(fields)
 
 
 def test_fit_survives_noise_and_leaves_out_slowed_steps():

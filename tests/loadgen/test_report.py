@@ -38,7 +38,7 @@ def test_tiny_report_writes_tables_plots_and_json(tmp_path):
     res = json.loads((out / "results.json").read_text())
     summary = res["summary"]
     assert set(summary["modes"]) == set(report.MODES)
-    assert {(s["max_rows"], s["prefill_chunk"]) for s in summary["sweep"]} == {(16, 256), (32, 256)}
+    assert {(s["max_rows"], s["prefill_token_budget"]) for s in summary["sweep"]} == {(16, 256), (32, 256)}
     assert summary["sweep_best"] in summary["sweep"]
     assert summary["fairness"]["429_final"]["B"]["sent"] == 20
     assert summary["disconnect"]["num_disconnected"] > 0

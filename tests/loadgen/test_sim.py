@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.sim_executor import SimExecutor
+from engine.core.sim_executor import SimExecutor
 from loadgen.sim import design_config, simulate
 from loadgen.stats import percentiles
 from loadgen.workload import LengthMix, WorkItem, arrival_times, synthetic_workload, with_disconnects

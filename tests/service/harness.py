@@ -2,7 +2,7 @@
 simulated engine (SimExecutor paced in real time, a byte tokenizer), on a free localhost port.
 
 No model is loaded, so these tests take milliseconds per request. The engine is the real
-`engine.loop.Engine` with the real scheduler and block pool; only the forward pass is a cost
+`engine.core.engine.Engine` with the real scheduler and block pool; only the forward pass is a cost
 model (`SimExecutor`), slept for `step_s` so streams stay open long enough to interact with.
 """
 
@@ -19,13 +19,11 @@ from types import SimpleNamespace
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine.block_pool import BlockPool
-from engine.builder import LoadedEngine
 from engine.config import EngineConfig
-from engine.sim_executor import SimExecutor
-from engine.loop import Engine
-from genserve.v1 import generate_pb2 as pb
-from genserve.v1 import generate_pb2_grpc as pb_grpc
+from engine.core.engine import Engine
+from engine.core.sim_executor import SimExecutor
+from engine.runner.builder import LoadedEngine
+from genserve.v1 import generate_pb2 as pb, generate_pb2_grpc as pb_grpc
 from service.server import EngineServer
 
 VOCAB = 32000
@@ -53,7 +51,6 @@ class PacedExecutor:
     def __init__(self, step_s: float) -> None:
         self.sim = SimExecutor(vocab_size=VOCAB)
         self.step_s = step_s
-        self.cost_model = self.sim.cost_model
 
     def execute(self, plan):
         time.sleep(self.step_s)
@@ -65,7 +62,7 @@ def sim_builder(step_s: float = 0.005, gate: threading.Event | None = None) -> C
     def build(config: EngineConfig, model_path=None) -> LoadedEngine:
         if gate is not None:
             gate.wait(30)
-        engine = Engine(config, PacedExecutor(step_s), BlockPool(config.num_blocks, config.block_size))
+        engine = Engine(config, PacedExecutor(step_s))
         return LoadedEngine(engine, ByteTokenizer(), SimpleNamespace(vocab_size=VOCAB), "sim")
     return build
 

@@ -10,9 +10,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from engine.loop import Engine
-from engine.request import FinishReason
-from engine.step import TokenEvent
+from engine.core.engine import Engine
+from engine.core.outputs import FinishReason, TokenEvent
 from genserve.v1 import generate_pb2 as pb
 from service.faults import FailingExecutor, InjectedFault, fault_settings
 from service.servicer import EventBuffer, GenerateServicer
@@ -148,14 +147,14 @@ async def test_event_buffer_refuses_past_its_limit_and_failure_comes_first():
 
 def test_failing_executor_fires_once_per_once_file(tmp_path):
     class Inner:
-        cost_model = "inner cost"
+        model = "inner model"
 
         def execute(self, plan):
             return "ok"
 
     once = tmp_path / "fired"
     ex = FailingExecutor(Inner(), 2, once)
-    assert ex.cost_model == "inner cost" and ex.execute(None) == "ok"
+    assert ex.model == "inner model" and ex.execute(None) == "ok"
     with pytest.raises(InjectedFault):
         ex.execute(None)
     assert once.exists() and ex.execute(None) == "ok"

@@ -8,10 +8,10 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.block_pool import BlockPool
 from engine.config import EngineConfig
-from engine.loop import Engine
-from engine.sim_executor import SimExecutor
+from engine.core.cost_model import CostModel
+from engine.core.engine import Engine
+from engine.core.sim_executor import SimExecutor
 from service.metrics import EngineMetrics
 from tests.engine.sim import make_request
 
@@ -21,7 +21,6 @@ class SlowDevice:
 
     def __init__(self, slowdown: float) -> None:
         self.sim = SimExecutor(decode_1_ms=10.0, decode_32_ms=12.0, prefill_ms_per_token=0.02)
-        self.cost_model = self.sim.cost_model
         self.slowdown = slowdown
 
     def execute(self, plan):
@@ -31,8 +30,9 @@ class SlowDevice:
 
 
 def _mean_ratio(slowdown: float) -> float:
-    cfg = EngineConfig(num_blocks=256)
-    engine = Engine(cfg, SlowDevice(slowdown), BlockPool(256, cfg.block_size))
+    cfg = EngineConfig(num_blocks=256, prefix_caching=False)
+    device = SlowDevice(slowdown)
+    engine = Engine(cfg, device, cost_model=CostModel(**device.sim.device_costs.params(), refit_every=0))
     metrics = EngineMetrics(engine)
     for _ in range(4):
         engine.submit(make_request(100, 6))

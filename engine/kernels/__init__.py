@@ -1,0 +1,133 @@
+"""genserve's own CPU kernels, built on first use.
+
+* `engine/kernels/csrc/decode_attention.cpp`: paged decode attention, `torch.ops.genserve.paged_decode`.
+* `engine/kernels/csrc/prefill_attention.cpp`: causal prefill attention of one piece over its paged
+  context, `torch.ops.genserve.paged_prefill` — only where the compiler targets AVX512-BF16 (bf16,
+  head_dim 64); `prefill_kernel_available()` says whether this build has it.
+* `engine/kernels/csrc/layer_ops.cpp`: the fused per-token steps of a block — `rms_norm`,
+  `add_rms_norm_` (residual add + norm), `rope_store_kv` (RoPE on Q and K, K and V written to
+  their cache slots) and `silu_mul` — used through `engine.model.layer_ops.KernelLayerOps`.
+* `engine/kernels/csrc/packed_linear.cpp`: x @ Wᵀ read from a weight packed in oneDNN's AB16b64a2b layout
+  (oneDNN's own copy, bit for bit oneDNN's result, or genserve's `linear.vnni_pack`),
+  `torch.ops.genserve.packed_linear` — AVX512-BF16 builds only; `packed_linear_available()` says
+  whether this build has it.
+* `engine/kernels/csrc/q4_linear.cpp`: x @ Wᵀ read from W's 4-bit Q4_1 blocks of the GGUF (re-interleaved
+  at load by `engine.model.quant.q4_pack`), decoded in registers to the bf16 values the bf16 engine
+  loads and summed exactly as `packed_linear` sums them, so with `packed_linear`'s bits;
+  `torch.ops.genserve.q4_linear` — AVX512-BF16 builds only; `q4_linear_available()` says whether
+  this build has it.
+* `engine/kernels/csrc/amx_linear.cpp` (AMX builds, `q4_amx_available()`): x @ Wᵀ from W's Q4_1 blocks
+  (`torch.ops.genserve.q4_amx_linear`) or Q8_0 blocks (`q8_amx_linear`), re-grouped at load by
+  `engine.model.quant.amx_pack`, decoded to the bf16 engine's values and summed with AMX tiles as
+  oneDNN's AMX kernel sums, so with its bits.
+* `engine/kernels/csrc/decode_layers.cpp`: all blocks of a pure-decode step in one call
+  (`torch.ops.genserve.decode_layers`), the same ops in the same order as the Python loop.
+
+Built with `torch.utils.cpp_extension.load` (g++ and ninja; once per CPU kind and kernel source,
+then cached under torch's extension directory, ~/.cache/torch_extensions). Where they cannot be
+built (no compiler, another architecture, `GENSERVE_KERNELS=0`), `available()` is False and the
+engine runs the same steps as plain torch ops (`TorchLayerOps`) and attention through torch's
+fused SDPA; the engine logs which one it runs.
+
+Why each kernel exists, with what it measured against torch's ops: docs/benchmarks/kernels.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import pathlib
+import platform
+import sys
+import zlib
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCES = [pathlib.Path(__file__).with_name("csrc") / name
+           for name in ("decode_attention.cpp", "prefill_attention.cpp", "layer_ops.cpp",
+                        "packed_linear.cpp", "q4_linear.cpp", "amx_linear.cpp",
+                        "decode_layers.cpp")]
+OPS = ("paged_decode", "rms_norm", "add_rms_norm_", "rope_store_kv", "silu_mul", "decode_layers")
+AVX512_BF16_OPS = ("paged_prefill", "packed_linear", "q4_linear")     # built only where the CPU has AVX512-BF16
+AMX_OPS = ("q4_amx_linear", "q8_amx_linear")   # built only where the compiler targets AMX-BF16
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+
+
+def _build_name() -> str:
+    """Extension name keyed by this CPU and the kernel code: the build uses -march=native, and
+    torch's cache is keyed by name, listed sources and flags only, so a home directory shared
+    across CPU kinds must not reuse another CPU's binary, nor a build from older headers."""
+    cpu = platform.machine()
+    try:
+        info = pathlib.Path("/proc/cpuinfo").read_text()
+        cpu += "".join(line for line in info.splitlines()
+                       if line.startswith(("model name", "flags")))[:4096]
+    except OSError:
+        cpu += platform.processor()
+    # torch keys its cache by the listed sources only; the headers they include count too.
+    code = b"".join(f.read_bytes() for f in sorted(SOURCES[0].parent.iterdir()) if f.is_file())
+    return f"genserve_kernels_{zlib.crc32(cpu.encode()):08x}_{zlib.crc32(code):08x}"
+
+
+@functools.cache
+def available() -> bool:
+    """Build (or load the cached build of) the kernels once per process; True if usable.
+
+    Never raises: a failed build is logged and the torch paths are used instead.
+    """
+    if os.environ.get("GENSERVE_KERNELS", "1") == "0":
+        log.info("genserve kernels disabled by GENSERVE_KERNELS=0; using torch ops and SDPA")
+        return False
+    try:
+        from torch.utils import cpp_extension
+
+        # ninja comes from the `ninja` wheel next to this interpreter; make it findable even when
+        # the virtual environment is not activated.
+        bin_dir = str(pathlib.Path(sys.executable).parent)
+        if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+            os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+        cpp_extension.load(name=_build_name(), sources=[str(src) for src in SOURCES], extra_cflags=CFLAGS,
+                           is_python_module=False, verbose=False)
+        built = [op for op in (*OPS, *AVX512_BF16_OPS, *AMX_OPS) if hasattr(torch.ops.genserve, op)]
+        log.info("genserve kernels ready: torch.ops.genserve.%s", ", ".join(built))
+        return all(hasattr(torch.ops.genserve, op) for op in OPS)
+    except Exception as exc:        # noqa: BLE001 — any build failure means: use the fallback
+        log.warning("genserve kernels unavailable (%s: %s); using torch ops and SDPA",
+                    type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        return False
+
+
+@functools.cache
+def prefill_kernel_available() -> bool:
+    """True if the kernels built and this CPU's build includes `paged_prefill` (AVX512-BF16)."""
+    return available() and hasattr(torch.ops.genserve, "paged_prefill")
+
+
+@functools.cache
+def packed_linear_available() -> bool:
+    """True if the kernels built and this CPU's build includes `packed_linear` (AVX512-BF16)."""
+    return available() and hasattr(torch.ops.genserve, "packed_linear")
+
+
+@functools.cache
+def q4_linear_available() -> bool:
+    """True if the kernels built and this CPU's build includes `q4_linear` (AVX512-BF16)."""
+    return available() and hasattr(torch.ops.genserve, "q4_linear")
+
+
+@functools.cache
+def q4_amx_available() -> bool:
+    """True if the kernels built with AMX (`q4_amx_linear`) and Linux grants this process the
+    AMX tile state (checked with an 1-row product)."""
+    if not (q4_linear_available() and hasattr(torch.ops.genserve, "q4_amx_linear")):
+        return False
+    try:
+        torch.ops.genserve.q4_amx_linear(torch.zeros(1, 32, dtype=torch.bfloat16),
+                                         torch.zeros(64, 20, dtype=torch.uint8))
+    except RuntimeError as exc:
+        log.warning("q4_amx_linear unusable (%s); 4-bit products use q4_linear", exc)
+        return False
+    return True

@@ -1,0 +1,619 @@
+// Paged decode attention on CPU: one query token per row, keys and values read in place from the
+// block pools through each row's block table (no gather copy, no padding). The pools hold bf16
+// or fp32 numbers, or (bf16 queries on AVX512-BF16 CPUs) rows of the 8-bit format
+// (engine/attention/kv_quant.py), turned in registers into the numbers a bf16 pool holding them would hold,
+// so the result has those bits at about half the bytes read.
+//
+//   out[b, h, :] = softmax_j(q[b, h] · k[b, j] * scale) · v[b, j],  j < context_lens[b]
+//
+// A KV head's `group` query heads share its keys and values (GQA): they are computed together,
+// so each key and value is read once per row. Scores, softmax and the P·V accumulation are fp32.
+// Two loops: bf16 on CPUs with AVX512-BF16 (the serving case) runs the one-pass kernel further
+// down (AMX tiles for the scores where the CPU and OS have them); other dtypes and CPUs run
+// `decode_kernel`, work item = (row, KV head), two passes over the keys' scores. Every loop's
+// order is fixed by the row's own context length, so a row gives the same bits whatever else is in
+// the batch (batch invariance).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "avx512_math.h"
+#include "bf16.h"
+#include "genserve_ops.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <type_traits>
+#include <vector>
+
+#include <sys/syscall.h>
+#include <unistd.h>
+
+namespace {
+
+using genserve::to_float;
+
+template <typename T, int G>
+void decode_kernel(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                   const at::Tensor& tables, const at::Tensor& lens, at::Tensor& out,
+                   double scale) {
+  constexpr int D = 64;                                   // head_dim (checked by the caller)
+  const int64_t heads = q.size(1);
+  const int64_t block = k_pool.size(1), kv_heads = k_pool.size(2), table_width = tables.size(1);
+  const int64_t block_stride = block * kv_heads * D, token_stride = kv_heads * D;
+  const T* qd = q.data_ptr<T>();
+  const T* kd = k_pool.data_ptr<T>();
+  const T* vd = v_pool.data_ptr<T>();
+  const int64_t* td = tables.data_ptr<int64_t>();
+  const int64_t* ld = lens.data_ptr<int64_t>();
+  T* od = out.data_ptr<T>();
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, q.size(0) * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    alignas(64) float qf[G][D], acc[G][D], kf[D];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / kv_heads, h = item % kv_heads, len = ld[b];
+      const int64_t* table = td + b * table_width;
+      scores.resize(G * len);
+      for (int g = 0; g < G; ++g)
+        for (int d = 0; d < D; ++d)
+          qf[g][d] = to_float(qd[(b * heads + h * G + g) * D + d]) * fscale;
+      float mx[G];
+      for (int g = 0; g < G; ++g) mx[g] = -std::numeric_limits<float>::max();
+      // Walks the row's context in position order through its block table; for each token j
+      // loads that token's head vector from `pool` into kf (fp32) and calls visit(j).
+      auto each_token = [&](const T* pool, auto&& visit) {
+        for (int64_t start = 0; start < len; start += block) {
+          const T* base = pool + table[start / block] * block_stride + h * D;
+          const int64_t n = std::min(block, len - start);
+          for (int64_t t = 0; t < n; ++t) {
+            const T* row = base + t * token_stride;
+            for (int d = 0; d < D; ++d) kf[d] = to_float(row[d]);
+            visit(start + t);
+          }
+        }
+      };
+      each_token(kd, [&](int64_t j) {
+        for (int g = 0; g < G; ++g) {
+          float s = 0.f;
+          for (int d = 0; d < D; ++d) s += qf[g][d] * kf[d];
+          scores[g * len + j] = s;
+          mx[g] = std::max(mx[g], s);
+        }
+      });
+      float inv_sum[G];
+      for (int g = 0; g < G; ++g) {
+        float* sg = scores.data() + g * len;
+        float sum = 0.f;
+        for (int64_t j = 0; j < len; ++j) {
+          sg[j] = std::exp(sg[j] - mx[g]);
+          sum += sg[j];
+        }
+        inv_sum[g] = 1.f / sum;
+      }
+      for (int g = 0; g < G; ++g)
+        for (int d = 0; d < D; ++d) acc[g][d] = 0.f;
+      each_token(vd, [&](int64_t j) {
+        for (int g = 0; g < G; ++g) {
+          const float pr = scores[g * len + j];
+          for (int d = 0; d < D; ++d) acc[g][d] += pr * kf[d];
+        }
+      });
+      for (int g = 0; g < G; ++g)
+        for (int d = 0; d < D; ++d)
+          od[(b * heads + h * G + g) * D + d] = static_cast<T>(acc[g][d] * inv_sum[g]);
+    }
+  });
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// The bf16 kernel for CPUs with AVX512-BF16, with AMX-BF16 where the compiler targets it and the
+// OS grants the tile state.
+//
+// Work item = (row, chunk of its context, run of up to 16 / G KV heads — all 3 of SmolLM2's): the
+// run's query heads sit in the lanes of one zmm, lane = (KV head − first) · G + g. A chunk is
+// CHUNK_TOKENS positions (rounded up to whole blocks), the row's last chunk what is left, so a row
+// of 1,250 tokens is 5 items per run and one row alone keeps every thread busy. A chunk goes
+// 16 tokens at a time (a tile, never across a block boundary), in position order, in one pass
+// (online softmax, Milakov & Gimelshein 2018):
+//
+//   S[t][lane] = q[lane] · k[t]      AMX: S = Σₖ K[:, slice k] · Qᵀ[slice k] over the run's
+//                                    32-dimension slices, one TDPBF16PS each, the 16 keys' slices
+//                                    loaded straight from the pool (row stride = one token), Qᵀ
+//                                    packed block-diagonally once per row; else vdpbf16ps and a
+//                                    lane sum per key and query head
+//   m' = max(m, maxₜ S·scale)         lane-wise running max, one exp per token for every lane
+//   p[t] = exp(S·scale − m'),  l = l·exp(m − m') + Σₜ p[t]
+//   O[lane] = O[lane]·exp(m − m') + Σₜ p[t]·v[t]          fp32 FMAs, P in fp32
+//
+// so each key and value is read once; the block PREFETCH_BLOCKS ahead is prefetched into L2,
+// spread over the work on this one (blocks are scattered in the pool, which defeats the hardware
+// prefetcher at every block boundary). A row of one chunk writes O / l. A longer row's chunks
+// leave (m, l, O), and the thread that finishes the row's last item merges them in chunk order
+// (the split-KV decoding of FlashDecoding, Dao et al. 2023):
+//
+//   M = maxᶜ mᶜ,   L = Σᶜ lᶜ·exp(mᶜ − M),   out = (Σᶜ Oᶜ·exp(mᶜ − M)) / L
+//
+// A lane's arithmetic is the same whichever heads share its item and however the items are
+// split between threads, and the chunks are fixed by the row's own length: a row gives the same
+// bits whatever else is in the batch.
+constexpr int TILE = 16;                   // tokens per score tile
+constexpr int LANES = 16;                  // fp32 lanes of a zmm: query heads per item at most
+constexpr int64_t PREFETCH_BLOCKS = 2;     // how far ahead the next blocks are prefetched
+constexpr int AMX_HEADS = 3;               // KV heads per item with AMX: 6 Qᵀ tiles of 8
+// Context positions per work item (whole blocks). Smaller chunks balance one short row better but
+// cost more per chunk where many rows keep the threads busy anyway; docs/benchmarks/kernels.md
+// has the measurements behind this choice. A constant: the chunks, and so a row's bits, must not
+// depend on the batch or the threads.
+constexpr int64_t CHUNK_TOKENS = 256;
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define GENSERVE_DECODE_AMX 1
+// Linux keeps AMX's tile data off until a process asks for it (arch_prctl ARCH_REQ_XCOMP_PERM
+// with XFEATURE_XTILEDATA; the kernel's Documentation/arch/x86/xstate.rst). Asked once; false
+// where the kernel refuses (then the vdpbf16ps scores run).
+bool amx_permitted() {
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                      18 /* XFEATURE_XTILEDATA */) == 0;
+  return granted;
+}
+
+// Tile palette 1 (Intel SDM vol. 2, LDTILECFG), every tile 16 rows × 64 bytes: tile 0 = S [16
+// keys × 16 lanes] fp32, tile 1 = one 32-dimension slice of 16 keys, tiles 2-7 = Qᵀ's slices
+// [16 bf16 pairs × 16 lanes] (two per KV head, so at most AMX_HEADS heads per item).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+#endif
+
+// How a pool row (one token's head vector, 64 numbers) is read:
+//   load:   as two registers of 32 bf16 (dimensions 0-31, 32-63), the AMX / vdpbf16ps operands;
+//   values: as four registers of 16 fp32, the P·V operands, in the accumulator's order;
+//   store:  the row's output from those accumulators (fp32, that order) as 64 bf16.
+// bf16 rows keep the pairs' interleaving (even dimensions, then odd, of 0-31, then of 32-63),
+// which costs one shift or mask per register; 8-bit rows are read in dimension order.
+struct Bf16Rows {
+  using Elem = uint16_t;
+  static constexpr int64_t WIDTH = 64;     // elements per row
+  static inline void load(const Elem* row, __m512i& x0, __m512i& x1) {
+    x0 = _mm512_loadu_si512(row);
+    x1 = _mm512_loadu_si512(row + 32);
+  }
+  static inline void values(const Elem* row, __m512 v[4]) {
+    const __m512i odd_mask = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+    const __m512i x0 = _mm512_loadu_si512(row), x1 = _mm512_loadu_si512(row + 32);
+    v[0] = _mm512_castsi512_ps(_mm512_slli_epi32(x0, 16));
+    v[1] = _mm512_castsi512_ps(_mm512_and_si512(x0, odd_mask));
+    v[2] = _mm512_castsi512_ps(_mm512_slli_epi32(x1, 16));
+    v[3] = _mm512_castsi512_ps(_mm512_and_si512(x1, odd_mask));
+  }
+  static inline void store(uint16_t* dst, const __m512 o[4]) {
+    _mm512_storeu_si512(dst, genserve::interleave_bf16(o[0], o[1]));
+    _mm512_storeu_si512(dst + 32, genserve::interleave_bf16(o[2], o[3]));
+  }
+};
+
+// The 8-bit format (engine/attention/kv_quant.py): 64 int8 q, then the bytes E0 (dimensions 0-31) and E1
+// (32-63); a number is q * 2^(E - 133), exact in fp32 and in bf16 (at most 7 significant bits,
+// an fp32 normal), so one conversion and one exact multiply give the numbers a bf16 pool holding
+// them would give, and converting them to bf16 rounds nothing.
+struct Q8Rows {
+  using Elem = int8_t;
+  static constexpr int64_t WIDTH = 66;
+  static inline __m512 scale(const Elem* row, int group) {     // 2^(E - 133) from its bits
+    const int e = static_cast<uint8_t>(row[64 + group]) - genserve::KV8_Q_BITS;
+    return _mm512_castsi512_ps(_mm512_set1_epi32(e << 23));
+  }
+  static inline __m512 numbers(const Elem* q16, __m512 d) {
+    return _mm512_mul_ps(
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q16)))), d);
+  }
+  static inline void values(const Elem* row, __m512 v[4]) {
+    const __m512 d0 = scale(row, 0), d1 = scale(row, 1);
+    v[0] = numbers(row, d0);
+    v[1] = numbers(row + 16, d0);
+    v[2] = numbers(row + 32, d1);
+    v[3] = numbers(row + 48, d1);
+  }
+  static inline void load(const Elem* row, __m512i& x0, __m512i& x1) {
+    __m512 v[4];
+    values(row, v);
+    x0 = (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]);
+    x1 = (__m512i)_mm512_cvtne2ps_pbh(v[3], v[2]);
+  }
+  static inline void store(uint16_t* dst, const __m512 o[4]) {
+    _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(o[1], o[0]));
+    _mm512_storeu_si512(dst + 32, (__m512i)_mm512_cvtne2ps_pbh(o[3], o[2]));
+  }
+};
+
+template <class R>
+struct DecodeArgs {
+  const uint16_t* q;                       // [B, heads, D]
+  const typename R::Elem *k, *v;           // pools [blocks, block, kv_heads, R::WIDTH]
+  const int64_t *tables, *lens;
+  uint16_t* out;                           // [B, heads, D]
+  int64_t heads, kv_heads, block, table_width, block_stride, token_stride;   // strides in Elems
+  float scale;
+  int64_t chunk;                           // tokens per chunk, a multiple of `block`
+  float* partial;                          // [chunks of rows with 2+, kv_heads, G, PARTIAL]
+  const int64_t* partial_base;             // [B]: a row's first chunk in `partial`
+};
+
+// A chunk's (m, l, O) for one query head: O in R::values's order of the dimensions.
+constexpr int64_t PARTIAL = 2 + 64;
+
+// Chunks of a row of `len` positions.
+inline int64_t chunks_of(int64_t len, int64_t chunk) { return len <= 0 ? 1 : (len + chunk - 1) / chunk; }
+
+// Chunk `c` of row `b`, KV heads h0 .. h0 + nh − 1. `load_q`: pack and load the row's Qᵀ tiles
+// (false when this thread's previous item was the same row and run, whose tiles are still loaded).
+template <int G, bool AMX, class R>
+void decode_item(const DecodeArgs<R>& a, int64_t b, int64_t c, int64_t h0, int nh, bool load_q) {
+  constexpr int D = 64;
+  constexpr int64_t W = R::WIDTH;          // a row's elements in the pool
+  constexpr bool DIRECT = std::is_same_v<R, Bf16Rows>;   // AMX reads keys from the pool itself
+  constexpr int HMAX = LANES / G;          // KV heads an item may hold
+  const int64_t len = a.lens[b];
+  const int64_t first = c * a.chunk, last = std::min(len, first + a.chunk);
+  const bool whole = chunks_of(len, a.chunk) == 1;
+  const int64_t* table = a.tables + b * a.table_width;
+  const uint16_t* q = a.q + (b * a.heads + h0 * G) * D;
+  uint16_t* out = a.out + (b * a.heads + h0 * G) * D;
+  if (len <= 0) {
+    std::memset(out, 0, sizeof(uint16_t) * nh * G * D);
+    return;
+  }
+  alignas(64) float s[TILE][LANES] = {};            // scores, then probabilities, of a tile
+  alignas(64) float corr[LANES];
+  alignas(64) float acc[HMAX][G][4][16];            // O, in R::values's order of the dimensions
+  std::memset(acc, 0, sizeof(acc[0]) * nh);
+  // The 8-bit path's keys of a tile as bf16: [token][KV head's dimensions 0-31, 32-63].
+  alignas(64) __m512i kbuf[DIRECT || !AMX ? 1 : TILE][2 * AMX_HEADS];
+#ifdef GENSERVE_DECODE_AMX
+  // Qᵀ block-diagonal, as bf16 pairs: slice k (dimensions 32k'..32k'+31 of KV head k / 2, k' =
+  // k % 2) holds pair p of each of that head's G query heads in their lanes, zeros elsewhere.
+  alignas(64) uint32_t qt[AMX_HEADS * 2][16][LANES];
+  if (AMX && load_q) {
+    std::memset(qt, 0, sizeof(uint32_t) * nh * 2 * 16 * LANES);
+    const uint32_t* qp = reinterpret_cast<const uint32_t*>(q);
+    for (int hl = 0; hl < nh; ++hl)
+      for (int g = 0; g < G; ++g)
+        for (int p = 0; p < D / 2; ++p)
+          qt[hl * 2 + p / 16][p % 16][hl * G + g] = qp[(hl * G + g) * D / 2 + p];
+    // Tiles 2.. hold the slices for the whole row.
+    _tile_loadd(2, qt[0], LANES * 4);
+    _tile_loadd(3, qt[1], LANES * 4);
+    if (nh > 1) { _tile_loadd(4, qt[2], LANES * 4); _tile_loadd(5, qt[3], LANES * 4); }
+    if (nh > 2) { _tile_loadd(6, qt[4], LANES * 4); _tile_loadd(7, qt[5], LANES * 4); }
+  }
+#endif
+  const __m512 scale = _mm512_set1_ps(a.scale);
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 m = ninf, l = _mm512_setzero_ps();
+  const int64_t ts = a.token_stride;
+  for (int64_t start = first; start < last; start += a.block) {
+    const int64_t blk = table[start / a.block];
+    // The block PREFETCH_BLOCKS ahead, whose keys and values the value loop below prefetches
+    // (into L2) token by token, spread over this block's work.
+    const int64_t ahead = start + PREFETCH_BLOCKS * a.block;
+    const int64_t ahead_rows = ahead < len ? std::min(a.block, len - ahead) : 0;
+    const int64_t ahead_blk = ahead < len ? table[ahead / a.block] : blk;
+    const char* kahead = reinterpret_cast<const char*>(a.k + ahead_blk * a.block_stride + h0 * W);
+    const char* vahead = reinterpret_cast<const char*>(a.v + ahead_blk * a.block_stride + h0 * W);
+    const typename R::Elem* kblock = a.k + blk * a.block_stride + h0 * W;
+    const typename R::Elem* vblock = a.v + blk * a.block_stride + h0 * W;
+    for (int64_t t0 = 0; t0 < a.block && start + t0 < last; t0 += TILE) {
+      const int n = static_cast<int>(std::min<int64_t>({TILE, a.block - t0, last - start - t0}));
+      const typename R::Elem* krow = kblock + t0 * ts;
+      const typename R::Elem* vrow = vblock + t0 * ts;
+      // S [16 keys × lanes]: one column per query head of the run.
+#ifdef GENSERVE_DECODE_AMX
+      if constexpr (AMX) {
+        // S = Σₖ K[:, slice k] · Qᵀ[slice k]: the keys' 32-dimension slices straight from the
+        // pool (row stride = one token), or from kbuf where the 8-bit rows were decoded to the
+        // same bf16 keys; a lane's other slices are zeros and add exact zeros.
+        const uint16_t* kk;
+        int64_t kstride;                                   // bytes between keys
+        if constexpr (DIRECT) {
+          kk = krow;
+          kstride = ts * 2;
+        } else {
+          for (int t = 0; t < n; ++t)
+            for (int hl = 0; hl < nh; ++hl)
+              R::load(krow + t * ts + hl * W, kbuf[t][2 * hl], kbuf[t][2 * hl + 1]);
+          kk = reinterpret_cast<const uint16_t*>(kbuf);
+          kstride = sizeof(kbuf[0]);
+        }
+        _tile_zero(0);
+        _tile_loadd(1, kk, kstride);
+        _tile_dpbf16ps(0, 1, 2);
+        _tile_loadd(1, kk + 32, kstride);
+        _tile_dpbf16ps(0, 1, 3);
+        if (nh > 1) {
+          _tile_loadd(1, kk + 64, kstride);
+          _tile_dpbf16ps(0, 1, 4);
+          _tile_loadd(1, kk + 96, kstride);
+          _tile_dpbf16ps(0, 1, 5);
+        }
+        if (nh > 2) {
+          _tile_loadd(1, kk + 128, kstride);
+          _tile_dpbf16ps(0, 1, 6);
+          _tile_loadd(1, kk + 160, kstride);
+          _tile_dpbf16ps(0, 1, 7);
+        }
+        _tile_stored(0, s[0], LANES * 4);
+      }
+#endif
+      if constexpr (!AMX) {
+        for (int hl = 0; hl < nh; ++hl) {
+          __m512bh qv[G][2];
+          for (int g = 0; g < G; ++g)
+            for (int i = 0; i < 2; ++i)
+              qv[g][i] = (__m512bh)_mm512_loadu_si512(q + (hl * G + g) * D + 32 * i);
+          for (int t = 0; t < n; ++t) {
+            __m512i k0, k1;
+            R::load(krow + t * ts + hl * W, k0, k1);
+            for (int g = 0; g < G; ++g)
+              s[t][hl * G + g] = _mm512_reduce_add_ps(
+                  _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], (__m512bh)k0),
+                                   qv[g][1], (__m512bh)k1));
+          }
+        }
+      }
+      // Online softmax over the tile (keys past the context masked to -inf).
+      __m512 mnew = m;
+      for (int t = 0; t < TILE; ++t) {
+        const __m512 x = t < n ? _mm512_mul_ps(_mm512_load_ps(s[t]), scale) : ninf;
+        _mm512_store_ps(s[t], x);
+        mnew = _mm512_max_ps(mnew, x);
+      }
+      const __m512 c = genserve::exp_ps(_mm512_sub_ps(m, mnew));
+      _mm512_store_ps(corr, c);
+      m = mnew;
+      l = _mm512_mul_ps(l, c);
+      for (int t = 0; t < n; ++t) {
+        const __m512 p = genserve::exp_ps(_mm512_sub_ps(_mm512_load_ps(s[t]), m));
+        _mm512_store_ps(s[t], p);
+        l = _mm512_add_ps(l, p);
+      }
+      // O = O · corr + P · V, one KV head's G query heads in registers at a time.
+      for (int hl = 0; hl < nh; ++hl) {
+        __m512 o[G][4];
+        for (int g = 0; g < G; ++g) {
+          const __m512 cg = _mm512_set1_ps(corr[hl * G + g]);
+          for (int i = 0; i < 4; ++i) o[g][i] = _mm512_mul_ps(_mm512_load_ps(acc[hl][g][i]), cg);
+        }
+        for (int t = 0; t < n; ++t) {
+          if (t0 + t < ahead_rows) {       // the row's bytes: two cache lines at most
+            const int64_t at = ((t0 + t) * ts + hl * W) * sizeof(typename R::Elem);
+            _mm_prefetch(kahead + at, _MM_HINT_T1);
+            _mm_prefetch(kahead + at + W * sizeof(typename R::Elem) - 1, _MM_HINT_T1);
+            _mm_prefetch(vahead + at, _MM_HINT_T1);
+            _mm_prefetch(vahead + at + W * sizeof(typename R::Elem) - 1, _MM_HINT_T1);
+          }
+          __m512 v[4];
+          R::values(vrow + t * ts + hl * W, v);
+          for (int g = 0; g < G; ++g) {
+            const __m512 p = _mm512_set1_ps(s[t][hl * G + g]);
+            for (int i = 0; i < 4; ++i) o[g][i] = _mm512_fmadd_ps(p, v[i], o[g][i]);
+          }
+        }
+        for (int g = 0; g < G; ++g)
+          for (int i = 0; i < 4; ++i) _mm512_store_ps(acc[hl][g][i], o[g][i]);
+      }
+    }
+  }
+  if (!whole) {                            // (m, l, O) of each query head, for merge_chunks
+    alignas(64) float ms[LANES], ls[LANES];
+    _mm512_store_ps(ms, m);
+    _mm512_store_ps(ls, l);
+    for (int hl = 0; hl < nh; ++hl)
+      for (int g = 0; g < G; ++g) {
+        float* p = a.partial + (((a.partial_base[b] + c) * a.kv_heads + h0 + hl) * G + g) * PARTIAL;
+        p[0] = ms[hl * G + g];
+        p[1] = ls[hl * G + g];
+        std::memcpy(p + 2, acc[hl][g], sizeof(float) * D);
+      }
+    return;
+  }
+  alignas(64) float inv[LANES];
+  _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), l));
+  for (int hl = 0; hl < nh; ++hl)
+    for (int g = 0; g < G; ++g) {
+      const __m512 r = _mm512_set1_ps(inv[hl * G + g]);
+      __m512 o[4];
+      for (int i = 0; i < 4; ++i) o[i] = _mm512_mul_ps(_mm512_load_ps(acc[hl][g][i]), r);
+      R::store(out + (hl * G + g) * D, o);
+    }
+}
+
+// Row b's output for KV head h from its chunks' (m, l, O), merged in chunk order.
+template <int G, class R>
+void merge_chunks(const DecodeArgs<R>& a, int64_t b, int64_t h) {
+  const int64_t chunks = chunks_of(a.lens[b], a.chunk);
+  for (int g = 0; g < G; ++g) {
+    const float* p0 = a.partial + ((a.partial_base[b] * a.kv_heads + h) * G + g) * PARTIAL;
+    const int64_t stride = a.kv_heads * G * PARTIAL;          // between a row's chunks
+    float mx = p0[0];
+    for (int64_t c = 1; c < chunks; ++c) mx = std::max(mx, p0[c * stride]);
+    float sum = 0.f;
+    __m512 o[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t c = 0; c < chunks; ++c) {
+      const float* p = p0 + c * stride;
+      const float w = std::exp(p[0] - mx);
+      sum += p[1] * w;
+      const __m512 wv = _mm512_set1_ps(w);
+      for (int i = 0; i < 4; ++i) o[i] = _mm512_fmadd_ps(_mm512_loadu_ps(p + 2 + 16 * i), wv, o[i]);
+    }
+    const __m512 r = _mm512_set1_ps(1.f / sum);
+    for (int i = 0; i < 4; ++i) o[i] = _mm512_mul_ps(o[i], r);
+    R::store(a.out + (b * a.heads + h * G + g) * 64, o);
+  }
+}
+
+template <int G, bool AMX, class R>
+void decode_kernel_avx512(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                          const at::Tensor& tables, const at::Tensor& lens, at::Tensor& out,
+                          double scale) {
+  constexpr int64_t W = R::WIDTH;
+  const int64_t rows = q.size(0), kv_heads = k_pool.size(2), block = k_pool.size(1);
+  const int64_t chunk = (CHUNK_TOKENS + block - 1) / block * block;
+  const int64_t* ld = lens.data_ptr<int64_t>();
+  // The (row, chunk) pairs in order, and where each row with two chunks or more keeps its
+  // partials (partial_base[b]: that row's first chunk among them).
+  std::vector<int64_t> item_row, item_chunk, partial_base(rows);
+  int64_t partials = 0;
+  for (int64_t b = 0; b < rows; ++b) {
+    const int64_t n = chunks_of(ld[b], chunk);
+    partial_base[b] = partials;
+    if (n > 1) partials += n;
+    for (int64_t c = 0; c < n; ++c) {
+      item_row.push_back(b);
+      item_chunk.push_back(c);
+    }
+  }
+  // A row's KV heads go together (contiguous reads, one exp per token for all of them) when
+  // there are chunks enough to keep every thread busy; else one KV head per item. Same bits.
+  const int64_t most = AMX ? std::min<int64_t>(AMX_HEADS, LANES / G) : LANES / G;
+  const int64_t chunks = static_cast<int64_t>(item_row.size());
+  const int64_t run = chunks >= at::get_num_threads() ? std::min<int64_t>(kv_heads, most) : 1;
+  const int64_t per_row = (kv_heads + run - 1) / run;
+  std::unique_ptr<float[]> partial(new float[partials * kv_heads * G * PARTIAL]);   // not zeroed
+  // A row's items still running; the thread that finishes its last one merges its chunks.
+  std::unique_ptr<std::atomic<int64_t>[]> left(new std::atomic<int64_t>[rows]);
+  for (int64_t b = 0; b < rows; ++b)
+    left[b].store(chunks_of(ld[b], chunk) * per_row, std::memory_order_relaxed);
+  const DecodeArgs<R> a{reinterpret_cast<const uint16_t*>(q.data_ptr<c10::BFloat16>()),
+                        static_cast<const typename R::Elem*>(k_pool.data_ptr()),
+                        static_cast<const typename R::Elem*>(v_pool.data_ptr()),
+                        tables.data_ptr<int64_t>(), ld,
+                        reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()),
+                        q.size(1), kv_heads, block, tables.size(1), block * kv_heads * W,
+                        kv_heads * W, static_cast<float>(scale), chunk, partial.get(),
+                        partial_base.data()};
+  at::parallel_for(0, chunks * per_row, 1, [&](int64_t begin, int64_t end) {
+#ifdef GENSERVE_DECODE_AMX
+    if constexpr (AMX) {
+      TileConfig cfg;
+      for (int t = 0; t < 8; ++t) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+      }
+      _tile_loadconfig(&cfg);
+    }
+#endif
+    int64_t loaded_row = -1, loaded_h0 = -1;           // whose Qᵀ the tiles hold
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t i = item / per_row, h0 = item % per_row * run, b = item_row[i];
+      decode_item<G, AMX, R>(a, b, item_chunk[i], h0, static_cast<int>(std::min(run, kv_heads - h0)),
+                             b != loaded_row || h0 != loaded_h0);
+      loaded_row = b;
+      loaded_h0 = h0;
+      // acq_rel: the merging thread sees every other thread's partials of the row.
+      if (left[b].fetch_sub(1, std::memory_order_acq_rel) == 1 && chunks_of(ld[b], chunk) > 1)
+        for (int64_t h = 0; h < kv_heads; ++h) merge_chunks<G, R>(a, b, h);
+    }
+#ifdef GENSERVE_DECODE_AMX
+    if constexpr (AMX) _tile_release();
+#endif
+  });
+}
+
+template <int G, class R>
+void decode_rows(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                 const at::Tensor& tables, const at::Tensor& lens, at::Tensor& out, double scale) {
+#ifdef GENSERVE_DECODE_AMX
+  // AMX tiles hold 16 keys, and a tile never crosses a block boundary. GENSERVE_DECODE_AMX=0
+  // (read at every call) runs the vdpbf16ps scores instead, so both are tested on AMX machines.
+  const char* env = std::getenv("GENSERVE_DECODE_AMX");
+  if (k_pool.size(1) % TILE == 0 && !(env && std::strcmp(env, "0") == 0) && amx_permitted())
+    return decode_kernel_avx512<G, true, R>(q, k_pool, v_pool, tables, lens, out, scale);
+#endif
+  decode_kernel_avx512<G, false, R>(q, k_pool, v_pool, tables, lens, out, scale);
+}
+
+// bf16 queries over bf16 pools, or over pools in the 8-bit format (int8).
+template <int G>
+void decode_bf16(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                 const at::Tensor& tables, const at::Tensor& lens, at::Tensor& out, double scale) {
+  if (k_pool.scalar_type() == at::kChar)
+    return decode_rows<G, Q8Rows>(q, k_pool, v_pool, tables, lens, out, scale);
+  decode_rows<G, Bf16Rows>(q, k_pool, v_pool, tables, lens, out, scale);
+}
+#endif  // __AVX512BF16__ && __AVX512BW__
+
+template <typename T>
+void dispatch_group(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                    const at::Tensor& tables, const at::Tensor& lens, at::Tensor& out, double scale) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    switch (q.size(1) / k_pool.size(2)) {
+      case 1: return decode_bf16<1>(q, k_pool, v_pool, tables, lens, out, scale);
+      case 2: return decode_bf16<2>(q, k_pool, v_pool, tables, lens, out, scale);
+      case 3: return decode_bf16<3>(q, k_pool, v_pool, tables, lens, out, scale);
+      case 4: return decode_bf16<4>(q, k_pool, v_pool, tables, lens, out, scale);
+      case 8: return decode_bf16<8>(q, k_pool, v_pool, tables, lens, out, scale);
+      default: TORCH_CHECK(false, "query heads per KV head must be 1, 2, 3, 4 or 8");
+    }
+  }
+#endif
+  switch (q.size(1) / k_pool.size(2)) {
+    case 1: return decode_kernel<T, 1>(q, k_pool, v_pool, tables, lens, out, scale);
+    case 2: return decode_kernel<T, 2>(q, k_pool, v_pool, tables, lens, out, scale);
+    case 3: return decode_kernel<T, 3>(q, k_pool, v_pool, tables, lens, out, scale);
+    case 4: return decode_kernel<T, 4>(q, k_pool, v_pool, tables, lens, out, scale);
+    case 8: return decode_kernel<T, 8>(q, k_pool, v_pool, tables, lens, out, scale);
+    default: TORCH_CHECK(false, "query heads per KV head must be 1, 2, 3, 4 or 8");
+  }
+}
+
+}  // namespace
+
+at::Tensor genserve::paged_decode(const at::Tensor& q, const at::Tensor& k_pool,
+                                  const at::Tensor& v_pool, const at::Tensor& tables,
+                                  const at::Tensor& lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 4 && v_pool.sizes() == k_pool.sizes(),
+              "q [B, H, D], pools [blocks, block, kv_heads, D]");
+  TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous() &&
+                  tables.is_contiguous() && lens.is_contiguous(), "contiguous inputs");
+  TORCH_CHECK(tables.scalar_type() == at::kLong && lens.scalar_type() == at::kLong, "int64 tables");
+  TORCH_CHECK(k_pool.scalar_type() == v_pool.scalar_type(), "K and V pools share a dtype");
+  at::Tensor out = at::empty_like(q);
+  if (k_pool.scalar_type() == at::kChar) {           // the 8-bit format
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    TORCH_CHECK(q.scalar_type() == at::kBFloat16 && q.size(2) == 64 &&
+                    k_pool.size(3) == genserve::kv8_row_bytes(64) && q.size(1) % k_pool.size(2) == 0,
+                "8-bit pools: bf16 q, head_dim 64 (rows of 66 bytes) and whole GQA groups");
+    dispatch_group<c10::BFloat16>(q, k_pool, v_pool, tables, lens, out, scale);
+    return out;
+#else
+    TORCH_CHECK(false, "8-bit KV pools need the AVX512-BF16 build of genserve's kernels");
+#endif
+  }
+  TORCH_CHECK(q.scalar_type() == k_pool.scalar_type(), "q and pools share a dtype");
+  TORCH_CHECK(q.size(2) == 64 && k_pool.size(3) == 64 && q.size(1) % k_pool.size(2) == 0,
+              "head_dim 64 and whole GQA groups");
+  if (q.scalar_type() == at::kBFloat16) {
+    dispatch_group<c10::BFloat16>(q, k_pool, v_pool, tables, lens, out, scale);
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kFloat, "bf16 or fp32");
+    dispatch_group<float>(q, k_pool, v_pool, tables, lens, out, scale);
+  }
+  return out;
+}
+
+TORCH_LIBRARY(genserve, m) {
+  m.def("paged_decode(Tensor q, Tensor k_pool, Tensor v_pool, Tensor tables, Tensor lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(genserve, CPU, m) { m.impl("paged_decode", &genserve::paged_decode); }

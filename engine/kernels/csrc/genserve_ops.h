@@ -1,0 +1,37 @@
+// genserve's CPU ops as C++ functions, for kernels that chain them (decode_layers.cpp). Each is
+// also registered as torch.ops.genserve.<name>; the .cpp files document shapes and dtypes.
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace genserve {
+
+// The 8-bit KV cache format (engine/attention/kv_quant.py, OCP MX's MXINT8 block): a row is head_dim int8 q,
+// then one byte per KV8_GROUP numbers, the biased exponent E = e + 127; a number is q * 2^(E - 133).
+constexpr int64_t KV8_GROUP = 32;
+constexpr int KV8_EXP_BIAS = 127, KV8_EXP_MIN = -120, KV8_Q_BITS = 6;
+inline int64_t kv8_row_bytes(int64_t head_dim) { return head_dim + head_dim / KV8_GROUP; }
+inline int64_t kv8_head_dim(int64_t row_bytes) { return row_bytes * KV8_GROUP / (KV8_GROUP + 1); }
+
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                        const at::Tensor& tables, const at::Tensor& lens, double scale);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor add_rms_norm_(at::Tensor h, const at::Tensor& delta, const at::Tensor& weight,
+                         double eps);
+at::Tensor rope_store_kv(const at::Tensor& qkv, const at::Tensor& rope, const at::Tensor& positions,
+                         at::Tensor cache, const at::Tensor& slots, int64_t n_heads,
+                         int64_t n_kv_heads);
+at::Tensor silu_mul(const at::Tensor& gate_up);
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define GENSERVE_PACKED_LINEAR 1
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t k_chunk);
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& q4, int64_t k_chunk);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define GENSERVE_Q4_AMX 1
+at::Tensor q4_amx_linear(const at::Tensor& x, const at::Tensor& q4);
+at::Tensor q8_amx_linear(const at::Tensor& x, const at::Tensor& q8);
+#endif
+#endif
+
+}  // namespace genserve

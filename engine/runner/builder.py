@@ -1,0 +1,283 @@
+"""Assemble an engine from a model: weights, tokenizer, KV cache, pool, executor, loop, on a device."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+import statistics
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from engine import kernels
+from engine.config import EngineConfig
+from engine.core.cost_model import CostModel
+from engine.core.engine import Engine
+from engine.core.request import Request, SamplingParams
+from engine.model.llama import ModelArgs, Transformer
+from engine.model.quant import attach_q4
+from engine.model.weights import load_gguf, load_safetensors, open_gguf, random_shape, random_weights
+from engine.runner.kv_cache import KVCache, device_pool_size
+from engine.runner.model_runner import ModelRunner
+from engine.tokenizer import ByteTokenizer, Tokenizer
+from genserve.model_source import ModelSource, parse_model_source
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedEngine:
+    """An engine ready to start, with what the service needs to talk about it.
+
+    Attributes:
+        engine: the stopped engine.
+        tokenizer: the model's tokenizer.
+        args: the model's shape.
+        model_name: the name the service reports.
+        source: the `--model` it was loaded from (None when built otherwise, e.g. in tests).
+    """
+
+    engine: Engine
+    tokenizer: Tokenizer | ByteTokenizer
+    args: ModelArgs
+    model_name: str
+    source: ModelSource | None = None
+
+
+def set_threads(config: EngineConfig) -> int:
+    """Set torch's intra-op threads to `config.num_threads`, or to the usable cores when 0.
+
+    Logs a warning when OpenMP pins its threads (`threads_bound`): the service's event loop and
+    the bridge run on the same cores, and a pinned engine thread cannot move away from them while
+    they run. 32 live streams on the 2-core dev machine, A/B in one run: 1,010–1,050 tokens/s
+    with OMP_PROC_BIND=true against 1,415–1,490 without.
+    """
+    n = config.num_threads or len(os.sched_getaffinity(0))
+    torch.set_num_threads(n)
+    bound = threads_bound(os.environ)
+    if bound:
+        log.warning("%s pins the engine's threads to cores the bridge and the event loop share; "
+                    "unset it (live throughput ≈ 30 %% lower with it on 2 cores)", bound)
+    return n
+
+
+def threads_bound(env: Mapping[str, str]) -> str | None:
+    """The setting that makes OpenMP (libgomp) bind threads to places, as "NAME=value", or None.
+
+    libgomp binds when OMP_PROC_BIND is set to anything but "false", and, when OMP_PROC_BIND is
+    unset, when OMP_PLACES or GOMP_CPU_AFFINITY is set (libgomp manual, "OMP_PROC_BIND").
+    """
+    bind = env.get("OMP_PROC_BIND", "").strip()
+    if bind:
+        return None if bind.lower() == "false" else f"OMP_PROC_BIND={bind}"
+    for name in ("OMP_PLACES", "GOMP_CPU_AFFINITY"):
+        if env.get(name, "").strip():
+            return f"{name}={env[name].strip()}"
+    return None
+
+
+def resolve_device(name: str) -> torch.device:
+    """The torch device of `EngineConfig.device`: "auto" is CUDA when torch sees a CUDA device.
+
+    Raises:
+        ValueError: "cuda" was asked for and torch sees no CUDA device (the message says why:
+            a CPU-only torch build, or no device visible).
+    """
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        why = "this torch has no CUDA support" if torch.version.cuda is None else "no CUDA device is visible"
+        raise ValueError(f"--device cuda: {why} (torch {torch.__version__}); use --device cpu")
+    return torch.device(name)
+
+
+def load_weights(source: ModelSource, dtype: torch.dtype, device: torch.device
+                 ) -> tuple[ModelArgs, dict[str, torch.Tensor], Tokenizer | ByteTokenizer]:
+    """The model `source` names: its shape, its state dict on `device` in `dtype`, its tokenizer.
+
+    The embedded or another GGUF: dequantized (`load_gguf`) with its own tokenizer; a checkpoint
+    directory: `load_safetensors` and `Tokenizer.from_hf_dir`; a random model: `random_weights`
+    drawn on the device and a `ByteTokenizer`. A tied model's output matrix stays the embedding's
+    tensor.
+
+    Raises:
+        FileNotFoundError: the model file, `config.json`, the shards or `tokenizer.json` are missing.
+        ValueError / KeyError: see the loaders.
+    """
+    if source.kind == "random":
+        args = random_shape(source.shape)
+        state = random_weights(args, dtype, device, seed=source.seed)
+        return args, state, ByteTokenizer(args.vocab_size)
+    if source.kind == "safetensors":
+        args, state = load_safetensors(source.path, dtype, device)
+        return args, state, Tokenizer.from_hf_dir(source.path, args.vocab_size)
+    reader = open_gguf(source.path)    # parse the header (≈ 100k tokenizer strings) once
+    args, state = load_gguf(reader)
+    # fp32 as dequantized (the network casts the matrices and keeps the norms in fp32); moved by
+    # identity, so a tied matrix moves once
+    moved: dict[int, torch.Tensor] = {}
+    for name, tensor in state.items():
+        if id(tensor) not in moved:
+            moved[id(tensor)] = tensor.to(device)
+        state[name] = moved[id(tensor)]
+    return args, state, Tokenizer.from_gguf(reader)
+
+
+def attach_weights(weights: str, network: Transformer, source: ModelSource) -> None:
+    """Serve `network`'s block matrices as `weights` asks (`EngineConfig.weights`): "q4" from the
+    GGUF's 4-bit blocks (`engine.model.quant.attach_q4`), "bf16" as loaded, "auto" "q4" where it
+    can run (a GGUF model, bf16 on a CPU with the `q4_linear` kernel, Q4_1 block matrices),
+    else "bf16"; the choice is logged.
+
+    Raises:
+        ValueError: "q4" where it cannot run (the reason is in the message).
+    """
+    if weights == "bf16":
+        return
+    if source.kind not in ("embedded", "gguf"):
+        if weights == "q4":
+            raise ValueError(f"--weights q4 needs a GGUF model with Q4_1 matrices; --model is {source.kind}")
+        return
+    if weights == "auto" and not (network.dtype == torch.bfloat16 and network.output.device.type == "cpu"
+                                  and kernels.q4_linear_available()):
+        log.info("weights: bf16 (4-bit products need a bf16 CPU model and the q4_linear kernel)")
+        return
+    try:
+        attach_q4(network, source.path)
+    except ValueError as exc:
+        if weights == "q4":
+            raise
+        log.info("weights: bf16 (%s)", exc)
+
+
+def build_engine(config: EngineConfig, model: str | pathlib.Path | None = None,
+                 model_name: str | None = None, calibrate: bool = True) -> LoadedEngine:
+    """Load the model `model` names (`genserve.model_source`; None: the embedded SmolLM2 GGUF)
+    on `config.device` and build a stopped engine.
+
+    `config.max_context` is lowered (in place, logged) to the model's positions when above them.
+    The KV pool holds `config.num_blocks` blocks; else, on CUDA, what the device's free memory
+    after the weights and `config.activation_reserve_bytes` holds (`kv_cache.kv_pool_size`); else
+    what `config.kv_pool_bytes` holds. The block count is logged. `config.weights` chooses how the
+    block matrices are read (`attach_weights`: the GGUF's 4-bit blocks where they can be). With
+    `calibrate`, a short warm-up measures the per-token costs admission control uses.
+
+    Args:
+        config: engine dials (device, dtype, pool).
+        model: a `--model` value.
+        model_name: the name to report; None: the model's own (`ModelSource.served_name`).
+        calibrate: measure the per-token costs before returning.
+
+    Raises:
+        FileNotFoundError: the model's files are missing.
+        ValueError: a bad `--model` value, CUDA asked for but absent, a pool of < 2 blocks, or
+            `--weights q4` where it cannot run (not a Q4_1 GGUF, not bf16 on an AVX512-BF16 CPU).
+    """
+    set_threads(config)
+    source = parse_model_source(model)
+    device = resolve_device(config.device)
+    dtype = getattr(torch, config.dtype)
+    args, state, tokenizer = load_weights(source, dtype, device)
+    if config.max_context > args.max_context:
+        # positions past the model's RoPE table do not exist (Llama-2-7B: 4,096)
+        log.warning("--max-context %d is more than %s's %d positions; serving %d", config.max_context,
+                    source.served_name, args.max_context, args.max_context)
+        config.max_context = args.max_context
+    network = model_from_weights(args, state, dtype, device)
+    state.clear()                      # frees the unfused Q/K/V and gate/up matrices before sizing the pool
+    attach_weights(config.weights, network, source)
+    engine = engine_from_model(config, network)
+    if calibrate:
+        engine.scheduler.cost = measure_costs(engine)
+        engine.calibrate_costs = True
+    return LoadedEngine(engine, tokenizer, args, model_name or source.served_name, source)
+
+
+def model_from_weights(args: ModelArgs, state: dict[str, torch.Tensor], dtype: torch.dtype,
+                       device: torch.device | str = "cpu") -> Transformer:
+    """The network over `state` (loader names) in `dtype` on `device`, with its buffers there too."""
+    model = Transformer.from_state_dict(args, state, dtype)
+    return model.to(device)
+
+
+def kv_pool_blocks(config: EngineConfig, args: ModelArgs, dtype: torch.dtype,
+                   device: torch.device) -> int:
+    """Blocks of the KV pool: `config.num_blocks`; else on CUDA the device's free memory now minus
+    `config.activation_reserve_bytes` (call it once the weights are on the device); else
+    `config.kv_pool_bytes`. Logs the count and its arithmetic.
+
+    Raises:
+        ValueError: fewer than 2 blocks fit.
+    """
+    if config.num_blocks:
+        log.info("KV pool: %d blocks of %d tokens (--num-blocks)", config.num_blocks, config.block_size)
+        return config.num_blocks
+    if device.type == "cuda":
+        size = device_pool_size(args, config.block_size, dtype, device, config.activation_reserve_bytes)
+        log.info("%s", size.describe())
+        return size.num_blocks
+    n = KVCache.num_blocks_for_budget(args, config.block_size, dtype, config.kv_pool_bytes)
+    log.info("KV pool: %d blocks of %d tokens (%d tokens; --kv-pool-gib %.2f)", n, config.block_size,
+             n * config.block_size, config.kv_pool_bytes / 1024**3)
+    return n
+
+
+def engine_from_model(config: EngineConfig, model: Transformer) -> Engine:
+    """A stopped engine over `model`, its KV pool on the model's device (sized by `kv_pool_blocks`)
+    in the model dtype or, with `config.kv_cache_dtype` "int8", in the 8-bit format.
+
+    Raises:
+        ValueError: fewer than 2 blocks fit; the 8-bit format with a head_dim that is not a
+            multiple of 32 or with an attention backend that cannot read it (ModelRunner).
+    """
+    device = model.output.device
+    kv_dtype = torch.int8 if config.kv_cache_dtype == "int8" else model.dtype
+    num_blocks = kv_pool_blocks(config, model.args, kv_dtype, device)
+    kv = KVCache(model.args, num_blocks, config.block_size, kv_dtype, device)
+    # genserve's CPU kernels take bf16 or fp32 only; fp16 on the CPU runs the torch ops
+    kernels = False if model.dtype == torch.float16 else None
+    return Engine(config, ModelRunner(model, kv, kernels=kernels), num_blocks)
+
+
+def engine_from_weights(config: EngineConfig, args: ModelArgs,
+                        state: dict[str, torch.Tensor]) -> Engine:
+    """A stopped engine over `state` (loader names) in `config.dtype` on `config.device`, KV pool
+    sized by `kv_pool_blocks` (on CUDA, `state` still counts against the free memory)."""
+    dtype = getattr(torch, config.dtype)
+    device = resolve_device(config.device)
+    return engine_from_model(config, model_from_weights(args, state, dtype, device))
+
+
+def measure_costs(engine: Engine, rows: int = 32, prompt_len: int = 16,
+                  new_tokens: int = 8) -> CostModel:
+    """Warm up and measure per-token device costs on the stopped engine (ms per token).
+
+    Runs `rows` requests (at most the row cap) of `prompt_len` tokens generating `new_tokens`
+    each: prefill cost is prefill step time / prompt tokens in it; decode cost is the median time
+    of the fullest pure-decode steps / their rows (docs/design.md's 40 ms / 32 rows = 1.25 ms per
+    output token, measured here). The fullest steps may hold fewer than `rows` rows when the pool
+    is too small for all of them at once.
+    """
+    rows = min(rows, engine.config.max_rows)
+    engine.submit(Request("warmup-first", "warmup", list(range(10, 10 + prompt_len)), 2,
+                          SamplingParams(temperature=0.0, ignore_eos=True), 0.0, 0.0))
+    engine.run_until_idle()                       # first passes allocate and pick kernels
+    steps: list[tuple[int, int, float]] = []
+    engine.step_listeners.append(
+        lambda plan, ev, s: steps.append((plan.num_decode_rows, plan.num_prefill_tokens, s)))
+    for i in range(rows):
+        engine.submit(Request(f"warmup-{i}", "warmup", [(7 * i + j) % 1000 + 10 for j in range(prompt_len)],
+                              new_tokens, SamplingParams(temperature=0.0, ignore_eos=True), 0.0, 0.0))
+    engine.run_until_idle()
+    engine.step_listeners.pop()
+    engine.scheduler.usage.pop("warmup", None)
+    # The warm-up is not traffic: the prefix-cache counters start from zero for the first user.
+    engine.scheduler.prefix_queried_tokens = engine.scheduler.prefix_hit_tokens = 0
+    engine.pool.check_all_free()
+    prefill = [s / c for b, c, s in steps if c and not b]
+    fullest = max(b for b, c, _ in steps if not c)
+    decode = [s / b for b, c, s in steps if b == fullest and not c]
+    return CostModel(prefill_ms_per_token=1000 * statistics.median(prefill),
+                     decode_ms_per_token=1000 * statistics.median(decode))

@@ -1,0 +1,99 @@
+"""The C++ decode loop: every block of a pure-decode step in one call, from the model's packed
+weights (CPU, genserve's kernels).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.base import AttentionMetadata
+from engine.model.layer_ops import KernelLayerOps
+from engine.model.linear import ANY_ROWS, PACKED_LINEAR_MAX_ROWS
+from engine.model.llama import Transformer
+
+
+@dataclass(frozen=True)
+class DecodeLoop:
+    """Every block of a pure-decode step in one C++ call (`torch.ops.genserve.decode_layers`,
+    engine/kernels/csrc/decode_layers.cpp): the per-model arguments, built once by `from_model`
+    when the runner is made; `run` makes a step's call. The model runner chooses it (CPU kernels,
+    no prefill piece in the step) beside its other fast path, the CUDA graphs.
+
+    Attributes:
+        wqkv, wo, w13, w2: per layer, the oneDNN packed matrices (`PackedWeight.tensor`).
+        ffn_norm: per layer, fp32 [dim] weights of the FFN norm; next_norm: of the norm after the
+            layer (the next layer's attention norm, the final norm after the last).
+        eps: RMSNorm epsilon of every norm.
+        n_heads, n_kv_heads: query and key/value heads.
+        scale: attention score scale, head_dim ** -0.5.
+        k_chunks: the `PackedWeight.k_chunk` of wqkv, wo, w13, w2 (0: oneDNN runs that kind).
+        max_rows: rows up to which the products run `packed_linear` (the weights' least
+            `PackedWeight.max_rows`); above, oneDNN.
+        q4: empty, or every block matrix's 4-bit blocks (`PackedWeight.q4`), layer by layer in
+            the order wqkv, wo, w13, w2: then the products up to `max_rows` rows run `q4_linear`.
+    """
+
+    wqkv: list[torch.Tensor]
+    wo: list[torch.Tensor]
+    w13: list[torch.Tensor]
+    w2: list[torch.Tensor]
+    ffn_norm: list[torch.Tensor]
+    next_norm: list[torch.Tensor]
+    eps: float
+    n_heads: int
+    n_kv_heads: int
+    scale: float
+    k_chunks: list[int]
+    max_rows: int = PACKED_LINEAR_MAX_ROWS
+    q4: list[torch.Tensor] = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def from_model(cls, model: Transformer) -> DecodeWeights | None:
+        """From a packed model (`Transformer.pack`, or `engine.model.quant.attach_q4`); None unless
+        every block matrix packed, with no oneDNN calls of fixed size (which the C++ loop does
+        not run) unless its 4-bit blocks run every product."""
+        layers, args = model.layers, model.args
+        packed = [[layer.attention.wqkv_packed for layer in layers],
+                  [layer.attention.wo_packed for layer in layers],
+                  [layer.feed_forward.w13_packed for layer in layers],
+                  [layer.feed_forward.w2_packed for layer in layers]]
+        if any(w is None or (w.tile_rows and not (w.q4 is not None and w.max_rows == ANY_ROWS))
+               for ws in packed for w in ws):
+            return None             # the C++ loop runs no tiled products: the Python loop does
+        with_q4 = [w.q4 is not None for ws in packed for w in ws]
+        if any(with_q4) and not all(with_q4):
+            return None             # the C++ loop takes 4-bit blocks for every matrix or none
+        wqkv, wo, w13, w2 = ([w.tensor for w in ws] for ws in packed)
+        # One k chunk per kind: oneDNN's chunk follows the shape, which the layers share.
+        chunks = [ws[0].k_chunk if len({w.k_chunk for w in ws}) == 1 else 0 for ws in packed]
+        next_norm = [layer.attention_norm.weight for layer in layers[1:]] + [model.norm.weight]
+        return cls(wqkv, wo, w13, w2,
+                   ffn_norm=[layer.ffn_norm.weight for layer in layers], next_norm=next_norm,
+                   eps=args.norm_eps, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads,
+                   scale=args.head_dim ** -0.5, k_chunks=chunks,
+                   max_rows=min(w.max_rows for ws in packed for w in ws),
+                   q4=[ws[i].q4 for i in range(len(layers)) for ws in packed] if all(with_q4)
+                   else [])
+
+    def run(self, model: Transformer, token_ids: torch.Tensor, positions: torch.Tensor,
+            kv_layers: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """`model(token_ids, positions, kv_layers, meta)` for a pure-decode step, in one C++ call:
+        the same ops, in the same order and with the same bits, as `Transformer.forward`'s Python
+        loop with `KernelLayerOps`.
+
+        Args:
+            model: the network these weights were taken from.
+            token_ids, positions: int64 [B]; kv_layers: per-layer K and V pools; meta: a
+                pure-decode step's metadata (B rows, the genserve-kernels CPU backend).
+        Returns:
+            [B, dim] final-norm hidden states.
+        """
+        h, x = model.embed(token_ids, KernelLayerOps)
+        return torch.ops.genserve.decode_layers(
+            h, x, self.wqkv, self.wo, self.w13, self.w2, self.ffn_norm, self.next_norm, self.eps,
+            model.rope, positions, kv_layers, meta.slots, meta.decode_blocks.view(meta.num_decode, -1),
+            meta.decode_lens, self.n_heads, self.n_kv_heads, self.scale, self.k_chunks,
+            self.max_rows, self.q4)

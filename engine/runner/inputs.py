@@ -1,0 +1,69 @@
+"""`StepInputs`: a step's plan as the host integers the forward pass and sampling need, built in
+one place.
+
+`StepInputs.from_plan` walks the plan's segments once for the flat batch (token ids, positions,
+the rows whose logits are sampled and the row each draw reads) and hands the same segments to
+`engine.attention.base.StepLayout` for what attention needs (slots, block tables, context
+lengths, prefill pieces). The model runner uploads all of them in one host-to-device copy
+(`engine.attention.base.build_metadata`); the CUDA-graph path pads them to a graph's shape
+(`engine.runner.cuda_graphs.pad_decode_step`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.attention.base import StepLayout
+from engine.core.plan import StepPlan
+
+
+@dataclass(frozen=True, slots=True)
+class StepInputs:
+    """One step's flat batch as host integers.
+
+    Attributes:
+        token_ids: [T] the tokens of each segment, in plan order (decode rows first).
+        positions: [T] each token's position in its request.
+        sample_rows: [R] the flat-batch row of each sampling segment's last token (one logits row
+            each).
+        draw_rows: [D] for each draw (`StepPlan.draws`, in order), the logits row it samples
+            from (n > 1 draws share their prompt's row).
+        layout: the attention layout of the same segments.
+    """
+
+    token_ids: list[int]
+    positions: list[int]
+    sample_rows: list[int]
+    draw_rows: list[int]
+    layout: StepLayout
+
+    @classmethod
+    def from_plan(cls, plan: StepPlan, block_size: int) -> "StepInputs":
+        """The inputs of `plan` over blocks of `block_size` tokens.
+
+        Raises:
+            ValueError: a block table does not cover its segment, or a decode row follows a
+                prefill piece (`StepLayout.from_segments`).
+        """
+        token_ids: list[int] = []
+        positions: list[int] = []
+        sample_rows: list[int] = []
+        for seg in plan.segments:
+            req = seg.request
+            token_ids.extend(req.token_at(p) for p in range(seg.start, seg.end))
+            positions.extend(range(seg.start, seg.end))
+            if seg.samples:
+                sample_rows.append(len(token_ids) - 1)
+        layout = StepLayout.from_segments(
+            [(s.start, s.length, s.block_table, s.decode) for s in plan.segments], block_size)
+        return cls(token_ids, positions, sample_rows, [row for row, _ in plan.draws], layout)
+
+    @property
+    def decode_only(self) -> bool:
+        """True when the step holds decode rows and no prefill piece."""
+        return bool(self.token_ids) and not self.layout.pieces
+
+    @property
+    def draws_share_rows(self) -> bool:
+        """True when some logits row is sampled more than once (the first tokens of n > 1)."""
+        return self.draw_rows != list(range(len(self.sample_rows)))

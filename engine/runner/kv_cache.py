@@ -1,0 +1,200 @@
+"""The paged K/V tensors, sized from a memory budget or from the device's free memory."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.kv_quant import quantized, row_bytes
+from engine.model.llama import ModelArgs
+from engine.runner.huge_pages import advise_huge_pages, collapse_huge_pages
+
+
+def stored_row(head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
+    """How one cached head vector (one token, one KV head, K or V) is stored: (elements, bytes per
+    element) — (head_dim, the dtype's size), or, when `dtype` is int8, the 8-bit format's row as
+    one-byte elements (`engine.attention.kv_quant.row_bytes`: 66 for head_dim 64). Raises ValueError for
+    int8 with a head_dim that is not a multiple of 32."""
+    return (row_bytes(head_dim), 1) if quantized(dtype) else (head_dim, _element_size(dtype))
+
+
+def head_bytes(head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one cached head vector: elements × bytes per element of `stored_row`."""
+    elements, elem = stored_row(head_dim, dtype)
+    return elements * elem
+
+
+def bytes_per_block(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes across all layers: layers × 2 (K, V) × block × kv_heads × head bytes.
+
+    For the reference 7B model in fp16 (docs/design.md): 32 × 2 × 16 × 32 × 128 × 2 = 8,388,608 bytes (8.39 MB);
+    for SmolLM2-135M in bf16: 30 × 2 × 16 × 3 × 64 × 2 = 368,640 bytes; in the 8-bit format
+    (int8): 30 × 2 × 16 × 3 × 66 = 190,080 bytes.
+    """
+    return args.n_layers * 2 * block_size * args.n_kv_heads * head_bytes(args.head_dim, dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class KVPoolSize:
+    """How many blocks a KV pool holds, and the arithmetic behind the number.
+
+    Attributes:
+        memory_bytes: device memory the sizing started from, bytes.
+        weight_bytes: of which the weights take, bytes.
+        reserve_bytes: of which kept for activations, bytes.
+        pool_bytes: memory_bytes − weight_bytes − reserve_bytes, bytes (the pool's budget).
+        bytes_per_token: 2 (K, V) × layers × kv_heads × head_dim × element bytes.
+        block_size: tokens per block.
+        num_blocks: ⌊pool_bytes / (block_size × bytes_per_token)⌋.
+    """
+
+    memory_bytes: int
+    weight_bytes: int
+    reserve_bytes: int
+    pool_bytes: int
+    bytes_per_token: int
+    block_size: int
+    num_blocks: int
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block across all layers: block_size × bytes_per_token."""
+        return self.block_size * self.bytes_per_token
+
+    @property
+    def num_tokens(self) -> int:
+        """Token slots in the pool: num_blocks × block_size."""
+        return self.num_blocks * self.block_size
+
+    def describe(self) -> str:
+        """One line for the start-up log, e.g. "KV pool: 7152 blocks of 16 tokens (114432 tokens,
+        60.00 GB = 80.00 GB − 14.00 GB weights − 6.00 GB reserve; 524288 B per token)"."""
+        gb = 1e9
+        return (f"KV pool: {self.num_blocks} blocks of {self.block_size} tokens ({self.num_tokens} "
+                f"tokens, {self.pool_bytes / gb:.2f} GB = {self.memory_bytes / gb:.2f} GB − "
+                f"{self.weight_bytes / gb:.2f} GB weights − {self.reserve_bytes / gb:.2f} GB reserve; "
+                f"{self.bytes_per_token} B per token)")
+
+
+def kv_pool_size(memory_bytes: int, weight_bytes: int, reserve_bytes: int, *, n_layers: int,
+                 n_kv_heads: int, head_dim: int, dtype_bytes: int, block_size: int) -> KVPoolSize:
+    """Size the KV pool from device memory: what is left after the weights and an activation reserve.
+
+    The design's arithmetic (docs/design.md, "memory"), generalised: an 80 GB GPU, 14 GB of FP16
+    weights (7 × 10^9 parameters × 2 bytes) and a 6 GB reserve leave 60 GB (decimal gigabytes);
+    one token of a 32-layer model with 32 KV heads of size 128 in FP16 takes
+    2 × 32 × 32 × 128 × 2 = 524,288 bytes, a 16-token block 8,388,608 bytes, so the pool holds
+    ⌊60 × 10^9 / 8,388,608⌋ = 7,152 blocks = 114,432 tokens. On a device, pass the free memory
+    measured after the weights were loaded as `memory_bytes` and 0 as `weight_bytes`.
+
+    Args:
+        memory_bytes: device memory available to weights + pool + activations, bytes.
+        weight_bytes: memory the weights take (or will take), bytes.
+        reserve_bytes: memory kept for the forward pass's activations, bytes.
+        n_layers, n_kv_heads, head_dim: the model's shape.
+        dtype_bytes: bytes per cached element (2 for fp16/bf16, 4 for fp32).
+        block_size: tokens per block.
+
+    Returns:
+        The pool's size with its arithmetic (`KVPoolSize`).
+
+    Raises:
+        ValueError: a negative or zero shape value, or fewer than 2 blocks fit (the message gives
+            the arithmetic).
+    """
+    for name, value in (("n_layers", n_layers), ("n_kv_heads", n_kv_heads), ("head_dim", head_dim),
+                        ("dtype_bytes", dtype_bytes), ("block_size", block_size)):
+        if value <= 0:
+            raise ValueError(f"{name} must be positive, got {value}")
+    per_token = 2 * n_layers * n_kv_heads * head_dim * dtype_bytes
+    pool = int(memory_bytes) - int(weight_bytes) - int(reserve_bytes)
+    size = KVPoolSize(int(memory_bytes), int(weight_bytes), int(reserve_bytes), pool, per_token,
+                      block_size, max(pool, 0) // (block_size * per_token))
+    if size.num_blocks < 2:
+        raise ValueError(f"{size.describe()}: fewer than 2 blocks fit; free device memory or lower "
+                         "the activation reserve")
+    return size
+
+
+def device_pool_size(args: ModelArgs, block_size: int, dtype: torch.dtype, device: torch.device,
+                     reserve_bytes: int) -> KVPoolSize:
+    """Size the pool on a CUDA `device` whose weights are already loaded: its free memory now
+    (`torch.cuda.mem_get_info`, after emptying torch's cache) minus `reserve_bytes`.
+
+    Raises:
+        ValueError: fewer than 2 blocks fit, or `device` is not a CUDA device.
+    """
+    if device.type != "cuda":
+        raise ValueError(f"device pool sizing needs a CUDA device, got {device}")
+    torch.cuda.empty_cache()
+    free, _total = torch.cuda.mem_get_info(device)
+    width, elem = stored_row(args.head_dim, dtype)
+    return kv_pool_size(free, 0, reserve_bytes, n_layers=args.n_layers, n_kv_heads=args.n_kv_heads,
+                        head_dim=width, dtype_bytes=elem, block_size=block_size)
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.tensor([], dtype=dtype).element_size()
+
+
+def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zero-filled tensor of `shape` and `dtype` on `device`. On the CPU it asks for huge pages
+    before the zeros first touch it (`engine.runner.huge_pages.advise_huge_pages`), then collapses what
+    malloc handed out already touched (`collapse_huge_pages`)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    pool = torch.empty(shape, dtype=dtype)
+    advised = advise_huge_pages(pool)
+    pool.zero_()
+    if advised:
+        collapse_huge_pages(pool)
+    return pool
+
+
+class KVCache:
+    """Per-layer K/V block storage.
+
+    Layout per layer: `[2, num_blocks, block_size, n_kv_heads, head_dim]` in `dtype`, or
+    `[2, num_blocks, block_size, n_kv_heads, row_bytes(head_dim)]` int8 when `dtype` is int8 (the
+    8-bit format of `engine.attention.kv_quant`: each row's int8 numbers, then its scales' exponents); index 0 of
+    the first dimension is the K pool, 1 the V pool. Token position p of a request lives in block
+    `block_table[p // block_size]` at offset `p % block_size`, i.e. flat slot
+    `block_id * block_size + offset` of each pool's `[num_blocks * block_size, ...]` view. K and V
+    are separate pools so that gathering a request's blocks gives its keys as one
+    `[tokens, n_kv_heads, head_dim]` run that attention reads without another copy.
+
+    On the CPU each layer's pool asks Linux for transparent huge pages before its first touch
+    (`engine.runner.huge_pages`): decode reads scattered blocks, and 4 KB pages cost a TLB miss every few
+    KB of them.
+
+    Args:
+        args: model shape (layers, kv heads, head dim).
+        num_blocks: blocks in the pool.
+        block_size: tokens per block.
+        dtype: element type (the model dtype, or int8 for the 8-bit format).
+        device: where the pools live (CPU by default).
+    Raises:
+        ValueError: int8 with a head_dim that is not a multiple of 32.
+    """
+
+    def __init__(self, args: ModelArgs, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        shape = (2, num_blocks, block_size, args.n_kv_heads, stored_row(args.head_dim, dtype)[0])
+        self.layers = [zeroed_pool(shape, dtype, device) for _ in range(args.n_layers)]
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy block `src`'s K and V into block `dst` in every layer (copy-on-write)."""
+        for layer in self.layers:
+            layer[:, dst].copy_(layer[:, src])
+
+    @staticmethod
+    def num_blocks_for_budget(args: ModelArgs, block_size: int, dtype: torch.dtype,
+                              budget_bytes: int) -> int:
+        """Blocks that fit in `budget_bytes` (floor); raises ValueError if fewer than 2."""
+        n = budget_bytes // bytes_per_block(args, block_size, dtype)
+        if n < 2:
+            raise ValueError(f"KV budget of {budget_bytes} bytes holds {n} blocks; need >= 2")
+        return int(n)

@@ -1,0 +1,168 @@
+"""`ModelRunner`: runs a `StepPlan` through the real model over the paged KV cache.
+
+It implements `engine.core.executor.Executor`, as does the virtual-time cost model
+(`engine.core.sim_executor.SimExecutor`); the engine cannot tell them apart: both take a plan and
+return one token per draw (`SampledTokens`). A step is: the plan's host integers
+(`engine.runner.inputs.StepInputs`), the block copies, the attention metadata and those integers
+on the device in one copy, the forward pass by one of three paths chosen here (a captured CUDA
+graph, the C++ decode loop, or the model's Python block loop), the logits of the sampled rows,
+and sampling.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from engine import kernels as genserve_kernels
+from engine.attention import BACKENDS, AttentionBackend, CpuBackend, choose_backend
+from engine.attention.base import GatherBuffer, build_metadata
+from engine.attention.kv_quant import quantized
+from engine.core.outputs import SampledTokens
+from engine.core.plan import StepPlan
+from engine.core.request import Request
+from engine.model.layer_ops import KernelLayerOps, TorchLayerOps
+from engine.model.llama import Transformer
+from engine.runner.cuda_graphs import DecodeGraphs
+from engine.runner.decode_loop import DecodeLoop
+from engine.runner.inputs import StepInputs
+from engine.runner.kv_cache import KVCache
+from engine.runner.sampler import make_generator, sample
+
+
+def request_generator(req: Request, device: torch.device | str = "cpu") -> torch.Generator:
+    """The request's own generator on `device` (where sampling runs), created on first use from
+    its seed and kept across preemption. Raises ValueError if it was made for another device."""
+    if req.generator is None:
+        req.generator = make_generator(req.sampling.seed, device)
+    elif req.generator.device != torch.device(device):
+        raise ValueError(f"request {req.request_id}'s generator is on {req.generator.device}, "
+                         f"sampling runs on {device}")
+    return req.generator
+
+
+class ModelRunner:
+    """The real model over the paged KV cache.
+
+    Args:
+        model: the network (its dtype is the serving dtype).
+        kv: the paged K/V tensors.
+        kernels: run genserve's CPU kernels (`engine.kernels`: decode and prefill attention, the
+            fused per-token steps of each block, the C++ decode loop); None: when they build here
+            (CPU, head_dim 64), else torch SDPA and plain torch ops. Never on another device.
+        attention: force an attention backend (a key of `engine.attention.BACKENDS`: "cpu",
+            "sdpa", "flex", "xformers"); None: the process's choice
+            (`engine.attention.choose_backend`).
+        cuda_graphs: replay decode-only steps of up to 64 rows from CUDA graphs captured per
+            row bucket (`engine.runner.cuda_graphs.DecodeGraphs`); CUDA only, off by default.
+    Raises:
+        ValueError: the weights and the KV pools are on different devices, `attention` is
+            not a backend name, or the pools are in the 8-bit format (int8) with a backend that
+            does not read it or with `cuda_graphs` (capabilities declared on each backend class).
+        RuntimeError: the forced `attention` backend cannot run on this device.
+
+    Attributes:
+        kernels: settable; switches the attention backend, the layer ops and the decode loop
+            together (tests compare the two paths on one engine).
+        attention: the backend every step's layers call.
+        decode_loop: the C++ decode loop (`engine.runner.decode_loop.DecodeLoop`) that runs
+            pure-decode steps, or None (then the model's Python block loop runs them; set it to
+            None to compare the two).
+
+    The device is the one the model's weights and the KV pools are on (they must agree). Every
+    step's integers (token ids, positions, rows to sample and all attention metadata) reach it in
+    one copy (`engine.attention.base.build_metadata`; on the CPU no copy at all), the forward
+    runs there with the chosen backend, and sampling runs there with each request's generator on
+    that device.
+
+    One step builds the flat batch `token_ids[B + C]`, `positions[B + C]` (the tokens of each
+    segment, in plan order), runs the forward pass, projects to logits only the last position
+    of each sampling segment (`logits[R, vocab]`), and samples.
+    """
+
+    def __init__(self, model: Transformer, kv: KVCache, kernels: bool | None = None,
+                 attention: str | None = None, cuda_graphs: bool = False) -> None:
+        self.model = model
+        self.kv = kv
+        self.device = kv.layers[0].device
+        if model.output.device != self.device:
+            raise ValueError(f"model weights on {model.output.device}, KV cache on {self.device}")
+        on_cpu = self.device.type == "cpu"
+        if not on_cpu and model.output_packed is not None:
+            model.pack()                  # moved after packing: drop the CPU-only copies
+        if kernels is None:
+            kernels = (model.args.head_dim == 64 and on_cpu and genserve_kernels.available())
+        if quantized(kv.layers[0].dtype):
+            attention = attention or ("cpu" if on_cpu else "sdpa")
+            backend = BACKENDS.get(attention)
+            if backend is not None and not backend.int8_kv:
+                readers = " or ".join(n for n, b in BACKENDS.items() if b.int8_kv)
+                raise ValueError(f"the 8-bit KV cache runs with the {readers} attention backend, "
+                                 f"not {attention!r}")
+            if cuda_graphs:
+                raise ValueError("CUDA graphs are not captured for the 8-bit KV cache")
+            # genserve's decode kernel reads the 8-bit rows with bf16 queries on AVX512-BF16
+            kernels = (kernels and model.dtype == torch.bfloat16
+                       and genserve_kernels.prefill_kernel_available())
+        self._preferred = attention
+        self.kernels = kernels
+        self.graphs = DecodeGraphs(model, kv) if cuda_graphs else None
+
+    @property
+    def kernels(self) -> bool:
+        """Whether genserve's CPU kernels run (False on any other device)."""
+        return self._kernels
+
+    @kernels.setter
+    def kernels(self, on: bool) -> None:
+        self._kernels = bool(on) and self.device.type == "cpu"
+        args = self.model.args
+        self.attention: AttentionBackend = choose_backend(
+            self.device, self.model.dtype, self.kv.block_size, args.n_heads, args.n_kv_heads,
+            args.head_dim, self._kernels, self._preferred)
+        kernel_path = self._kernels and isinstance(self.attention, CpuBackend)
+        self.layer_ops: type[TorchLayerOps] = KernelLayerOps if kernel_path else TorchLayerOps
+        self.gather = None if kernel_path else GatherBuffer()   # the SDPA decode path's keys, values
+        self.decode_loop = DecodeLoop.from_model(self.model) if kernel_path else None
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> SampledTokens:
+        """Forward + sample; raises whatever the model raises (the loop turns it into errors).
+
+        The step's stages are `torch.profiler.record_function` ranges, so a profiler run sees
+        them (benchmarks/engine.py reads them): "genserve.inputs" (flat batch, block copies,
+        attention metadata), "genserve.forward" (`model(...)`), "genserve.logits" (the output
+        projection of the sampling rows) and "genserve.sample". With no profiler running, a range
+        records nothing.
+        """
+        t0 = time.perf_counter()
+        with torch.profiler.record_function("genserve.inputs"):
+            inputs = StepInputs.from_plan(plan, self.kv.block_size)
+            for src, dst in plan.block_copies:      # copy-on-write of shared prompt blocks
+                self.kv.copy_block(src, dst)
+            graph_rows = self.graphs.bucket(plan) if self.graphs is not None else None
+            if graph_rows is None:
+                meta, (token_ids, positions, sample_index, draw_index) = build_metadata(
+                    self.attention, inputs.layout, self.model.dtype, self.device,
+                    self.kv.num_blocks, self.gather,
+                    (inputs.token_ids, inputs.positions, inputs.sample_rows, inputs.draw_rows))
+        with torch.profiler.record_function("genserve.forward"):
+            if graph_rows is not None:
+                hidden, sample_index, draw_index = self.graphs.run(graph_rows, inputs)
+            elif self.decode_loop is not None and inputs.decode_only:
+                # A pure-decode step: the model's block loop, run in C++.
+                hidden = self.decode_loop.run(self.model, token_ids, positions, self.kv.layers, meta)
+            else:
+                hidden = self.model(token_ids, positions, self.kv.layers, meta, self.layer_ops)
+        if not inputs.sample_rows:
+            return SampledTokens([], [], [], time.perf_counter() - t0)
+        with torch.profiler.record_function("genserve.logits"):
+            logits = self.model.logits(hidden[sample_index])              # [R, vocab] fp32
+        if inputs.draws_share_rows:                    # n > 1: several draws share a row
+            logits = logits[draw_index]
+        draws = plan.draws
+        with torch.profiler.record_function("genserve.sample"):
+            tokens, logprobs, top = sample(logits, [r.sampling for _, r in draws],
+                                           [request_generator(r, self.device) for _, r in draws])
+        return SampledTokens(tokens, logprobs, top, time.perf_counter() - t0)

@@ -1,0 +1,165 @@
+"""Per-row sampling: temperature, top-k, top-p, one seeded generator per request.
+
+Runs on the logits' device; each request's generator must live there too (`make_generator`).
+The only device-to-host copies are the sampled ids (and the logprobs, for rows that ask).
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+
+import torch
+
+from engine.core.request import SamplingParams
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """A `torch.Generator` on `device` seeded with `seed`, or with 63 random bits when None.
+
+    The same seed draws different numbers on the CPU and on CUDA (different generators: CPU's
+    Mersenne Twister, CUDA's Philox); on one device a seed always repeats its stream."""
+    g = torch.Generator(device=device)
+    g.manual_seed(seed if seed is not None else secrets.randbits(63))
+    return g
+
+
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
+           generators: Sequence[torch.Generator]
+           ) -> tuple[list[int], list[float | None], list[list[tuple[int, float]]]]:
+    """Draw one token per row.
+
+    Args:
+        logits: fp32 [R, vocab], the model's raw output for the rows that sample.
+        params: R sampling settings; temperature 0 means greedy (argmax), top_k <= 0 means off,
+            top_p 1 means off.
+        generators: R per-request generators on the logits' device (only consumed by rows with temperature > 0, one
+            uniform draw per token each, so a request's stream of random numbers does not depend
+            on its neighbours).
+    Returns:
+        (next_token [R] ints, logprob [R] floats or None, top [R] lists of (token id, logprob)).
+        The logprobs are under the model's raw distribution, log_softmax(logits), before
+        temperature, top-k and top-p (vLLM's default); always finite; None for rows whose
+        `params[r].logprobs` is False (no log-softmax is computed when no row asks, ≈ 1 ms of
+        a 32-row step on 2 CPU cores). `top[r]` holds the `params[r].top_logprobs` most likely
+        tokens, most likely first.
+
+    Sampling is by inverse CDF, batched over the rows, in two levels so no full-vocabulary scan
+    runs: w = softmax(logits / T) with the top-k / top-p tails set to 0 (rows that ask only),
+    the vocabulary cut into chunks of `CHUNK` tokens; u ~ U[0, 1) from the row's own generator
+    picks the chunk by the cumulative chunk sums, the remainder of u (as a fraction of that
+    chunk's mass) picks the token by the cumulative sum inside the chunk (`torch.searchsorted`,
+    right side: a zero-weight chunk or token is never drawn, no renormalising needed). Every
+    operation works row by row, so a row's draw does not depend on the other rows. On 2 CPU
+    cores a 32-row draw over 49,152 tokens takes ≈ 0.5 ms (≈ 7 ms with a full-vocabulary
+    cumsum); with top_p 0.9 on SmolLM2's logits ≈ 3.5 ms (`keep_top_p_`; 100 ms with a sort).
+    """
+    tokens = [0] * len(params)
+    greedy = [row for row, p in enumerate(params) if p.temperature == 0.0]
+    if greedy:
+        sub = logits if len(greedy) == len(params) else logits[greedy]
+        # torch.max's indices are argmax's (the first maximum; NaN counts as the maximum) in
+        # 0.4x the time on CPU, whose argmax over the last dimension is a scalar loop.
+        for row, token in zip(greedy, torch.max(sub, dim=-1).indices.tolist()):
+            tokens[row] = token
+    rows = [row for row, p in enumerate(params) if p.temperature != 0.0]
+    if rows:
+        for row, token in zip(rows, _draw(logits, params, generators, rows)):
+            tokens[row] = token
+    top: list[list[tuple[int, float]]] = [[] for _ in params]
+    asked = [row for row, p in enumerate(params) if p.logprobs]
+    if not asked:
+        return tokens, [None] * len(tokens), top
+    device = logits.device
+    index = torch.tensor(asked, dtype=torch.long, device=device)
+    sub = logits[index]                                              # [A, vocab]
+    log_z = torch.logsumexp(sub, dim=-1)                             # [A]
+    chosen = torch.tensor([tokens[row] for row in asked], dtype=torch.long, device=device)
+    lp = (sub[torch.arange(len(asked), device=device), chosen] - log_z).tolist()
+    logprobs: list[float | None] = [None] * len(tokens)
+    for row, value in zip(asked, lp):
+        logprobs[row] = max(value, -1e30)
+    k_max = max((params[row].top_logprobs for row in asked), default=0)
+    if k_max:
+        values, ids = torch.topk(sub, k_max, dim=-1)
+        values = (values - log_z[:, None]).tolist()                  # one copy to the host
+        ids = ids.tolist()
+        for j, row in enumerate(asked):
+            k = params[row].top_logprobs
+            top[row] = [(int(i), max(float(v), -1e30)) for i, v in zip(ids[j][:k], values[j][:k])]
+    return tokens, logprobs, top
+
+
+CHUNK = 1024     # tokens per first-level chunk of the two-level inverse CDF
+# Tokens the first top-p pass looks at (`keep_top_p_`); an LLM's nucleus is almost always smaller.
+TOP_P_FIRST_K = 256
+
+
+def keep_top_p_(w: torch.Tensor, rows: list[int], top_ps: list[float]) -> None:
+    """Top-p (nucleus, Holtzman et al. 2019) in place: in each of `rows` of `w` (fp32 [S, vocab],
+    probabilities), keep the most likely tokens while the mass before them is < top_p; zero the
+    rest.
+
+    The same kept set as sorting the whole row (the first token always stays), without the sort:
+    a descending sort of 49,152 probabilities took ≈ 3 ms a row on 2 CPU cores — 100 ms for a
+    32-row step with top_p set, the common client default. Here the rows' `TOP_P_FIRST_K` most
+    likely tokens come from one batched `torch.topk` (sorted), the running mass is summed over
+    them in the same order a sorted row would be, and only a row whose nucleus is larger than
+    that (a nearly flat distribution) takes k 8× larger, then the full sort.
+    """
+    vocab = w.shape[-1]
+    k = min(TOP_P_FIRST_K, vocab)
+    pending = list(range(len(rows)))
+    while pending:
+        sub_rows = [rows[j] for j in pending]
+        p = torch.tensor([top_ps[j] for j in pending], dtype=w.dtype, device=w.device)[:, None]
+        values, ids = torch.topk(w[sub_rows], k, dim=-1)                      # [P, k], sorted
+        before = values.cumsum(dim=-1) - values                               # mass before each
+        done = (before[:, -1:] >= p)[:, 0] | (k == vocab)     # the nucleus ends inside the top k
+        kept = torch.zeros(len(pending), vocab, dtype=w.dtype, device=w.device)
+        kept.scatter_(1, ids, torch.where(before < p, values, 0.0))
+        done_rows = done.tolist()                                             # one copy per pass
+        finished = [j for j, d in enumerate(done_rows) if d]
+        if finished:
+            w[[sub_rows[j] for j in finished]] = kept[finished]
+        pending = [pending[j] for j in range(len(pending)) if not done_rows[j]]
+        k = min(8 * k, vocab)
+
+
+def _draw(logits: torch.Tensor, params: Sequence[SamplingParams],
+          generators: Sequence[torch.Generator], rows: list[int]) -> list[int]:
+    """Inverse-CDF draws for the sampling `rows` of `logits` [R, vocab] (see `sample`)."""
+    x = logits if len(rows) == logits.shape[0] else logits[rows]                # [S, vocab]
+    temps = [max(params[r].temperature, 1e-6) for r in rows]
+    if any(t != 1.0 for t in temps):
+        x = x / torch.tensor(temps, dtype=x.dtype, device=x.device)[:, None]
+    vocab = x.shape[-1]
+    by_k: dict[int, list[int]] = {}
+    for i, r in enumerate(rows):
+        if 0 < params[r].top_k < vocab:
+            by_k.setdefault(params[r].top_k, []).append(i)
+    if by_k:
+        x = x.clone() if x is logits else x
+        for k, same_k in by_k.items():              # one batched topk per distinct k
+            sub = x[same_k]
+            kth = torch.topk(sub, k, dim=-1).values[:, -1:]
+            x[same_k] = sub.masked_fill_(sub < kth, float("-inf"))
+    w = torch.softmax(x, dim=-1)                                                # [S, vocab]
+    top_p = [(i, params[r].top_p) for i, r in enumerate(rows) if params[r].top_p < 1.0]
+    if top_p:
+        keep_top_p_(w, [i for i, _ in top_p], [p for _, p in top_p])
+    pad = -vocab % CHUNK
+    if pad:
+        w = torch.nn.functional.pad(w, (0, pad))
+    chunks = w.view(w.shape[0], -1, CHUNK)                                      # [S, C, CHUNK]
+    mass = chunks.sum(dim=-1)                                                   # [S, C]
+    cum = mass.cumsum(dim=-1)
+    u = torch.cat([torch.rand(1, generator=generators[r], dtype=w.dtype, device=w.device)
+                   for r in rows])
+    target = u * cum[:, -1]
+    c = torch.searchsorted(cum, target[:, None], right=True)[:, 0].clamp_(max=cum.shape[1] - 1)
+    before = torch.where(c > 0, cum.gather(1, (c - 1).clamp(min=0)[:, None])[:, 0], 0.0)
+    frac = ((target - before) / mass.gather(1, c[:, None])[:, 0]).clamp_(0.0, 1.0 - 2.0 ** -24)
+    inner = chunks[torch.arange(len(rows), device=w.device), c].cumsum(dim=-1)                   # [S, CHUNK]
+    j = torch.searchsorted(inner, (frac * inner[:, -1])[:, None], right=True)[:, 0]
+    return (c * CHUNK + j.clamp_(max=CHUNK - 1)).tolist()
