@@ -52,7 +52,7 @@ from bridge.console import INDEX_HTML, STATIC_DIR, snapshot_event
 from bridge.errors import DEFAULT_RETRY_AFTER_S, ApiError, from_grpc
 from bridge.events import SSE_DONE, SSE_KEEPALIVE, Builder, CompletionBuilder, sse_data, sse_error
 from bridge.metrics import BridgeMetrics
-from bridge.schemas import UINT32_MAX, CompletionRequest
+from bridge.protocol import UINT32_MAX, CompletionRequest
 from genserve.chat_messages import ChatError
 from genserve.model_name import DEFAULT_MODEL_NAME
 from genserve.telemetry import REQUEST_ID, inject_metadata

@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, StrictBool, model_validator
 
 from bridge.events import FINISH_REASON_NAME, timing_json
-from bridge.schemas import SamplingBody, Uint32
+from bridge.protocol import SamplingBody, Uint32
 from genserve.chat_messages import parse_messages
 from genserve.v1 import generate_pb2 as pb
 
