@@ -47,12 +47,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from bridge.chat import ChatCompletionBuilder, ChatCompletionRequest
+from bridge.chat import ChatCompletionBuilder
 from bridge.console import INDEX_HTML, STATIC_DIR, snapshot_event
 from bridge.errors import DEFAULT_RETRY_AFTER_S, ApiError, from_grpc
 from bridge.events import SSE_DONE, SSE_KEEPALIVE, Builder, CompletionBuilder, sse_data, sse_error
 from bridge.metrics import BridgeMetrics
-from bridge.protocol import UINT32_MAX, CompletionRequest
+from bridge.protocol import UINT32_MAX, ChatCompletionRequest, CompletionRequest
 from genserve.chat_messages import ChatError
 from genserve.model_name import DEFAULT_MODEL_NAME
 from genserve.telemetry import REQUEST_ID, inject_metadata
