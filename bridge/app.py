@@ -27,7 +27,6 @@ cancels the request in the engine.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -38,9 +37,9 @@ from typing import Annotated
 import grpc
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from opentelemetry import trace
-from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace import SpanKind
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -50,9 +49,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from bridge.chat import ChatCompletionBuilder
 from bridge.console import INDEX_HTML, STATIC_DIR, snapshot_event
 from bridge.errors import DEFAULT_RETRY_AFTER_S, ApiError, from_grpc
-from bridge.events import SSE_DONE, SSE_KEEPALIVE, Builder, CompletionBuilder, sse_data, sse_error
+from bridge.events import CompletionBuilder
 from bridge.metrics import BridgeMetrics
 from bridge.protocol import UINT32_MAX, ChatCompletionRequest, CompletionRequest
+from bridge.spans import SpanNotes, span_error
+from bridge.sse import (SSE_KEEPALIVE_S, Builder, SSEResponse, cancel_on_disconnect, drain, read_cancelled_by_us,
+                        read_first, sse_data, sse_error, sse_events)
 from genserve.chat_messages import ChatError
 from genserve.model_name import DEFAULT_MODEL_NAME
 from genserve.telemetry import REQUEST_ID, inject_metadata
@@ -67,9 +69,6 @@ HEALTH_TIMEOUT_S = 2.0
 CANCEL_TIMEOUT_S = 5.0
 # Cancel a client that reads nothing for 30 s (docs/design.md, "Fairness, cancellation and streaming").
 SLOW_CLIENT_TIMEOUT_S = 30.0
-# A queued stream's keep-alive comment interval, seconds (sse-starlette's default ping interval):
-# far below Envoy's 300 s stream_idle_timeout (charts/genserve/values.yaml).
-SSE_KEEPALIVE_S = 15.0
 # Largest request body accepted (413 above). A full 8,192-token prompt is well under 100 KB.
 MAX_BODY_BYTES = 1024 * 1024
 # While the engine is down (restarting), calls fail at once with UNAVAILABLE (503 + Retry-After);
@@ -98,96 +97,6 @@ def _auth_metadata(request: Request) -> tuple[tuple[str, str], ...]:
     """The caller's Authorization header as gRPC metadata (nothing if absent)."""
     value = request.headers.get("authorization")
     return (("authorization", value),) if value else ()
-
-
-async def _wait_for_disconnect(receive: Receive) -> None:
-    """Return once the client has gone (the ASGI server says http.disconnect)."""
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-@contextlib.asynccontextmanager
-async def _cancel_on_disconnect(request: Request, call: grpc.aio.Call) -> AsyncIterator[None]:
-    """While inside, a client disconnect cancels `call` (for work done before the response starts)."""
-    watcher = asyncio.create_task(_wait_for_disconnect(request.receive))
-    watcher.add_done_callback(lambda t: t.cancelled() or call.cancel())
-    try:
-        yield
-    finally:
-        watcher.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await watcher
-
-
-def _read_cancelled_by_us() -> bool:
-    """Whether a CancelledError came from a cancelled gRPC call, not from our task being cancelled."""
-    task = asyncio.current_task()
-    return task is None or task.cancelling() == 0
-
-
-class SSEResponse(StreamingResponse):
-    """A text/event-stream response bound to a gRPC call.
-
-    Unlike Starlette's StreamingResponse it always listens for the client going
-    away (whatever ASGI spec version the server speaks), and then, or when one
-    write waits longer than `write_timeout_s` (a client that reads nothing),
-    or on any other exit, it cancels the gRPC call.
-    """
-
-    media_type = "text/event-stream"
-
-    def __init__(
-        self,
-        content: AsyncIterator[str],
-        *,
-        call: grpc.aio.Call,
-        write_timeout_s: float,
-        headers: dict[str, str] | None = None,
-        span: trace.Span | None = None,
-    ) -> None:
-        super().__init__(content, headers=headers)
-        self._call = call
-        self._write_timeout_s = write_timeout_s
-        self._span = span
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        listener = asyncio.create_task(_wait_for_disconnect(receive))
-        listener.add_done_callback(lambda t: t.cancelled() or self._call.cancel())
-        try:
-            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            loop = asyncio.get_running_loop()
-            # One timeout re-armed around each write (asyncio.wait_for would start a task per
-            # write, one per token); disarmed while waiting for the next token.
-            async with asyncio.timeout(None) as write_deadline:
-                async for chunk in self.body_iterator:
-                    body = chunk.encode(self.charset) if isinstance(chunk, str) else chunk
-                    write_deadline.reschedule(loop.time() + self._write_timeout_s)
-                    await send({"type": "http.response.body", "body": body, "more_body": True})
-                    write_deadline.reschedule(None)
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except TimeoutError:
-            log.info("client read nothing for %.0f s: cancelling its request", self._write_timeout_s)
-            self._event("client_timeout")
-        except OSError:
-            log.info("client went away mid-stream")
-            self._event("client_disconnected")
-        except asyncio.CancelledError:
-            if not _read_cancelled_by_us():
-                raise
-            log.info("client disconnected: request cancelled")
-            self._event("client_disconnected")
-        finally:
-            listener.cancel()
-            self._call.cancel()  # no-op when the call already ended
-            await self.body_iterator.aclose()
-            if self._span is not None:
-                self._span.end()
-
-    def _event(self, name: str) -> None:
-        if self._span is not None:
-            self._span.add_event(name)
 
 
 class ResponseCounter:
@@ -477,14 +386,14 @@ async def _generate(request: Request, state: BridgeState, route: str, proto: pb.
     try:
         # Read up to Started before answering, so that errors the service finds
         # before it starts (validation, auth, 429) are plain HTTP errors.
-        first_events = builder.events_for(await _read_first(request, call))
+        first_events = builder.events_for(await read_first(request, call))
         REQUEST_ID.set(builder.request_id)
         span.set_attribute("genserve.request_id", builder.request_id)
         span.add_event("started")
         headers = {"X-Request-Id": builder.request_id}
         if stream:
             response = SSEResponse(
-                _sse_events(call, builder, _SpanNotes(span), first_events, state.keepalive_s),
+                sse_events(call, builder, SpanNotes(span), first_events, state.keepalive_s),
                 call=call,
                 write_timeout_s=state.slow_client_timeout_s,
                 headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
@@ -492,13 +401,13 @@ async def _generate(request: Request, state: BridgeState, route: str, proto: pb.
             )
             streaming = True          # the response ends the span when the stream ends
             return response
-        async with _cancel_on_disconnect(request, call):
+        async with cancel_on_disconnect(request, call):
             try:
-                await _drain(call, builder, _SpanNotes(span))
+                await drain(call, builder, SpanNotes(span))
             except grpc.aio.AioRpcError as err:
                 raise from_grpc(err) from None
             except asyncio.CancelledError:
-                if not _read_cancelled_by_us():
+                if not read_cancelled_by_us():
                     raise
                 span.add_event("client_disconnected")
                 return Response(status_code=499)  # the client is gone; nobody reads this
@@ -506,7 +415,7 @@ async def _generate(request: Request, state: BridgeState, route: str, proto: pb.
     except BaseException as exc:
         call.cancel()  # never leave a request generating for nobody
         if isinstance(exc, ApiError):
-            _span_error(span, exc.status_code, exc.message)
+            span_error(span, exc.status_code, exc.message)
         raise
     finally:
         if not streaming:
@@ -565,7 +474,7 @@ async def console_events(request: Request, state: Annotated[BridgeState, Depends
     call = state.connect().generate.WatchScheduler(pb.WatchSchedulerRequest(interval_ms=interval_ms),
                                                    metadata=_auth_metadata(request))
     try:
-        first = await _read_first(request, call)
+        first = await read_first(request, call)
     except BaseException:
         call.cancel()
         raise
@@ -611,101 +520,6 @@ def validation_error(errors: list[dict]) -> ApiError:
             params.append(loc[0])
     message = "; ".join(dict.fromkeys(messages)) or "invalid request"
     return ApiError(400, message, code="invalid_argument", param=params[0] if params else None)
-
-
-async def _read_first(request: Request, call: grpc.aio.UnaryStreamCall):
-    """The stream's first message (Generate's Started, WatchScheduler's first snapshot), or the
-    ApiError the call failed with."""
-    async with _cancel_on_disconnect(request, call):
-        try:
-            first = await call.read()
-        except grpc.aio.AioRpcError as err:
-            raise from_grpc(err) from None
-        except asyncio.CancelledError:
-            if not _read_cancelled_by_us():
-                raise
-            raise ApiError(499, "client disconnected", code="cancelled") from None
-    if first is grpc.aio.EOF:
-        raise ApiError(500, "the engine's stream ended before it started", code="internal")
-    return first
-
-
-class _SpanNotes:
-    """Span events for the messages of one stream: first_token once, finished per sample."""
-
-    def __init__(self, span: trace.Span) -> None:
-        self.span = span
-        self.first_token = True
-
-    def on_message(self, msg: pb.GenerateResponse) -> None:
-        if msg.HasField("token") and self.first_token:
-            self.first_token = False
-            self.span.add_event("first_token")
-        elif msg.HasField("finished"):
-            reason = pb.FinishReason.Name(msg.finished.reason).removeprefix("FINISH_REASON_").lower()
-            self.span.add_event("finished", {"genserve.index": msg.finished.index,
-                                             "genserve.finish_reason": reason,
-                                             "genserve.completion_tokens": msg.finished.usage.completion_tokens})
-
-
-def _span_error(span: trace.Span, status_code: int, message: str) -> None:
-    span.set_attribute("http.response.status_code", status_code)
-    span.set_status(Status(StatusCode.ERROR, message))
-    span.add_event("error", {"http.response.status_code": status_code, "message": message})
-
-
-async def _drain(call: grpc.aio.UnaryStreamCall, builder: Builder, notes: _SpanNotes) -> None:
-    """Feed every remaining message of `call` to `builder`."""
-    while (msg := await call.read()) is not grpc.aio.EOF:
-        notes.on_message(msg)
-        builder.events_for(msg)
-
-
-async def _first_message(call: grpc.aio.UnaryStreamCall,
-                         keepalive_s: float) -> AsyncIterator[pb.GenerateResponse | None]:
-    """The call's next message (or EOF), after a None every `keepalive_s` seconds that it waits.
-    Raises what `call.read()` raises."""
-    read = asyncio.ensure_future(call.read())
-    try:
-        while not (await asyncio.wait({read}, timeout=keepalive_s))[0]:
-            yield None
-        yield read.result()
-    finally:
-        read.cancel()                     # the client left while it waited (no-op when done)
-
-
-async def _sse_events(call: grpc.aio.UnaryStreamCall, builder: Builder, notes: _SpanNotes,
-                      first_events: Sequence[dict] = (),
-                      keepalive_s: float = SSE_KEEPALIVE_S) -> AsyncIterator[str]:
-    """`first_events`, then the builder's events for each message (one per token and per
-    finished sample), then [DONE]; errors as `event: error`. Until the first message after
-    Started arrives (a queued request's wait), an SSE comment every `keepalive_s` seconds; then
-    messages are read one by one, as fast as they come."""
-    for event in first_events:
-        yield sse_data(event)
-    try:
-        msg = grpc.aio.EOF
-        async for msg in _first_message(call, keepalive_s):
-            if msg is None:
-                yield SSE_KEEPALIVE
-        while msg is not grpc.aio.EOF:
-            notes.on_message(msg)
-            for event in builder.events_for(msg):
-                yield sse_data(event)
-            msg = await call.read()
-    except grpc.aio.AioRpcError as err:
-        api_error = from_grpc(err)
-        log.warning("stream ended with %s: %s", api_error.code, api_error.message,
-                    extra={"request_id": builder.request_id})
-        _span_error(notes.span, api_error.status_code, api_error.message)
-        yield sse_error(api_error.body())
-        return
-    if builder.all_finished:
-        yield SSE_DONE
-    else:
-        err = ApiError(500, "the generation stream ended before every sample finished", code="internal")
-        _span_error(notes.span, err.status_code, err.message)
-        yield sse_error(err.body())
 
 
 async def _healthy(backend: _Backend, metadata: tuple[tuple[str, str], ...]) -> bool:

@@ -10,9 +10,7 @@ logprob?}` and an OpenAI completion chunk (`id`, `object`, `created`, `model`,
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from genserve.v1 import generate_pb2 as pb
 
@@ -22,50 +20,7 @@ FINISH_REASON_NAME: dict[int, str] = {
     pb.FINISH_REASON_CANCELLED: "cancelled",
 }
 
-SSE_DONE = "data: [DONE]\n\n"
-# An SSE comment line: clients skip it (the SSE specification's "lines starting with a colon"),
-# while its bytes keep proxies from closing a stream that waits (Envoy's stream_idle_timeout).
-SSE_KEEPALIVE = ": keep-alive\n\n"
 TIMING_DECIMALS = 3     # final events' timing values, ms to the microsecond (finer digits are clock noise)
-
-
-def sse_data(event: dict) -> str:
-    """One SSE `data:` event."""
-    return f"data: {_dumps(event)}\n\n"
-
-
-def sse_error(body: dict) -> str:
-    """One SSE `event: error` carrying the JSON error body."""
-    return f"event: error\ndata: {_dumps(body)}\n\n"
-
-
-# Characters Python's str.splitlines() (and so httpx's `aiter_lines`) treats as line breaks that
-# JSON leaves unescaped (control characters below U+0020 are always escaped): a client splitting
-# an SSE stream with them would cut an event in two. The SSE spec breaks lines on CR and LF only;
-# escaping these three keeps the JSON equal and every client whole.
-_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
-
-
-def _dumps(obj: dict) -> str:
-    """Compact UTF-8 JSON for one SSE data line, with no character any client reads as a newline."""
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKS)
-
-
-class Builder(Protocol):
-    """What the bridge's generate path needs of a response builder (`CompletionBuilder` for
-    /v1/completions, `bridge.chat.ChatCompletionBuilder` for /v1/chat/completions)."""
-
-    request_id: str
-
-    @property
-    def all_finished(self) -> bool:
-        """Whether every sample has sent its Finished message."""
-
-    def events_for(self, msg: pb.GenerateResponse) -> list[dict]:
-        """Record one message; return the SSE events it makes, in order (possibly none)."""
-
-    def completion(self) -> dict:
-        """The whole answer as one JSON object (for stream=false)."""
 
 
 @dataclass(slots=True)
