@@ -49,7 +49,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from bridge.chat import ChatCompletionBuilder
 from bridge.console import INDEX_HTML, STATIC_DIR, snapshot_event
 from bridge.errors import DEFAULT_RETRY_AFTER_S, ApiError, from_grpc
-from bridge.events import CompletionBuilder
+from bridge.completions import CompletionBuilder
 from bridge.metrics import BridgeMetrics
 from bridge.protocol import UINT32_MAX, ChatCompletionRequest, CompletionRequest
 from bridge.spans import SpanNotes, span_error

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bridge.events import FINISH_REASON_NAME, timing_json
+from bridge.protocol import FINISH_REASON_NAME, timing_json
 from genserve.v1 import generate_pb2 as pb
 
 

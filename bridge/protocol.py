@@ -1,5 +1,6 @@
-"""The bridge's request schemas: the bodies of /v1/completions and /v1/chat/completions and
-their translation to a gRPC GenerateRequest.
+"""The bridge's request and response schemas: the bodies of /v1/completions and
+/v1/chat/completions and their translation to a gRPC GenerateRequest, and the response fields
+both endpoints answer alike (`finish_reason` names, the `timing` object).
 
 The bridge checks the JSON *shape*: field names, types, and that values fit the
 proto's integer types. Numeric *ranges* (max_tokens <= 1000, 0 <= top_p <= 1,
@@ -34,6 +35,27 @@ DEFAULT_TEMPERATURE = 1.0
 DEFAULT_TOP_K = 0  # off; -1 also means off
 DEFAULT_TOP_P = 1.0
 DEFAULT_N = 1
+
+# A Finished message's reason -> the responses' `finish_reason`.
+FINISH_REASON_NAME: dict[int, str] = {
+    pb.FINISH_REASON_STOP: "stop",
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_CANCELLED: "cancelled",
+}
+
+TIMING_DECIMALS = 3     # final events' timing values, ms to the microsecond (finer digits are clock noise)
+
+
+def timing_json(timing: pb.Timing) -> dict:
+    """A sample's {"queue_ms", "ttft_ms", "e2e_ms"} (see `timing_ms`)."""
+    return timing_ms(timing.queue_ms, timing.ttft_ms, timing.e2e_ms)
+
+
+def timing_ms(queue_ms: float, ttft_ms: float, e2e_ms: float) -> dict:
+    """The `timing` object of a final event (or of a whole completion), in ms rounded to
+    TIMING_DECIMALS."""
+    return {"queue_ms": round(queue_ms, TIMING_DECIMALS), "ttft_ms": round(ttft_ms, TIMING_DECIMALS),
+            "e2e_ms": round(e2e_ms, TIMING_DECIMALS)}
 
 
 def stop_list(value: Any) -> list[str] | None:

@@ -63,8 +63,9 @@ def _dumps(obj: dict) -> str:
 
 
 class Builder(Protocol):
-    """What the bridge's generate path needs of a response builder (`bridge.events.CompletionBuilder`
-    for /v1/completions, `bridge.chat.ChatCompletionBuilder` for /v1/chat/completions)."""
+    """What the bridge's generate path needs of a response builder
+    (`bridge.completions.CompletionBuilder` for /v1/completions, `bridge.chat.ChatCompletionBuilder`
+    for /v1/chat/completions)."""
 
     request_id: str
 

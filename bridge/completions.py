@@ -1,4 +1,4 @@
-"""GenerateResponse messages -> SSE events and OpenAI completion JSON.
+"""POST /v1/completions: GenerateResponse messages -> SSE events and OpenAI completion JSON.
 
 One `CompletionBuilder` follows one Generate stream. Each message gives at most
 one event; the builder also accumulates the whole completion for stream=false.
@@ -12,15 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from bridge.protocol import FINISH_REASON_NAME, timing_json, timing_ms
 from genserve.v1 import generate_pb2 as pb
-
-FINISH_REASON_NAME: dict[int, str] = {
-    pb.FINISH_REASON_STOP: "stop",
-    pb.FINISH_REASON_LENGTH: "length",
-    pb.FINISH_REASON_CANCELLED: "cancelled",
-}
-
-TIMING_DECIMALS = 3     # final events' timing values, ms to the microsecond (finer digits are clock noise)
 
 
 @dataclass(slots=True)
@@ -165,7 +158,7 @@ class CompletionBuilder:
         timings = [s.timing for s in self._samples.values() if s.timing is not None]
         timing = None
         if timings:
-            timing = _timing_ms(max(t.queue_ms for t in timings), min(t.ttft_ms for t in timings),
+            timing = timing_ms(max(t.queue_ms for t in timings), min(t.ttft_ms for t in timings),
                                 max(t.e2e_ms for t in timings))
         return {
             "id": self.request_id,
@@ -181,14 +174,3 @@ class CompletionBuilder:
             "timing": timing,
             "request_id": self.request_id,
         }
-
-
-def timing_json(timing: pb.Timing) -> dict:
-    """A sample's {"queue_ms", "ttft_ms", "e2e_ms"} (see `_timing_ms`)."""
-    return _timing_ms(timing.queue_ms, timing.ttft_ms, timing.e2e_ms)
-
-
-def _timing_ms(queue_ms: float, ttft_ms: float, e2e_ms: float) -> dict:
-    """The `timing` object of a final event, in ms rounded to TIMING_DECIMALS."""
-    return {"queue_ms": round(queue_ms, TIMING_DECIMALS), "ttft_ms": round(ttft_ms, TIMING_DECIMALS),
-            "e2e_ms": round(e2e_ms, TIMING_DECIMALS)}
