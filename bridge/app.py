@@ -38,15 +38,13 @@ import grpc
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from bridge.chat import ChatCompletionBuilder
 from bridge.console import INDEX_HTML, STATIC_DIR, snapshot_event
-from bridge.errors import DEFAULT_RETRY_AFTER_S, ApiError, from_grpc
+from bridge.errors import DEFAULT_RETRY_AFTER_S, ApiError, add_exception_handlers, from_grpc
 from bridge.completions import CompletionBuilder
 from bridge.metrics import BridgeMetrics
 from bridge.middleware import MAX_BODY_BYTES, BodyGuard, ResponseCounter
@@ -169,11 +167,7 @@ def create_app(
     )
     app.add_middleware(BodyGuard, max_body_bytes=max_body_bytes)
     app.add_middleware(ResponseCounter, metrics=metrics)
-    # Errors always answer {"error": {...}}.
-    app.add_exception_handler(ApiError, _api_error)
-    app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_exception_handler(Exception, _internal_error)
+    add_exception_handlers(app)
     _add_routes(app.router)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     return app
@@ -209,27 +203,6 @@ def _add_routes(router: APIRouter) -> None:
     router.add_api_route("/v1/console/events", console_events, methods=["GET"], description=no_description)
     router.add_api_route("/", console_page, methods=["GET"], description=no_description,
                          include_in_schema=False)
-
-
-# ---- errors: always {"error": {...}} ----------------------------------------------------------
-
-async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-    return exc.response()
-
-
-async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-    return validation_error(exc.errors()).response()
-
-
-async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-    err = ApiError(exc.status_code, str(exc.detail), code=code, headers=dict(exc.headers or {}))
-    return err.response()
-
-
-async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
-    log.exception("unhandled error in the bridge")
-    return ApiError(500, f"internal error: {type(exc).__name__}", code="internal").response()
 
 
 # ---- endpoints -------------------------------------------------------------------------------
@@ -390,33 +363,6 @@ async def _snapshot_events(call: grpc.aio.UnaryStreamCall,
         api_error = from_grpc(err)
         log.info("scheduler stream ended with %s: %s", api_error.code, api_error.message)
         yield sse_error(api_error.body())
-
-
-def validation_error(errors: list[dict]) -> ApiError:
-    """A 400 naming the offending field(s), from pydantic/FastAPI validation errors."""
-    messages: list[str] = []
-    params: list[str] = []
-    for err in errors:
-        loc = [str(part) for part in err.get("loc", ())]
-        if loc and loc[0] in ("body", "query"):
-            loc = loc[1:]
-        path = ".".join(loc)
-        kind = err.get("type", "")
-        if kind == "json_invalid":
-            messages.append(f"request body is not valid JSON: {err.get('msg', '')}")
-            continue
-        if kind == "extra_forbidden":
-            messages.append(f"unknown field '{path}'")
-        elif kind == "missing" and not path:
-            messages.append("a JSON request body is required")
-        elif path:
-            messages.append(f"invalid value for '{path}': {err.get('msg', 'invalid')}")
-        else:
-            messages.append(f"invalid request body: {err.get('msg', 'invalid')}")
-        if loc:
-            params.append(loc[0])
-    message = "; ".join(dict.fromkeys(messages)) or "invalid request"
-    return ApiError(400, message, code="invalid_argument", param=params[0] if params else None)
 
 
 async def _healthy(backend: _Backend, metadata: tuple[tuple[str, str], ...]) -> bool:
