@@ -19,44 +19,53 @@ to the engine in the gRPC metadata, so the engine's span joins the same trace (s
 
 The bridge only translates. It forwards `Authorization: Bearer <key>` as gRPC
 metadata `authorization`, maps gRPC status codes to HTTP (errors.py), and turns
-each GenerateResponse into one SSE event (events.py). A client that disconnects,
+each GenerateResponse into one SSE event (completions.py, chat.py). A client that disconnects,
 or reads nothing for `slow_client_timeout_s`, has its gRPC call cancelled, which
 cancels the request in the engine.
+
+This module builds the app (`create_app`: its state, middleware, error handlers and route
+table) and holds the small endpoints. The rest of the bridge, each module importing only bridge
+modules listed below it:
+
+    chat.py         POST /v1/chat/completions: handler and ChatCompletionBuilder
+    completions.py  POST /v1/completions: handler and CompletionBuilder
+    serving.py      the Generate call both share: span, first message, JSON or SSE answer
+    state.py        BridgeState, the gRPC backend, the `bridge_state` dependency
+    sse.py          SSE framing, SSEResponse, reading a gRPC stream into a response
+    spans.py        the request span's events
+    middleware.py   BodyGuard (body size, type, UTF-8), ResponseCounter
+    errors.py       the error body, gRPC -> HTTP status, validation errors, exception handlers
+    protocol.py     request bodies -> GenerateRequest; response fields both endpoints share
+    console.py      the web console's files and snapshot JSON
+    metrics.py      the bridge's Prometheus metrics and the engines', for GET /metrics
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Annotated
 
 import grpc
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
-from opentelemetry import trace
-from opentelemetry.trace import SpanKind
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
+from opentelemetry import trace
 
-from bridge.chat import ChatCompletionBuilder
+from bridge.chat import chat_completions
+from bridge.completions import completions
 from bridge.console import INDEX_HTML, STATIC_DIR, snapshot_event
 from bridge.errors import DEFAULT_RETRY_AFTER_S, ApiError, add_exception_handlers, from_grpc
-from bridge.completions import CompletionBuilder
 from bridge.metrics import BridgeMetrics
 from bridge.middleware import MAX_BODY_BYTES, BodyGuard, ResponseCounter
-from bridge.protocol import UINT32_MAX, ChatCompletionRequest, CompletionRequest
-from bridge.spans import SpanNotes, span_error
-from bridge.sse import (SSE_KEEPALIVE_S, Builder, SSEResponse, cancel_on_disconnect, drain, read_cancelled_by_us,
-                        read_first, sse_data, sse_error, sse_events)
-from genserve.chat_messages import ChatError
+from bridge.protocol import UINT32_MAX
+from bridge.sse import SSE_KEEPALIVE_S, SSEResponse, read_first, sse_data, sse_error
+from bridge.state import Backend, BridgeState, auth_metadata, bridge_state
 from genserve.model_name import DEFAULT_MODEL_NAME
-from genserve.telemetry import REQUEST_ID, inject_metadata
 from genserve.v1 import generate_pb2 as pb
-from genserve.v1 import generate_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
@@ -66,74 +75,6 @@ HEALTH_TIMEOUT_S = 2.0
 CANCEL_TIMEOUT_S = 5.0
 # Cancel a client that reads nothing for 30 s (docs/design.md, "Fairness, cancellation and streaming").
 SLOW_CLIENT_TIMEOUT_S = 30.0
-# While the engine is down (restarting), calls fail at once with UNAVAILABLE (503 + Retry-After);
-# the channel retries the connection at most this often, so the bridge recovers on its own
-# within about a second of the engine coming back (gRPC's default back-off grows to 120 s).
-CHANNEL_OPTIONS = (
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.min_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-)
-
-
-class _Backend:
-    """The app's one gRPC channel and the stubs on it."""
-
-    def __init__(self, target: str) -> None:
-        self.channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
-        self.generate = pb_grpc.GenerateServiceStub(self.channel)
-        self.health = health_pb2_grpc.HealthStub(self.channel)
-
-    async def close(self) -> None:
-        await self.channel.close()
-
-
-def _auth_metadata(request: Request) -> tuple[tuple[str, str], ...]:
-    """The caller's Authorization header as gRPC metadata (nothing if absent)."""
-    value = request.headers.get("authorization")
-    return (("authorization", value),) if value else ()
-
-
-@dataclass(slots=True)
-class BridgeState:
-    """What the endpoints share, one per app: `create_app` stores it on `app.state.bridge` and the
-    `bridge_state` dependency hands it to each endpoint.
-
-    Attributes:
-        grpc_target: the GenerateService's address, "host:port".
-        model_name: the one model served (every completion names it, whatever the body asked).
-        created_at: Unix time (s) the app was built: the model's `created` in `GET /v1/models`.
-        slow_client_timeout_s: a stream whose client reads nothing this long is cancelled (s).
-        keepalive_s: while a stream waits for its first token (queued behind other requests), an
-            SSE comment (`SSE_KEEPALIVE`) is sent every this many seconds, so that proxies with
-            an idle timeout (Envoy's stream_idle_timeout, 300 s in the chart) do not cut it.
-        tracer: OpenTelemetry tracer of the request spans.
-        metrics: the bridge's Prometheus metrics (and the engine's, appended to `GET /metrics`).
-        backend: the gRPC channel and stubs: opened by the lifespan at startup (closed at
-            shutdown), or by `connect` on first use when the app runs without its lifespan
-            (bare ASGI use); None before either.
-    """
-
-    grpc_target: str
-    model_name: str
-    created_at: int
-    slow_client_timeout_s: float
-    tracer: trace.Tracer
-    metrics: BridgeMetrics
-    keepalive_s: float = SSE_KEEPALIVE_S
-    backend: _Backend | None = None
-
-    def connect(self) -> _Backend:
-        """The gRPC backend, opened here when the lifespan has not opened one."""
-        if self.backend is None:
-            self.backend = _Backend(self.grpc_target)
-        return self.backend
-
-
-async def bridge_state(request: Request) -> BridgeState:
-    """FastAPI dependency: the app's `BridgeState`. A coroutine so that FastAPI calls it on the
-    event loop (a plain function would be run in its thread pool)."""
-    return request.app.state.bridge
 
 
 def create_app(
@@ -177,7 +118,7 @@ def create_app(
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     """Open the gRPC backend at startup and close it at shutdown."""
     state: BridgeState = app.state.bridge
-    state.backend = _Backend(state.grpc_target)
+    state.backend = Backend(state.grpc_target)
     try:
         yield
     finally:
@@ -205,92 +146,7 @@ def _add_routes(router: APIRouter) -> None:
                          include_in_schema=False)
 
 
-# ---- endpoints -------------------------------------------------------------------------------
-
-async def completions(body: CompletionRequest, request: Request,
-                      state: Annotated[BridgeState, Depends(bridge_state)]) -> Response:
-    """POST /v1/completions: one Generate call, answered as JSON or (`stream`) as SSE.
-
-    Raises ApiError: the Generate call failed before it started (its status mapped by
-    `from_grpc`), or, without `stream`, while it ran.
-    """
-    builder = CompletionBuilder(
-        model=state.model_name,      # the model that answers, whatever `model` the body named
-        created=int(time.time()),
-        num_samples=body.num_samples,
-        logprobs=body.logprobs is not None,
-    )
-    proto = body.to_proto(request_id=request.headers.get("x-request-id", ""))
-    return await _generate(request, state, "/v1/completions", proto, builder, bool(body.stream))
-
-
-async def chat_completions(body: ChatCompletionRequest, request: Request,
-                           state: Annotated[BridgeState, Depends(bridge_state)]) -> Response:
-    """POST /v1/chat/completions: one Generate call with the messages, answered as a
-    `chat.completion` or (`stream`) as `chat.completion.chunk` SSE events (bridge/chat.py).
-
-    Raises ApiError: 400 naming the message field at fault (`messages[1].role`), or as
-    `completions` does.
-    """
-    try:
-        proto = body.to_proto(request_id=request.headers.get("x-request-id", ""))
-    except ChatError as e:
-        raise ApiError(400, str(e), code="invalid_argument", param=e.field) from None
-    builder = ChatCompletionBuilder(model=state.model_name, created=int(time.time()),
-                                    num_samples=body.num_samples, logprobs=bool(body.logprobs),
-                                    include_usage=body.include_usage)
-    return await _generate(request, state, "/v1/chat/completions", proto, builder, bool(body.stream))
-
-
-async def _generate(request: Request, state: BridgeState, route: str, proto: pb.GenerateRequest,
-                    builder: Builder, stream: bool) -> Response:
-    """Run one Generate call for `route` and answer with `builder`'s JSON or SSE events.
-
-    Raises ApiError: the call failed before it started (its status mapped by `from_grpc`), or,
-    without `stream`, while it ran.
-    """
-    span = state.tracer.start_span(f"POST {route}", kind=SpanKind.SERVER, attributes={
-        "http.request.method": "POST", "http.route": route, "genserve.stream": stream})
-    call = state.connect().generate.Generate(proto, metadata=inject_metadata(_auth_metadata(request), span))
-    streaming = False
-    try:
-        # Read up to Started before answering, so that errors the service finds
-        # before it starts (validation, auth, 429) are plain HTTP errors.
-        first_events = builder.events_for(await read_first(request, call))
-        REQUEST_ID.set(builder.request_id)
-        span.set_attribute("genserve.request_id", builder.request_id)
-        span.add_event("started")
-        headers = {"X-Request-Id": builder.request_id}
-        if stream:
-            response = SSEResponse(
-                sse_events(call, builder, SpanNotes(span), first_events, state.keepalive_s),
-                call=call,
-                write_timeout_s=state.slow_client_timeout_s,
-                headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                span=span,
-            )
-            streaming = True          # the response ends the span when the stream ends
-            return response
-        async with cancel_on_disconnect(request, call):
-            try:
-                await drain(call, builder, SpanNotes(span))
-            except grpc.aio.AioRpcError as err:
-                raise from_grpc(err) from None
-            except asyncio.CancelledError:
-                if not read_cancelled_by_us():
-                    raise
-                span.add_event("client_disconnected")
-                return Response(status_code=499)  # the client is gone; nobody reads this
-        return JSONResponse(builder.completion(), headers=headers)
-    except BaseException as exc:
-        call.cancel()  # never leave a request generating for nobody
-        if isinstance(exc, ApiError):
-            span_error(span, exc.status_code, exc.message)
-        raise
-    finally:
-        if not streaming:
-            span.end()
-
+# ---- endpoints (/v1/completions: bridge/completions.py; /v1/chat/completions: bridge/chat.py) ----
 
 async def cancel(request_id: str, request: Request,
                  state: Annotated[BridgeState, Depends(bridge_state)]) -> JSONResponse:
@@ -298,7 +154,7 @@ async def cancel(request_id: str, request: Request,
     try:
         await state.connect().generate.Cancel(
             pb.CancelRequest(request_id=request_id),
-            metadata=_auth_metadata(request),
+            metadata=auth_metadata(request),
             timeout=CANCEL_TIMEOUT_S,
         )
     except grpc.aio.AioRpcError as err:
@@ -308,7 +164,7 @@ async def cancel(request_id: str, request: Request,
 
 async def health(request: Request, state: Annotated[BridgeState, Depends(bridge_state)]) -> JSONResponse:
     """GET /health: 200 while the service is serving, else 503 with Retry-After."""
-    if await _healthy(state.connect(), _auth_metadata(request)):
+    if await _healthy(state.connect(), auth_metadata(request)):
         return JSONResponse({"status": "ok"})
     return ApiError(503, "the generation service is not serving", code="unavailable",
                     headers={"Retry-After": str(DEFAULT_RETRY_AFTER_S)}).response()
@@ -342,7 +198,7 @@ async def console_events(request: Request, state: Annotated[BridgeState, Depends
     the engine is down or loading).
     """
     call = state.connect().generate.WatchScheduler(pb.WatchSchedulerRequest(interval_ms=interval_ms),
-                                                   metadata=_auth_metadata(request))
+                                                   metadata=auth_metadata(request))
     try:
         first = await read_first(request, call)
     except BaseException:
@@ -365,7 +221,7 @@ async def _snapshot_events(call: grpc.aio.UnaryStreamCall,
         yield sse_error(api_error.body())
 
 
-async def _healthy(backend: _Backend, metadata: tuple[tuple[str, str], ...]) -> bool:
+async def _healthy(backend: Backend, metadata: tuple[tuple[str, str], ...]) -> bool:
     """SERVING per grpc.health.v1; without a health service, whether Info answers."""
     try:
         reply = await backend.health.Check(

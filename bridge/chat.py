@@ -1,5 +1,6 @@
-"""POST /v1/chat/completions: the chat events (the request body and its gRPC request are
-`bridge.protocol.ChatCompletionRequest`).
+"""POST /v1/chat/completions: its handler (`chat_completions`) and the chat events
+(`ChatCompletionBuilder`); the request body and its gRPC request are
+`bridge.protocol.ChatCompletionRequest`.
 
 OpenAI's chat API (what ``client.chat.completions.create`` sends and reads) on top of the same
 Generate stream as /v1/completions: the messages travel to the engine, which renders them with
@@ -13,9 +14,17 @@ top_logprobs}]}``. ``max_completion_tokens`` is OpenAI's newer name for ``max_to
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from typing import Annotated, Any
 
-from bridge.protocol import FINISH_REASON_NAME, timing_json
+from fastapi import Depends, Request
+from fastapi.responses import Response
+
+from bridge.errors import ApiError
+from bridge.protocol import FINISH_REASON_NAME, ChatCompletionRequest, timing_json
+from bridge.serving import generate
+from bridge.state import BridgeState, bridge_state
+from genserve.chat_messages import ChatError
 from genserve.v1 import generate_pb2 as pb
 
 
@@ -123,3 +132,21 @@ class ChatCompletionBuilder:
         return {"id": self.completion_id, "object": "chat.completion", "created": self.created,
                 "model": self.model, "choices": choices, "usage": self.usage(),
                 "request_id": self.request_id}
+
+
+async def chat_completions(body: ChatCompletionRequest, request: Request,
+                           state: Annotated[BridgeState, Depends(bridge_state)]) -> Response:
+    """POST /v1/chat/completions: one Generate call with the messages, answered as a
+    `chat.completion` or (`stream`) as `chat.completion.chunk` SSE events (`ChatCompletionBuilder`).
+
+    Raises ApiError: 400 naming the message field at fault (`messages[1].role`), or as
+    `bridge.completions.completions` does.
+    """
+    try:
+        proto = body.to_proto(request_id=request.headers.get("x-request-id", ""))
+    except ChatError as e:
+        raise ApiError(400, str(e), code="invalid_argument", param=e.field) from None
+    builder = ChatCompletionBuilder(model=state.model_name, created=int(time.time()),
+                                    num_samples=body.num_samples, logprobs=bool(body.logprobs),
+                                    include_usage=body.include_usage)
+    return await generate(request, state, "/v1/chat/completions", proto, builder, bool(body.stream))

@@ -1,4 +1,6 @@
-"""POST /v1/completions: GenerateResponse messages -> SSE events and OpenAI completion JSON.
+"""POST /v1/completions: its handler (`completions`), and GenerateResponse messages -> SSE events
+and OpenAI completion JSON (`CompletionBuilder`); the request body is
+`bridge.protocol.CompletionRequest`.
 
 One `CompletionBuilder` follows one Generate stream. Each message gives at most
 one event; the builder also accumulates the whole completion for stream=false.
@@ -10,9 +12,16 @@ logprob?}` and an OpenAI completion chunk (`id`, `object`, `created`, `model`,
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+from typing import Annotated
 
-from bridge.protocol import FINISH_REASON_NAME, timing_json, timing_ms
+from fastapi import Depends, Request
+from fastapi.responses import Response
+
+from bridge.protocol import FINISH_REASON_NAME, CompletionRequest, timing_json, timing_ms
+from bridge.serving import generate
+from bridge.state import BridgeState, bridge_state
 from genserve.v1 import generate_pb2 as pb
 
 
@@ -174,3 +183,20 @@ class CompletionBuilder:
             "timing": timing,
             "request_id": self.request_id,
         }
+
+
+async def completions(body: CompletionRequest, request: Request,
+                      state: Annotated[BridgeState, Depends(bridge_state)]) -> Response:
+    """POST /v1/completions: one Generate call, answered as JSON or (`stream`) as SSE.
+
+    Raises ApiError: the Generate call failed before it started (its status mapped by
+    `bridge.errors.from_grpc`), or, without `stream`, while it ran.
+    """
+    builder = CompletionBuilder(
+        model=state.model_name,      # the model that answers, whatever `model` the body named
+        created=int(time.time()),
+        num_samples=body.num_samples,
+        logprobs=body.logprobs is not None,
+    )
+    proto = body.to_proto(request_id=request.headers.get("x-request-id", ""))
+    return await generate(request, state, "/v1/completions", proto, builder, bool(body.stream))
