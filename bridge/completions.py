@@ -168,7 +168,7 @@ class CompletionBuilder:
         timing = None
         if timings:
             timing = timing_ms(max(t.queue_ms for t in timings), min(t.ttft_ms for t in timings),
-                                max(t.e2e_ms for t in timings))
+                               max(t.e2e_ms for t in timings))
         return {
             "id": self.request_id,
             "object": "text_completion",

@@ -1,13 +1,13 @@
 """Server-sent events from a gRPC server stream: the framing, the streaming response, and the
 reads that feed it.
 
-The bridge answers a Generate (or WatchScheduler) stream over HTTP in three steps, each here:
-`read_first` reads the stream's first message before any response starts (so that errors the
-service finds first are plain HTTP errors); then either `sse_events` turns the remaining
-messages into SSE events (`sse_data`, `sse_error`, keep-alive comments while a queued request
-waits, then `SSE_DONE`), streamed by `SSEResponse`, which cancels the gRPC call when the client
-leaves or stops reading; or, for a JSON answer, `drain` feeds them all to the builder. `Builder`
-is what these need of a response builder.
+The bridge answers a Generate (or WatchScheduler) stream over HTTP with these: `read_first` reads
+the stream's first message before any response starts (so that errors the service finds first
+are plain HTTP errors); after it, either `sse_events` turns the remaining messages into SSE events
+(`sse_data`, `sse_error`, keep-alive comments while a queued request waits, then `SSE_DONE`),
+streamed by `SSEResponse`, which cancels the gRPC call when the client leaves or stops reading;
+or, for a JSON answer, `drain` feeds them all to the builder. `Builder` is what `sse_events` and
+`drain` need of a response builder.
 """
 
 from __future__ import annotations
