@@ -1,4 +1,6 @@
-"""POST /v1/chat/completions: the request body, its gRPC request, and the chat events.
+"""POST /v1/chat/completions: its handler (`chat_completions`) and the chat events
+(`ChatCompletionBuilder`); the request body and its gRPC request are
+`bridge.protocol.ChatCompletionRequest`.
 
 OpenAI's chat API (what ``client.chat.completions.create`` sends and reads) on top of the same
 Generate stream as /v1/completions: the messages travel to the engine, which renders them with
@@ -12,74 +14,18 @@ top_logprobs}]}``. ``max_completion_tokens`` is OpenAI's newer name for ``max_to
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, StrictBool, model_validator
+from fastapi import Depends, Request
+from fastapi.responses import Response
 
-from bridge.events import FINISH_REASON_NAME, timing_json
-from bridge.schemas import SamplingBody, Uint32
-from genserve.chat_messages import parse_messages
+from bridge.errors import ApiError
+from bridge.protocol import FINISH_REASON_NAME, ChatCompletionRequest, timing_json
+from bridge.serving import generate
+from bridge.state import BridgeState, bridge_state
+from genserve.chat_messages import ChatError
 from genserve.v1 import generate_pb2 as pb
-
-
-class StreamOptions(BaseModel):
-    """OpenAI's ``stream_options``: ``include_usage`` adds a last chunk with the usage."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    include_usage: StrictBool | None = False
-
-
-class ChatCompletionRequest(SamplingBody):
-    """Body of POST /v1/chat/completions.
-
-    ``messages`` is checked by `to_proto` (genserve/chat_messages.py: roles, content types), which
-    raises ChatError naming the field (``messages[1].role``), a 400; the template is the engine's
-    (an INVALID_ARGUMENT naming ``messages`` when it refuses them).
-    """
-
-    messages: list[Any]
-    max_tokens: Uint32 | None = None
-    max_completion_tokens: Uint32 | None = None
-    logprobs: StrictBool | None = False
-    top_logprobs: Uint32 | None = None
-    stream_options: StreamOptions | None = None
-
-    @model_validator(mode="after")
-    def _consistent(self) -> ChatCompletionRequest:
-        if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs: true")
-        if self.max_tokens is not None and self.max_completion_tokens is not None \
-                and self.max_tokens != self.max_completion_tokens:
-            raise ValueError("max_tokens and max_completion_tokens differ; send one")
-        return self
-
-    @property
-    def include_usage(self) -> bool:
-        """Whether a streamed answer ends with a usage chunk (``stream_options.include_usage``)."""
-        return bool(self.stream_options and self.stream_options.include_usage)
-
-    def to_proto(self, request_id: str = "") -> pb.GenerateRequest:
-        """The gRPC request: the messages as `ChatMessages`, null fields at OpenAI's defaults.
-
-        Raises:
-            ChatError: a message is malformed (its field named).
-        """
-        sampling = self.sampling_proto()
-        max_tokens = next((v for v in (self.max_completion_tokens, self.max_tokens) if v is not None),
-                          None)
-        request = pb.GenerateRequest(sampling=sampling, n=self.num_samples, request_id=request_id)
-        if max_tokens is not None:
-            request.max_tokens = max_tokens
-        if self.logprobs:
-            request.logprobs = self.top_logprobs or 0
-        if self.deadline_s is not None:
-            request.deadline_s = self.deadline_s
-        chat = request.chat
-        chat.SetInParent()
-        for m in parse_messages(self.messages):
-            chat.messages.add(role=m.role, content=m.content)
-        return request
 
 
 class ChatCompletionBuilder:
@@ -186,3 +132,21 @@ class ChatCompletionBuilder:
         return {"id": self.completion_id, "object": "chat.completion", "created": self.created,
                 "model": self.model, "choices": choices, "usage": self.usage(),
                 "request_id": self.request_id}
+
+
+async def chat_completions(body: ChatCompletionRequest, request: Request,
+                           state: Annotated[BridgeState, Depends(bridge_state)]) -> Response:
+    """POST /v1/chat/completions: one Generate call with the messages, answered as a
+    `chat.completion` or (`stream`) as `chat.completion.chunk` SSE events (`ChatCompletionBuilder`).
+
+    Raises ApiError: 400 naming the message field at fault (`messages[1].role`), or as
+    `bridge.completions.completions` does.
+    """
+    try:
+        proto = body.to_proto(request_id=request.headers.get("x-request-id", ""))
+    except ChatError as e:
+        raise ApiError(400, str(e), code="invalid_argument", param=e.field) from None
+    builder = ChatCompletionBuilder(model=state.model_name, created=int(time.time()),
+                                    num_samples=body.num_samples, logprobs=bool(body.logprobs),
+                                    include_usage=body.include_usage)
+    return await generate(request, state, "/v1/chat/completions", proto, builder, bool(body.stream))

@@ -1,17 +1,24 @@
-"""The bridge's error shape and the gRPC status -> HTTP status mapping.
+"""The bridge's error shape, the gRPC status -> HTTP status mapping, and the app's error handlers.
 
 Every error leaves the bridge as `{"error": {"message", "type", "code", "param"}}`,
-the OpenAI error shape, whether it came from the gRPC service, from request
-validation, or from the bridge itself.
+the OpenAI error shape, whether it came from the gRPC service (`from_grpc`), from request
+validation (`validation_error`), or from the bridge itself; `add_exception_handlers` makes the
+app answer every exception so.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable
 
 import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger(__name__)
 
 # gRPC status -> HTTP status; anything not listed is a 500.
 HTTP_STATUS_OF_GRPC: dict[grpc.StatusCode, int] = {
@@ -113,3 +120,59 @@ def from_grpc(err: grpc.aio.AioRpcError) -> ApiError:
     if status == grpc.StatusCode.INVALID_ARGUMENT:
         param = next((str(v) for k, v in err.trailing_metadata() or () if k.lower() == INVALID_FIELD), None)
     return ApiError(http_status, message, code=status.name.lower(), param=param, headers=headers)
+
+
+def validation_error(errors: list[dict]) -> ApiError:
+    """A 400 naming the offending field(s), from pydantic/FastAPI validation errors."""
+    messages: list[str] = []
+    params: list[str] = []
+    for err in errors:
+        loc = [str(part) for part in err.get("loc", ())]
+        if loc and loc[0] in ("body", "query"):
+            loc = loc[1:]
+        path = ".".join(loc)
+        kind = err.get("type", "")
+        if kind == "json_invalid":
+            messages.append(f"request body is not valid JSON: {err.get('msg', '')}")
+            continue
+        if kind == "extra_forbidden":
+            messages.append(f"unknown field '{path}'")
+        elif kind == "missing" and not path:
+            messages.append("a JSON request body is required")
+        elif path:
+            messages.append(f"invalid value for '{path}': {err.get('msg', 'invalid')}")
+        else:
+            messages.append(f"invalid request body: {err.get('msg', 'invalid')}")
+        if loc:
+            params.append(loc[0])
+    message = "; ".join(dict.fromkeys(messages)) or "invalid request"
+    return ApiError(400, message, code="invalid_argument", param=params[0] if params else None)
+
+
+def add_exception_handlers(app: FastAPI) -> None:
+    """Make `app` answer every error as `{"error": {...}}`: an ApiError as it is, a validation
+    error as `validation_error`'s 400, Starlette's HTTP errors (404, 405) with their status, and
+    anything else as a 500 (logged)."""
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _internal_error)
+
+
+async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+    return exc.response()
+
+
+async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    return validation_error(exc.errors()).response()
+
+
+async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    err = ApiError(exc.status_code, str(exc.detail), code=code, headers=dict(exc.headers or {}))
+    return err.response()
+
+
+async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error in the bridge")
+    return ApiError(500, f"internal error: {type(exc).__name__}", code="internal").response()

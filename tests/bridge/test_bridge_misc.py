@@ -9,7 +9,8 @@ from pathlib import Path
 
 import httpx
 
-from bridge.app import SSEResponse, create_app
+from bridge.app import create_app
+from bridge.sse import SSEResponse
 from tests.bridge.fake_generate_service import FakeServer
 from tests.bridge.sse import MODEL_NAME
 
@@ -93,7 +94,7 @@ def test_sse_data_lines_survive_clients_that_split_on_unicode_line_breaks():
 
     from httpx._decoders import LineDecoder
 
-    from bridge.events import sse_data
+    from bridge.sse import sse_data
 
     text = "a\u2028b\x85c\u2029d — é 日本"
     frame = sse_data({"text": text, "index": 0})

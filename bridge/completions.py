@@ -1,4 +1,6 @@
-"""GenerateResponse messages -> SSE events and OpenAI completion JSON.
+"""POST /v1/completions: its handler (`completions`), and GenerateResponse messages -> SSE events
+and OpenAI completion JSON (`CompletionBuilder`); the request body is
+`bridge.protocol.CompletionRequest`.
 
 One `CompletionBuilder` follows one Generate stream. Each message gives at most
 one event; the builder also accumulates the whole completion for stream=false.
@@ -10,62 +12,17 @@ logprob?}` and an OpenAI completion chunk (`id`, `object`, `created`, `model`,
 
 from __future__ import annotations
 
-import json
+import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Annotated
 
+from fastapi import Depends, Request
+from fastapi.responses import Response
+
+from bridge.protocol import FINISH_REASON_NAME, CompletionRequest, timing_json, timing_ms
+from bridge.serving import generate
+from bridge.state import BridgeState, bridge_state
 from genserve.v1 import generate_pb2 as pb
-
-FINISH_REASON_NAME: dict[int, str] = {
-    pb.FINISH_REASON_STOP: "stop",
-    pb.FINISH_REASON_LENGTH: "length",
-    pb.FINISH_REASON_CANCELLED: "cancelled",
-}
-
-SSE_DONE = "data: [DONE]\n\n"
-# An SSE comment line: clients skip it (the SSE specification's "lines starting with a colon"),
-# while its bytes keep proxies from closing a stream that waits (Envoy's stream_idle_timeout).
-SSE_KEEPALIVE = ": keep-alive\n\n"
-TIMING_DECIMALS = 3     # final events' timing values, ms to the microsecond (finer digits are clock noise)
-
-
-def sse_data(event: dict) -> str:
-    """One SSE `data:` event."""
-    return f"data: {_dumps(event)}\n\n"
-
-
-def sse_error(body: dict) -> str:
-    """One SSE `event: error` carrying the JSON error body."""
-    return f"event: error\ndata: {_dumps(body)}\n\n"
-
-
-# Characters Python's str.splitlines() (and so httpx's `aiter_lines`) treats as line breaks that
-# JSON leaves unescaped (control characters below U+0020 are always escaped): a client splitting
-# an SSE stream with them would cut an event in two. The SSE spec breaks lines on CR and LF only;
-# escaping these three keeps the JSON equal and every client whole.
-_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
-
-
-def _dumps(obj: dict) -> str:
-    """Compact UTF-8 JSON for one SSE data line, with no character any client reads as a newline."""
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKS)
-
-
-class Builder(Protocol):
-    """What the bridge's generate path needs of a response builder (`CompletionBuilder` for
-    /v1/completions, `bridge.chat.ChatCompletionBuilder` for /v1/chat/completions)."""
-
-    request_id: str
-
-    @property
-    def all_finished(self) -> bool:
-        """Whether every sample has sent its Finished message."""
-
-    def events_for(self, msg: pb.GenerateResponse) -> list[dict]:
-        """Record one message; return the SSE events it makes, in order (possibly none)."""
-
-    def completion(self) -> dict:
-        """The whole answer as one JSON object (for stream=false)."""
 
 
 @dataclass(slots=True)
@@ -210,8 +167,8 @@ class CompletionBuilder:
         timings = [s.timing for s in self._samples.values() if s.timing is not None]
         timing = None
         if timings:
-            timing = _timing_ms(max(t.queue_ms for t in timings), min(t.ttft_ms for t in timings),
-                                max(t.e2e_ms for t in timings))
+            timing = timing_ms(max(t.queue_ms for t in timings), min(t.ttft_ms for t in timings),
+                               max(t.e2e_ms for t in timings))
         return {
             "id": self.request_id,
             "object": "text_completion",
@@ -228,12 +185,18 @@ class CompletionBuilder:
         }
 
 
-def timing_json(timing: pb.Timing) -> dict:
-    """A sample's {"queue_ms", "ttft_ms", "e2e_ms"} (see `_timing_ms`)."""
-    return _timing_ms(timing.queue_ms, timing.ttft_ms, timing.e2e_ms)
+async def completions(body: CompletionRequest, request: Request,
+                      state: Annotated[BridgeState, Depends(bridge_state)]) -> Response:
+    """POST /v1/completions: one Generate call, answered as JSON or (`stream`) as SSE.
 
-
-def _timing_ms(queue_ms: float, ttft_ms: float, e2e_ms: float) -> dict:
-    """The `timing` object of a final event, in ms rounded to TIMING_DECIMALS."""
-    return {"queue_ms": round(queue_ms, TIMING_DECIMALS), "ttft_ms": round(ttft_ms, TIMING_DECIMALS),
-            "e2e_ms": round(e2e_ms, TIMING_DECIMALS)}
+    Raises ApiError: the Generate call failed before it started (its status mapped by
+    `bridge.errors.from_grpc`), or, without `stream`, while it ran.
+    """
+    builder = CompletionBuilder(
+        model=state.model_name,      # the model that answers, whatever `model` the body named
+        created=int(time.time()),
+        num_samples=body.num_samples,
+        logprobs=body.logprobs is not None,
+    )
+    proto = body.to_proto(request_id=request.headers.get("x-request-id", ""))
+    return await generate(request, state, "/v1/completions", proto, builder, bool(body.stream))

@@ -1,4 +1,6 @@
-"""The /v1/completions request body and its translation to a gRPC GenerateRequest.
+"""The bridge's request and response schemas: the bodies of /v1/completions and
+/v1/chat/completions and their translation to a gRPC GenerateRequest, and the response fields
+both endpoints answer alike (`finish_reason` names, the `timing` object).
 
 The bridge checks the JSON *shape*: field names, types, and that values fit the
 proto's integer types. Numeric *ranges* (max_tokens <= 1000, 0 <= top_p <= 1,
@@ -13,6 +15,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 from pydantic import field_validator, model_validator
 
+from genserve.chat_messages import parse_messages
 from genserve.v1 import generate_pb2 as pb
 
 UINT32_MAX = 2**32 - 1
@@ -32,6 +35,27 @@ DEFAULT_TEMPERATURE = 1.0
 DEFAULT_TOP_K = 0  # off; -1 also means off
 DEFAULT_TOP_P = 1.0
 DEFAULT_N = 1
+
+# A Finished message's reason -> the responses' `finish_reason`.
+FINISH_REASON_NAME: dict[int, str] = {
+    pb.FINISH_REASON_STOP: "stop",
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_CANCELLED: "cancelled",
+}
+
+TIMING_DECIMALS = 3     # final events' timing values, ms to the microsecond (finer digits are clock noise)
+
+
+def timing_json(timing: pb.Timing) -> dict:
+    """A sample's {"queue_ms", "ttft_ms", "e2e_ms"} (see `timing_ms`)."""
+    return timing_ms(timing.queue_ms, timing.ttft_ms, timing.e2e_ms)
+
+
+def timing_ms(queue_ms: float, ttft_ms: float, e2e_ms: float) -> dict:
+    """The `timing` object of a final event (or of a whole completion), in ms rounded to
+    TIMING_DECIMALS."""
+    return {"queue_ms": round(queue_ms, TIMING_DECIMALS), "ttft_ms": round(ttft_ms, TIMING_DECIMALS),
+            "e2e_ms": round(e2e_ms, TIMING_DECIMALS)}
 
 
 def stop_list(value: Any) -> list[str] | None:
@@ -153,4 +177,64 @@ class CompletionRequest(SamplingBody):
             ids = self.prompt if self.prompt_token_ids is None else self.prompt_token_ids
             request.prompt_token_ids.SetInParent()  # set the oneof even for an empty list
             request.prompt_token_ids.ids.extend(ids)
+        return request
+
+
+class StreamOptions(BaseModel):
+    """OpenAI's ``stream_options``: ``include_usage`` adds a last chunk with the usage."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: StrictBool | None = False
+
+
+class ChatCompletionRequest(SamplingBody):
+    """Body of POST /v1/chat/completions.
+
+    ``messages`` is checked by `to_proto` (genserve/chat_messages.py: roles, content types), which
+    raises ChatError naming the field (``messages[1].role``), a 400; the template is the engine's
+    (an INVALID_ARGUMENT naming ``messages`` when it refuses them).
+    """
+
+    messages: list[Any]
+    max_tokens: Uint32 | None = None
+    max_completion_tokens: Uint32 | None = None
+    logprobs: StrictBool | None = False
+    top_logprobs: Uint32 | None = None
+    stream_options: StreamOptions | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs: true")
+        if self.max_tokens is not None and self.max_completion_tokens is not None \
+                and self.max_tokens != self.max_completion_tokens:
+            raise ValueError("max_tokens and max_completion_tokens differ; send one")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a streamed answer ends with a usage chunk (``stream_options.include_usage``)."""
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def to_proto(self, request_id: str = "") -> pb.GenerateRequest:
+        """The gRPC request: the messages as `ChatMessages`, null fields at OpenAI's defaults.
+
+        Raises:
+            ChatError: a message is malformed (its field named).
+        """
+        sampling = self.sampling_proto()
+        max_tokens = next((v for v in (self.max_completion_tokens, self.max_tokens) if v is not None),
+                          None)
+        request = pb.GenerateRequest(sampling=sampling, n=self.num_samples, request_id=request_id)
+        if max_tokens is not None:
+            request.max_tokens = max_tokens
+        if self.logprobs:
+            request.logprobs = self.top_logprobs or 0
+        if self.deadline_s is not None:
+            request.deadline_s = self.deadline_s
+        chat = request.chat
+        chat.SetInParent()
+        for m in parse_messages(self.messages):
+            chat.messages.add(role=m.role, content=m.content)
         return request
