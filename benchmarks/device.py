@@ -66,7 +66,7 @@ from engine.model.llama import ModelArgs, Transformer
 from engine.model.weights import random_shape, random_weights
 from engine.request import Request, SamplingParams
 from engine.sim_executor import SimExecutor
-from genserve.model_source import parse_model_source
+from genserve.common.model_source import parse_model_source
 
 # The design's assumptions (docs/design.md, "The numbers").
 DESIGN_PREFILL_TOKENS_PER_S = 10_000.0

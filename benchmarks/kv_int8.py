@@ -32,7 +32,7 @@ from engine.builder import attach_weights, engine_from_model, model_from_weights
 from engine.config import EngineConfig
 from engine.kv_cache import bytes_per_block
 from engine.model.weights import load_gguf, open_gguf
-from genserve.model_source import parse_model_source
+from genserve.common.model_source import parse_model_source
 
 FORMATS = ("auto", "int8")
 

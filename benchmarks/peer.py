@@ -60,7 +60,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from genserve.supervisor import free_port
+from genserve.deploy.supervisor import free_port
 
 GENSERVE = "genserve"
 LLAMA_CPP = "llama.cpp"

@@ -45,7 +45,7 @@ import subprocess
 import sys
 import time
 
-from genserve.supervisor import free_port
+from genserve.deploy.supervisor import free_port
 from loadgen.calibrate import LiveServer
 from loadgen.clients import RestClient, run_open_loop
 from loadgen.workload import WorkItem

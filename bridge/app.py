@@ -15,7 +15,7 @@ UTF-8 (400) and at most `max_body_bytes` (1 MiB by default: 413), checked before
 
 Each completion is one OpenTelemetry span ("POST /v1/completions") whose W3C trace context goes
 to the engine in the gRPC metadata, so the engine's span joins the same trace (see
-`genserve.telemetry`); events: started, first_token, finished (per sample), error.
+`genserve.common.telemetry`); events: started, first_token, finished (per sample), error.
 
 The bridge only translates. It forwards `Authorization: Bearer <key>` as gRPC
 metadata `authorization`, maps gRPC status codes to HTTP (errors.py), and turns
@@ -53,9 +53,9 @@ from bridge.errors import DEFAULT_RETRY_AFTER_S, ApiError, from_grpc
 from bridge.events import SSE_DONE, SSE_KEEPALIVE, Builder, CompletionBuilder, sse_data, sse_error
 from bridge.metrics import BridgeMetrics
 from bridge.schemas import UINT32_MAX, CompletionRequest
-from genserve.chat_messages import ChatError
-from genserve.model_name import DEFAULT_MODEL_NAME
-from genserve.telemetry import REQUEST_ID, inject_metadata
+from genserve.common.chat_messages import ChatError
+from genserve.common.model_name import DEFAULT_MODEL_NAME
+from genserve.common.telemetry import REQUEST_ID, inject_metadata
 from genserve.v1 import generate_pb2 as pb
 from genserve.v1 import generate_pb2_grpc as pb_grpc
 

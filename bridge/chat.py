@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, StrictBool, model_validator
 
 from bridge.events import FINISH_REASON_NAME, timing_json
 from bridge.schemas import SamplingBody, Uint32
-from genserve.chat_messages import parse_messages
+from genserve.common.chat_messages import parse_messages
 from genserve.v1 import generate_pb2 as pb
 
 
@@ -33,7 +33,7 @@ class StreamOptions(BaseModel):
 class ChatCompletionRequest(SamplingBody):
     """Body of POST /v1/chat/completions.
 
-    ``messages`` is checked by `to_proto` (genserve/chat_messages.py: roles, content types), which
+    ``messages`` is checked by `to_proto` (genserve/common/chat_messages.py: roles, content types), which
     raises ChatError naming the field (``messages[1].role``), a 400; the template is the engine's
     (an INVALID_ARGUMENT naming ``messages`` when it refuses them).
     """

@@ -23,7 +23,7 @@ from engine.model.weights import load_gguf, load_safetensors, open_gguf, random_
 from engine.request import Request, SamplingParams
 from engine.scheduler import CostModel
 from engine.tokenizer import ByteTokenizer, Tokenizer
-from genserve.model_source import ModelSource, parse_model_source
+from genserve.common.model_source import ModelSource, parse_model_source
 
 log = logging.getLogger(__name__)
 

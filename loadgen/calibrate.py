@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from genserve.supervisor import free_port
+from genserve.deploy.supervisor import free_port
 from loadgen import stats as st
 from loadgen.workload import LengthMix, WorkItem, arrival_times, synthetic_workload
 
@@ -146,7 +146,7 @@ class LiveServer:
                  start_timeout_s: float = START_TIMEOUT_S) -> None:
         self.port, self.grpc_port, self.metrics_port = free_port(), free_port(), free_port()
         exe = pathlib.Path(sys.executable).with_name("genserve")
-        cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "genserve.cli"]
+        cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "genserve.deploy.cli"]
         self.argv = cmd + ["serve", "--port", str(self.port), "--grpc-port", str(self.grpc_port),
                            "--metrics-port", str(self.metrics_port), "--queue-budget-s", f"{queue_budget_s:g}",
                                 *extra_args]
