@@ -81,6 +81,7 @@ from typing import Literal
 import torch
 
 from benchmarks import decode_attention as attention_bench
+from benchmarks._measure import copy_gbps, gemm_gflops, read_gbps
 from engine import kernels
 from engine.attention import attend, decode_attention
 from engine.block_pool import BlockPool
@@ -171,36 +172,6 @@ def _fmt(v: float) -> str:
 
 def log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-# -- machine limits ------------------------------------------------------------------------------
-def _best_s(fn: Callable[[], object], repeats: int) -> float:
-    fn()                                            # warm-up: allocation, kernel choice
-    best = math.inf
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
-def gemm_gflops(n: int, dtype: torch.dtype, repeats: int) -> float:
-    """Best-of-`repeats` n³ `torch.matmul` rate in GFLOP/s (2·n³ FLOPs per product)."""
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    return 2 * n**3 / _best_s(lambda: torch.matmul(a, b), repeats) / 1e9
-
-
-def read_gbps(mib: int, repeats: int) -> float:
-    """Best-of-`repeats` read bandwidth of `torch.sum` over `mib` MiB of fp32, bytes read, GB/s."""
-    src = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
-    return src.numel() * src.element_size() / _best_s(lambda: src.sum(), repeats) / 1e9
-
-
-def copy_gbps(mib: int, repeats: int) -> float:
-    """Best-of-`repeats` bandwidth of `dst.copy_(src)` over `mib` MiB, bytes read + written, GB/s."""
-    src = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
-    dst = torch.empty_like(src)
-    return 2 * src.numel() * src.element_size() / _best_s(lambda: dst.copy_(src), repeats) / 1e9
 
 
 # -- model FLOPs and bytes -----------------------------------------------------------------------
