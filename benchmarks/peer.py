@@ -554,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from engine.model.weights import default_gguf_path
     from engine.tokenizer import Tokenizer
-    from loadgen.calibrate import LiveServer
+    from loadgen.live_server import LiveServer
 
     gguf = default_gguf_path()
     tokenizer = Tokenizer.from_gguf(gguf)

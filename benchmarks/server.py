@@ -46,8 +46,8 @@ import sys
 import time
 
 from genserve.deploy.supervisor import free_port
-from loadgen.calibrate import LiveServer
 from loadgen.clients import RestClient, run_open_loop
+from loadgen.live_server import LiveServer
 from loadgen.workload import WorkItem
 
 
