@@ -28,8 +28,8 @@ import pathlib
 import sys
 
 from loadgen import stats
-from loadgen.calibrate import LiveServer
 from loadgen.clients import RestClient, run_open_loop
+from loadgen.live_server import LiveServer
 from loadgen.workload import WorkItem, arrival_times
 
 POLICIES = ("LEAST_REQUEST", "ROUND_ROBIN")

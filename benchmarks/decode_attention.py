@@ -21,7 +21,7 @@ Each layer's pools hold rows · ⌈context / 16⌉ blocks plus 64 spare, handed 
 shuffled order (a long-running server's block tables are scattered across the pool); 1.1 GB in
 all at the default sizes, more than the caches hold, so every step reads from memory. Step time is
 the best of `repeats` steps after one warm-up step; GB/s = K/V bytes / step time; the ratio is step
-time / (K/V bytes / read bandwidth), the read bandwidth being `benchmarks.engine.read_gbps`
+time / (K/V bytes / read bandwidth), the read bandwidth being `benchmarks._measure.read_gbps`
 (best-of-10 `torch.sum` over 256 MiB) measured in the same run.
 
 Two memory layouts: the pools as torch allocates them (4 KB pages), and the same pools advised
@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
+from benchmarks._measure import best_s, read_gbps
 from engine.attention.kv_quant import row_bytes
 from engine.runner.huge_pages import huge_page_bytes, thp_mode
 from engine.runner.kv_cache import zeroed_pool
@@ -123,9 +124,7 @@ def time_step(op: Callable, pools, q, tables, lens, repeats: int) -> float:
         for pool in pools:
             op(q, pool[0], pool[1], tables, lens, scale)
 
-    from benchmarks.engine import _best_s     # benchmarks.engine imports this module
-
-    return _best_s(step, repeats)
+    return best_s(step, repeats)
 
 
 def baseline_op(path: str | pathlib.Path) -> Callable:
@@ -204,7 +203,6 @@ def measure(read_gbps: float, rows: int = 32, context: int = 1500, repeats: int 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks.engine import read_gbps
     from engine.config import EngineConfig
     from engine.runner.builder import set_threads
 

@@ -57,6 +57,7 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig
+from engine.core.cost_model import fit_step_model
 from engine.core.engine import Engine
 from engine.core.request import Request, SamplingParams
 from engine.core.sim_executor import SimExecutor
@@ -65,7 +66,7 @@ from engine.model.weights import random_shape, random_weights
 from engine.runner.builder import kv_pool_blocks, load_weights, model_from_weights, resolve_device
 from engine.runner.kv_cache import KVCache
 from engine.runner.model_runner import ModelRunner
-from genserve.model_source import parse_model_source
+from genserve.common.model_source import parse_model_source
 
 # The design's assumptions (docs/design.md, "The numbers").
 DESIGN_PREFILL_TOKENS_PER_S = 10_000.0
@@ -361,16 +362,7 @@ def prefill_limit_tokens_per_s(args: ModelArgs, elem: int, chunk: int, prompt_to
             "compute_bound": prompt_tokens / (flop / flops)}
 
 
-# -- fit and load test ----------------------------------------------------------------------------
-def fit(samples: Sequence[dict[str, float]]) -> tuple[dict[str, float], dict[str, Any]]:
-    """The simulator's cost fields fitted to the measured steps (the project's fit)."""
-    try:
-        from engine.core.cost_model import fit_step_model as fit_fn
-    except ImportError:
-        from loadgen.calibrate import fit_cost_model as fit_fn
-    return fit_fn(samples)
-
-
+# -- load test ------------------------------------------------------------------------------------
 def load_test(fields: dict[str, float], num_blocks: int, plan: CheckPlan, seed: int = 0) -> dict[str, Any]:
     """The design's load test in virtual time with the fitted cost model: per rate (ascending, up
     to the first that misses the SLOs), SLO attainment and percentiles; goodput at the design's
@@ -490,7 +482,7 @@ def device_check(plan: CheckPlan, device: torch.device, *, pytest_files: bool = 
         log(f"  {name}: decode " + ", ".join(f"{r} rows {d['step_ms']:.2f} ms"
                                              for r, d in measured["decode"].items())
             + f"; batch invariance {'holds' if measured['invariance']['identical'] else 'BROKEN'}")
-    fields, quality = fit(all_samples)
+    fields, quality = fit_step_model(all_samples)      # the simulator's cost fields, the project's fit
     result["cost_model"] = {"sim_executor": fields, "fit": quality, "num_samples": len(all_samples)}
     result["comparison"] = comparison(result, args, elem, plan)
     save()

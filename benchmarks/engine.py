@@ -81,6 +81,7 @@ from typing import Literal
 import torch
 
 from benchmarks import decode_attention as attention_bench
+from benchmarks._measure import copy_gbps, gemm_gflops, read_gbps
 from engine import kernels
 from engine.attention.paged_sdpa import attend, decode_attention
 from engine.config import EngineConfig
@@ -170,36 +171,6 @@ def _fmt(v: float) -> str:
 
 def log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-# -- machine limits ------------------------------------------------------------------------------
-def _best_s(fn: Callable[[], object], repeats: int) -> float:
-    fn()                                            # warm-up: allocation, kernel choice
-    best = math.inf
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
-def gemm_gflops(n: int, dtype: torch.dtype, repeats: int) -> float:
-    """Best-of-`repeats` n³ `torch.matmul` rate in GFLOP/s (2·n³ FLOPs per product)."""
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    return 2 * n**3 / _best_s(lambda: torch.matmul(a, b), repeats) / 1e9
-
-
-def read_gbps(mib: int, repeats: int) -> float:
-    """Best-of-`repeats` read bandwidth of `torch.sum` over `mib` MiB of fp32, bytes read, GB/s."""
-    src = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
-    return src.numel() * src.element_size() / _best_s(lambda: src.sum(), repeats) / 1e9
-
-
-def copy_gbps(mib: int, repeats: int) -> float:
-    """Best-of-`repeats` bandwidth of `dst.copy_(src)` over `mib` MiB, bytes read + written, GB/s."""
-    src = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
-    dst = torch.empty_like(src)
-    return 2 * src.numel() * src.element_size() / _best_s(lambda: dst.copy_(src), repeats) / 1e9
 
 
 # -- model FLOPs and bytes -----------------------------------------------------------------------
@@ -295,8 +266,10 @@ def profiled_parts(prof: torch.profiler.profile, split: bool) -> dict[str, float
 
 # -- driving the engine --------------------------------------------------------------------------
 @dataclass(slots=True)
-class StepRecord:
-    """One forward pass: its shape, model FLOPs and times (seconds)."""
+class TimedStep:
+    """One engine step this benchmark timed (`Bench.run`): its shape, model FLOPs and times
+    (seconds), and the profiler's seconds per part when the step was profiled. Not the engine's
+    own `engine.snapshot.StepRecord` (the step chart's record)."""
 
     rows: int             # plan.num_decode_rows
     prefill: int          # plan.num_prefill_tokens
@@ -351,13 +324,13 @@ class Bench:
             reqs.append(req)
         return reqs
 
-    def run(self, engine: Engine, on_record: Callable[[StepRecord], None] | None = None,
-            max_steps: int = 100_000) -> list[StepRecord]:
+    def run(self, engine: Engine, on_record: Callable[[TimedStep], None] | None = None,
+            max_steps: int = 100_000) -> list[TimedStep]:
         """Step `engine` on this thread until idle, timing every pass that ran a plan."""
         ran: list[tuple[StepPlan, float]] = []
         listener = lambda plan, events, s: ran.append((plan, s))  # noqa: E731
         engine.step_listeners.append(listener)
-        records: list[StepRecord] = []
+        records: list[TimedStep] = []
         try:
             for _ in range(max_steps):
                 with engine.lock:
@@ -383,9 +356,9 @@ class Bench:
                     continue
                 plan, step_s = plans[-1]
                 dec = [s.end for s in plan.segments if getattr(s, "decode", s.length == 1)]
-                rec = StepRecord(plan.num_decode_rows, plan.num_prefill_tokens,
-                                 plan_flops(plan, self.args),
-                                 statistics.fmean(dec) if dec else 0.0, step_s, wall, parts)
+                rec = TimedStep(plan.num_decode_rows, plan.num_prefill_tokens,
+                                plan_flops(plan, self.args),
+                                statistics.fmean(dec) if dec else 0.0, step_s, wall, parts)
                 records.append(rec)
                 if on_record is not None:
                     on_record(rec)
@@ -425,7 +398,7 @@ class Bench:
                 + s.profile_steps + s.breakdown_steps + s.split_steps + 16)
 
     def decode(self, prompt_len: int, profile: bool = False
-               ) -> tuple[dict[int, list[StepRecord]], list[StepRecord], list[StepRecord]]:
+               ) -> tuple[dict[int, list[TimedStep]], list[TimedStep], list[TimedStep]]:
         """The decode sweep: rows go 48 → 32 → 8 → 1 by cancelling the newest requests.
 
         Returns the counted steps per row count; `breakdown_steps` more 32-row steps, profiled
@@ -448,14 +421,14 @@ class Bench:
                           prefill_token_budget_few_rows=s.decode_chunk)
         max_tokens = self.decode_max_tokens(prompt_len)
         reqs = self.submit(eng, self.prompts(max(phases), prompt_len), max_tokens)
-        counted: dict[int, list[StepRecord]] = {rows: [] for rows in phases}
-        breakdown: list[StepRecord] = []
-        split: list[StepRecord] = []
+        counted: dict[int, list[TimedStep]] = {rows: [] for rows in phases}
+        breakdown: list[TimedStep] = []
+        split: list[TimedStep] = []
         st = {"phase": 0, "seen": 0, "prof": None, "prof_left": 0, "breakdown": False,
               "splitting": False}
         saved_loop = self.executor.decode_loop
 
-        def on_record(rec: StepRecord) -> None:
+        def on_record(rec: TimedStep) -> None:
             if st["breakdown"]:
                 if rec.rows == 32 and rec.prefill == 0 and rec.parts:
                     breakdown.append(rec)

@@ -32,7 +32,7 @@ from engine.config import EngineConfig
 from engine.model.weights import load_gguf, open_gguf
 from engine.runner.builder import attach_weights, engine_from_model, model_from_weights, set_threads
 from engine.runner.kv_cache import bytes_per_block
-from genserve.model_source import parse_model_source
+from genserve.common.model_source import parse_model_source
 
 FORMATS = ("auto", "int8")
 

@@ -29,7 +29,7 @@ even ones (so a drift of the machine's speed during the run weighs on both alike
 level: output tokens/s (tokens received by all streams / wall time from sending the first request
 to the end of the last stream), TTFT p50/p95 (request sent to the first event with text), TPOT p50,
 the client's CPU per token, and the ratio genserve / llama.cpp of tokens/s. The host's bf16 GEMM
-rate and read bandwidth (`benchmarks.engine.gemm_gflops` / `read_gbps`) are measured before the
+rate and read bandwidth (`benchmarks._measure.gemm_gflops` / `read_gbps`) are measured before the
 servers start and after they stop, so the figures say what the machine was doing that day.
 
 Both servers and the client share this machine's cores; the server not being measured is idle
@@ -59,8 +59,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
-from genserve.supervisor import free_port
+from benchmarks._measure import gemm_gflops, read_gbps
+from genserve.deploy.supervisor import free_port
 
 GENSERVE = "genserve"
 LLAMA_CPP = "llama.cpp"
@@ -467,11 +469,8 @@ def llama_server(argv: list[str], port: int, timeout_s: float = START_TIMEOUT_S)
 
 def host_figures(threads: int) -> dict:
     """bf16 GEMM rate (GFLOP/s) and read bandwidth (GB/s) of this host now, with `threads` torch
-    threads (`benchmarks.engine.gemm_gflops` / `read_gbps` at its full-run sizes)."""
-    import torch
-
-    from benchmarks.engine import gemm_gflops, read_gbps
-
+    threads (`benchmarks._measure.gemm_gflops` / `read_gbps` at `python -m benchmarks.engine`'s
+    full-run sizes)."""
     torch.set_num_threads(threads)
     return {"gemm_bf16_gflops": gemm_gflops(GEMM_N, torch.bfloat16, GEMM_REPEATS),
             "read_gbps": read_gbps(READ_MIB, READ_REPEATS)}
@@ -555,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from engine.model.weights import default_gguf_path
     from engine.tokenizer import Tokenizer
-    from loadgen.calibrate import LiveServer
+    from loadgen.live_server import LiveServer
 
     gguf = default_gguf_path()
     tokenizer = Tokenizer.from_gguf(gguf)

@@ -38,7 +38,7 @@ import time
 
 import httpx
 
-from loadgen.calibrate import LiveServer
+from loadgen.live_server import LiveServer
 
 SYSTEM_SENTENCE = ("You are the support assistant of a company that makes bicycles, e-bikes and "
                    "their spare parts; answer politely, precisely, and cite the manual section. ")

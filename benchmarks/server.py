@@ -45,9 +45,9 @@ import subprocess
 import sys
 import time
 
-from genserve.supervisor import free_port
-from loadgen.calibrate import LiveServer
+from genserve.deploy.supervisor import free_port
 from loadgen.clients import RestClient, run_open_loop
+from loadgen.live_server import LiveServer
 from loadgen.workload import WorkItem
 
 

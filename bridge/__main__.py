@@ -3,7 +3,7 @@
 Each option also reads an environment variable (GENSERVE_GRPC_TARGET,
 BRIDGE_HOST, BRIDGE_PORT, GENSERVE_MODEL_NAME, GENSERVE_MAX_BODY_BYTES).
 Logs are JSON lines (GENSERVE_LOG_FORMAT=text for a terminal); traces go where
-GENSERVE_OTEL_EXPORTER says (off, console, otlp; see genserve.telemetry).
+GENSERVE_OTEL_EXPORTER says (off, console, otlp; see genserve.common.telemetry).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import os
 
 from bridge.app import DEFAULT_MODEL_NAME, MAX_BODY_BYTES
 from bridge.server import run
-from genserve.telemetry import setup_logging, setup_tracing
+from genserve.common.telemetry import setup_logging, setup_tracing
 
 
 def main(argv: list[str] | None = None) -> None:

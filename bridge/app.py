@@ -15,7 +15,7 @@ UTF-8 (400) and at most `max_body_bytes` (1 MiB by default: 413), checked before
 
 Each completion is one OpenTelemetry span ("POST /v1/completions") whose W3C trace context goes
 to the engine in the gRPC metadata, so the engine's span joins the same trace (see
-`genserve.telemetry`); events: started, first_token, finished (per sample), error.
+`genserve.common.telemetry`); events: started, first_token, finished (per sample), error.
 
 The bridge only translates. It forwards `Authorization: Bearer <key>` as gRPC
 metadata `authorization`, maps gRPC status codes to HTTP (errors.py), and turns
@@ -58,13 +58,13 @@ from opentelemetry import trace
 from bridge.chat import chat_completions
 from bridge.completions import completions
 from bridge.console import INDEX_HTML, STATIC_DIR, snapshot_event
-from bridge.errors import DEFAULT_RETRY_AFTER_S, ApiError, add_exception_handlers, from_grpc
+from bridge.errors import ApiError, DEFAULT_RETRY_AFTER_S, add_exception_handlers, from_grpc
 from bridge.metrics import BridgeMetrics
-from bridge.middleware import MAX_BODY_BYTES, BodyGuard, ResponseCounter
+from bridge.middleware import BodyGuard, MAX_BODY_BYTES, ResponseCounter
 from bridge.protocol import UINT32_MAX
-from bridge.sse import SSE_KEEPALIVE_S, SSEResponse, read_first, sse_data, sse_error
+from bridge.sse import SSEResponse, SSE_KEEPALIVE_S, read_first, sse_data, sse_error
 from bridge.state import Backend, BridgeState, auth_metadata, bridge_state
-from genserve.model_name import DEFAULT_MODEL_NAME
+from genserve.common.model_name import DEFAULT_MODEL_NAME
 from genserve.v1 import generate_pb2 as pb
 
 log = logging.getLogger(__name__)

@@ -21,10 +21,10 @@ from fastapi import Depends, Request
 from fastapi.responses import Response
 
 from bridge.errors import ApiError
-from bridge.protocol import FINISH_REASON_NAME, ChatCompletionRequest, timing_json
+from bridge.protocol import ChatCompletionRequest, FINISH_REASON_NAME, timing_json
 from bridge.serving import generate
 from bridge.state import BridgeState, bridge_state
-from genserve.chat_messages import ChatError
+from genserve.common.chat_messages import ChatError
 from genserve.v1 import generate_pb2 as pb
 
 

@@ -1,7 +1,7 @@
 """The bridge's own Prometheus metrics, and the engines', on one `GET /metrics`.
 
 Both the bridge and every engine export the standard `process_*` series; each process labels
-them `component="bridge"` or `component="engine"` (`genserve.process_metrics`), and with several
+them `component="bridge"` or `component="engine"` (`genserve.common.process_metrics`), and with several
 engines each engine sample also gets a `replica` label, so every family is declared once and
 every process's series stay apart.
 """
@@ -17,7 +17,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from genserve.process_metrics import ComponentProcessCollector
+from genserve.common.process_metrics import ComponentProcessCollector
 
 ENGINE_SCRAPE_TIMEOUT_S = 2.0
 REPLICA_LABEL = "replica"

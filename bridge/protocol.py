@@ -15,7 +15,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 from pydantic import field_validator, model_validator
 
-from genserve.chat_messages import parse_messages
+from genserve.common.chat_messages import parse_messages
 from genserve.v1 import generate_pb2 as pb
 
 UINT32_MAX = 2**32 - 1
@@ -191,7 +191,7 @@ class StreamOptions(BaseModel):
 class ChatCompletionRequest(SamplingBody):
     """Body of POST /v1/chat/completions.
 
-    ``messages`` is checked by `to_proto` (genserve/chat_messages.py: roles, content types), which
+    ``messages`` is checked by `to_proto` (genserve/common/chat_messages.py: roles, content types), which
     raises ChatError naming the field (``messages[1].role``), a 400; the template is the engine's
     (an INVALID_ARGUMENT naming ``messages`` when it refuses them).
     """

@@ -22,7 +22,7 @@ def run(
     """Serve the bridge on host:port until interrupted, talking to grpc_target.
 
     uvicorn's own logging setup is skipped (`log_config=None`): its loggers go through the
-    root handler, which `genserve.telemetry.setup_logging` makes write JSON lines.
+    root handler, which `genserve.common.telemetry.setup_logging` makes write JSON lines.
     """
     app = create_app(grpc_target, model_name, engine_metrics_url=engine_metrics_url,
                      max_body_bytes=max_body_bytes)

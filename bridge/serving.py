@@ -22,7 +22,7 @@ from bridge.spans import SpanNotes, span_error
 from bridge.sse import (Builder, SSEResponse, cancel_on_disconnect, drain, read_cancelled_by_us, read_first,
                         sse_events)
 from bridge.state import BridgeState, auth_metadata
-from genserve.telemetry import REQUEST_ID, inject_metadata
+from genserve.common.telemetry import REQUEST_ID, inject_metadata
 from genserve.v1 import generate_pb2 as pb
 
 

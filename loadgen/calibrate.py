@@ -33,18 +33,15 @@ import json
 import os
 import pathlib
 import platform
-import queue
-import subprocess
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from genserve.supervisor import free_port
 from loadgen import stats as st
+from loadgen.live_server import LiveServer
 from loadgen.workload import LengthMix, WorkItem, arrival_times, synthetic_workload
 
 GRID_ROWS = (1, 4, 16, 32)
@@ -52,7 +49,6 @@ GRID_PREFILL = (0, 64, 256, 512)
 GRID_CONTEXT = (32, 256, 1536)     # 1,536: the design's long contexts, for the attention term
 RATE_FRACTIONS = (0.1, 0.2, 0.3)
 QUEUE_BUDGET_S = 60.0          # no 429s in the comparison: both sides queue everything
-START_TIMEOUT_S = 300.0
 
 
 # -- 1. measure ---------------------------------------------------------------------------------
@@ -66,7 +62,6 @@ def measure_grid(rows: Sequence[int] = GRID_ROWS, prefill: Sequence[int] = GRID_
     """Step samples of the real model: [{rows, prefill, context, pairs, ms}], and engine facts."""
     from engine.config import EngineConfig
     from engine.core.request import Request, SamplingParams
-    from engine.core.sim_executor import SimExecutor
     from engine.runner.builder import build_engine
 
     # The server's defaults, except a row cap above 32 so a probe can join 32 decoding rows.
@@ -139,83 +134,6 @@ def fit_cost_model(samples: Sequence[dict[str, float]]) -> tuple[dict[str, float
 
 
 # -- 3. compare ---------------------------------------------------------------------------------
-class LiveServer:
-    """`genserve serve` on free localhost ports, started and stopped by this process."""
-
-    def __init__(self, queue_budget_s: float = QUEUE_BUDGET_S, extra_args: Sequence[str] = (),
-                 start_timeout_s: float = START_TIMEOUT_S) -> None:
-        self.port, self.grpc_port, self.metrics_port = free_port(), free_port(), free_port()
-        exe = pathlib.Path(sys.executable).with_name("genserve")
-        cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "genserve.cli"]
-        self.argv = cmd + ["serve", "--port", str(self.port), "--grpc-port", str(self.grpc_port),
-                           "--metrics-port", str(self.metrics_port), "--queue-budget-s", f"{queue_budget_s:g}",
-                                *extra_args]
-        self.proc: subprocess.Popen | None = None
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.start_timeout_s = start_timeout_s
-
-    def __enter__(self) -> "LiveServer":
-        """Start the server and wait for its ready line. Raises RuntimeError (with the output's
-        last 40 lines) if it exits, or prints no ready line within `start_timeout_s` seconds,
-        even while it prints nothing at all."""
-        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        lines: queue.Queue[str | None] = queue.Queue()
-        started = threading.Event()
-
-        def pump(stdout) -> None:       # drains the pipe for the server's whole life
-            for line in stdout:
-                if not started.is_set():
-                    lines.put(line)
-            lines.put(None)             # the server closed its output: it has exited
-
-        threading.Thread(target=pump, args=(self.proc.stdout,), daemon=True).start()
-        deadline = time.monotonic() + self.start_timeout_s
-        tail: list[str] = []
-        while True:
-            try:
-                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                line = None
-            if line is not None and "genserve ready" in line:
-                started.set()
-                return self
-            if line is None or time.monotonic() > deadline:
-                self.__exit__(None, None, None)
-                raise RuntimeError("genserve did not start within "
-                                   f"{self.start_timeout_s:g} s:\n" + "".join(tail))
-            tail = (tail + [line])[-40:]
-
-    def metrics(self) -> dict[str, float]:
-        import httpx
-        from prometheus_client.parser import text_string_to_metric_families
-
-        out = {}
-        for fam in text_string_to_metric_families(httpx.get(f"{self.url}/metrics", timeout=10).text):
-            for s in fam.samples:
-                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-                out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-        return out
-
-    def wait_idle(self, timeout_s: float = 120.0) -> dict[str, float]:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            m = self.metrics()
-            if m.get("genserve_running_rows", 0) == 0 and m.get("genserve_queue_depth", 0) == 0:
-                return m
-            if time.monotonic() > deadline:
-                raise RuntimeError("the live server did not go idle")
-            time.sleep(0.2)
-
-    def __exit__(self, *exc) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()             # the supervisor stops engine and bridge
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
 def capacity_rps(fields: dict[str, float], mix: LengthMix, rows: int = 32) -> float:
     """Requests/s the fitted model serves when full: 1 / (device time of an average request with
     `rows` rows sharing each decode step; docs/design.md's 2 requests/s for its own numbers)."""
@@ -255,7 +173,7 @@ def compare(fields: dict[str, float], facts: dict[str, Any], *, scale: float, ra
     workloads = {r: synthetic_workload(arrival_times(r, duration_s=duration_s, seed=seed), mix, seed=seed)
                  for r in rates}
     live: dict[float, list[st.RequestRecord]] = {}
-    with LiveServer() as server:
+    with LiveServer(QUEUE_BUDGET_S) as server:
         warm = synthetic_workload([0.5 * i for i in range(8)], mix, seed=seed + 1)
 
         async def warm_up() -> None:        # first requests through bridge and engine pay set-up costs

@@ -63,8 +63,8 @@ def _ratio(metrics: dict[str, float]) -> dict[str, float | None]:
 def run_live(policy: str, workloads: dict[float, list[WorkItem]], extra_args: Sequence[str], *, seed: int,
              scale: float, progress: bool = True) -> dict[str, Any]:
     """One server with `extra_args`, the warm-up, then every rate's items; records and ratios per rate."""
-    from loadgen.calibrate import LiveServer
     from loadgen.clients import RestClient, run_open_loop
+    from loadgen.live_server import LiveServer
 
     mix = LengthMix.design(scale)
     out: dict[str, Any] = {"records": {}, "ratio": {}, "argv": None}

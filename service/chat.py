@@ -10,7 +10,7 @@ whole. The rendering follows transformers' ``apply_chat_template``
 ``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols`` extension, a ``tojson`` filter, and the
 ``raise_exception`` and ``strftime_now`` globals, so a template behaves here as it does there.
 
-Messages are checked first (genserve/chat_messages.py); every error names the field
+Messages are checked first (genserve/common/chat_messages.py); every error names the field
 (``messages[2].role``) and becomes a 400.
 """
 
@@ -25,7 +25,7 @@ import jinja2
 import jinja2.ext
 import jinja2.sandbox
 
-from genserve.chat_messages import ChatError, ChatMessage
+from genserve.common.chat_messages import ChatError, ChatMessage
 
 
 def _raise_exception(message: str) -> NoReturn:

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.config_cli import add_engine_config_args, engine_config_argv, engine_config_from_args
-from genserve.model_name import DEFAULT_MODEL_NAME
-from genserve.model_source import RANDOM_SHAPES, parse_model_source
+from genserve.common.model_name import DEFAULT_MODEL_NAME
+from genserve.common.model_source import RANDOM_SHAPES, parse_model_source
 
 DRAIN_GRACE_S = 30.0          # SIGTERM: how long open streams may run on, seconds
 
@@ -26,7 +26,7 @@ class ProcessOptions:
     """Settings of one engine process that are not engine dials.
 
     Attributes:
-        model_path: the model to serve, a `--model` value (`genserve.model_source`: a GGUF file,
+        model_path: the model to serve, a `--model` value (`genserve.common.model_source`: a GGUF file,
             a Hugging Face safetensors directory, or random:SHAPE[:seed=N]; None: the embedded
             model, DEFAULT_MODEL_NAME).
         metrics_port: port of the engine's Prometheus /metrics (None: not served).
@@ -87,7 +87,7 @@ def options_from_args(args: argparse.Namespace) -> ProcessOptions:
     """The ProcessOptions given by the flags of `add_engine_args`.
 
     Raises:
-        ValueError: --model is not a valid spelling (`genserve.model_source.parse_model_source`).
+        ValueError: --model is not a valid spelling (`genserve.common.model_source.parse_model_source`).
     """
     parse_model_source(args.model_path)
     return ProcessOptions(model_path=args.model_path, metrics_port=args.metrics_port,

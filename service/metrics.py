@@ -3,7 +3,7 @@
 Gauges are read from the scheduler at scrape time (one consistent snapshot under the engine
 lock), so they can never drift from the truth; histograms and counters are fed by the engine's
 step listener and by the servicer (rejections). The process's own `process_*` series (memory,
-CPU, file descriptors, start time) carry `component="engine"` (`genserve.process_metrics`).
+CPU, file descriptors, start time) carry `component="engine"` (`genserve.common.process_metrics`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from prometheus_client.registry import Collector
 from engine.core.engine import Engine
 from engine.core.outputs import FinishReason, TokenEvent
 from engine.core.plan import StepPlan
-from genserve.process_metrics import ComponentProcessCollector
+from genserve.common.process_metrics import ComponentProcessCollector
 
 PROMPT_BUCKETS = (256, 1024, 4096, 8192)            # prompt-length bucket upper bounds, tokens
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 1.5,

@@ -31,8 +31,8 @@ from prometheus_client import start_http_server
 
 from engine.config import EngineConfig
 from engine.runner.builder import LoadedEngine, build_engine
-from genserve.ports import PortInUse, check_ports_free
-from genserve.telemetry import setup_logging, setup_tracing
+from genserve.common.ports import PortInUse, check_ports_free
+from genserve.common.telemetry import setup_logging, setup_tracing
 from genserve.v1 import generate_pb2 as pb, generate_pb2_grpc as pb_grpc
 from service.auth import Authenticator
 from service.chat import template_for
@@ -63,7 +63,7 @@ class EngineServer:
     Args:
         config: engine dials.
         host, port: where to serve gRPC (port 0: any free port; see `port` after `start`).
-        model_path: the model, a `--model` value (`genserve.model_source`; None: the embedded one).
+        model_path: the model, a `--model` value (`genserve.common.model_source`; None: the embedded one).
         auth: API keys (default: from the environment).
         metrics_port: serve Prometheus metrics on it (None: off).
         drain_grace_s: how long SIGTERM lets open streams run on.

@@ -39,7 +39,7 @@ from engine.core.outputs import FinishReason, TokenEvent
 from engine.core.request import Request
 from engine.core.sched.scheduler import AdmissionRejected
 from engine.core.snapshot import LatencySummary, SchedulerSnapshot, SnapshotSource
-from genserve.telemetry import REQUEST_ID, extract_metadata
+from genserve.common.telemetry import REQUEST_ID, extract_metadata
 from genserve.v1 import generate_pb2 as pb, generate_pb2_grpc as pb_grpc
 from service.auth import ANONYMOUS, Authenticator
 from service.handoff import LoopHandoff
@@ -126,7 +126,7 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
         metrics: counts rejections by code (optional).
         max_buffered_events: bound of each request's output buffer (see the module doc).
         tracer: OpenTelemetry tracer (default: the global provider's; a no-op unless tracing
-            was set up, see `genserve.telemetry`).
+            was set up, see `genserve.common.telemetry`).
 
     The engine's scheduler thread hands each `TokenEvent` to the loop through a `LoopHandoff`,
     flushed by a step listener after each step's events (one loop wake-up per step), so token ids

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 from engine.config import EngineConfig
 from engine.core.request import SamplingParams
-from genserve.chat_messages import ChatError, parse_messages
+from genserve.common.chat_messages import ChatError, parse_messages
 from genserve.v1 import generate_pb2 as pb
 from service.chat import ChatTemplate
 from service.stop import MAX_STOP_CHARS, MAX_STOP_STRINGS

@@ -1,4 +1,4 @@
-"""genserve.model_source: the spellings of --model and the served model's name."""
+"""genserve.common.model_source: the spellings of --model and the served model's name."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pathlib
 
 import pytest
 
-from genserve.model_name import DEFAULT_MODEL_NAME
-from genserve.model_source import ModelSource, parse_model_source
+from genserve.common.model_name import DEFAULT_MODEL_NAME
+from genserve.common.model_source import ModelSource, parse_model_source
 
 
 def test_nothing_is_the_embedded_model():
@@ -49,7 +49,7 @@ def test_bad_spellings_say_why(spec, message):
 
 def test_random_shapes_all_build():
     from engine.model.weights import random_shape
-    from genserve.model_source import RANDOM_SHAPES
+    from genserve.common.model_source import RANDOM_SHAPES
 
     assert random_shape("llama-2-7b").n_layers == 32
     for name in RANDOM_SHAPES:
@@ -57,7 +57,7 @@ def test_random_shapes_all_build():
 
 
 def test_genserve_serve_names_the_model_for_the_bridge():
-    from genserve.cli import bridge_argv, build_parser
+    from genserve.deploy.cli import bridge_argv, build_parser
 
     args = build_parser().parse_args(["serve", "--no-envoy", "--model", "random:llama-2-7b:seed=3"])
     argv = bridge_argv(args)

@@ -14,8 +14,8 @@ import sys
 import pytest
 from grpc_health.v1 import health_pb2
 
-from genserve.ports import PortInUse, check_ports_free, port_is_free
-from genserve.supervisor import free_port
+from genserve.common.ports import PortInUse, check_ports_free, port_is_free
+from genserve.deploy.supervisor import free_port
 
 EXIT_PORT_IN_USE = 3
 RUN_TIMEOUT_S = 120
@@ -92,7 +92,7 @@ def test_genserve_serve_checks_every_port_before_starting(which):
         ports[which] = taken
         what = {"public": "Envoy listener", "grpc": "engine 0 gRPC", "metrics": "engine 0 metrics",
                 "bridge": "bridge", "envoy-admin": "Envoy admin"}[which]
-        proc = run("-m", "genserve.cli", "serve", "--port", str(ports["public"]),
+        proc = run("-m", "genserve.deploy.cli", "serve", "--port", str(ports["public"]),
                    "--grpc-port", str(ports["grpc"]), "--metrics-port", str(ports["metrics"]),
                    "--bridge-port", str(ports["bridge"]), "--envoy-admin-port", str(ports["envoy-admin"]))
     assert proc.returncode == EXIT_PORT_IN_USE, proc.stdout[-1000:] + proc.stderr[-2000:]
@@ -109,7 +109,7 @@ def test_genserve_serve_checks_the_second_replica_port():
             except OSError:
                 continue                     # first + 1 is taken by someone else: pick again
             sock.listen()
-            proc = run("-m", "genserve.cli", "serve", "--port", str(free_port()), "--grpc-port", str(first),
+            proc = run("-m", "genserve.deploy.cli", "serve", "--port", str(free_port()), "--grpc-port", str(first),
                        "--replicas", "2", "--metrics-port", str(free_port()))
             break
     assert proc.returncode == EXIT_PORT_IN_USE, proc.stderr[-2000:]

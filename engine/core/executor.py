@@ -12,14 +12,10 @@ from engine.core.plan import StepPlan
 
 
 class Executor(Protocol):
-    """Runs the forward and sample stages of one step: `ModelRunner` (engine/runner/model_runner.py) runs the
-    network, `SimExecutor` (engine/core/sim_executor.py) a cost model in virtual time.
-
-    Attributes:
-        cost_model: per-token costs that feed the scheduler's admission control.
+    """Runs the forward and sample stages of one step: `ModelRunner` (engine/runner/model_runner.py)
+    runs the network, `SimExecutor` (engine/core/sim_executor.py) a cost model in virtual time.
+    The scheduler never sees it; the engine calls `execute` once per step.
     """
-
-    cost_model: CostModel
 
     def execute(self, plan: StepPlan) -> SampledTokens:
         """Compute `plan`'s tokens and sample one token per draw (`plan.draws`, in order)."""

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 
 from engine.core.outputs import TokenEvent
 from engine.core.plan import StepPlan
-from engine.core.request import RequestState
 
 # Block states in `SchedulerState.kv_block_states`, one byte per block.
 BLOCK_FREE = 0        # held by no request, holding nothing reusable

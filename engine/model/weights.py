@@ -433,7 +433,7 @@ def _check_shapes(args: ModelArgs, state: dict[str, torch.Tensor], source: str) 
 
 
 def random_shape(name: str) -> ModelArgs:
-    """The ``ModelArgs`` of a random model's shape name (``genserve.model_source.RANDOM_SHAPES``).
+    """The ``ModelArgs`` of a random model's shape name (``genserve.common.model_source.RANDOM_SHAPES``).
 
     "llama-2-7b" and "smollm2-135m" are ``ModelArgs.llama2_7b()`` / ``smollm2_135m()``; "tiny"
     (2 layers, dim 128, 4 query heads and 2 KV heads of 32, SwiGLU 256, vocabulary 512) is for

@@ -22,7 +22,7 @@ from engine.model.weights import load_gguf, load_safetensors, open_gguf, random_
 from engine.runner.kv_cache import KVCache, device_pool_size
 from engine.runner.model_runner import ModelRunner
 from engine.tokenizer import ByteTokenizer, Tokenizer
-from genserve.model_source import ModelSource, parse_model_source
+from genserve.common.model_source import ModelSource, parse_model_source
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +154,7 @@ def attach_weights(weights: str, network: Transformer, source: ModelSource) -> N
 
 def build_engine(config: EngineConfig, model: str | pathlib.Path | None = None,
                  model_name: str | None = None, calibrate: bool = True) -> LoadedEngine:
-    """Load the model `model` names (`genserve.model_source`; None: the embedded SmolLM2 GGUF)
+    """Load the model `model` names (`genserve.common.model_source`; None: the embedded SmolLM2 GGUF)
     on `config.device` and build a stopped engine.
 
     `config.max_context` is lowered (in place, logged) to the model's positions when above them.

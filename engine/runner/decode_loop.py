@@ -51,7 +51,7 @@ class DecodeLoop:
     q4: list[torch.Tensor] = dataclasses.field(default_factory=list)
 
     @classmethod
-    def from_model(cls, model: Transformer) -> DecodeWeights | None:
+    def from_model(cls, model: Transformer) -> DecodeLoop | None:
         """From a packed model (`Transformer.pack`, or `engine.model.quant.attach_q4`); None unless
         every block matrix packed, with no oneDNN calls of fixed size (which the C++ loop does
         not run) unless its 4-bit blocks run every product."""

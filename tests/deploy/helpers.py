@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from genserve import envoy
+from genserve.deploy import envoy
 
 CHART = envoy.CHART_DIR
 GPU_VALUES = CHART / "values-gpu.yaml"

@@ -1,6 +1,6 @@
 """The one Envoy configuration (charts/genserve/files/envoy.yaml): every rendered variant passes
 `envoy --mode validate`, and its routes, retries, health checks and limits are the ones the
-deployment relies on. genserve.envoy renders the same template for the local loopback layout.
+deployment relies on. genserve.deploy.envoy renders the same template for the local loopback layout.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from genserve import cli, envoy
+from genserve.deploy import cli, envoy
 from tests.deploy.helpers import NAMESPACE, RELEASE, VARIANTS, tool
 
 LOCAL = dict(listen_host="127.0.0.1", listen_port=8000, admin_port=9901,
@@ -68,7 +68,7 @@ def test_validate_reports_envoys_error(local_config):
         envoy.validate_envoy_config(local_config.replace("LEAST_REQUEST", "MOST_REQUEST", 1))
 
 
-# ---- genserve.envoy ---------------------------------------------------------------------------------
+# ---- genserve.deploy.envoy --------------------------------------------------------------------------
 
 def test_local_layout_has_loopback_endpoints(local_config):
     config = parse(local_config)

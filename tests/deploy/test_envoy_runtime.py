@@ -28,10 +28,9 @@ import httpx
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from genserve import envoy
-from genserve.supervisor import free_port
-from genserve.v1 import generate_pb2 as pb
-from genserve.v1 import generate_pb2_grpc as pb_grpc
+from genserve.deploy import envoy
+from genserve.deploy.supervisor import free_port
+from genserve.v1 import generate_pb2 as pb, generate_pb2_grpc as pb_grpc
 from tests.deploy.helpers import tool
 
 SERVICE = "genserve.v1.GenerateService"

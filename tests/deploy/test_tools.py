@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from genserve import envoy
+from genserve.deploy import envoy
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = (REPO / "scripts" / "tools.sh").read_text()

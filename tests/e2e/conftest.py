@@ -15,7 +15,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from genserve.supervisor import free_port
+from genserve.deploy.supervisor import free_port
 
 START_TIMEOUT_S = 240.0
 KEYED_MAX_BODY_BYTES = 65_536   # keyed_server's body limit
@@ -82,7 +82,7 @@ def start_server(*extra: str, env: dict[str, str] | None = None, replicas: int =
     afterwards."""
     port, grpc_port, metrics_port = free_port(), free_ports(replicas), free_ports(replicas)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "genserve.cli", "serve", "--port", str(port), "--grpc-port", str(grpc_port),
+        [sys.executable, "-m", "genserve.deploy.cli", "serve", "--port", str(port), "--grpc-port", str(grpc_port),
          "--metrics-port", str(metrics_port), "--kv-pool-gib", str(kv_pool_gib),
          "--replicas", str(replicas), *extra],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

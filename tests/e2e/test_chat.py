@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from engine.tokenizer import Tokenizer
-from genserve.chat_messages import parse_messages
+from genserve.common.chat_messages import parse_messages
 from service.chat import template_for
 
 MESSAGES = [{"role": "system", "content": "You answer in one short sentence."},

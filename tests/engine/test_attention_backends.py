@@ -10,7 +10,7 @@ import torch
 
 from engine import kernels as genserve_kernels
 from engine.attention import CpuBackend, FlexBackend, SdpaBackend, XformersBackend, attend_step, choose_backend
-from engine.attention.base import StepLayout, build_metadata, store_kv
+from engine.attention.base import AttentionMetadata, StepLayout, build_metadata, store_kv
 from engine.attention.xformers import xformers_step_bias
 from tests.engine.attention_oracle import paged_step_mask, step_metadata
 

@@ -8,7 +8,6 @@ from dataclasses import replace
 import pytest
 
 from engine.config import EngineConfig
-from engine.core.cost_model import StepFeatures
 from engine.core.sched.scheduler import AdmissionRejected
 from engine.core.sim_executor import SimExecutor
 from loadgen.sim import design_config, simulate

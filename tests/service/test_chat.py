@@ -7,7 +7,7 @@ import json
 import pytest
 
 from engine.tokenizer import Tokenizer
-from genserve.chat_messages import MAX_MESSAGES, ChatError, ChatMessage, parse_messages
+from genserve.common.chat_messages import ChatError, ChatMessage, MAX_MESSAGES, parse_messages
 from service.chat import ChatTemplate, template_for
 
 CONVERSATIONS = [

@@ -11,7 +11,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.config_cli import engine_config_argv
-from genserve import cli
+from genserve.deploy import cli
 from service.command_line import (DRAIN_GRACE_S, ProcessOptions, config_from_args, options_from_args,
                                   service_argv)
 from service.server import build_parser
@@ -109,7 +109,7 @@ def test_both_commands_have_the_same_engine_flags():
 
 
 def test_the_supervisor_imports_no_torch():
-    code = ("import sys, genserve.cli, service.command_line, engine.config_cli\n"
+    code = ("import sys, genserve.deploy.cli, service.command_line, engine.config_cli\n"
             "assert 'torch' not in sys.modules\n")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True,
                             timeout=120, check=False)

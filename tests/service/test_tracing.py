@@ -15,8 +15,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from bridge.app import create_app
-from genserve import telemetry
-from genserve.telemetry import REQUEST_ID, JsonFormatter, extract_metadata, inject_metadata
+from genserve.common import telemetry
+from genserve.common.telemetry import JsonFormatter, REQUEST_ID, extract_metadata, inject_metadata
 from service.servicer import GENERATE_SPAN
 from tests.service.harness import collect, request, running_server
 

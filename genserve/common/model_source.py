@@ -19,7 +19,7 @@ import pathlib
 import re
 from dataclasses import dataclass
 
-from genserve.model_name import DEFAULT_MODEL_NAME
+from genserve.common.model_name import DEFAULT_MODEL_NAME
 
 # Shapes a random model can take (engine.model.weights.random_shape builds their ModelArgs).
 RANDOM_SHAPES = ("llama-2-7b", "smollm2-135m", "tiny")

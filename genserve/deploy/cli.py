@@ -7,11 +7,11 @@ Layout (the Kubernetes deployment's, on one machine):
                  gRPC     -> engines (127.0.0.1:--grpc-port + i, i < --replicas)
 
 Envoy's configuration is the Helm chart's one template (`charts/genserve/files/envoy.yaml`),
-rendered by `genserve.envoy` with loopback upstreams: the same routes, retries, health checks
+rendered by `genserve.deploy.envoy` with loopback upstreams: the same routes, retries, health checks
 (a killed or draining replica leaves rotation within about 2 s) and Cancel sweep across replicas.
 `--no-envoy` runs without it: the bridge on --host:--port talks to the one engine directly.
 
-Every process is a child, as it would be a container, supervised by `genserve.supervisor`: a child
+Every process is a child, as it would be a container, supervised by `genserve.deploy.supervisor`: a child
 that dies is restarted with back-off. While no engine serves, the bridge answers 503 with Retry-After and the engines cluster
 takes a restarted replica back once its health check says SERVING.
 
@@ -30,11 +30,11 @@ import sys
 import tempfile
 import time
 
-from genserve import envoy
-from genserve.model_source import parse_model_source
-from genserve.ports import PortInUse, check_ports_free
-from genserve.supervisor import (STOP_TIMEOUT_S, Child, free_port, supervise, wait_engine_ready,
-                                 wait_http_ok)
+from genserve.common.model_source import parse_model_source
+from genserve.common.ports import PortInUse, check_ports_free
+from genserve.deploy import envoy
+from genserve.deploy.supervisor import (STOP_TIMEOUT_S, Child, free_port, supervise, wait_engine_ready,
+                                        wait_http_ok)
 from service.command_line import (HelpFormatter, add_engine_args, config_from_args, options_from_args,
                                   service_argv)
 

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 
 import yaml
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]     # genserve/deploy/envoy.py
 CHART_DIR = REPO_ROOT / "charts" / "genserve"
 CONFIGMAP_TEMPLATE = "templates/envoy-configmap.yaml"
 CONFIG_KEY = "envoy.yaml"

@@ -1,0 +1,49 @@
+"""The machine-limit measurements the benchmarks share: best-of-N timing, the bf16/fp32 GEMM
+rate, and memory read and copy bandwidth, all with torch on this process's threads.
+
+`benchmarks.engine` prints them as the machine's limits, `benchmarks.decode_attention` measures its
+kernel against `read_gbps`, and `benchmarks.peer` records `gemm_gflops` and `read_gbps` before and
+after its run. This module imports nothing else of the repository, so any benchmark can import it
+at the top.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def best_s(fn: Callable[[], object], repeats: int) -> float:
+    """The shortest wall time of `repeats` calls of `fn`, in seconds (`time.perf_counter`), after
+    one untimed warm-up call (allocation, kernel choice)."""
+    fn()                                            # warm-up: allocation, kernel choice
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def gemm_gflops(n: int, dtype: torch.dtype, repeats: int) -> float:
+    """Best-of-`repeats` n³ `torch.matmul` rate in GFLOP/s (2·n³ FLOPs per product)."""
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    return 2 * n**3 / best_s(lambda: torch.matmul(a, b), repeats) / 1e9
+
+
+def read_gbps(mib: int, repeats: int) -> float:
+    """Best-of-`repeats` read bandwidth of `torch.sum` over `mib` MiB of fp32, bytes read, GB/s
+    (10⁹ bytes per second)."""
+    src = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
+    return src.numel() * src.element_size() / best_s(lambda: src.sum(), repeats) / 1e9
+
+
+def copy_gbps(mib: int, repeats: int) -> float:
+    """Best-of-`repeats` bandwidth of `dst.copy_(src)` over `mib` MiB, bytes read + written, GB/s
+    (10⁹ bytes per second)."""
+    src = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * src.element_size() / best_s(lambda: dst.copy_(src), repeats) / 1e9
