@@ -40,7 +40,8 @@ class EngineConfig:
         queue_budget_s: device-seconds of queued work above which submit answers 429 (2.0 s).
         output_token_weight: fair-queueing weight of an output token, prompt token = 1 (12).
         default_deadline_s: wall-clock limit of a request from arrival, in seconds.
-        dtype: "bfloat16" (default, fastest on CPU) or "float32".
+        dtype: `DTYPES`: "bfloat16" (default, fastest on CPU), "float32", or "float16" (on the CPU
+            with torch ops, not genserve's kernels).
         num_threads: torch intra-op threads; 0 means "the cores this process may use".
         batching: how batches form (the design's scheduler comparison; `BATCHING_MODES`):
             "continuous" (default): rows join and leave at every step, prefill in chunks of

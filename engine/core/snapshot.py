@@ -66,11 +66,12 @@ class SchedulerState:
         queued_device_s: estimated device-seconds of queued work (s).
         queue_budget_s: the device-seconds above which a new request is refused with 429 (s).
         block_size: tokens per KV block.
-        kv_block_states: one byte per KV block, `BLOCK_FREE` / `BLOCK_USED` / `BLOCK_SHARED`, indexed by block id; its length is the pool's block count.
+        kv_block_states: one byte per KV block, `BLOCK_FREE` / `BLOCK_USED` / `BLOCK_SHARED` /
+            `BLOCK_CACHED`, indexed by block id; its length is the pool's block count.
         kv_blocks_free: blocks free for new work and holding nothing reusable.
         kv_blocks_cached: blocks no request holds that keep a prompt prefix for reuse (prefix
-            caching; they are taken back when the free ones run out). The block map cannot yet
-            tell them from free blocks: they show as `BLOCK_FREE` there.
+            caching; they are taken back when the free ones run out); `BLOCK_CACHED` in the
+            block map.
         rejected_total: requests refused for the queue budget (429) since start.
         preemptions_total: preemptions since start.
         finished_total: requests ended since start.

@@ -30,6 +30,13 @@ engine runs the same steps as plain torch ops (`TorchLayerOps`) and attention th
 fused SDPA; the engine logs which one it runs.
 
 Why each kernel exists, with what it measured against torch's ops: docs/benchmarks/kernels.md.
+
+The kernels are compiled with `-ffast-math`, which lets the compiler reassociate floating-point
+sums. Their batch invariance and their bit-equality with oneDNN do not rest on the source order:
+they rest on what is checked — the load-time probes (`engine.model.linear.onednn_k_chunk`,
+`pack_weights`' checks, `engine.attention.probe`) and the bitwise tests of every kernel against a
+batch of one and against oneDNN (tests/engine/test_*.py) — and every row's reduction is computed
+by one loop whose shape does not depend on the batch.
 """
 
 from __future__ import annotations
