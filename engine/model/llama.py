@@ -73,6 +73,27 @@ class RMSNorm(nn.Module):
         return TorchLayerOps.rms_norm(x, self.weight, self.eps)
 
 
+def fused_block_matrices(state: dict[str, torch.Tensor], n_layers: int, n_heads: int,
+                         n_kv_heads: int) -> dict[str, torch.Tensor]:
+    """The fused matrices of every block from the loader's separate ones (`weights.py` names):
+    `layers.{i}.attention.wqkv` = Q | K | V rows, Q and K in interleaved-RoPE order
+    (`interleave_rope_rows`, whole rows moved, so it serves the GGUF's 4-bit blocks as well as
+    numbers), `attention.wo`, `feed_forward.w13` = gate | up rows, and `feed_forward.w2`.
+    Raises KeyError on a missing tensor."""
+    fused: dict[str, torch.Tensor] = {}
+    for i in range(n_layers):
+        p = f"layers.{i}."
+        fused[p + "attention.wqkv"] = torch.cat([
+            interleave_rope_rows(state[p + "attention.wq.weight"], n_heads),
+            interleave_rope_rows(state[p + "attention.wk.weight"], n_kv_heads),
+            state[p + "attention.wv.weight"]])
+        fused[p + "attention.wo"] = state[p + "attention.wo.weight"]
+        fused[p + "feed_forward.w13"] = torch.cat([state[p + "feed_forward.w1.weight"],
+                                                   state[p + "feed_forward.w3.weight"]])
+        fused[p + "feed_forward.w2"] = state[p + "feed_forward.w2.weight"]
+    return fused
+
+
 class Attention(nn.Module):
     """GQA self-attention with a fused QKV projection over the paged KV cache."""
 
@@ -178,16 +199,9 @@ class Transformer(nn.Module):
             "norm.weight": state["norm.weight"],
             "output": state["output.weight"],
         }
+        fused.update(fused_block_matrices(state, args.n_layers, args.n_heads, args.n_kv_heads))
         for i in range(args.n_layers):
             p = f"layers.{i}."
-            fused[p + "attention.wqkv"] = torch.cat([
-                interleave_rope_rows(state[p + "attention.wq.weight"], args.n_heads),
-                interleave_rope_rows(state[p + "attention.wk.weight"], args.n_kv_heads),
-                state[p + "attention.wv.weight"]])
-            fused[p + "attention.wo"] = state[p + "attention.wo.weight"]
-            fused[p + "feed_forward.w13"] = torch.cat(
-                [state[p + "feed_forward.w1.weight"], state[p + "feed_forward.w3.weight"]])
-            fused[p + "feed_forward.w2"] = state[p + "feed_forward.w2.weight"]
             for norm in ("attention_norm", "ffn_norm"):
                 fused[p + norm + ".weight"] = state[p + norm + ".weight"]
         fused = {k: (t.float() if k.endswith("norm.weight") else t.to(dtype)).to(device).contiguous()

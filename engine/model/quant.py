@@ -41,15 +41,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine import kernels
+from engine.model.llama import Transformer, fused_block_matrices
 from engine.model.linear import ANY_ROWS, PACKED_LINEAR_MAX_ROWS, PackedWeight, onednn_tiled, vnni_pack
-from engine.model.rope import interleave_rope_rows
 from engine.model.weights import (Q4_1_BLOCK_BYTES, Q8_0_BLOCK_BYTES, load_gguf_output_q8_0,
                                   load_gguf_q4_1)
 
 if TYPE_CHECKING:
     import gguf
-
-    from engine.model.llama import Transformer
 
 log = logging.getLogger(__name__)
 
@@ -136,26 +134,6 @@ def amx_pack(blocks: torch.Tensor, block_bytes: int = Q4_1_BLOCK_BYTES) -> torch
     return torch.cat(parts, dim=-1).reshape(n, row_bytes).contiguous()
 
 
-def fused_q4_blocks(blocks: dict[str, torch.Tensor], n_layers: int, n_heads: int,
-                    n_kv_heads: int) -> dict[str, torch.Tensor]:
-    """Per layer, the raw blocks of the fused matrices `Transformer.from_state_dict` builds:
-    `layers.{i}.attention.wqkv` (Q and K rows in interleaved-RoPE order, whole rows of blocks
-    moved), `attention.wo`, `feed_forward.w13` (gate then up) and `feed_forward.w2`, each uint8
-    [out, in / 32 · 20] in GGUF block format (`q4_pack` takes them)."""
-    fused: dict[str, torch.Tensor] = {}
-    for i in range(n_layers):
-        p = f"layers.{i}."
-        fused[p + "attention.wqkv"] = torch.cat([
-            interleave_rope_rows(blocks[p + "attention.wq.weight"], n_heads),
-            interleave_rope_rows(blocks[p + "attention.wk.weight"], n_kv_heads),
-            blocks[p + "attention.wv.weight"]])
-        fused[p + "attention.wo"] = blocks[p + "attention.wo.weight"]
-        fused[p + "feed_forward.w13"] = torch.cat([blocks[p + "feed_forward.w1.weight"],
-                                                   blocks[p + "feed_forward.w3.weight"]])
-        fused[p + "feed_forward.w2"] = blocks[p + "feed_forward.w2.weight"]
-    return fused
-
-
 def amx_matches_onednn(weight: torch.Tensor, packed: PackedWeight, blocks: torch.Tensor,
                        op: str = "q4_amx_linear") -> bool:
     """Whether `op` (`q4_amx_linear`, or `q8_amx_linear` for Q8_0 blocks) over `blocks`
@@ -232,7 +210,7 @@ def attach_q4(model: Transformer, source: str | pathlib.Path | gguf.GGUFReader |
         raise ValueError("weights 'q4' needs genserve's q4_linear kernel, built only for CPUs "
                          "with AVX512-BF16 (and g++); use weights 'bf16'")
     args = model.args
-    fused = fused_q4_blocks(load_gguf_q4_1(source), args.n_layers, args.n_heads, args.n_kv_heads)
+    fused = fused_block_matrices(load_gguf_q4_1(source), args.n_layers, args.n_heads, args.n_kv_heads)
     amx_checked: dict[tuple[int, int], bool] = {}
     for i, layer in enumerate(model.layers):
         for module, name in ((layer.attention, "wqkv"), (layer.attention, "wo"),
