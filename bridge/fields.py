@@ -41,10 +41,6 @@ GENSERVE = "genserve"
 _NO_VALUE = object()
 
 
-def _always(_: Any) -> bool:
-    return True
-
-
 @dataclass(frozen=True, slots=True)
 class Rule:
     """One request field's policy.
@@ -105,9 +101,11 @@ ENGINE_PENDING: dict[str, tuple[Callable[[Any], bool], str]] = {
 
 
 def _engine(name: str, probe: Any, refused: Any, notes: str, origin: str = OPENAI) -> Rule:
-    """A sampling control waiting for the engine (ENGINE_PENDING), or honoured once it is not."""
+    """A sampling control waiting for the engine (ENGINE_PENDING), or honoured once it is not:
+    then the field walk checks that it travels as `SamplingParams.<name>` (with its `refused`
+    value as the probe), so flipping it without forwarding it fails the tests."""
     if name not in ENGINE_PENDING:
-        return Rule(HONOURED, notes, probe, origin=origin)
+        return Rule(HONOURED, notes, refused, origin=origin, grpc=f"sampling.{name}")
     accepts, neutral = ENGINE_PENDING[name]
     return Rule(ENGINE, f"{notes}; until the engine implements it only {neutral} is accepted (a no-op)",
                 probe, accepts=accepts, refused=refused, origin=origin,

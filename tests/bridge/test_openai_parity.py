@@ -7,14 +7,13 @@ import asyncio
 import json
 import logging
 
-import httpx
 import pytest
 
 from bridge.chat import ChatCompletionBuilder
 from bridge.completions import CompletionBuilder
 from genserve.v1 import generate_pb2 as pb
 from tests.bridge.fake_generate_service import FULL_TEXT, TOKENS
-from tests.bridge.sse import MODEL_NAME, data_events, parse_sse
+from tests.bridge.sse import MODEL_NAME, data_events
 
 CHAT = [{"role": "user", "content": "Say hello"}]
 
