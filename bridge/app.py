@@ -5,6 +5,9 @@
     DELETE /v1/requests/{request_id}    -> Cancel
     GET    /health                      -> grpc.health.v1 Check (or Info)
     GET    /v1/models                   -> the one served model
+    GET    /v1/models/{model}           -> that model (404 for any other name)
+    POST   /tokenize                    -> Tokenize (vLLM's endpoint)
+    POST   /detokenize                  -> Detokenize (vLLM's endpoint)
     GET    /metrics                     -> the bridge's and the engine's Prometheus metrics
     GET    /                            -> the web console (playground + live scheduler view)
     GET    /static/...                  -> the console's files (bridge/static/)
@@ -30,12 +33,14 @@ modules listed below it:
     chat.py         POST /v1/chat/completions: handler and ChatCompletionBuilder
     completions.py  POST /v1/completions: handler and CompletionBuilder
     serving.py      the Generate call both share: span, first message, JSON or SSE answer
+    fanout.py       several Generate calls (one per prompt) read as one
     state.py        BridgeState, the gRPC backend, the `bridge_state` dependency
     sse.py          SSE framing, SSEResponse, reading a gRPC stream into a response
     spans.py        the request span's events
     middleware.py   BodyGuard (body size, type, UTF-8), ResponseCounter
     errors.py       the error body, gRPC -> HTTP status, validation errors, exception handlers
     protocol.py     request bodies -> GenerateRequest; response fields both endpoints share
+    fields.py       the field policy: every request field honoured, accepted or not supported
     console.py      the web console's files and snapshot JSON
     metrics.py      the bridge's Prometheus metrics and the engines', for GET /metrics
 """
@@ -61,9 +66,10 @@ from bridge.console import INDEX_HTML, STATIC_DIR, snapshot_event
 from bridge.errors import ApiError, DEFAULT_RETRY_AFTER_S, add_exception_handlers, from_grpc
 from bridge.metrics import BridgeMetrics
 from bridge.middleware import BodyGuard, MAX_BODY_BYTES, ResponseCounter
-from bridge.protocol import UINT32_MAX
+from bridge.protocol import UINT32_MAX, DetokenizeRequest, TokenizeRequest
 from bridge.sse import SSEResponse, SSE_KEEPALIVE_S, read_first, sse_data, sse_error
 from bridge.state import Backend, BridgeState, auth_metadata, bridge_state
+from genserve.common.chat_messages import ChatError
 from genserve.common.model_name import DEFAULT_MODEL_NAME
 from genserve.v1 import generate_pb2 as pb
 
@@ -73,6 +79,7 @@ log = logging.getLogger(__name__)
 HEALTH_SERVICE_NAME = "genserve.v1.GenerateService"
 HEALTH_TIMEOUT_S = 2.0
 CANCEL_TIMEOUT_S = 5.0
+TOKENIZE_TIMEOUT_S = 30.0
 # Cancel a client that reads nothing for 30 s (docs/design.md, "Fairness, cancellation and streaming").
 SLOW_CLIENT_TIMEOUT_S = 30.0
 
@@ -141,6 +148,9 @@ def _add_routes(router: APIRouter) -> None:
     router.add_api_route("/health", health, methods=["GET"], description=no_description)
     router.add_api_route("/metrics", prometheus_metrics, methods=["GET"], description=no_description)
     router.add_api_route("/v1/models", models, methods=["GET"], description=no_description)
+    router.add_api_route("/v1/models/{model:path}", model_info, methods=["GET"], description=no_description)
+    router.add_api_route("/tokenize", tokenize, methods=["POST"], description=no_description)
+    router.add_api_route("/detokenize", detokenize, methods=["POST"], description=no_description)
     router.add_api_route("/v1/console/events", console_events, methods=["GET"], description=no_description)
     router.add_api_route("/", console_page, methods=["GET"], description=no_description,
                          include_in_schema=False)
@@ -150,15 +160,23 @@ def _add_routes(router: APIRouter) -> None:
 
 async def cancel(request_id: str, request: Request,
                  state: Annotated[BridgeState, Depends(bridge_state)]) -> JSONResponse:
-    """DELETE /v1/requests/{request_id}: the Cancel call. Raises ApiError when it fails."""
-    try:
-        await state.connect().generate.Cancel(
-            pb.CancelRequest(request_id=request_id),
-            metadata=auth_metadata(request),
-            timeout=CANCEL_TIMEOUT_S,
-        )
-    except grpc.aio.AioRpcError as err:
-        raise from_grpc(err) from None
+    """DELETE /v1/requests/{request_id}: the Cancel call (one per prompt's call for a completion
+    with several prompts, `BridgeState.groups`). Raises ApiError when it fails (for a group: when
+    every call's Cancel failed, with the first failure)."""
+    failure: ApiError | None = None
+    cancelled = 0
+    for call_id in state.groups.get(request_id, [request_id]):
+        try:
+            await state.connect().generate.Cancel(
+                pb.CancelRequest(request_id=call_id),
+                metadata=auth_metadata(request),
+                timeout=CANCEL_TIMEOUT_S,
+            )
+            cancelled += 1
+        except grpc.aio.AioRpcError as err:
+            failure = failure or from_grpc(err)
+    if not cancelled:
+        raise failure
     return JSONResponse({"request_id": request_id, "cancelled": True})
 
 
@@ -179,6 +197,53 @@ async def models(state: Annotated[BridgeState, Depends(bridge_state)]) -> JSONRe
     """GET /v1/models: the one served model, OpenAI's list shape."""
     model = {"id": state.model_name, "object": "model", "created": state.created_at, "owned_by": "genserve"}
     return JSONResponse({"object": "list", "data": [model]})
+
+
+async def model_info(model: str, state: Annotated[BridgeState, Depends(bridge_state)]) -> JSONResponse:
+    """GET /v1/models/{model}: the served model (OpenAI's retrieve); any other name is a 404 in
+    OpenAI's error shape."""
+    if model != state.model_name:
+        raise ApiError(404, f"The model '{model}' does not exist; this server serves '{state.model_name}'",
+                       code="model_not_found", param="model", type="invalid_request_error")
+    return JSONResponse({"id": state.model_name, "object": "model", "created": state.created_at,
+                         "owned_by": "genserve"})
+
+
+async def tokenize(body: TokenizeRequest, request: Request,
+                   state: Annotated[BridgeState, Depends(bridge_state)]) -> JSONResponse:
+    """POST /tokenize (vLLM's): `{"prompt": ...}` or `{"messages": [...]}` -> `{"tokens", "count",
+    "max_model_len", "token_strs"}`, counted as a completion's prompt is (the engine's Tokenize).
+
+    Raises ApiError: 400 naming the field at fault, or the Tokenize call's status mapped.
+    """
+    refused = body.policy_refusal()
+    if refused is not None:
+        raise ApiError(400, refused.message, code="unsupported_parameter", param=refused.field)
+    try:
+        proto = body.to_proto()
+    except ChatError as e:
+        raise ApiError(400, str(e), code="invalid_argument", param=e.field) from None
+    try:
+        reply = await state.connect().generate.Tokenize(proto, metadata=auth_metadata(request),
+                                                        timeout=TOKENIZE_TIMEOUT_S)
+    except grpc.aio.AioRpcError as err:
+        raise from_grpc(err) from None
+    tokens = list(reply.tokens)
+    return JSONResponse({"count": len(tokens), "max_model_len": reply.max_context, "tokens": tokens,
+                         "token_strs": None})
+
+
+async def detokenize(body: DetokenizeRequest, request: Request,
+                     state: Annotated[BridgeState, Depends(bridge_state)]) -> JSONResponse:
+    """POST /detokenize (vLLM's): `{"tokens": [...]}` -> `{"prompt": text}` (the engine's
+    Detokenize). Raises ApiError: the call's status mapped (400 for an id outside the vocabulary)."""
+    try:
+        reply = await state.connect().generate.Detokenize(pb.DetokenizeRequest(tokens=body.tokens),
+                                                          metadata=auth_metadata(request),
+                                                          timeout=TOKENIZE_TIMEOUT_S)
+    except grpc.aio.AioRpcError as err:
+        raise from_grpc(err) from None
+    return JSONResponse({"prompt": reply.text})
 
 
 async def console_page() -> FileResponse:

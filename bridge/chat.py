@@ -9,12 +9,18 @@ the model's chat template (service/chat.py) and tokenizes the result; each Token
 the sample's ``finish_reason``. Sampling fields, ``n``, ``stop``, ``seed`` and the engine's limits
 are those of completions; ``logprobs`` is a boolean with ``top_logprobs`` alternatives (0 to 5,
 the engine's limit), reported in the chat shape ``{"content": [{token, logprob, bytes,
-top_logprobs}]}``. ``max_completion_tokens`` is OpenAI's newer name for ``max_tokens``.
+top_logprobs}]}``, where ``bytes`` are each token's own (a token may hold part of a character:
+its ``token`` is then the text it completes, possibly empty, while the ``bytes`` of the entries,
+joined, are the answer's bytes) and an alternative's ``token`` shows a partial character as
+U+FFFD. ``max_completion_tokens`` is OpenAI's newer name for ``max_tokens``; without either, the
+engine allows as many tokens as its limit and the context leave. A completion's id is
+``chatcmpl-<hex>``, also its request id unless the client sent ``X-Request-Id``.
 """
 
 from __future__ import annotations
 
 import time
+import uuid
 from typing import Annotated, Any
 
 from fastapi import Depends, Request
@@ -27,6 +33,8 @@ from bridge.state import BridgeState, bridge_state
 from genserve.common.chat_messages import ChatError
 from genserve.v1 import generate_pb2 as pb
 
+CHAT_ID_PREFIX = "chatcmpl-"
+
 
 class ChatCompletionBuilder:
     """Turns the messages of one Generate stream into chat chunks and a chat completion.
@@ -37,15 +45,18 @@ class ChatCompletionBuilder:
         num_samples: n.
         logprobs: whether the client asked for logprobs.
         include_usage: stream a last chunk with the usage (``stream_options.include_usage``).
+        continuous_usage: every chunk of a choice carries its usage so far
+            (``stream_options.continuous_usage_stats``, vLLM's).
     """
 
     def __init__(self, *, model: str, created: int, num_samples: int, logprobs: bool,
-                 include_usage: bool = False) -> None:
+                 include_usage: bool = False, continuous_usage: bool = False) -> None:
         self.model = model
         self.created = created
         self.num_samples = num_samples
         self.logprobs = logprobs
         self.include_usage = include_usage
+        self.continuous_usage = continuous_usage
         self.request_id = ""
         self.prompt_tokens = 0
         self._text: dict[int, list[str]] = {i: [] for i in range(num_samples)}
@@ -61,16 +72,26 @@ class ChatCompletionBuilder:
 
     @property
     def completion_id(self) -> str:
-        """The chat completion's id: OpenAI's ``chatcmpl-`` prefix on the engine's request id."""
-        return f"chatcmpl-{self.request_id}"
+        """The chat completion's id: the request id when it has OpenAI's ``chatcmpl-`` prefix (the
+        bridge's own ids do), else that prefix on it."""
+        if self.request_id.startswith(CHAT_ID_PREFIX):
+            return self.request_id
+        return CHAT_ID_PREFIX + self.request_id
 
     def _chunk(self, choices: list[dict], **extra: Any) -> dict:
         chunk = {"id": self.completion_id, "object": "chat.completion.chunk",
                  "created": self.created, "model": self.model, "choices": choices,
                  "request_id": self.request_id, **extra}
-        if self.include_usage:
+        if self.continuous_usage and len(choices) == 1:
+            chunk.setdefault("usage", self._choice_usage(choices[0]["index"]))
+        if self.include_usage or self.continuous_usage:
             chunk.setdefault("usage", None)
         return chunk
+
+    def _choice_usage(self, index: int) -> dict:
+        completion = self._completion_tokens.get(index, len(self._text.get(index, ())))
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion}
 
     def events_for(self, msg: pb.GenerateResponse) -> list[dict]:
         """Record one message; return the chunks it makes (Started: one role chunk per sample)."""
@@ -88,9 +109,12 @@ class ChatCompletionBuilder:
             self._text.setdefault(tok.index, []).append(tok.text)
             entry = None
             if tok.HasField("logprob"):
-                entry = {"token": tok.text, "logprob": tok.logprob, "bytes": list(tok.text.encode()),
+                # Each token's own bytes (an engine without them: its text's).
+                entry = {"token": tok.text, "logprob": tok.logprob,
+                         "bytes": list(tok.token_bytes or tok.text.encode()),
                          "top_logprobs": [{"token": t.text, "logprob": t.logprob,
-                                           "bytes": list(t.text.encode())} for t in tok.top_logprobs]}
+                                           "bytes": list(t.token_bytes or t.text.encode())}
+                                          for t in tok.top_logprobs]}
                 self._logprobs.setdefault(tok.index, []).append(entry)
             return [self._chunk([{"index": tok.index, "delta": {"content": tok.text},
                                   "logprobs": None if entry is None else {"content": [entry]},
@@ -139,14 +163,21 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
     """POST /v1/chat/completions: one Generate call with the messages, answered as a
     `chat.completion` or (`stream`) as `chat.completion.chunk` SSE events (`ChatCompletionBuilder`).
 
-    Raises ApiError: 400 naming the message field at fault (`messages[1].role`), or as
-    `bridge.completions.completions` does.
+    Raises ApiError: 400 naming the message field at fault (`messages[1].role`) or a field the
+    policy refuses (bridge/fields.py), or as `bridge.completions.completions` does.
     """
+    refused = body.policy_refusal()
+    if refused is not None:
+        raise ApiError(400, refused.message, code="unsupported_parameter", param=refused.field)
+    request_id = request.headers.get("x-request-id") or f"{CHAT_ID_PREFIX}{uuid.uuid4().hex}"
     try:
-        proto = body.to_proto(request_id=request.headers.get("x-request-id", ""))
+        proto = body.to_proto(request_id=request_id)
     except ChatError as e:
         raise ApiError(400, str(e), code="invalid_argument", param=e.field) from None
+    stream = bool(body.stream)
     builder = ChatCompletionBuilder(model=state.model_name, created=int(time.time()),
                                     num_samples=body.num_samples, logprobs=bool(body.logprobs),
-                                    include_usage=body.include_usage)
-    return await generate(request, state, "/v1/chat/completions", proto, builder, bool(body.stream))
+                                    include_usage=stream and body.include_usage,
+                                    continuous_usage=stream and body.continuous_usage)
+    return await generate(request, state, "/v1/chat/completions", proto, builder, stream,
+                          recorded=body.recorded_fields())

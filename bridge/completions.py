@@ -2,8 +2,11 @@
 and OpenAI completion JSON (`CompletionBuilder`); the request body is
 `bridge.protocol.CompletionRequest`.
 
-One `CompletionBuilder` follows one Generate stream. Each message gives at most
-one event; the builder also accumulates the whole completion for stream=false.
+One `CompletionBuilder` follows one Generate stream (with several prompts, one per prompt read as
+one by `bridge.fanout.CallGroup`, whose choice indices are prompt-major, then by sample). Each
+message gives at most one event (Started: one echo event per choice with `echo`; the last
+Finished also a usage chunk with `stream_options.include_usage`); the builder also accumulates the
+whole completion for stream=false, where `best_of` picks each prompt's `n` best samples.
 
 A token event is at once the design's event `{request_id, index, text, token_id,
 logprob?}` and an OpenAI completion chunk (`id`, `object`, `created`, `model`,
@@ -12,16 +15,20 @@ logprob?}` and an OpenAI completion chunk (`id`, `object`, `created`, `model`,
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import Annotated, Any
+
+import grpc
 
 from fastapi import Depends, Request
 from fastapi.responses import Response
 
+from bridge.errors import ApiError, from_grpc
 from bridge.protocol import FINISH_REASON_NAME, CompletionRequest, timing_json, timing_ms
 from bridge.serving import generate
-from bridge.state import BridgeState, bridge_state
+from bridge.state import BridgeState, auth_metadata, bridge_state
 from genserve.v1 import generate_pb2 as pb
 
 
@@ -40,17 +47,44 @@ class _Sample:
     completion_tokens: int = 0
     timing: pb.Timing | None = None
 
+    def mean_logprob(self) -> float:
+        """The mean of its tokens' logprobs (`best_of`'s ranking); -inf without any."""
+        values = [v for v in self.token_logprobs if v is not None]
+        return sum(values) / len(values) if values else -math.inf
+
 
 class CompletionBuilder:
-    """Turns the messages of one Generate stream into events and a completion."""
+    """Turns the messages of one Generate stream into events and a completion.
 
-    def __init__(self, *, model: str, created: int, num_samples: int, logprobs: bool) -> None:
+    Args:
+        model: the served model's name.
+        created: Unix time (s) of the request.
+        num_samples: samples the stream carries, all prompts together.
+        logprobs: whether the client asked for logprobs.
+        num_prompts: prompts of the request (their samples are consecutive indices).
+        echo: each prompt's text, to start its choices' text with (`echo`), or None.
+        n: choices per prompt in the answer (fewer than the samples with `best_of`).
+        include_usage: stream a last chunk with the usage (`stream_options.include_usage`).
+        continuous_usage: every streamed chunk carries its choice's usage so far
+            (`stream_options.continuous_usage_stats`).
+    """
+
+    def __init__(self, *, model: str, created: int, num_samples: int, logprobs: bool,
+                 num_prompts: int = 1, echo: list[str] | None = None, n: int | None = None,
+                 include_usage: bool = False, continuous_usage: bool = False) -> None:
         self.model = model
         self.created = created
         self.num_samples = num_samples
         self.logprobs = logprobs  # whether the client asked for logprobs
+        self.echo = echo
+        self.num_prompts = num_prompts
+        self.samples_per_prompt = num_samples // num_prompts
+        self.n = self.samples_per_prompt if n is None else n
+        self.include_usage = include_usage
+        self.continuous_usage = continuous_usage
         self.request_id = ""
         self.prompt_tokens = 0
+        self.prompt_tokens_each: list[int] = []      # per prompt; a CallGroup fills it
         self._samples: dict[int, _Sample] = {}
         self._finished: set[int] = set()
 
@@ -62,8 +96,17 @@ class CompletionBuilder:
     def _sample(self, index: int) -> _Sample:
         return self._samples.setdefault(index, _Sample())
 
+    def _prompt_index(self, index: int) -> int:
+        return min(index // self.samples_per_prompt, self.num_prompts - 1) if self.samples_per_prompt else 0
+
+    def _choice_usage(self, index: int) -> dict:
+        prompt = (self.prompt_tokens_each[self._prompt_index(index)]
+                  if self.prompt_tokens_each else self.prompt_tokens)
+        completion = self._sample(index).completion_tokens
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
     def _chunk(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
-        return {
+        chunk = {
             "id": self.request_id,
             "object": "text_completion",
             "created": self.created,
@@ -74,11 +117,33 @@ class CompletionBuilder:
             "request_id": self.request_id,
             "index": index,
         }
+        if self.continuous_usage:
+            chunk["usage"] = self._choice_usage(index)
+        elif self.include_usage:
+            chunk["usage"] = None
+        return chunk
 
     def events_for(self, msg: pb.GenerateResponse) -> list[dict]:
-        """Record one message; return the SSE events it makes (none for Started, else one)."""
+        """Record one message; return the SSE events it makes, in order."""
+        if msg.WhichOneof("event") == "started":
+            self.on_message(msg)
+            if not self.echo:
+                return []
+            events = []
+            for index in range(self.num_samples):
+                text = self.echo[self._prompt_index(index)]
+                self._sample(index).text_offset = len(text)
+                event = self._chunk(index, text, None, None)
+                event["text"] = text
+                events.append(event)
+            return events
         event = self.on_message(msg)
-        return [] if event is None else [event]
+        events = [] if event is None else [event]
+        if msg.WhichOneof("event") == "finished" and self.include_usage and self.all_finished:
+            events.append({"id": self.request_id, "object": "text_completion", "created": self.created,
+                           "model": self.model, "choices": [], "usage": self.usage(),
+                           "request_id": self.request_id})
+        return events
 
     def on_message(self, msg: pb.GenerateResponse) -> dict | None:
         """Record one message; return the SSE event it makes (None for Started)."""
@@ -113,11 +178,11 @@ class CompletionBuilder:
             sample.top_logprobs.append(top)
             sample.text_offsets.append(sample.text_offset)
         sample.text_offset += len(tok.text)
-        event = self._chunk(tok.index, tok.text, logprobs, None)
+        event = self._chunk(tok.index, tok.text, logprobs if self.logprobs else None, None)
         event["text"] = tok.text
         event["token_id"] = tok.token_id
         event["position"] = tok.position
-        if tok.HasField("logprob"):
+        if tok.HasField("logprob") and self.logprobs:
             event["logprob"] = tok.logprob
         return event
 
@@ -142,14 +207,33 @@ class CompletionBuilder:
             event["detail"] = fin.detail
         return event
 
+    def usage(self) -> dict:
+        """Token counts of the whole request: every prompt once, every sample drawn."""
+        completion_tokens = sum(s.completion_tokens for s in self._samples.values())
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": self.prompt_tokens + completion_tokens}
+
+    def _chosen(self) -> list[tuple[int, _Sample]]:
+        """(choice index, sample) of the answer: every sample, or with `best_of` each prompt's
+        `n` samples of highest mean token logprob, best first."""
+        if self.n >= self.samples_per_prompt:
+            return sorted(self._samples.items())
+        chosen = []
+        for k in range(self.num_prompts):
+            first = k * self.samples_per_prompt
+            candidates = [(i, self._sample(i)) for i in range(first, first + self.samples_per_prompt)]
+            candidates.sort(key=lambda c: (-c[1].mean_logprob(), c[0]))
+            chosen += [(k * self.n + rank, sample) for rank, (_, sample) in enumerate(candidates[:self.n])]
+        return chosen
+
     def completion(self) -> dict:
         """The whole completion, OpenAI-style (for stream=false)."""
         choices = []
-        for index in sorted(self._samples):
-            sample = self._samples[index]
+        for index, sample in self._chosen():
+            echo = self.echo[index // self.n] if self.echo else ""
             choice = {
                 "index": index,
-                "text": "".join(sample.text),
+                "text": echo + "".join(sample.text),
                 "logprobs": None,
                 "finish_reason": sample.finish_reason,
             }
@@ -163,7 +247,6 @@ class CompletionBuilder:
             if sample.detail:
                 choice["detail"] = sample.detail
             choices.append(choice)
-        completion_tokens = sum(s.completion_tokens for s in self._samples.values())
         timings = [s.timing for s in self._samples.values() if s.timing is not None]
         timing = None
         if timings:
@@ -175,11 +258,7 @@ class CompletionBuilder:
             "created": self.created,
             "model": self.model,
             "choices": choices,
-            "usage": {
-                "prompt_tokens": self.prompt_tokens,
-                "completion_tokens": completion_tokens,
-                "total_tokens": self.prompt_tokens + completion_tokens,
-            },
+            "usage": self.usage(),
             "timing": timing,
             "request_id": self.request_id,
         }
@@ -187,16 +266,46 @@ class CompletionBuilder:
 
 async def completions(body: CompletionRequest, request: Request,
                       state: Annotated[BridgeState, Depends(bridge_state)]) -> Response:
-    """POST /v1/completions: one Generate call, answered as JSON or (`stream`) as SSE.
+    """POST /v1/completions: one Generate call per prompt, answered as JSON or (`stream`) as SSE.
 
-    Raises ApiError: the Generate call failed before it started (its status mapped by
-    `bridge.errors.from_grpc`), or, without `stream`, while it ran.
+    Raises ApiError: a field the policy refuses (bridge/fields.py; 400 naming it), the Generate
+    call failed before it started (its status mapped by `bridge.errors.from_grpc`), or, without
+    `stream`, while it ran.
     """
+    refused = body.policy_refusal()
+    if refused is not None:
+        raise ApiError(400, refused.message, code="unsupported_parameter", param=refused.field)
+    prompts = body.prompts
+    echo = [await prompt_text(p, request, state) for p in prompts] if body.echo else None
     builder = CompletionBuilder(
         model=state.model_name,      # the model that answers, whatever `model` the body named
         created=int(time.time()),
-        num_samples=body.num_samples,
+        num_samples=len(prompts) * body.engine_samples,
         logprobs=body.logprobs is not None,
+        num_prompts=len(prompts),
+        echo=echo,
+        n=body.num_samples,
+        include_usage=bool(body.stream) and body.include_usage,
+        continuous_usage=bool(body.stream) and body.continuous_usage,
     )
-    proto = body.to_proto(request_id=request.headers.get("x-request-id", ""))
-    return await generate(request, state, "/v1/completions", proto, builder, bool(body.stream))
+    request_id = request.headers.get("x-request-id", "")
+    protos = [body.to_proto(p, request_id=f"{request_id}-{k}" if request_id and k else request_id)
+              for k, p in enumerate(prompts)]
+    return await generate(request, state, "/v1/completions", protos, builder, bool(body.stream),
+                          recorded=body.recorded_fields())
+
+
+async def prompt_text(prompt: Any, request: Request, state: BridgeState) -> str:
+    """A prompt as text: itself, or its token ids detokenized by the engine (`echo`).
+    Raises ApiError when the Detokenize call fails."""
+    if isinstance(prompt, str):
+        return prompt
+    try:
+        reply = await state.connect().generate.Detokenize(pb.DetokenizeRequest(tokens=prompt),
+                                                          metadata=auth_metadata(request), timeout=30)
+    except grpc.aio.AioRpcError as err:
+        error = from_grpc(err)
+        if error.param == "tokens":
+            error.param = "prompt"
+        raise error from None
+    return reply.text

@@ -60,8 +60,10 @@ class ApiError(Exception):
         code: str,
         param: str | None = None,
         headers: dict[str, str] | None = None,
+        type: str | None = None,
     ) -> None:
         super().__init__(message)
+        self.type = type
         self.status_code = status_code
         self.message = message
         self.code = code
@@ -73,7 +75,7 @@ class ApiError(Exception):
         return {
             "error": {
                 "message": self.message,
-                "type": ERROR_TYPE_OF_HTTP.get(self.status_code, "internal_error"),
+                "type": self.type or ERROR_TYPE_OF_HTTP.get(self.status_code, "internal_error"),
                 "code": self.code,
                 "param": self.param,
             }

@@ -1,20 +1,24 @@
-"""The bridge's request and response schemas: the bodies of /v1/completions and
-/v1/chat/completions and their translation to a gRPC GenerateRequest, and the response fields
-both endpoints answer alike (`finish_reason` names, the `timing` object).
+"""The bridge's request and response schemas: the bodies of /v1/completions,
+/v1/chat/completions, /tokenize and /detokenize and their translation to gRPC requests, and the
+response fields both completion endpoints answer alike (`finish_reason` names, the `timing`
+object).
 
 The bridge checks the JSON *shape*: field names, types, and that values fit the
 proto's integer types. Numeric *ranges* (max_tokens <= 1000, 0 <= top_p <= 1,
 logprobs <= 5, prompt + max_tokens <= context ...) are the service's to check;
-it answers INVALID_ARGUMENT, which the bridge maps to 400.
+it answers INVALID_ARGUMENT, which the bridge maps to 400. Which fields exist and what each does
+is bridge/fields.py's policy table (`COMPLETIONS`, `CHAT`); `policy_refusal` applies it to a
+parsed body.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 from pydantic import field_validator, model_validator
 
+from bridge.fields import CHAT, COMPLETIONS, FieldRefused, Rule, enforce, recorded
 from genserve.common.chat_messages import parse_messages
 from genserve.v1 import generate_pb2 as pb
 
@@ -93,9 +97,31 @@ def _is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= UINT32_MAX
 
 
+def _token_ids(value: list) -> list[int]:
+    if not all(_is_token_id(v) for v in value):
+        raise ValueError("token ids must be integers from 0 to 2**32-1")
+    return value
+
+
+AnyObject = dict[str, Any]
+
+
+class StreamOptions(BaseModel):
+    """OpenAI's ``stream_options``: ``include_usage`` adds a last chunk with the usage;
+    vLLM's ``continuous_usage_stats`` puts each choice's usage so far on every chunk;
+    ``include_obfuscation`` is accepted and does nothing (nothing is padded)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: StrictBool | None = False
+    continuous_usage_stats: StrictBool | None = False
+    include_obfuscation: StrictBool | None = None
+
+
 class SamplingBody(BaseModel):
     """The fields /v1/completions and /v1/chat/completions share: OpenAI's `model`, the sampling
-    settings, `n`, `stream`, and genserve's `ignore_eos` and `deadline_s`."""
+    settings, `n`, `stream`, `stream_options`, `user`, vLLM's sampling extensions and genserve's
+    `deadline_s` (bridge/fields.py says what each does)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -107,8 +133,23 @@ class SamplingBody(BaseModel):
     seed: Uint64 | None = None
     n: Uint32 | None = DEFAULT_N
     stream: StrictBool | None = False
+    stream_options: StreamOptions | None = None
     ignore_eos: StrictBool | None = False
     deadline_s: Float | None = None  # seconds from arrival; the service caps it at its default
+    user: StrictStr | None = None
+    # Sampling controls the engine will implement (bridge.fields.ENGINE_PENDING): neutral only.
+    presence_penalty: Float | None = None
+    frequency_penalty: Float | None = None
+    logit_bias: dict[str, Float] | None = None
+    repetition_penalty: Float | None = None
+    min_p: Float | None = None
+    min_tokens: Uint32 | None = None
+    stop_token_ids: list[Uint32] | None = None
+    include_stop_str_in_output: StrictBool | None = None
+    skip_special_tokens: StrictBool | None = None
+
+    # The endpoint's policy table (bridge/fields.py).
+    policy: ClassVar[dict[str, Rule]] = {}
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -120,37 +161,76 @@ class SamplingBody(BaseModel):
         """n, with null meaning the default."""
         return DEFAULT_N if self.n is None else self.n
 
+    @property
+    def include_usage(self) -> bool:
+        """Whether a streamed answer ends with a usage chunk (``stream_options.include_usage``)."""
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Whether every streamed chunk carries its choice's usage so far
+        (``stream_options.continuous_usage_stats``, vLLM's)."""
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+    def set_fields(self) -> dict[str, Any]:
+        """The fields the body sent, with their values (null ones included)."""
+        return {name: getattr(self, name) for name in self.model_fields_set}
+
+    def policy_refusal(self) -> FieldRefused | None:
+        """The first refusal of the field policy (bridge/fields.py), or None."""
+        try:
+            enforce(self.set_fields(), self.policy)
+        except FieldRefused as refused:
+            return refused
+        return None
+
+    def recorded_fields(self) -> dict[str, Any]:
+        """The fields the policy records (`user`, `metadata`, ...) that the body set."""
+        return recorded(self.set_fields(), self.policy)
+
     def sampling_proto(self) -> pb.SamplingParams:
         """The gRPC SamplingParams of these fields (`sampling_proto`)."""
         return sampling_proto(self.temperature, self.top_k, self.top_p, self.ignore_eos, self.stop,
                               self.seed)
 
 
-class CompletionRequest(SamplingBody):
-    """Body of POST /v1/completions (the design's fields plus OpenAI's `model`)."""
+PromptInput = str | list[int]
 
-    # Text, or token ids (OpenAI also allows a one-element list of either).
-    prompt: str | list[int] | None = None
+
+class CompletionRequest(SamplingBody):
+    """Body of POST /v1/completions."""
+
+    policy: ClassVar[dict[str, Rule]] = COMPLETIONS
+
+    # A string, a list of strings, token ids, or a list of token-id lists: normalized to a list
+    # of prompts, each text or token ids.
+    prompt: list[PromptInput] | None = None
     prompt_token_ids: list[Uint32] | None = None
     max_tokens: Uint32 | None = DEFAULT_MAX_TOKENS
     logprobs: Uint32 | None = None
+    echo: StrictBool | None = False
+    best_of: Uint32 | None = None
+    suffix: StrictStr | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt_shape(cls, value: Any) -> Any:
-        if value is None or isinstance(value, str):
-            return value
+        if value is None:
+            return None
+        if isinstance(value, str):
+            return [value]
         if isinstance(value, list):
-            if len(value) == 1 and isinstance(value[0], str | list):
-                value = value[0]  # OpenAI's one-prompt batch
-                if isinstance(value, str):
-                    return value
-            if all(_is_token_id(v) for v in value):
+            if not value:
+                raise ValueError("must not be an empty list")
+            if all(isinstance(v, str) for v in value):
                 return value
-            if all(isinstance(v, str | list) for v in value):
-                raise ValueError("several prompts in one request are not supported; send one per request")
-            raise ValueError("token ids must be integers from 0 to 2**32-1")
-        raise ValueError("must be a string or a list of token ids")
+            if all(isinstance(v, list) for v in value):
+                return [_token_ids(v) for v in value]
+            if not any(isinstance(v, str | list) for v in value):
+                return [_token_ids(value)]
+            raise ValueError("must be a string, a list of strings, a list of token ids, "
+                             "or a list of token-id lists")
+        raise ValueError("must be a string, a list of strings or token ids")
 
     @model_validator(mode="after")
     def _one_prompt(self) -> CompletionRequest:
@@ -158,34 +238,57 @@ class CompletionRequest(SamplingBody):
             raise ValueError("exactly one of 'prompt' or 'prompt_token_ids' is required")
         return self
 
-    def to_proto(self, request_id: str = "") -> pb.GenerateRequest:
-        """The gRPC request; null fields take OpenAI's defaults, seed/logprobs stay absent."""
+    @property
+    def prompts(self) -> list[PromptInput]:
+        """The prompts, in order (one for `prompt_token_ids`)."""
+        return self.prompt if self.prompt is not None else [self.prompt_token_ids]
+
+    @property
+    def engine_samples(self) -> int:
+        """Samples the engine draws per prompt: `best_of` (null: `n`)."""
+        return self.num_samples if self.best_of is None else self.best_of
+
+    def policy_refusal(self) -> FieldRefused | None:
+        """The policy's refusal (bridge/fields.py), or one of the combinations OpenAI refuses too:
+        `best_of` below `n` or with `stream`; `echo` with `logprobs` (not yet)."""
+        refused = super().policy_refusal()
+        if refused is not None:
+            return refused
+        if self.best_of is not None:
+            if self.best_of < self.num_samples:
+                return FieldRefused("best_of", f"'best_of' ({self.best_of}) must be at least 'n' "
+                                               f"({self.num_samples})")
+            if self.stream and self.best_of > 1:
+                return FieldRefused("best_of", "'best_of' cannot be used with 'stream' (the best "
+                                               "samples are known only once all have finished)")
+        if self.echo and self.logprobs is not None:
+            return FieldRefused("echo", "'echo' with 'logprobs' is not supported yet: the prompt's "
+                                        "logprobs will come from the engine")
+        return None
+
+    def to_proto(self, prompt: PromptInput, request_id: str = "") -> pb.GenerateRequest:
+        """The gRPC request for one of the prompts; null fields take OpenAI's defaults,
+        seed/logprobs stay absent. With `best_of` the engine draws `best_of` samples, with
+        logprobs (the choice is made on them)."""
         sampling = self.sampling_proto()
         request = pb.GenerateRequest(
             max_tokens=DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens,
             sampling=sampling,
-            n=self.num_samples,
+            n=self.engine_samples,
             request_id=request_id,
         )
         if self.logprobs is not None:
             request.logprobs = self.logprobs
+        elif self.engine_samples > self.num_samples:
+            request.logprobs = 0           # best_of ranks samples by their tokens' logprobs
         if self.deadline_s is not None:
             request.deadline_s = self.deadline_s
-        if isinstance(self.prompt, str):
-            request.prompt = self.prompt
+        if isinstance(prompt, str):
+            request.prompt = prompt
         else:
-            ids = self.prompt if self.prompt_token_ids is None else self.prompt_token_ids
             request.prompt_token_ids.SetInParent()  # set the oneof even for an empty list
-            request.prompt_token_ids.ids.extend(ids)
+            request.prompt_token_ids.ids.extend(prompt)
         return request
-
-
-class StreamOptions(BaseModel):
-    """OpenAI's ``stream_options``: ``include_usage`` adds a last chunk with the usage."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    include_usage: StrictBool | None = False
 
 
 class ChatCompletionRequest(SamplingBody):
@@ -193,15 +296,40 @@ class ChatCompletionRequest(SamplingBody):
 
     ``messages`` is checked by `to_proto` (genserve/common/chat_messages.py: roles, content types), which
     raises ChatError naming the field (``messages[1].role``), a 400; the template is the engine's
-    (an INVALID_ARGUMENT naming ``messages`` when it refuses them).
+    (an INVALID_ARGUMENT naming ``messages`` when it refuses them). Absent (or null) `max_tokens`
+    and `max_completion_tokens` leave the gRPC request's max_tokens absent: for chat the engine
+    then allows as many tokens as its limit and the context leave.
     """
+
+    policy: ClassVar[dict[str, Rule]] = CHAT
 
     messages: list[Any]
     max_tokens: Uint32 | None = None
     max_completion_tokens: Uint32 | None = None
     logprobs: StrictBool | None = False
     top_logprobs: Uint32 | None = None
-    stream_options: StreamOptions | None = None
+    # Accepted with no effect, or recorded (bridge/fields.py).
+    metadata: dict[str, StrictStr] | None = None
+    store: StrictBool | None = None
+    service_tier: StrictStr | None = None
+    safety_identifier: StrictStr | None = None
+    prompt_cache_key: StrictStr | None = None
+    prompt_cache_retention: StrictStr | None = None
+    prompt_cache_options: AnyObject | None = None
+    prediction: AnyObject | None = None
+    reasoning_effort: StrictStr | None = None
+    verbosity: StrictStr | None = None
+    parallel_tool_calls: StrictBool | None = None
+    # Not supported beyond the values that ask for nothing (bridge/fields.py).
+    response_format: AnyObject | None = None
+    tools: list[Any] | None = None
+    tool_choice: StrictStr | AnyObject | None = None
+    functions: list[Any] | None = None
+    function_call: StrictStr | AnyObject | None = None
+    modalities: list[StrictStr] | None = None
+    audio: AnyObject | None = None
+    web_search_options: AnyObject | None = None
+    moderation: AnyObject | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> ChatCompletionRequest:
@@ -211,11 +339,6 @@ class ChatCompletionRequest(SamplingBody):
                 and self.max_tokens != self.max_completion_tokens:
             raise ValueError("max_tokens and max_completion_tokens differ; send one")
         return self
-
-    @property
-    def include_usage(self) -> bool:
-        """Whether a streamed answer ends with a usage chunk (``stream_options.include_usage``)."""
-        return bool(self.stream_options and self.stream_options.include_usage)
 
     def to_proto(self, request_id: str = "") -> pb.GenerateRequest:
         """The gRPC request: the messages as `ChatMessages`, null fields at OpenAI's defaults.
@@ -235,6 +358,55 @@ class ChatCompletionRequest(SamplingBody):
             request.deadline_s = self.deadline_s
         chat = request.chat
         chat.SetInParent()
-        for m in parse_messages(self.messages):
-            chat.messages.add(role=m.role, content=m.content)
+        chat.messages.extend(chat_messages_proto(self.messages))
         return request
+
+
+def chat_messages_proto(messages: Any) -> list[pb.ChatMessage]:
+    """OpenAI-style messages as gRPC ChatMessages. Raises ChatError naming the field at fault."""
+    return [pb.ChatMessage(role=m.role, content=m.content) for m in parse_messages(messages)]
+
+
+class TokenizeRequest(BaseModel):
+    """Body of POST /tokenize (vLLM's): a `prompt`, or chat `messages` rendered with the model's
+    template, tokenized exactly as a completion's prompt is counted."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[Any] | None = None
+    # Tokens are counted as generation counts them: the model's tokenizer adds what its file says.
+    add_special_tokens: StrictBool | None = None
+    add_generation_prompt: StrictBool | None = None   # true only: generation opens the assistant turn
+    return_token_strs: StrictBool | None = None      # false only
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("exactly one of 'prompt' or 'messages' is required")
+        return self
+
+    def policy_refusal(self) -> FieldRefused | None:
+        """The values /tokenize does not support, or None."""
+        if self.add_generation_prompt is False:
+            return FieldRefused("add_generation_prompt", "'add_generation_prompt' false is not supported: "
+                                "genserve renders conversations with the assistant's turn opened")
+        if self.return_token_strs:
+            return FieldRefused("return_token_strs", "'return_token_strs' is not supported yet")
+        return None
+
+    def to_proto(self) -> pb.TokenizeRequest:
+        """The gRPC request. Raises ChatError naming a bad message's field."""
+        if self.prompt is not None:
+            return pb.TokenizeRequest(prompt=self.prompt)
+        return pb.TokenizeRequest(chat=pb.ChatMessages(messages=chat_messages_proto(self.messages)))
+
+
+class DetokenizeRequest(BaseModel):
+    """Body of POST /detokenize (vLLM's): token ids to turn into text."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: StrictStr | None = None
+    tokens: list[Uint32]

@@ -1,5 +1,5 @@
-"""The path both completion endpoints share: one Generate call, traced as one span, answered
-as JSON or as SSE (`generate`).
+"""The path both completion endpoints share: one Generate call (or one per prompt, read as one
+by `bridge.fanout.CallGroup`), traced as one span, answered as JSON or as SSE (`generate`).
 
 /v1/completions and /v1/chat/completions differ only in their request body and their response
 builder (bridge/completions.py, bridge/chat.py); `generate` runs the call for either. It reads
@@ -11,6 +11,10 @@ the stream up to Started before answering, so that errors the service finds befo
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import grpc
 from fastapi import Request
@@ -18,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from opentelemetry.trace import SpanKind
 
 from bridge.errors import ApiError, from_grpc
+from bridge.fanout import CallGroup
 from bridge.spans import SpanNotes, span_error
 from bridge.sse import (Builder, SSEResponse, cancel_on_disconnect, drain, read_cancelled_by_us, read_first,
                         sse_events)
@@ -25,17 +30,48 @@ from bridge.state import BridgeState, auth_metadata
 from genserve.common.telemetry import REQUEST_ID, inject_metadata
 from genserve.v1 import generate_pb2 as pb
 
+log = logging.getLogger(__name__)
 
-async def generate(request: Request, state: BridgeState, route: str, proto: pb.GenerateRequest,
-                   builder: Builder, stream: bool) -> Response:
-    """Run one Generate call for `route` and answer with `builder`'s JSON or SSE events.
+
+def record_fields(span, fields: Mapping[str, Any], route: str) -> None:
+    """Put the request fields the policy records (`user`, `metadata`, `store`, `service_tier`,
+    `safety_identifier`: accepted with no effect) on the span and in one log line."""
+    if not fields:
+        return
+    as_text = {name: v if isinstance(v, str) else json.dumps(v, sort_keys=True) for name, v in fields.items()}
+    span.set_attributes({f"genserve.openai.{name}": v for name, v in as_text.items()})
+    log.info("request fields recorded", extra={"route": route, "openai_fields": as_text})
+
+
+async def generate(request: Request, state: BridgeState, route: str,
+                   protos: pb.GenerateRequest | Sequence[pb.GenerateRequest], builder: Builder, stream: bool,
+                   recorded: Mapping[str, Any] | None = None) -> Response:
+    """Run the Generate call (one per GenerateRequest in `protos`, read as one `CallGroup`) for
+    `route` and answer with `builder`'s JSON or SSE events. `recorded`: fields to put on the span
+    and in the log (`record_fields`).
 
     Raises ApiError: the call failed before it started (its status mapped by `from_grpc`), or,
     without `stream`, while it ran.
     """
     span = state.tracer.start_span(f"POST {route}", kind=SpanKind.SERVER, attributes={
         "http.request.method": "POST", "http.route": route, "genserve.stream": stream})
-    call = state.connect().generate.Generate(proto, metadata=inject_metadata(auth_metadata(request), span))
+    record_fields(span, recorded or {}, route)
+    if isinstance(protos, pb.GenerateRequest):
+        protos = [protos]
+    metadata = inject_metadata(auth_metadata(request), span)
+    calls = [state.connect().generate.Generate(p, metadata=metadata) for p in protos]
+    if len(calls) == 1:
+        call = calls[0]
+    else:
+        group_id: list[str] = []
+
+        def on_ids(request_id: str, ids: list[str]) -> None:
+            group_id.append(request_id)
+            state.groups[request_id] = ids
+
+        call = CallGroup(calls, protos[0].n if protos[0].HasField("n") else 1, on_ids=on_ids,
+                         on_close=lambda: group_id and state.groups.pop(group_id[0], None))
+        builder.prompt_tokens_each = call.prompt_tokens
     streaming = False
     try:
         # Read up to Started before answering, so that errors the service finds

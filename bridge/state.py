@@ -5,7 +5,7 @@ as gRPC metadata (`auth_metadata`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from fastapi import Request
@@ -64,6 +64,9 @@ class BridgeState:
         backend: the gRPC channel and stubs: opened by the lifespan at startup (closed at
             shutdown), or by `connect` on first use when the app runs without its lifespan
             (bare ASGI use); None before either.
+        groups: the completions with several prompts running now: the request id their answer
+            carries -> each prompt's Generate call's id (`bridge.fanout.CallGroup`), so that a
+            cancel of the one cancels them all.
     """
 
     grpc_target: str
@@ -74,6 +77,7 @@ class BridgeState:
     metrics: BridgeMetrics
     keepalive_s: float = SSE_KEEPALIVE_S
     backend: Backend | None = None
+    groups: dict[str, list[str]] = field(default_factory=dict)
 
     def connect(self) -> Backend:
         """The gRPC backend, opened here when the lifespan has not opened one."""

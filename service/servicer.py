@@ -330,6 +330,38 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
             await self._abort(context, grpc.StatusCode.UNAVAILABLE, "engine is loading; retry shortly")
         return self.info
 
+    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext):
+        """Token ids of a prompt or a conversation, as Generate would count them (any valid key)."""
+        await self._authenticate(context)
+        if self.engine is None:
+            await self._unavailable(context, "engine is loading; retry shortly")
+        which = request.WhichOneof("input")
+        try:
+            if which == "prompt":
+                ids = self.validator.tokenize_prompt(request.prompt)
+            elif which == "chat":
+                ids = self.validator.tokenize_chat(request.chat)
+            else:
+                raise ValidationError("prompt", "one of prompt or chat is required")
+        except ValidationError as exc:
+            context.set_trailing_metadata(((INVALID_FIELD_METADATA, exc.field),))
+            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return pb.TokenizeResponse(tokens=ids, max_context=self.info.max_context)
+
+    async def Detokenize(self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext):
+        """The text of token ids: each token's bytes joined, control tokens as their text."""
+        await self._authenticate(context)
+        if self.engine is None:
+            await self._unavailable(context, "engine is loading; retry shortly")
+        ids = list(request.tokens)
+        try:
+            self.validator.check_token_ids(ids, "tokens")
+        except ValidationError as exc:
+            context.set_trailing_metadata(((INVALID_FIELD_METADATA, exc.field),))
+            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        text = b"".join(self.tokenizer.token_bytes(t) for t in ids).decode("utf-8", errors="replace")
+        return pb.DetokenizeResponse(text=text)
+
     async def WatchScheduler(self, request: pb.WatchSchedulerRequest, context: grpc.aio.ServicerContext):
         """Stream a `SchedulerSnapshot` every `interval_ms` until the caller cancels (any
         authenticated key may watch; a snapshot names keys by their configured names only).

@@ -70,10 +70,14 @@ class SampleStream:
         token = pb.Token(index=self.index, text=text, token_id=ev.token_id, position=ev.position)
         if self.want_logprobs and ev.logprob is not None:
             token.logprob = ev.logprob
-            token.top_logprobs.extend(
-                pb.TopLogprob(token_id=t, logprob=lp,
-                              text=self.tokenizer.token_bytes(t).decode("utf-8", errors="replace"))
-                for t, lp in ev.top_logprobs)
+            # The token's own bytes (text above may hold back or merge a split character);
+            # a control token adds no text, so no bytes either.
+            if not self.tokenizer.is_special(ev.token_id):
+                token.token_bytes = self.tokenizer.token_bytes(ev.token_id)
+            for t, lp in ev.top_logprobs:
+                raw = self.tokenizer.token_bytes(t)
+                token.top_logprobs.add(token_id=t, logprob=lp, token_bytes=raw,
+                                       text=raw.decode("utf-8", errors="replace"))
         return token
 
     def _finished(self, ev: TokenEvent) -> pb.Finished:

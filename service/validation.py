@@ -55,7 +55,8 @@ class Validator:
     def validate(self, req: pb.GenerateRequest) -> ValidRequest:
         """Return the validated request or raise `ValidationError` naming the field."""
         cfg = self.config
-        max_tokens = req.max_tokens if req.HasField("max_tokens") else DEFAULT_MAX_TOKENS
+        explicit = req.HasField("max_tokens")
+        max_tokens = req.max_tokens if explicit else DEFAULT_MAX_TOKENS
         if not 1 <= max_tokens <= cfg.max_new_tokens:
             raise ValidationError("max_tokens", f"must be between 1 and {cfg.max_new_tokens}, got {max_tokens}")
         n = req.n if req.HasField("n") else 1
@@ -63,27 +64,23 @@ class Validator:
             raise ValidationError("n", f"must be between 1 and {MAX_SAMPLES}, got {n}")
         which = req.WhichOneof("prompt_input")
         if which == "prompt":
-            if len(req.prompt) > MAX_PROMPT_CHARS:
-                raise ValidationError("prompt", f"is {len(req.prompt)} characters; the limit is {MAX_PROMPT_CHARS}")
-            prompt_ids = self.tokenizer.encode(req.prompt)
-            field = "prompt"
+            prompt_ids, field = self.tokenize_prompt(req.prompt), "prompt"
         elif which == "prompt_token_ids":
             prompt_ids = list(req.prompt_token_ids.ids)
             field = "prompt_token_ids"
-            vocab = self.tokenizer.vocab_size
-            bad = [t for t in prompt_ids if t >= vocab]
-            if bad:
-                raise ValidationError(field, f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+            self.check_token_ids(prompt_ids, field)
         elif which == "chat":
-            prompt_ids = self.tokenizer.encode(self._render_chat(req.chat))
-            bos = self.tokenizer.bos_token_id
-            if bos is not None and prompt_ids[:2] == [bos, bos]:
-                prompt_ids = prompt_ids[1:]     # the template wrote the BOS the tokenizer adds
-            field = "messages"
+            prompt_ids, field = self.tokenize_chat(req.chat), "messages"
         else:
             raise ValidationError("prompt", "one of prompt, prompt_token_ids or chat is required")
         if not prompt_ids:
             raise ValidationError(field, "is empty; at least one token is required")
+        if which == "chat" and not explicit:
+            # The chat API's default: as many tokens as the server and the context allow.
+            max_tokens = min(cfg.max_new_tokens, cfg.max_context - len(prompt_ids))
+            if max_tokens < 1:
+                raise ValidationError(field, f"render to {len(prompt_ids)} tokens, leaving no room for an "
+                                             f"answer in the {cfg.max_context}-token context")
         if len(prompt_ids) + max_tokens > cfg.max_context:
             raise ValidationError(
                 field, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) is "
@@ -95,6 +92,27 @@ class Validator:
                            logprobs=req.HasField("logprobs"))
         return ValidRequest(prompt_ids, max_tokens, sampling, self._deadline(req), n,
                             self._stop(req.sampling))
+
+    def tokenize_prompt(self, prompt: str) -> list[int]:
+        """Token ids of a text prompt (field `prompt`), as Generate counts them."""
+        if len(prompt) > MAX_PROMPT_CHARS:
+            raise ValidationError("prompt", f"is {len(prompt)} characters; the limit is {MAX_PROMPT_CHARS}")
+        return self.tokenizer.encode(prompt)
+
+    def tokenize_chat(self, chat: pb.ChatMessages) -> list[int]:
+        """Token ids of a conversation rendered with the model's chat template (field `messages`)."""
+        prompt_ids = self.tokenizer.encode(self._render_chat(chat))
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        if bos is not None and prompt_ids[:2] == [bos, bos]:
+            prompt_ids = prompt_ids[1:]     # the template wrote the BOS the tokenizer adds
+        return prompt_ids
+
+    def check_token_ids(self, ids: list[int], field: str) -> None:
+        """Raise `ValidationError` naming `field` for an id outside the vocabulary."""
+        vocab = self.tokenizer.vocab_size
+        bad = [t for t in ids if t >= vocab]
+        if bad:
+            raise ValidationError(field, f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
 
     def _render_chat(self, chat: pb.ChatMessages) -> str:
         """The conversation as prompt text, rendered with the model's chat template."""

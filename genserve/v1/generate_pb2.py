@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1agenserve/v1/generate.proto\x12\x0bgenserve.v1\"\xde\x02\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12\x31\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\x15.genserve.v1.TokenIdsH\x00\x12)\n\x04\x63hat\x18\t \x01(\x0b\x32\x19.genserve.v1.ChatMessagesH\x00\x12\x17\n\nmax_tokens\x18\x03 \x01(\rH\x01\x88\x01\x01\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.genserve.v1.SamplingParams\x12\x0e\n\x01n\x18\x05 \x01(\rH\x02\x88\x01\x01\x12\x15\n\x08logprobs\x18\x06 \x01(\rH\x03\x88\x01\x01\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x17\n\ndeadline_s\x18\x08 \x01(\x02H\x04\x88\x01\x01\x42\x0e\n\x0cprompt_inputB\r\n\x0b_max_tokensB\x04\n\x02_nB\x0b\n\t_logprobsB\r\n\x0b_deadline_s\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.genserve.v1.ChatMessage\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xb4\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x12\x0c\n\x04stop\x18\x06 \x03(\tB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seed\"\xa8\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x07started\x18\x02 \x01(\x0b\x32\x14.genserve.v1.StartedH\x00\x12#\n\x05token\x18\x03 \x01(\x0b\x32\x12.genserve.v1.TokenH\x00\x12)\n\x08\x66inished\x18\x04 \x01(\x0b\x32\x15.genserve.v1.FinishedH\x00\x42\x07\n\x05\x65vent\"4\n\x07Started\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\"\x99\x01\n\x05Token\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08token_id\x18\x03 \x01(\r\x12\x14\n\x07logprob\x18\x04 \x01(\x02H\x00\x88\x01\x01\x12\x10\n\x08position\x18\x05 \x01(\r\x12-\n\x0ctop_logprobs\x18\x06 \x03(\x0b\x32\x17.genserve.v1.TopLogprobB\n\n\x08_logprob\"=\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"\x9c\x01\n\x08\x46inished\x12\r\n\x05index\x18\x01 \x01(\r\x12)\n\x06reason\x18\x02 \x01(\x0e\x32\x19.genserve.v1.FinishReason\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.genserve.v1.Usage\x12#\n\x06timing\x18\x05 \x01(\x0b\x32\x13.genserve.v1.Timing\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\";\n\x06Timing\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x01\x12\x0e\n\x06\x65\x32\x65_ms\x18\x03 \x01(\x01\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"$\n\x0e\x43\x61ncelResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\r\n\x0bInfoRequest\"\x8e\x01\n\x0cInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x13\n\x0bmax_context\x18\x02 \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x06 \x01(\r\",\n\x15WatchSchedulerRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\r\"J\n\x16WatchSchedulerResponse\x12\x30\n\x08snapshot\x18\x01 \x01(\x0b\x32\x1e.genserve.v1.SchedulerSnapshot\"\xa1\x04\n\x11SchedulerSnapshot\x12\x13\n\x0bunix_time_s\x18\x01 \x01(\x01\x12\x0e\n\x06\x65ngine\x18\x02 \x01(\t\x12\r\n\x05steps\x18\x03 \x01(\x04\x12\x14\n\x0crunning_rows\x18\x04 \x01(\r\x12\x14\n\x0cprefill_rows\x18\x05 \x01(\r\x12\x10\n\x08max_rows\x18\x06 \x01(\r\x12%\n\x06queues\x18\x07 \x03(\x0b\x32\x15.genserve.v1.KeyQueue\x12\x17\n\x0fqueued_device_s\x18\x08 \x01(\x01\x12\x16\n\x0equeue_budget_s\x18\t \x01(\x01\x12$\n\x07kv_pool\x18\n \x01(\x0b\x32\x13.genserve.v1.KvPool\x12-\n\x0crecent_steps\x18\x0b \x03(\x0b\x32\x17.genserve.v1.StepSample\x12)\n\x04ttft\x18\x0c \x01(\x0b\x32\x1b.genserve.v1.LatencySummary\x12)\n\x04tpot\x18\r \x01(\x0b\x32\x1b.genserve.v1.LatencySummary\x12\x32\n\rmax_token_gap\x18\x0e \x01(\x0b\x32\x1b.genserve.v1.LatencySummary\x12\x18\n\x10latency_window_s\x18\x0f \x01(\x01\x12\x16\n\x0erejected_total\x18\x10 \x01(\x04\x12\x19\n\x11preemptions_total\x18\x11 \x01(\x04\x12\x16\n\x0e\x66inished_total\x18\x12 \x01(\x04\"9\n\x08KeyQueue\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06queued\x18\x02 \x01(\r\x12\x0f\n\x07running\x18\x03 \x01(\r\"\x89\x01\n\x06KvPool\x12\x12\n\nblock_size\x18\x01 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x02 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\r\x12\x13\n\x0bused_blocks\x18\x04 \x01(\r\x12\x15\n\rcached_blocks\x18\x05 \x01(\r\x12\x14\n\x0c\x62lock_states\x18\x06 \x01(\x0c\"o\n\nStepSample\x12\r\n\x05\x61ge_s\x18\x01 \x01(\x01\x12\x13\n\x0b\x64\x65\x63ode_rows\x18\x02 \x01(\r\x12\x16\n\x0eprefill_tokens\x18\x03 \x01(\r\x12\x11\n\tdecode_ms\x18\x04 \x01(\x01\x12\x12\n\nprefill_ms\x18\x05 \x01(\x01\"O\n\x0eLatencySummary\x12\r\n\x05\x63ount\x18\x01 \x01(\r\x12\x0e\n\x06p50_ms\x18\x02 \x01(\x01\x12\x0e\n\x06p95_ms\x18\x03 \x01(\x01\x12\x0e\n\x06max_ms\x18\x04 \x01(\x01*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x32\xb9\x02\n\x0fGenerateService\x12I\n\x08Generate\x12\x1c.genserve.v1.GenerateRequest\x1a\x1d.genserve.v1.GenerateResponse0\x01\x12\x41\n\x06\x43\x61ncel\x12\x1a.genserve.v1.CancelRequest\x1a\x1b.genserve.v1.CancelResponse\x12;\n\x04Info\x12\x18.genserve.v1.InfoRequest\x1a\x19.genserve.v1.InfoResponse\x12[\n\x0eWatchScheduler\x12\".genserve.v1.WatchSchedulerRequest\x1a#.genserve.v1.WatchSchedulerResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1agenserve/v1/generate.proto\x12\x0bgenserve.v1\"\xde\x02\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12\x31\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\x15.genserve.v1.TokenIdsH\x00\x12)\n\x04\x63hat\x18\t \x01(\x0b\x32\x19.genserve.v1.ChatMessagesH\x00\x12\x17\n\nmax_tokens\x18\x03 \x01(\rH\x01\x88\x01\x01\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.genserve.v1.SamplingParams\x12\x0e\n\x01n\x18\x05 \x01(\rH\x02\x88\x01\x01\x12\x15\n\x08logprobs\x18\x06 \x01(\rH\x03\x88\x01\x01\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x17\n\ndeadline_s\x18\x08 \x01(\x02H\x04\x88\x01\x01\x42\x0e\n\x0cprompt_inputB\r\n\x0b_max_tokensB\x04\n\x02_nB\x0b\n\t_logprobsB\r\n\x0b_deadline_s\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.genserve.v1.ChatMessage\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xb4\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x12\x0c\n\x04stop\x18\x06 \x03(\tB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seed\"\xa8\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x07started\x18\x02 \x01(\x0b\x32\x14.genserve.v1.StartedH\x00\x12#\n\x05token\x18\x03 \x01(\x0b\x32\x12.genserve.v1.TokenH\x00\x12)\n\x08\x66inished\x18\x04 \x01(\x0b\x32\x15.genserve.v1.FinishedH\x00\x42\x07\n\x05\x65vent\"4\n\x07Started\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\"\xae\x01\n\x05Token\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08token_id\x18\x03 \x01(\r\x12\x14\n\x07logprob\x18\x04 \x01(\x02H\x00\x88\x01\x01\x12\x10\n\x08position\x18\x05 \x01(\r\x12-\n\x0ctop_logprobs\x18\x06 \x03(\x0b\x32\x17.genserve.v1.TopLogprob\x12\x13\n\x0btoken_bytes\x18\x07 \x01(\x0c\x42\n\n\x08_logprob\"R\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x13\n\x0btoken_bytes\x18\x04 \x01(\x0c\"\x9c\x01\n\x08\x46inished\x12\r\n\x05index\x18\x01 \x01(\r\x12)\n\x06reason\x18\x02 \x01(\x0e\x32\x19.genserve.v1.FinishReason\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.genserve.v1.Usage\x12#\n\x06timing\x18\x05 \x01(\x0b\x32\x13.genserve.v1.Timing\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\";\n\x06Timing\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x01\x12\x0e\n\x06\x65\x32\x65_ms\x18\x03 \x01(\x01\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"$\n\x0e\x43\x61ncelResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\r\n\x0bInfoRequest\"\x8e\x01\n\x0cInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x13\n\x0bmax_context\x18\x02 \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x06 \x01(\r\",\n\x15WatchSchedulerRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\r\"J\n\x16WatchSchedulerResponse\x12\x30\n\x08snapshot\x18\x01 \x01(\x0b\x32\x1e.genserve.v1.SchedulerSnapshot\"\xa1\x04\n\x11SchedulerSnapshot\x12\x13\n\x0bunix_time_s\x18\x01 \x01(\x01\x12\x0e\n\x06\x65ngine\x18\x02 \x01(\t\x12\r\n\x05steps\x18\x03 \x01(\x04\x12\x14\n\x0crunning_rows\x18\x04 \x01(\r\x12\x14\n\x0cprefill_rows\x18\x05 \x01(\r\x12\x10\n\x08max_rows\x18\x06 \x01(\r\x12%\n\x06queues\x18\x07 \x03(\x0b\x32\x15.genserve.v1.KeyQueue\x12\x17\n\x0fqueued_device_s\x18\x08 \x01(\x01\x12\x16\n\x0equeue_budget_s\x18\t \x01(\x01\x12$\n\x07kv_pool\x18\n \x01(\x0b\x32\x13.genserve.v1.KvPool\x12-\n\x0crecent_steps\x18\x0b \x03(\x0b\x32\x17.genserve.v1.StepSample\x12)\n\x04ttft\x18\x0c \x01(\x0b\x32\x1b.genserve.v1.LatencySummary\x12)\n\x04tpot\x18\r \x01(\x0b\x32\x1b.genserve.v1.LatencySummary\x12\x32\n\rmax_token_gap\x18\x0e \x01(\x0b\x32\x1b.genserve.v1.LatencySummary\x12\x18\n\x10latency_window_s\x18\x0f \x01(\x01\x12\x16\n\x0erejected_total\x18\x10 \x01(\x04\x12\x19\n\x11preemptions_total\x18\x11 \x01(\x04\x12\x16\n\x0e\x66inished_total\x18\x12 \x01(\x04\"9\n\x08KeyQueue\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06queued\x18\x02 \x01(\r\x12\x0f\n\x07running\x18\x03 \x01(\r\"\x89\x01\n\x06KvPool\x12\x12\n\nblock_size\x18\x01 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x02 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\r\x12\x13\n\x0bused_blocks\x18\x04 \x01(\r\x12\x15\n\rcached_blocks\x18\x05 \x01(\r\x12\x14\n\x0c\x62lock_states\x18\x06 \x01(\x0c\"o\n\nStepSample\x12\r\n\x05\x61ge_s\x18\x01 \x01(\x01\x12\x13\n\x0b\x64\x65\x63ode_rows\x18\x02 \x01(\r\x12\x16\n\x0eprefill_tokens\x18\x03 \x01(\r\x12\x11\n\tdecode_ms\x18\x04 \x01(\x01\x12\x12\n\nprefill_ms\x18\x05 \x01(\x01\"O\n\x0eLatencySummary\x12\r\n\x05\x63ount\x18\x01 \x01(\r\x12\x0e\n\x06p50_ms\x18\x02 \x01(\x01\x12\x0e\n\x06p95_ms\x18\x03 \x01(\x01\x12\x0e\n\x06max_ms\x18\x04 \x01(\x01\"W\n\x0fTokenizeRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12)\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x19.genserve.v1.ChatMessagesH\x00\x42\x07\n\x05input\"7\n\x10TokenizeResponse\x12\x0e\n\x06tokens\x18\x01 \x03(\r\x12\x13\n\x0bmax_context\x18\x02 \x01(\r\"#\n\x11\x44\x65tokenizeRequest\x12\x0e\n\x06tokens\x18\x01 \x03(\r\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x32\xd1\x03\n\x0fGenerateService\x12I\n\x08Generate\x12\x1c.genserve.v1.GenerateRequest\x1a\x1d.genserve.v1.GenerateResponse0\x01\x12\x41\n\x06\x43\x61ncel\x12\x1a.genserve.v1.CancelRequest\x1a\x1b.genserve.v1.CancelResponse\x12;\n\x04Info\x12\x18.genserve.v1.InfoRequest\x1a\x19.genserve.v1.InfoResponse\x12[\n\x0eWatchScheduler\x12\".genserve.v1.WatchSchedulerRequest\x1a#.genserve.v1.WatchSchedulerResponse0\x01\x12G\n\x08Tokenize\x12\x1c.genserve.v1.TokenizeRequest\x1a\x1d.genserve.v1.TokenizeResponse\x12M\n\nDetokenize\x12\x1e.genserve.v1.DetokenizeRequest\x1a\x1f.genserve.v1.DetokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'genserve.v1.generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2731
-  _globals['_FINISHREASON']._serialized_end=2855
+  _globals['_FINISHREASON']._serialized_start=2992
+  _globals['_FINISHREASON']._serialized_end=3116
   _globals['_GENERATEREQUEST']._serialized_start=44
   _globals['_GENERATEREQUEST']._serialized_end=394
   _globals['_CHATMESSAGES']._serialized_start=396
@@ -48,37 +48,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STARTED']._serialized_start=881
   _globals['_STARTED']._serialized_end=933
   _globals['_TOKEN']._serialized_start=936
-  _globals['_TOKEN']._serialized_end=1089
-  _globals['_TOPLOGPROB']._serialized_start=1091
-  _globals['_TOPLOGPROB']._serialized_end=1152
-  _globals['_FINISHED']._serialized_start=1155
-  _globals['_FINISHED']._serialized_end=1311
-  _globals['_USAGE']._serialized_start=1313
-  _globals['_USAGE']._serialized_end=1370
-  _globals['_TIMING']._serialized_start=1372
-  _globals['_TIMING']._serialized_end=1431
-  _globals['_CANCELREQUEST']._serialized_start=1433
-  _globals['_CANCELREQUEST']._serialized_end=1468
-  _globals['_CANCELRESPONSE']._serialized_start=1470
-  _globals['_CANCELRESPONSE']._serialized_end=1506
-  _globals['_INFOREQUEST']._serialized_start=1508
-  _globals['_INFOREQUEST']._serialized_end=1521
-  _globals['_INFORESPONSE']._serialized_start=1524
-  _globals['_INFORESPONSE']._serialized_end=1666
-  _globals['_WATCHSCHEDULERREQUEST']._serialized_start=1668
-  _globals['_WATCHSCHEDULERREQUEST']._serialized_end=1712
-  _globals['_WATCHSCHEDULERRESPONSE']._serialized_start=1714
-  _globals['_WATCHSCHEDULERRESPONSE']._serialized_end=1788
-  _globals['_SCHEDULERSNAPSHOT']._serialized_start=1791
-  _globals['_SCHEDULERSNAPSHOT']._serialized_end=2336
-  _globals['_KEYQUEUE']._serialized_start=2338
-  _globals['_KEYQUEUE']._serialized_end=2395
-  _globals['_KVPOOL']._serialized_start=2398
-  _globals['_KVPOOL']._serialized_end=2535
-  _globals['_STEPSAMPLE']._serialized_start=2537
-  _globals['_STEPSAMPLE']._serialized_end=2648
-  _globals['_LATENCYSUMMARY']._serialized_start=2650
-  _globals['_LATENCYSUMMARY']._serialized_end=2729
-  _globals['_GENERATESERVICE']._serialized_start=2858
-  _globals['_GENERATESERVICE']._serialized_end=3171
+  _globals['_TOKEN']._serialized_end=1110
+  _globals['_TOPLOGPROB']._serialized_start=1112
+  _globals['_TOPLOGPROB']._serialized_end=1194
+  _globals['_FINISHED']._serialized_start=1197
+  _globals['_FINISHED']._serialized_end=1353
+  _globals['_USAGE']._serialized_start=1355
+  _globals['_USAGE']._serialized_end=1412
+  _globals['_TIMING']._serialized_start=1414
+  _globals['_TIMING']._serialized_end=1473
+  _globals['_CANCELREQUEST']._serialized_start=1475
+  _globals['_CANCELREQUEST']._serialized_end=1510
+  _globals['_CANCELRESPONSE']._serialized_start=1512
+  _globals['_CANCELRESPONSE']._serialized_end=1548
+  _globals['_INFOREQUEST']._serialized_start=1550
+  _globals['_INFOREQUEST']._serialized_end=1563
+  _globals['_INFORESPONSE']._serialized_start=1566
+  _globals['_INFORESPONSE']._serialized_end=1708
+  _globals['_WATCHSCHEDULERREQUEST']._serialized_start=1710
+  _globals['_WATCHSCHEDULERREQUEST']._serialized_end=1754
+  _globals['_WATCHSCHEDULERRESPONSE']._serialized_start=1756
+  _globals['_WATCHSCHEDULERRESPONSE']._serialized_end=1830
+  _globals['_SCHEDULERSNAPSHOT']._serialized_start=1833
+  _globals['_SCHEDULERSNAPSHOT']._serialized_end=2378
+  _globals['_KEYQUEUE']._serialized_start=2380
+  _globals['_KEYQUEUE']._serialized_end=2437
+  _globals['_KVPOOL']._serialized_start=2440
+  _globals['_KVPOOL']._serialized_end=2577
+  _globals['_STEPSAMPLE']._serialized_start=2579
+  _globals['_STEPSAMPLE']._serialized_end=2690
+  _globals['_LATENCYSUMMARY']._serialized_start=2692
+  _globals['_LATENCYSUMMARY']._serialized_end=2771
+  _globals['_TOKENIZEREQUEST']._serialized_start=2773
+  _globals['_TOKENIZEREQUEST']._serialized_end=2860
+  _globals['_TOKENIZERESPONSE']._serialized_start=2862
+  _globals['_TOKENIZERESPONSE']._serialized_end=2917
+  _globals['_DETOKENIZEREQUEST']._serialized_start=2919
+  _globals['_DETOKENIZEREQUEST']._serialized_end=2954
+  _globals['_DETOKENIZERESPONSE']._serialized_start=2956
+  _globals['_DETOKENIZERESPONSE']._serialized_end=2990
+  _globals['_GENERATESERVICE']._serialized_start=3119
+  _globals['_GENERATESERVICE']._serialized_end=3584
 # @@protoc_insertion_point(module_scope)

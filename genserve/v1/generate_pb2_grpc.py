@@ -55,6 +55,16 @@ class GenerateServiceStub:
                 request_serializer=genserve_dot_v1_dot_generate__pb2.WatchSchedulerRequest.SerializeToString,
                 response_deserializer=genserve_dot_v1_dot_generate__pb2.WatchSchedulerResponse.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/genserve.v1.GenerateService/Tokenize',
+                request_serializer=genserve_dot_v1_dot_generate__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=genserve_dot_v1_dot_generate__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/genserve.v1.GenerateService/Detokenize',
+                request_serializer=genserve_dot_v1_dot_generate__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=genserve_dot_v1_dot_generate__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class GenerateServiceServicer:
@@ -98,6 +108,25 @@ class GenerateServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """Tokenize turns a prompt (or a conversation, rendered with the model's
+        chat template as Generate renders it) into the served model's token ids,
+        exactly as Generate would count them. INVALID_ARGUMENT naming the field
+        for bad input.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Detokenize turns token ids back into text (control tokens included, as
+        their text; bytes that are not valid UTF-8 shown as U+FFFD).
+        INVALID_ARGUMENT for an id outside the vocabulary.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerateServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -120,6 +149,16 @@ def add_GenerateServiceServicer_to_server(servicer, server):
                     servicer.WatchScheduler,
                     request_deserializer=genserve_dot_v1_dot_generate__pb2.WatchSchedulerRequest.FromString,
                     response_serializer=genserve_dot_v1_dot_generate__pb2.WatchSchedulerResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=genserve_dot_v1_dot_generate__pb2.TokenizeRequest.FromString,
+                    response_serializer=genserve_dot_v1_dot_generate__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=genserve_dot_v1_dot_generate__pb2.DetokenizeRequest.FromString,
+                    response_serializer=genserve_dot_v1_dot_generate__pb2.DetokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -231,6 +270,60 @@ class GenerateService:
             '/genserve.v1.GenerateService/WatchScheduler',
             genserve_dot_v1_dot_generate__pb2.WatchSchedulerRequest.SerializeToString,
             genserve_dot_v1_dot_generate__pb2.WatchSchedulerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/genserve.v1.GenerateService/Tokenize',
+            genserve_dot_v1_dot_generate__pb2.TokenizeRequest.SerializeToString,
+            genserve_dot_v1_dot_generate__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/genserve.v1.GenerateService/Detokenize',
+            genserve_dot_v1_dot_generate__pb2.DetokenizeRequest.SerializeToString,
+            genserve_dot_v1_dot_generate__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -17,6 +17,10 @@ behaves according to the prompt text:
 A chat request is scripted by its last message's content, and counts the words of all its
 messages as prompt tokens.
 
+Tokenize and Detokenize are byte-level: a text's UTF-8 bytes are its tokens (a conversation's is
+its messages' contents joined by newlines); a token of 256 or more is INVALID_ARGUMENT naming
+`tokens`.
+
 "hang" requests can also be ended by the Cancel RPC: they then finish with
 FINISH_REASON_CANCELLED. Cancel of an unknown id is NOT_FOUND.
 """
@@ -150,6 +154,21 @@ class FakeGenerateService(pb_grpc.GenerateServiceServicer):
 
     async def Info(self, request, context):
         return INFO
+
+    async def Tokenize(self, request, context):
+        self.metadata.append(dict(context.invocation_metadata()))
+        if request.WhichOneof("input") == "chat":
+            text = "\n".join(m.content for m in request.chat.messages)
+        else:
+            text = request.prompt
+        return pb.TokenizeResponse(tokens=list(text.encode()), max_context=INFO.max_context)
+
+    async def Detokenize(self, request, context):
+        self.metadata.append(dict(context.invocation_metadata()))
+        if any(t >= 256 for t in request.tokens):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "tokens: outside the vocabulary",
+                                trailing_metadata=(("invalid-field", "tokens"),))
+        return pb.DetokenizeResponse(text=bytes(request.tokens).decode("utf-8", errors="replace"))
 
 
 class FakeServer:

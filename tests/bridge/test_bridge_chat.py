@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import httpx
 
 from genserve.v1 import generate_pb2 as pb
@@ -31,7 +33,8 @@ async def test_whole_answer_is_a_chat_completion(client: httpx.AsyncClient):
     r = await client.post("/v1/chat/completions", json={"messages": MESSAGES, "n": 2})
     body = r.json()
     assert body["object"] == "chat.completion" and body["model"] == MODEL_NAME
-    assert body["id"] == f"chatcmpl-{body['request_id']}"
+    # OpenAI's id shape, chatcmpl-<hex> (not chatcmpl-cmpl-<hex>), and the id to cancel it by.
+    assert re.fullmatch(r"chatcmpl-[0-9a-f]{32}", body["id"]) and body["request_id"] == body["id"]
     assert [c["message"] for c in body["choices"]] == [{"role": "assistant", "content": FULL_TEXT}] * 2
     assert [c["finish_reason"] for c in body["choices"]] == ["stop", "stop"]
     assert body["choices"][0]["logprobs"] is None

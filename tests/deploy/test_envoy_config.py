@@ -167,6 +167,35 @@ def test_routes_split_grpc_from_rest(config):
         assert route["route"]["timeout"] == "0s"
 
 
+def _first_route(config: dict, path: str, content_type: str) -> str:
+    """The name of the first route whose match takes a request (path, content-type), as Envoy
+    picks it: exact `path` or `prefix`, then every header's string prefix."""
+    for name, route in routes(config).items():
+        match = route["match"]
+        if "path" in match and match["path"] != path:
+            continue
+        if "prefix" in match and not path.startswith(match["prefix"]):
+            continue
+        if all(content_type.startswith(h["string_match"]["prefix"]) for h in match.get("headers", [])
+               if h["name"] == "content-type"):
+            return name
+    raise AssertionError(f"no route takes {path}")
+
+
+@pytest.mark.parametrize("path, content_type, route", [
+    ("/tokenize", "application/json", "rest"),
+    ("/detokenize", "application/json", "rest"),
+    ("/v1/models/SmolLM2-135M-Instruct", "", "rest"),
+    ("/genserve.v1.GenerateService/Tokenize", "application/grpc", "grpc"),
+    ("/genserve.v1.GenerateService/Detokenize", "application/grpc", "grpc"),
+])
+def test_openai_parity_endpoints_route_like_the_others(config, path, content_type, route):
+    """vLLM's /tokenize and /detokenize and the model retrieve reach the bridge; the Tokenize and
+    Detokenize RPCs reach the engines (any replica can answer them)."""
+    assert _first_route(config, path, content_type) == route
+    assert routes(config)[route]["route"]["cluster"] == ("bridge" if route == "rest" else "engines")
+
+
 def test_retries_only_where_safe(config):
     r = routes(config)
     grpc = r["grpc"]["route"]["retry_policy"]

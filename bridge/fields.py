@@ -1,0 +1,290 @@
+"""The field policy: what the bridge does with every field of OpenAI's completions and chat
+completions requests, and with the extensions it takes beyond them (vLLM's and genserve's).
+
+Each field is one `Rule` in `COMPLETIONS` or `CHAT`, with one of four statuses:
+
+    honoured            it does what OpenAI documents (or, for an extension, what vLLM does)
+    honoured (engine)   a sampling control the engine will implement: for now only its neutral
+                        value (OpenAI's or vLLM's default, which changes nothing) is accepted, a
+                        no-op; any other value is a 400 "not supported yet" naming the field
+    accepted            accepted with no effect (the notes say why that is honest); `user`,
+                        `metadata`, `store`, `service_tier` and `safety_identifier` are recorded
+                        in the log line and the trace span of the request
+    not supported       only values that ask for nothing (null, empty, "none", `{"type": "text"}`)
+                        are accepted; anything else is a 400 that says "not supported" and why
+
+`null` means absent for every optional field. A field in neither table is a 400 naming it (typos
+stay caught). The request schemas (bridge/protocol.py) have exactly these fields, and README.md's
+table is `markdown_table()`'s output; tests/bridge/test_field_policy.py checks both, and walks the
+openai SDK's own request types so a field OpenAI adds fails until it is classified here.
+
+`ENGINE_PENDING` is the one place that says which sampling controls wait for the engine: once the
+engine honours one, drop it from that set and forward the field in `bridge.protocol`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+HONOURED = "honoured"
+ENGINE = "honoured (engine)"
+ACCEPTED = "accepted"
+NOT_SUPPORTED = "not supported"
+STATUSES = (HONOURED, ENGINE, ACCEPTED, NOT_SUPPORTED)
+
+OPENAI = "OpenAI"
+VLLM = "vLLM"
+GENSERVE = "genserve"
+
+_NO_VALUE = object()
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """One request field's policy.
+
+    Attributes:
+        status: one of `STATUSES`.
+        notes: what the README says of it.
+        probe: a value the field walk sends, which must be accepted (a neutral one where only
+            neutral values are).
+        accepts: which non-null values are accepted (None: every value the schema's type allows).
+        why: the refusal's reason, for values `accepts` refuses.
+        refused: a value that must be refused (the field walk sends it), or _NO_VALUE.
+        origin: whose field it is (OpenAI, vLLM, genserve).
+        yet: refusals say "not supported yet" (a feature genserve means to add).
+        recorded: logged and put on the request's span.
+        grpc: where the value travels in the gRPC GenerateRequest ("sampling.temperature"), for
+            the field walk to check.
+    """
+
+    status: str
+    notes: str
+    probe: Any
+    accepts: Callable[[Any], bool] | None = None
+    why: str = ""
+    refused: Any = _NO_VALUE
+    origin: str = OPENAI
+    yet: bool = False
+    recorded: bool = False
+    grpc: str = ""
+
+    @property
+    def has_refused_example(self) -> bool:
+        return self.refused is not _NO_VALUE
+
+
+class FieldRefused(ValueError):
+    """A field's value that the policy refuses: a 400 naming the field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+        self.message = message
+
+
+# The sampling controls the engine will implement (see the module doc), with their neutral values.
+# Flip one to honoured by removing it here and forwarding it to the engine in bridge.protocol.
+ENGINE_PENDING: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "presence_penalty": (lambda v: v == 0, "0"),
+    "frequency_penalty": (lambda v: v == 0, "0"),
+    "repetition_penalty": (lambda v: v == 1, "1.0"),
+    "min_p": (lambda v: v == 0, "0"),
+    "logit_bias": (lambda v: v == {}, "{} or null"),
+    "min_tokens": (lambda v: v == 0, "0"),
+    "stop_token_ids": (lambda v: v == [], "[] or null"),
+    "include_stop_str_in_output": (lambda v: v is False, "false"),
+    "skip_special_tokens": (lambda v: v is True, "true"),
+}
+
+
+def _engine(name: str, probe: Any, refused: Any, notes: str, origin: str = OPENAI) -> Rule:
+    """A sampling control waiting for the engine (ENGINE_PENDING), or honoured once it is not:
+    then the field walk checks that it travels as `SamplingParams.<name>` (with its `refused`
+    value as the probe), so flipping it without forwarding it fails the tests."""
+    if name not in ENGINE_PENDING:
+        return Rule(HONOURED, notes, refused, origin=origin, grpc=f"sampling.{name}")
+    accepts, neutral = ENGINE_PENDING[name]
+    return Rule(ENGINE, f"{notes}; until the engine implements it only {neutral} is accepted (a no-op)",
+                probe, accepts=accepts, refused=refused, origin=origin,
+                why=f"only its neutral value {neutral} is accepted until the engine implements it")
+
+
+def _recorded(notes: str, probe: Any) -> Rule:
+    return Rule(ACCEPTED, f"{notes}; recorded in the request's log line and trace span", probe,
+                recorded=True)
+
+
+def _none_or_empty(v: Any) -> bool:
+    return v in ([], {}, "", "none")
+
+
+# The fields both endpoints share, by name.
+_SHARED: dict[str, Rule] = {
+    "model": Rule(ACCEPTED, "any name; responses name the served model (`GET /v1/models`)", "any-model"),
+    "temperature": Rule(HONOURED, "0 is greedy", 0.5, grpc="sampling.temperature"),
+    "top_p": Rule(HONOURED, "(0, 1]", 0.9, grpc="sampling.top_p"),
+    "n": Rule(HONOURED, "1..8 samples", 2, grpc="n"),
+    "seed": Rule(HONOURED, "equal seeds and inputs give equal samples", 7, grpc="sampling.seed"),
+    "stop": Rule(HONOURED, "a string or up to 4; the matched string is not returned", ["\n\n"],
+                 grpc="sampling.stop"),
+    "stream": Rule(HONOURED, "server-sent events, ending with `data: [DONE]`", True),
+    "stream_options": Rule(HONOURED, "`include_usage` (a last chunk with the usage), "
+                           "`continuous_usage_stats` (vLLM's: each chunk carries its choice's usage so "
+                           "far), `include_obfuscation` (accepted, no effect: nothing is padded)",
+                           {"include_usage": True, "continuous_usage_stats": True}),
+    "presence_penalty": _engine("presence_penalty", 0, 0.5, "-2..2"),
+    "frequency_penalty": _engine("frequency_penalty", 0, 0.5, "-2..2"),
+    "logit_bias": _engine("logit_bias", {}, {"50256": -100}, "token id -> bias"),
+    "user": _recorded("an end-user id", "user-1"),
+    # vLLM's sampling extensions.
+    "top_k": Rule(HONOURED, "0 or -1 = off", 5, origin=VLLM, grpc="sampling.top_k"),
+    "ignore_eos": Rule(HONOURED, "keep sampling past the end-of-sequence token", True, origin=VLLM,
+                       grpc="sampling.ignore_eos"),
+    "repetition_penalty": _engine("repetition_penalty", 1.0, 1.2, "> 0, 1 = off", VLLM),
+    "min_p": _engine("min_p", 0, 0.05, "0..1", VLLM),
+    "min_tokens": _engine("min_tokens", 0, 4, "no stop before this many tokens", VLLM),
+    "stop_token_ids": _engine("stop_token_ids", [], [2], "token ids that end a sample", VLLM),
+    "include_stop_str_in_output": _engine("include_stop_str_in_output", False, True,
+                                          "keep the matched stop string", VLLM),
+    "skip_special_tokens": _engine("skip_special_tokens", True, False,
+                                   "control tokens add no text", VLLM),
+    # genserve's.
+    "deadline_s": Rule(HONOURED, "seconds from arrival after which the request is dropped "
+                       "(finish_reason cancelled, detail deadline)", 30.0, origin=GENSERVE, grpc="deadline_s"),
+}
+
+
+def _pick(*names: str) -> dict[str, Rule]:
+    return {name: _SHARED[name] for name in names}
+
+
+COMPLETIONS: dict[str, Rule] = {
+    "prompt": Rule(HONOURED, "a string, a list of strings, token ids, or a list of token-id lists; "
+                   "several prompts give choices prompt-major, then `n`, with usage summed", ["a", "b"]),
+    **_pick("model"),
+    "max_tokens": Rule(HONOURED, "1..1,000, default 16; prompt + max_tokens <= 8,192", 5, grpc="max_tokens"),
+    **_pick("temperature", "top_p", "n", "seed", "stop", "stream", "stream_options"),
+    "logprobs": Rule(HONOURED, "0..5 alternatives per token", 2, grpc="logprobs"),
+    "echo": Rule(HONOURED, "each choice's text starts with its prompt; with `logprobs`: not supported "
+                 "yet (prompt logprobs come from the engine later)", True),
+    "best_of": Rule(HONOURED, "samples `best_of` per prompt, returns the `n` with the highest mean "
+                    "token logprob; `best_of >= n`; not with `stream` (as OpenAI)", 2),
+    "suffix": Rule(NOT_SUPPORTED, "fill-in-the-middle; `\"\"` accepted", "",
+                   accepts=lambda v: v == "", refused="})",
+                   why="the served model's vocabulary has no fill-in-the-middle tokens"),
+    **_pick("presence_penalty", "frequency_penalty", "logit_bias", "user"),
+    "prompt_token_ids": Rule(HONOURED, "the prompt as token ids (instead of `prompt`)", [1, 2, 3],
+                             origin=GENSERVE),
+    **_pick("top_k", "ignore_eos", "repetition_penalty", "min_p", "min_tokens", "stop_token_ids",
+            "include_stop_str_in_output", "skip_special_tokens", "deadline_s"),
+}
+
+_TOOLS_WHY = "genserve does not call tools or functions"
+CHAT: dict[str, Rule] = {
+    "messages": Rule(HONOURED, "roles system, developer, user, assistant; text content; `name` "
+                     "accepted", [{"role": "user", "content": "hi", "name": "ann"}]),
+    **_pick("model"),
+    "max_tokens": Rule(HONOURED, "absent or null: as many as allowed (up to 1,000 and the 8,192-token "
+                       "context)", 5, grpc="max_tokens"),
+    "max_completion_tokens": Rule(HONOURED, "OpenAI's newer name for `max_tokens`", 5, grpc="max_tokens"),
+    **_pick("temperature", "top_p", "n", "seed", "stop", "stream", "stream_options"),
+    "logprobs": Rule(HONOURED, "each token's logprob and `bytes` (its own)", True, grpc="logprobs"),
+    "top_logprobs": Rule(HONOURED, "0..5, with `logprobs: true`", 2),
+    **_pick("presence_penalty", "frequency_penalty", "logit_bias", "user"),
+    "metadata": _recorded("string pairs", {"team": "a"}),
+    "store": _recorded("genserve stores nothing", False),
+    "service_tier": _recorded("one tier", "auto"),
+    "safety_identifier": _recorded("an end-user id", "user-1"),
+    "prompt_cache_key": Rule(ACCEPTED, "prefix caching is automatic", "k1"),
+    "prompt_cache_retention": Rule(ACCEPTED, "cached prefixes live while the pool has room", "in_memory"),
+    "prompt_cache_options": Rule(ACCEPTED, "as `prompt_cache_key`", {}),
+    "prediction": Rule(ACCEPTED, "a latency hint; the output is the same without it",
+                       {"type": "content", "content": "x"}),
+    "reasoning_effort": Rule(ACCEPTED, "the served model does not reason", "low"),
+    "verbosity": Rule(ACCEPTED, "no effect on this model", "low"),
+    "parallel_tool_calls": Rule(ACCEPTED, "no tools are ever called", False),
+    "response_format": Rule(NOT_SUPPORTED, "`{\"type\": \"text\"}` accepted; JSON modes not supported yet",
+                            {"type": "text"}, accepts=lambda v: v == {"type": "text"},
+                            refused={"type": "json_object"}, yet=True,
+                            why="only {\"type\": \"text\"} is accepted; JSON output modes are not implemented"),
+    "tools": Rule(NOT_SUPPORTED, "`[]` accepted", [], accepts=_none_or_empty,
+                  refused=[{"type": "function", "function": {"name": "f"}}], why=_TOOLS_WHY, yet=True),
+    "tool_choice": Rule(NOT_SUPPORTED, "`\"none\"` accepted", "none", accepts=_none_or_empty,
+                        refused="auto", why=_TOOLS_WHY, yet=True),
+    "functions": Rule(NOT_SUPPORTED, "`[]` accepted", [], accepts=_none_or_empty,
+                      refused=[{"name": "f"}], why=_TOOLS_WHY, yet=True),
+    "function_call": Rule(NOT_SUPPORTED, "`\"none\"` accepted", "none", accepts=_none_or_empty,
+                          refused="auto", why=_TOOLS_WHY, yet=True),
+    "modalities": Rule(NOT_SUPPORTED, "`[\"text\"]` accepted", ["text"], accepts=lambda v: v == ["text"],
+                       refused=["text", "audio"], why="the served model writes text only"),
+    "audio": Rule(NOT_SUPPORTED, "null only", None, accepts=lambda v: False,
+                  refused={"voice": "alloy", "format": "wav"}, why="the served model writes text only"),
+    "web_search_options": Rule(NOT_SUPPORTED, "null only", None, accepts=lambda v: False, refused={},
+                               why="genserve has no web search"),
+    "moderation": Rule(NOT_SUPPORTED, "null only", None, accepts=lambda v: False,
+                       refused={"policy": {"input": {"mode": "score"}}}, why="genserve runs no moderation model"),
+    **_pick("top_k", "ignore_eos", "repetition_penalty", "min_p", "min_tokens", "stop_token_ids",
+            "include_stop_str_in_output", "skip_special_tokens", "deadline_s"),
+}
+
+TABLES = {"/v1/completions": COMPLETIONS, "/v1/chat/completions": CHAT}
+
+
+def enforce(values: Mapping[str, Any], table: Mapping[str, Rule]) -> None:
+    """Refuse the first value the policy refuses (null is always absent).
+
+    Raises:
+        FieldRefused: naming the field, saying "not supported" (or "not supported yet") and why.
+    """
+    for name, value in values.items():
+        rule = table.get(name)
+        if rule is None or value is None or rule.accepts is None or rule.accepts(value):
+            continue
+        yet = " yet" if rule.status == ENGINE or rule.yet else ""
+        raise FieldRefused(name, f"'{name}' is not supported{yet}: {rule.why}")
+
+
+def recorded(values: Mapping[str, Any], table: Mapping[str, Rule]) -> dict[str, Any]:
+    """The recorded fields (`Rule.recorded`) that `values` sets (not null)."""
+    return {name: value for name, value in values.items()
+            if value is not None and name in table and table[name].recorded}
+
+
+def counts(table: Mapping[str, Rule], origin: str | None = OPENAI) -> dict[str, int]:
+    """Fields per status (OpenAI's only, by default)."""
+    out = dict.fromkeys(STATUSES, 0)
+    for rule in table.values():
+        if origin is None or rule.origin == origin:
+            out[rule.status] += 1
+    return out
+
+
+def markdown_table() -> str:
+    """README.md's table: every field of both endpoints, OpenAI's first, then the extensions."""
+    lines = ["| field | /v1/completions | /v1/chat/completions | notes |", "|---|---|---|---|"]
+    names = list(dict.fromkeys([*COMPLETIONS, *CHAT]))
+    names.sort(key=lambda n: (_rule(n).origin != OPENAI, _rule(n).origin != VLLM))
+    for name in names:
+        comp, chat = COMPLETIONS.get(name), CHAT.get(name)
+        if comp is not None and chat is not None and comp.notes != chat.notes:
+            notes = f"completions: {comp.notes}; chat: {chat.notes}"
+        else:
+            notes = (comp or chat).notes
+        why = (comp or chat).why
+        if NOT_SUPPORTED in (getattr(comp, "status", ""), getattr(chat, "status", "")) and why:
+            notes += f"; anything else: 400, {why}"
+        origin = "" if _rule(name).origin == OPENAI else f" ({_rule(name).origin})"
+        lines.append(f"| `{name}`{origin} | {comp.status if comp else '—'} | {chat.status if chat else '—'} | "
+                     f"{notes} |")
+    return "\n".join(lines) + "\n"
+
+
+def _rule(name: str) -> Rule:
+    return COMPLETIONS.get(name) or CHAT[name]
+
+
+if __name__ == "__main__":
+    print(markdown_table(), end="")

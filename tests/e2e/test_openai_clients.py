@@ -1,0 +1,178 @@
+"""Client libraries people point at vLLM, unchanged, against the real server (engine on the
+embedded model, bridge, Envoy): LangChain, LiteLLM, the openai SDK, and the request bodies vLLM's
+benchmark client and guidellm send by default (recorded from their source in
+tests/e2e/client_requests/, posted as they are). Also the chat field walk on the real chat
+template, the chat default of max_tokens, logprob bytes of split characters, /tokenize,
+/detokenize and the Tokenize RPC through Envoy."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+
+from bridge import fields
+from genserve.v1 import generate_pb2 as pb, generate_pb2_grpc as pb_grpc
+from tests.e2e.conftest import sse_events
+
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")     # no network: litellm's bundled prices
+
+MODEL = "SmolLM2-135M-Instruct"
+QUESTION = "What is the capital of France?"
+REQUESTS = Path(__file__).parent / "client_requests"
+
+
+def test_langchain_completions_invoke_stream_and_batch(server):
+    langchain_openai = pytest.importorskip("langchain_openai")
+    llm = langchain_openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", model=MODEL,
+                                  max_tokens=4, temperature=0)
+    text = llm.invoke("The capital of France is")
+    assert text.startswith(" Paris")
+    assert "".join(llm.stream("The capital of France is")) == text
+    batch = llm.batch(["The capital of France is", "One, two, three,"])      # a list of prompts
+    assert batch[0] == text and len(batch) == 2 and batch[1]
+
+
+def test_langchain_chat_invoke_and_stream(server):
+    langchain_openai = pytest.importorskip("langchain_openai")
+    chat = langchain_openai.ChatOpenAI(base_url=f"{server.base_url}/v1", api_key="unused", model=MODEL,
+                                       max_tokens=8, temperature=0)
+    answer = chat.invoke(QUESTION).content
+    assert "Paris" in answer
+    assert "".join(chunk.content for chunk in chat.stream(QUESTION)) == answer
+
+
+def test_litellm_completion_and_text_completion(server):
+    litellm = pytest.importorskip("litellm")
+    common = dict(model=f"openai/{MODEL}", api_base=f"{server.base_url}/v1", api_key="unused",
+                  max_tokens=6, temperature=0)
+    reply = litellm.completion(messages=[{"role": "user", "content": QUESTION}], **common)
+    assert "Paris" in reply.choices[0].message.content and reply.usage.completion_tokens <= 6
+    reply = litellm.text_completion(prompt="The capital of France is", **common)
+    assert reply.choices[0].text.startswith(" Paris") and reply.usage.completion_tokens == 6
+
+
+def test_openai_sdk_retrieves_the_model(server):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("gpt-4o")
+    assert err.value.body["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize("recorded", sorted(p.name for p in REQUESTS.glob("*.json")))
+def test_benchmark_clients_default_requests(server, recorded):
+    """Posted as recorded; read the way those clients read the stream: text from the choices, the
+    usage from the chunk without choices."""
+    record = json.loads((REQUESTS / recorded).read_text())
+    body = record["body"]
+    with httpx.stream("POST", f"{server.base_url}{record['route']}", json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        events = sse_events(r.iter_lines())
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    text = "".join(c["choices"][0].get("text") or (c["choices"][0].get("delta") or {}).get("content") or ""
+                   for c in chunks if c["choices"])
+    assert text.strip()
+    [usage] = [c["usage"] for c in chunks if not c["choices"]]
+    limit = body.get("max_tokens") or body.get("max_completion_tokens")
+    assert 1 <= usage["completion_tokens"] <= limit and usage["prompt_tokens"] > 0
+    if body["stream_options"].get("continuous_usage_stats"):
+        assert all(c["usage"] and c["usage"]["prompt_tokens"] == usage["prompt_tokens"]
+                   for c in chunks if c["choices"])
+
+
+def test_chat_field_walk_on_the_real_template(server):
+    """Every chat field's probe value (bridge/fields.py) accepted by the real engine."""
+    for name, rule in fields.CHAT.items():
+        body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0,
+                **({"logprobs": True} if name == "top_logprobs" else {}), name: rule.probe}
+        if name == "max_completion_tokens":
+            del body["max_tokens"]
+        r = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, (name, r.text)
+
+
+def test_chat_without_max_tokens_runs_to_its_natural_end(server):
+    r = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=300, json={
+        "messages": [{"role": "user", "content": "List the days of the week, one per line."}],
+        "temperature": 0, "max_tokens": None})
+    body = r.json()
+    assert body["choices"][0]["finish_reason"] == "stop", body
+    assert body["usage"]["completion_tokens"] > 16
+    assert "Sunday" in body["choices"][0]["message"]["content"]
+
+
+def test_logprob_bytes_of_characters_split_across_tokens(server, openai_client):
+    """Each emoji is two tokens here (the first holds two of its four bytes): every entry's bytes
+    are its own token's, joined they are the answer's, and at temperature 0 the top alternatives'
+    bytes, joined, are the same valid text (their `token` shows U+FFFD)."""
+    reply = openai_client.chat.completions.create(
+        model=MODEL, temperature=0, max_tokens=12, logprobs=True, top_logprobs=2,
+        messages=[{"role": "user", "content": "Reply with three emoji that mean happy."}])
+    choice = reply.choices[0]
+    entries = choice.logprobs.content
+    joined = bytes(b for e in entries for b in e.bytes)
+    text = choice.message.content.encode()
+    assert any(e.token == "" and e.bytes for e in entries), "no character was split over tokens"
+    assert joined[:len(text)] == text
+    tail = joined[len(text):]                   # a character max_tokens cut is held back from the text
+    assert not tail or (choice.finish_reason == "length" and len(tail) < 4 and tail[0] >= 0xC0)
+    top = bytes(b for e in entries for b in e.top_logprobs[0].bytes)
+    assert top == joined and "\ufffd" not in top[:len(text)].decode()
+    assert any("\ufffd" in e.top_logprobs[0].token for e in entries)
+    streamed = list(openai_client.chat.completions.create(
+        model=MODEL, temperature=0, max_tokens=12, logprobs=True, top_logprobs=2, stream=True,
+        messages=[{"role": "user", "content": "Reply with three emoji that mean happy."}]))
+    assert bytes(b for c in streamed if c.choices and c.choices[0].logprobs
+                 for e in c.choices[0].logprobs.content for b in e.bytes) == joined
+
+
+@pytest.fixture(scope="module")
+def openai_client(server):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
+
+
+def test_tokenize_and_detokenize_through_envoy(server):
+    prompt = "The capital of France is"
+    tokens = httpx.post(f"{server.base_url}/tokenize", json={"model": MODEL, "prompt": prompt}, timeout=30).json()
+    completion = httpx.post(f"{server.base_url}/v1/completions", timeout=60,
+                            json={"prompt": prompt, "max_tokens": 1}).json()
+    assert tokens["count"] == len(tokens["tokens"]) == completion["usage"]["prompt_tokens"]
+    assert tokens["max_model_len"] == 8192
+    back = httpx.post(f"{server.base_url}/detokenize", json={"tokens": tokens["tokens"]}, timeout=30).json()
+    assert back == {"prompt": prompt}
+    messages = [{"role": "user", "content": QUESTION}]
+    chat_tokens = httpx.post(f"{server.base_url}/tokenize", json={"messages": messages}, timeout=30).json()
+    chat = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=60,
+                      json={"messages": messages, "max_tokens": 1}).json()
+    assert chat_tokens["count"] == chat["usage"]["prompt_tokens"]
+    with grpc.insecure_channel(server.grpc_target) as channel:       # the public port: Envoy
+        reply = pb_grpc.GenerateServiceStub(channel).Tokenize(pb.TokenizeRequest(prompt=prompt), timeout=30)
+    assert list(reply.tokens) == tokens["tokens"]
+    r = httpx.post(f"{server.base_url}/detokenize", json={"tokens": [10**6]}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+
+
+def test_several_prompts_and_echo_and_best_of(server):
+    r = httpx.post(f"{server.base_url}/v1/completions", timeout=120, json={
+        "prompt": ["The capital of France is", "One, two, three,"], "max_tokens": 3, "temperature": 0,
+        "n": 2, "echo": True})
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert body["choices"][0]["text"].startswith("The capital of France is Paris")
+    assert body["choices"][2]["text"].startswith("One, two, three,")
+    assert body["choices"][0]["text"] == body["choices"][1]["text"]          # greedy
+    assert body["usage"]["completion_tokens"] == 12
+    best = httpx.post(f"{server.base_url}/v1/completions", timeout=120, json={
+        "prompt": "The capital of France is", "max_tokens": 3, "temperature": 1.0, "seed": 3,
+        "best_of": 3, "logprobs": 0}).json()
+    [choice] = best["choices"]
+    assert best["usage"]["completion_tokens"] == 9
+    assert len(choice["logprobs"]["token_logprobs"]) == 3
