@@ -297,10 +297,6 @@ class Scheduler:
         piece = StepFeatures(prefill_tokens=cfg.prefill_piece, pairs=piece_pairs(start, cfg.prefill_piece))
         return self.cost.step_ms(piece) - self.cost.step_base_ms
 
-    def predicted_step_ms(self, plan: StepPlan) -> float:
-        """The cost model's prediction of `plan`'s step time, ms."""
-        return self.cost.step_ms(plan.features())
-
     # -- batch formation (config.batching) ----------------------------------------------------
     # join_wait_s(now): seconds until the batching policy lets queued requests join (rows and
     # blocks permitting): 0.0 now, math.inf not before the running batch ends or more arrive.
