@@ -28,8 +28,9 @@ from collections import deque
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
-from engine.core.block_pool import BlockPool, prefix_block_hashes
+from engine.core.block_pool import BlockPool
 from engine.core.cost_model import CostModel, StepFeatures, piece_pairs
+from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.outputs import FinishReason, SampledTokens, TokenEvent
 from engine.core.plan import Segment, StepPlan
 from engine.core.request import KeyUsage, Request, RequestState
@@ -95,8 +96,7 @@ class Scheduler:
         self.num_cancelled_tokens = 0
         self.num_rejected = 0
         self.num_finished = 0
-        self.prefix_queried_tokens = 0     # prompt tokens looked up in the prefix cache at admission
-        self.prefix_hit_tokens = 0         # ... of which the cache held (not computed again)
+        self.kv_cache = KVCacheManager(pool)
         self.margin_blocks = math.ceil(config.free_margin * pool.num_blocks)
         # Batch formation (config.batching): the gate in front of join, and whether prefill is
         # chunked. "continuous" is the default policy; the others exist for the comparison.
@@ -120,7 +120,7 @@ class Scheduler:
         if req.request_id in self.by_id:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
         expected = min(req.max_tokens, self.avg_output_tokens) * req.n
-        to_compute = req.num_prompt - self._cached_tokens(req, self.pool.cached_prefix(self._hashes(req)))
+        to_compute = req.num_prompt - self.kv_cache.num_cached_tokens(req, self.config.prefill_piece)
         req.est_device_ms = self.cost.estimate_ms(to_compute, expected, self.full_rows())
         self.avg_prompt_tokens = 0.9 * self.avg_prompt_tokens + 0.1 * req.num_prompt
         for child in req.children:
@@ -352,8 +352,8 @@ class Scheduler:
             if prefilled:
                 usage.weighted_tokens_served += seg.length
             req.num_computed = seg.end
-            if prefilled and self.pool.prefix_caching:
-                self._register_prefix(req, seg)
+            if prefilled:
+                self.kv_cache.cache_piece(req, seg.start, seg.length, self.config.prefill_piece)
             if not tokens:
                 continue
             if req.cancel_requested:
@@ -414,6 +414,16 @@ class Scheduler:
     def has_work(self) -> bool:
         """True while any request is queued or running."""
         return bool(self.running) or self.queue_depth > 0
+
+    @property
+    def prefix_queried_tokens(self) -> int:
+        """Prompt tokens looked up in the prefix cache at admission (`KVCacheManager`)."""
+        return self.kv_cache.prefix_queried_tokens
+
+    @property
+    def prefix_hit_tokens(self) -> int:
+        """... of which the cache held (not computed again)."""
+        return self.kv_cache.prefix_hit_tokens
 
     def stats(self) -> SchedulerStats:
         """Gauges and counters for /metrics (call under the engine lock)."""
@@ -484,7 +494,7 @@ class Scheduler:
                     return False
         elif rows > cfg.max_rows:
             return False
-        hits = self._usable_prefix(req)
+        hits = self.kv_cache.get_computed_blocks(req, self.config.prefill_piece)
         # Cached blocks another request holds cost no free block; unused cached ones are
         # counted in num_free and leave it when taken, like any other block.
         need = self.config.blocks_for(req.num_prompt) - sum(self.pool.ref_count(b) > 0 for b in hits)
@@ -497,51 +507,12 @@ class Scheduler:
         self.waiting[req.api_key].popleft()
         self.queued_device_ms = max(0.0, self.queued_device_ms - req.est_device_ms)
         req.state = RequestState.RUNNING
-        hits = self._usable_prefix(req)
-        if hits:
-            self.pool.attach_prefix(req.request_id, hits)
-        req.num_computed = req.num_cached = len(hits) * self.config.block_size
-        if self.pool.prefix_caching:
-            self.prefix_queried_tokens += req.num_prompt
-            self.prefix_hit_tokens += req.num_cached
+        blocks = self.kv_cache.get_computed_blocks(req, self.config.prefill_piece)
+        req.num_computed = req.num_cached = self.kv_cache.take_computed_blocks(req, blocks)
         if req.admitted_s is None:
             req.admitted_s = now
         self.usage[req.api_key].running_rows += 1
         self.running.append(req)
-
-    # -- prefix caching ---------------------------------------------------------------------------
-    def _hashes(self, req: Request) -> list[bytes]:
-        """`req`'s prompt block hashes (computed once; none when prefix caching is off)."""
-        if not self.pool.prefix_caching:
-            return []
-        if req.prefix_hashes is None:
-            req.prefix_hashes = prefix_block_hashes(req.prompt_ids, self.config.block_size)
-        return req.prefix_hashes
-
-    def _cached_tokens(self, req: Request, hits: list[int]) -> int:
-        """Prompt tokens `req` may take from `hits` (its cached prefix blocks): whole
-        `prefill_piece` pieces only, so every token it computes is cut on the same grid as when
-        computed from scratch (batch invariance), and never its whole prompt (the last prompt
-        token is computed to sample from)."""
-        piece = self.config.prefill_piece
-        tokens = min(len(hits) * self.config.block_size, req.num_prompt - 1)
-        return tokens // piece * piece
-
-    def _usable_prefix(self, req: Request) -> list[int]:
-        """The cached blocks `req` would take at admission (see `_cached_tokens`)."""
-        if self.pool.table(req.request_id):
-            return []
-        hits = self.pool.cached_prefix(self._hashes(req))
-        return hits[:self._cached_tokens(req, hits) // self.config.block_size]
-
-    def _register_prefix(self, req: Request, seg: Segment) -> None:
-        """Offer the prompt piece `seg` just computed to the prefix cache when it is a whole
-        `prefill_piece` piece (segments are cut on that grid; a shorter tail piece is not
-        offered: a later prompt would cut it elsewhere)."""
-        piece = self.config.prefill_piece
-        if seg.length == piece and seg.start % piece == 0 and seg.end <= req.num_prompt:
-            bs = self.config.block_size
-            self.pool.register_prefix(req.request_id, self._hashes(req), seg.end // bs, seg.start // bs)
 
     def _next_candidate(self) -> Request | None:
         """Head of the least-served waiting key; keys under the row cap first (work-conserving:
