@@ -33,7 +33,8 @@ from engine.core.cost_model import CostModel, StepFeatures, piece_pairs
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.outputs import FinishReason, SampledTokens, TokenEvent
 from engine.core.plan import Segment, StepPlan
-from engine.core.request import KeyUsage, Request, RequestState
+from engine.core.request import Request, RequestState
+from engine.core.sched.fair_queue import FairQueue, KeyUsage
 
 __all__ = ["AdmissionRejected", "Scheduler", "SchedulerStats"]
 
@@ -83,11 +84,9 @@ class Scheduler:
         self.config = config
         self.pool = pool
         self.cost = cost or CostModel()
-        self.waiting: dict[str, deque[Request]] = {}
         self.running: list[Request] = []          # admission order: oldest first
-        self.usage: dict[str, KeyUsage] = {}
         self.by_id: dict[str, Request] = {}
-        self.queued_device_ms = 0.0
+        self.queue = FairQueue(config.per_key_rows)
         self.avg_output_tokens = 300.0             # docs/design.md: average answer of 300 tokens
         self.avg_prompt_tokens = 1250.0            # docs/design.md: average prompt of 1,250 tokens
         self._full_rows_key: tuple[int, int, int] | None = None
@@ -136,18 +135,9 @@ class Scheduler:
                     f"{(total - req.est_device_ms) / 1000:.2f} device-seconds of queued work wait for rows "
                     f"or KV blocks ahead of this request, budget {self.config.queue_budget_s:g} s",
                     max(1, math.ceil(excess_ms / 1000.0)))
-        usage = self.usage.setdefault(req.api_key, KeyUsage(req.api_key))
-        if not self.waiting.get(req.api_key) and usage.running_rows == 0:
-            # A key that becomes active starts level with the least-served active key, so
-            # an idle key cannot bank credit and then starve everyone (start-time fair queueing).
-            active = [u.weighted_tokens_served for k, u in self.usage.items()
-                      if k != req.api_key and (u.running_rows or self.waiting.get(k))]
-            if active:
-                usage.weighted_tokens_served = max(usage.weighted_tokens_served, min(active))
         req.state = RequestState.QUEUED
-        self.waiting.setdefault(req.api_key, deque()).append(req)
+        self.queue.enqueue(req)
         self.by_id[req.request_id] = req
-        self.queued_device_ms += req.est_device_ms
 
     def waiting_work_ms(self, req: Request) -> tuple[float, float]:
         """The queueing delay `req` would see if queued now, as device-ms of work that waits ahead
@@ -347,10 +337,9 @@ class Scheduler:
                 continue
             if req.cancel_requested:
                 req.steps_after_cancel += 1
-            usage = self.usage[req.api_key]
             prefilled = req.is_prefilling           # this segment was a prompt piece
             if prefilled:
-                usage.weighted_tokens_served += seg.length
+                self.queue.charge(req.api_key, seg.length)
             req.num_computed = seg.end
             if prefilled:
                 self.kv_cache.cache_piece(req, seg.start, seg.length, self.config.prefill_piece)
@@ -378,13 +367,13 @@ class Scheduler:
         child.admitted_s = parent.admitted_s
         self.running.append(child)
         self.by_id[child.request_id] = child
-        self.usage[child.api_key].running_rows += 1
+        self.queue.row_started(child.api_key)
 
     def _accept(self, req: Request, token: int, logprob: float | None,
                 top: tuple[tuple[int, float], ...], now: float, events: list[TokenEvent]) -> None:
         """Append a sampled token to `req`, emit its event, finish it on EOS or length."""
         req.generated.append(token)
-        self.usage[req.api_key].weighted_tokens_served += self.config.output_token_weight
+        self.queue.charge(req.api_key, self.config.output_token_weight)
         if req.first_token_s is None:
             req.first_token_s = now
         else:
@@ -400,15 +389,30 @@ class Scheduler:
     def fail_all(self, now: float, detail: str) -> list[TokenEvent]:
         """End every queued and running request with FinishReason.ERROR (the loop failed)."""
         events: list[TokenEvent] = []
-        for req in list(self.running) + [r for q in self.waiting.values() for r in q]:
+        for req in list(self.running) + list(self.queue.requests()):
             self._finish(req, FinishReason.ERROR, detail, now, events)
         return events
 
     # -- queries ------------------------------------------------------------------------------
     @property
+    def waiting(self) -> dict[str, deque[Request]]:
+        """API key → its queued requests (`FairQueue.waiting`; read, do not change)."""
+        return self.queue.waiting
+
+    @property
+    def usage(self) -> dict[str, KeyUsage]:
+        """API key → its fair-queueing account (`FairQueue.usage`)."""
+        return self.queue.usage
+
+    @property
     def queue_depth(self) -> int:
         """Requests waiting to be admitted (including preempted ones)."""
-        return sum(len(q) for q in self.waiting.values())
+        return self.queue.depth
+
+    @property
+    def queued_device_ms(self) -> float:
+        """Estimated device time of every queued request, ms (`FairQueue.queued_device_ms`)."""
+        return self.queue.queued_device_ms
 
     @property
     def has_work(self) -> bool:
@@ -445,7 +449,7 @@ class Scheduler:
 
     def _leave(self, now: float, events: list[TokenEvent]) -> None:
         """Leave: drop stopped, cancelled and expired rows and queued requests."""
-        for req in list(self.running) + [r for q in self.waiting.values() for r in q]:
+        for req in list(self.running) + list(self.queue.requests()):
             if req.stop_requested:
                 self._finish(req, FinishReason.STOP, "stop string", now, events)
             elif req.cancel_requested or now >= req.deadline_s:
@@ -457,20 +461,18 @@ class Scheduler:
 
         When the least-served key's next request does not fit and another key holds more than
         `per_key_rows` rows, that key's newest row is preempted: a key may use more than its cap
-        only while no other key is waiting for room.
+        only while no other key is waiting for room (`FairQueue.preemptible_key`).
         """
         while True:
-            req = self._next_candidate()
+            req = self.queue.next_candidate()
             if req is None:
                 return
             if self._fits(req):
                 self._admit(req, now)
                 continue
-            over = [k for k, u in self.usage.items()
-                    if k != req.api_key and u.running_rows > self.config.per_key_rows]
-            if not over or self.usage[req.api_key].running_rows >= self.config.per_key_rows:
+            key = self.queue.preemptible_key(req)
+            if key is None:
                 return          # wait for rows/blocks; never skip ahead to a smaller request
-            key = max(over, key=lambda k: self.usage[k].running_rows)
             victim = next(r for r in reversed(self.running) if r.api_key == key)
             self._preempt(victim, plan)
 
@@ -504,27 +506,15 @@ class Scheduler:
         return free >= need + self.margin_blocks or (not self.running and free >= need)
 
     def _admit(self, req: Request, now: float) -> None:
-        self.waiting[req.api_key].popleft()
-        self.queued_device_ms = max(0.0, self.queued_device_ms - req.est_device_ms)
+        """Admit the fair queue's candidate `req`: run it from its cached prefix, if any."""
+        self.queue.pop_head(req)
         req.state = RequestState.RUNNING
         blocks = self.kv_cache.get_computed_blocks(req, self.config.prefill_piece)
         req.num_computed = req.num_cached = self.kv_cache.take_computed_blocks(req, blocks)
         if req.admitted_s is None:
             req.admitted_s = now
-        self.usage[req.api_key].running_rows += 1
+        self.queue.row_started(req.api_key)
         self.running.append(req)
-
-    def _next_candidate(self) -> Request | None:
-        """Head of the least-served waiting key; keys under the row cap first (work-conserving:
-        when every waiting key is at its cap, the least-served one still gets the free row).
-        Ties go to the key with fewer rows, then to the older head request."""
-        keys = [k for k, q in self.waiting.items() if q]
-        if not keys:
-            return None
-        under = [k for k in keys if self.usage[k].running_rows < self.config.per_key_rows]
-        key = min(under or keys, key=lambda k: (self.usage[k].weighted_tokens_served,
-                                                self.usage[k].running_rows, self.waiting[k][0].arrival_s))
-        return self.waiting[key][0]
 
     def _build(self, plan: StepPlan, now: float) -> None:
         """Build: one token per decoding row, then prefill pieces within the budget
@@ -557,8 +547,8 @@ class Scheduler:
         piece = cfg.prefill_piece
         # Under "slo" the oldest prompt goes first and nothing skips past a piece that does not
         # fit: pieces of newer prompts would become rows that keep it from ever fitting.
-        order = ((lambda r: (self.usage[r.api_key].weighted_tokens_served, r.admitted_s)) if slo else
-                 (lambda r: (self.usage[r.api_key].weighted_tokens_served, r.num_computed)))
+        order = ((lambda r: (self.queue.served(r.api_key), r.admitted_s)) if slo else
+                 (lambda r: (self.queue.served(r.api_key), r.num_computed)))
         prefilling = sorted((r for r in self.running if r.is_prefilling), key=order)
         for req in prefilling:
             pos = req.num_computed
@@ -619,11 +609,10 @@ class Scheduler:
         self.pool.free(req.request_id)
         self.running.remove(req)
         plan.segments[:] = [s for s in plan.segments if s.request is not req]
-        self.usage[req.api_key].running_rows -= 1
+        self.queue.row_ended(req.api_key)
         req.state = RequestState.PREEMPTED
         req.num_computed = 0
-        self.waiting.setdefault(req.api_key, deque()).appendleft(req)
-        self.queued_device_ms += req.est_device_ms
+        self.queue.push_front(req)
         self.num_preemptions += 1
         plan.num_preempted += 1
 
@@ -636,12 +625,9 @@ class Scheduler:
         """
         if req in self.running:
             self.running.remove(req)
-            self.usage[req.api_key].running_rows -= 1
+            self.queue.row_ended(req.api_key)
         else:
-            queue = self.waiting.get(req.api_key)
-            if queue is not None and req in queue:
-                queue.remove(req)
-                self.queued_device_ms = max(0.0, self.queued_device_ms - req.est_device_ms)
+            self.queue.remove(req)
         self.pool.free(req.request_id)
         self.by_id.pop(req.request_id, None)
         req.state = RequestState.CANCELLED if reason == FinishReason.CANCELLED else RequestState.DONE
