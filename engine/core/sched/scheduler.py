@@ -34,6 +34,7 @@ from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.outputs import FinishReason, SampledTokens, TokenEvent
 from engine.core.plan import Segment, StepPlan
 from engine.core.request import Request, RequestState
+from engine.core.sched.batching import batching_for
 from engine.core.sched.fair_queue import FairQueue, KeyUsage
 
 __all__ = ["AdmissionRejected", "Scheduler", "SchedulerStats"]
@@ -97,13 +98,8 @@ class Scheduler:
         self.num_finished = 0
         self.kv_cache = KVCacheManager(pool)
         self.margin_blocks = math.ceil(config.free_margin * pool.num_blocks)
-        # Batch formation (config.batching): the gate in front of join, and whether prefill is
-        # chunked. "continuous" is the default policy; the others exist for the comparison.
-        self.join_wait_s = {"continuous": self._join_wait_continuous,
-                            "continuous_unchunked": self._join_wait_continuous,
-                            "static": self._join_wait_static,
-                            "dynamic": self._join_wait_dynamic}[config.batching]
-        self._chunked_prefill = config.batching == "continuous"
+        self.batching = batching_for(config)
+        self._chunked_prefill = self.batching.chunked_prefill
         self._slo = config.policy == "slo" and self._chunked_prefill     # SLO-driven steps
 
     # -- submission ---------------------------------------------------------------------------
@@ -168,7 +164,7 @@ class Scheduler:
                        key=lambda r: (rows_of.get(r.api_key, 0) >= cfg.per_key_rows, served(r.api_key),
                                       r is req, r.arrival_s))
         total = own = 0.0
-        blocked = not cfg.batching.startswith("continuous")
+        blocked = not self.batching.joins_between_steps
         pending_forks = sum(len(r.children) for r in self.running if r.forks_now)
         rows_free = ((self.full_rows() if self._slo else cfg.max_rows)
                      - len(self.running) - pending_forks)
@@ -216,6 +212,12 @@ class Scheduler:
         """Flag `req` and its samples for cancellation at the next step boundary."""
         for r in (req, *req.children):
             r.cancel_requested = True
+
+    def join_wait_s(self, now: float) -> float:
+        """Seconds until the batching mode lets queued requests join (rows and blocks
+        permitting): 0.0 now, `math.inf` not before the running batch ends or more arrive
+        (`batching`). A virtual-time driver jumps its clock by it when a step ran nothing."""
+        return self.batching.join_wait_s(now, len(self.running), self.queue)
 
     # -- one step -----------------------------------------------------------------------------
     def schedule(self, now: float) -> StepPlan:
@@ -286,31 +288,6 @@ class Scheduler:
         start = int(self.avg_prompt_tokens / 2) // cfg.prefill_piece * cfg.prefill_piece
         piece = StepFeatures(prefill_tokens=cfg.prefill_piece, pairs=piece_pairs(start, cfg.prefill_piece))
         return self.cost.step_ms(piece) - self.cost.step_base_ms
-
-    # -- batch formation (config.batching) ----------------------------------------------------
-    # join_wait_s(now): seconds until the batching policy lets queued requests join (rows and
-    # blocks permitting): 0.0 now, math.inf not before the running batch ends or more arrive.
-    # A virtual-time driver jumps its clock by it when a step ran nothing.
-    def _join_wait_continuous(self, now: float) -> float:
-        """Continuous batching: requests join between any two steps."""
-        return 0.0
-
-    def _join_wait_static(self, now: float) -> float:
-        """Static batching: a new batch forms only when none runs and `max_rows` requests wait."""
-        if self.running or self.queue_depth < self.config.max_rows:
-            return math.inf
-        return 0.0
-
-    def _join_wait_dynamic(self, now: float) -> float:
-        """Dynamic batching: as static, but a batch also fires once the oldest waiting request
-        has waited `dynamic_window_s`."""
-        if self.running or not self.queue_depth:
-            return math.inf
-        if self.queue_depth >= self.config.max_rows:
-            return 0.0
-        oldest = min(r.arrival_s for q in self.waiting.values() for r in q)
-        wait = oldest + self.config.dynamic_window_s - now
-        return 0.0 if wait <= 1e-9 else wait
 
     def update(self, plan: StepPlan, sampled: SampledTokens, now: float) -> list[TokenEvent]:
         """Advance every request of `plan` by its computed tokens and append sampled tokens.
