@@ -29,13 +29,14 @@ from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.core.block_pool import BlockPool
-from engine.core.cost_model import CostModel, StepFeatures, piece_pairs
+from engine.core.cost_model import CostModel
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.outputs import FinishReason, SampledTokens, TokenEvent
 from engine.core.plan import Segment, StepPlan
 from engine.core.request import Request, RequestState
 from engine.core.sched.batching import batching_for
 from engine.core.sched.fair_queue import FairQueue, KeyUsage
+from engine.core.sched.step_budget import PieceFit, RequestAverages, step_budget_for
 
 __all__ = ["AdmissionRejected", "Scheduler", "SchedulerStats"]
 
@@ -88,10 +89,7 @@ class Scheduler:
         self.running: list[Request] = []          # admission order: oldest first
         self.by_id: dict[str, Request] = {}
         self.queue = FairQueue(config.per_key_rows)
-        self.avg_output_tokens = 300.0             # docs/design.md: average answer of 300 tokens
-        self.avg_prompt_tokens = 1250.0            # docs/design.md: average prompt of 1,250 tokens
-        self._full_rows_key: tuple[int, int, int] | None = None
-        self._full_rows = config.max_rows
+        self.averages = RequestAverages()
         self.num_preemptions = 0
         self.num_cancelled_tokens = 0
         self.num_rejected = 0
@@ -99,8 +97,7 @@ class Scheduler:
         self.kv_cache = KVCacheManager(pool)
         self.margin_blocks = math.ceil(config.free_margin * pool.num_blocks)
         self.batching = batching_for(config)
-        self._chunked_prefill = self.batching.chunked_prefill
-        self._slo = config.policy == "slo" and self._chunked_prefill     # SLO-driven steps
+        self.budget = step_budget_for(config, self.batching.chunked_prefill)
 
     # -- submission ---------------------------------------------------------------------------
     def add(self, req: Request, now: float) -> None:
@@ -114,10 +111,10 @@ class Scheduler:
         """
         if req.request_id in self.by_id:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
-        expected = min(req.max_tokens, self.avg_output_tokens) * req.n
+        expected = min(req.max_tokens, self.averages.output_tokens) * req.n
         to_compute = req.num_prompt - self.kv_cache.num_cached_tokens(req, self.config.prefill_piece)
         req.est_device_ms = self.cost.estimate_ms(to_compute, expected, self.full_rows())
-        self.avg_prompt_tokens = 0.9 * self.avg_prompt_tokens + 0.1 * req.num_prompt
+        self.averages.observe_prompt(req.num_prompt)
         for child in req.children:
             child.arrival_s, child.deadline_s = req.arrival_s, req.deadline_s
         budget_ms = self.config.queue_budget_s * 1000.0
@@ -146,7 +143,7 @@ class Scheduler:
         the free margin, or room the join makes by preempting a key over `per_key_rows`. From the
         first one that does not fit on, everything waits (join never skips ahead) and counts its
         estimate, up to `req`. Rows are `max_rows` under the fixed policy and `full_rows()` under
-        "slo". Under static and dynamic batching all queued work and `req`'s count.
+        "slo" (`StepBudget.queue_rows`). Under static and dynamic batching all queued work and `req`'s count.
         """
         cfg = self.config
         rows_of = {k: u.running_rows for k, u in self.usage.items() if u.running_rows}
@@ -166,8 +163,7 @@ class Scheduler:
         total = own = 0.0
         blocked = not self.batching.joins_between_steps
         pending_forks = sum(len(r.children) for r in self.running if r.forks_now)
-        rows_free = ((self.full_rows() if self._slo else cfg.max_rows)
-                     - len(self.running) - pending_forks)
+        rows_free = self.budget.queue_rows(self.cost, self.averages) - len(self.running) - pending_forks
         reserved = sum(self.pool.blocks_needed(r.request_id, r.num_prompt)
                        for r in self.running if r.is_prefilling)
         blocks_free = self.pool.num_free - reserved - self.margin_blocks
@@ -237,57 +233,9 @@ class Scheduler:
 
     def full_rows(self) -> int:
         """Rows of a full step, for the device-time estimates of admission control: 32 under the
-        fixed policy (the design's full step, whatever `max_rows` says, as the per-token costs
-        always were); under "slo", the most rows (1..`slo_row_limit`, at least 1) that
-        `_slo_rows_fit` allows at the average context (prompt + half an answer)."""
-        cfg = self.config
-        if not self._slo:
-            return 32
-        context = int(self.avg_prompt_tokens + self.avg_output_tokens / 2)
-        key = (id(self.cost), self.cost.version, context // 64, int(self.avg_output_tokens) // 8)
-        if key != self._full_rows_key:           # the model may be replaced, the averages move
-            self._full_rows_key = key
-            lo, hi = 1, cfg.slo_row_limit
-            while lo < hi:                       # the step time grows with the rows
-                mid = (lo + hi + 1) // 2
-                if self._slo_rows_fit(StepFeatures(rows=mid, context=mid * context)):
-                    lo = mid
-                else:
-                    hi = mid - 1
-            self._full_rows = lo
-        return self._full_rows
-
-    def _slo_rows_fit(self, decode: StepFeatures) -> bool:
-        """Whether the decode rows `decode` (rows and their summed context, no prefill) may all
-        run under "slo": their step plus the prefill they bring in steady state fits the TPOT
-        target, and their step plus one prefill piece fits the gap target.
-
-        Steady state: every row that leaves is replaced by a new one whose prompt must be
-        prefilled while the others decode, so each row brings an average prompt's prefill spread
-        over an average answer's steps (`_row_prefill_ms`), and never less than
-        `slo_prefill_share` of the target in all. A step may stretch to the gap target when its
-        rows are ahead of their TPOT pace (`_step_limit_ms`), so a piece that does not fit beside
-        the rows within the TPOT target still runs there; the rows never grow so many that it
-        cannot.
-        """
-        cfg = self.config
-        decode_ms = self.cost.step_ms(decode)
-        prefill_ms = max(cfg.slo_prefill_share * cfg.tpot_target_ms, decode.rows * self._row_prefill_ms())
-        return (decode_ms + prefill_ms <= cfg.tpot_target_ms
-                and decode_ms + self._piece_ms() <= cfg.gap_target_ms)
-
-    def _row_prefill_ms(self) -> float:
-        """The prefill time one decoding row brings to every step in steady state, ms: an average
-        prompt's prefill (`CostModel.prefill_ms`) over an average answer's tokens."""
-        return self.cost.prefill_ms(int(self.avg_prompt_tokens)) / max(1.0, self.avg_output_tokens)
-
-    def _piece_ms(self) -> float:
-        """Step time one `prefill_piece` halfway into an average prompt adds, ms (the smallest
-        prefill a step can carry)."""
-        cfg = self.config
-        start = int(self.avg_prompt_tokens / 2) // cfg.prefill_piece * cfg.prefill_piece
-        piece = StepFeatures(prefill_tokens=cfg.prefill_piece, pairs=piece_pairs(start, cfg.prefill_piece))
-        return self.cost.step_ms(piece) - self.cost.step_base_ms
+        fixed policy, the most rows the SLO targets allow at the average context under "slo"
+        (`FixedBudget.full_rows`, `SloBudget.full_rows`)."""
+        return self.budget.full_rows(self.cost, self.averages)
 
     def update(self, plan: StepPlan, sampled: SampledTokens, now: float) -> list[TokenEvent]:
         """Advance every request of `plan` by its computed tokens and append sampled tokens.
@@ -392,6 +340,16 @@ class Scheduler:
         return self.queue.queued_device_ms
 
     @property
+    def avg_prompt_tokens(self) -> float:
+        """Average prompt length the estimates assume, tokens (`RequestAverages`)."""
+        return self.averages.prompt_tokens
+
+    @property
+    def avg_output_tokens(self) -> float:
+        """Average answer length the estimates assume, tokens (`RequestAverages`)."""
+        return self.averages.output_tokens
+
+    @property
     def has_work(self) -> bool:
         """True while any request is queued or running."""
         return bool(self.running) or self.queue_depth > 0
@@ -454,24 +412,10 @@ class Scheduler:
             self._preempt(victim, plan)
 
     def _fits(self, req: Request) -> bool:
-        """Rows and blocks allow `req` now (free blocks cover its prompt plus the margin).
-
-        Rows: at most `max_rows` under the fixed policy. Under "slo", at most `slo_row_limit`, and
-        (unless nothing runs) every running row plus `req`'s, at their current contexts, within
-        what `_slo_rows_fit` allows.
-        """
-        cfg = self.config
-        pending_forks = sum(len(r.children) for r in self.running if r.forks_now)
-        rows = len(self.running) + pending_forks + req.n
-        if self._slo:
-            if rows > cfg.slo_row_limit:
-                return False
-            if self.running:
-                context = (sum(r.num_tokens + len(r.children) * r.num_prompt * r.forks_now for r in self.running)
-                           + req.n * req.num_prompt)
-                if not self._slo_rows_fit(StepFeatures(rows=rows, context=context)):
-                    return False
-        elif rows > cfg.max_rows:
+        """Rows and blocks allow `req` now: the step budget's rows (`StepBudget.rows_fit`), and
+        free blocks, less those reserved for running prefills, cover its prompt plus the margin
+        (without the margin when nothing runs)."""
+        if not self.budget.rows_fit(self.running, req, self.cost, self.averages):
             return False
         hits = self.kv_cache.get_computed_blocks(req, self.config.prefill_piece)
         # Cached blocks another request holds cost no free block; unused cached ones are
@@ -494,16 +438,15 @@ class Scheduler:
         self.running.append(req)
 
     def _build(self, plan: StepPlan, now: float) -> None:
-        """Build: one token per decoding row, then prefill pieces within the budget
-        (no budget unless `config.batching` is "continuous": whole prompts in one step).
+        """Build: one token per decoding row, then prefill pieces within the step's budget
+        (`StepBudget.for_step`: tokens under the fixed policy, predicted time under "slo"; none
+        unless prefill is chunked: whole prompts in one step).
 
-        The budget is `prefill_token_budget` tokens (`prefill_token_budget_few_rows` with at most `few_rows`
-        decode rows) under the fixed policy. Under "slo" it is time: pieces join while the cost
-        model predicts the step within `_step_limit_ms` (at least one piece when no row decodes).
-        Either way prefill goes to the least-served key first (at a tie, to the request with less
-        of its prompt done, then admission order), several requests share a step, and each request
-        is cut on the `prefill_piece` grid: the budget decides how many pieces run, never where a
-        prompt is cut.
+        Prefill goes to the least-served key first (at a tie, as the budget orders prompts:
+        `prefill_tiebreak`), several requests share a step, and each request is cut on the
+        `prefill_piece` grid: the budget decides how many pieces run, never where a prompt is
+        cut. A piece that does not fit moves on to the next request, or ends the step's prefill
+        when the budget says so (`PieceFit`).
         """
         for req in list(self.running):
             if req.is_prefilling or req not in self.running:
@@ -513,55 +456,23 @@ class Scheduler:
             samples = req.num_computed + 1 == req.num_tokens
             plan.segments.append(Segment(req, req.num_computed, 1, samples,
                                          tuple(self.pool.table(req.request_id)), decode=True))
-        cfg = self.config
-        budget = (cfg.prefill_token_budget_few_rows if plan.num_decode_rows <= cfg.few_rows
-                  else cfg.prefill_token_budget) if self._chunked_prefill else math.inf
-        slo = self._slo
-        if slo:
-            budget = math.inf
-            features = plan.features()
-            limit_ms = self._step_limit_ms(plan, now)
-        piece = cfg.prefill_piece
-        # Under "slo" the oldest prompt goes first and nothing skips past a piece that does not
-        # fit: pieces of newer prompts would become rows that keep it from ever fitting.
-        order = ((lambda r: (self.queue.served(r.api_key), r.admitted_s)) if slo else
-                 (lambda r: (self.queue.served(r.api_key), r.num_computed)))
-        prefilling = sorted((r for r in self.running if r.is_prefilling), key=order)
+        budget = self.budget.for_step(plan, now, self.cost)
+        piece = self.config.prefill_piece
+        prefilling = sorted((r for r in self.running if r.is_prefilling),
+                            key=lambda r: (self.queue.served(r.api_key), self.budget.prefill_tiebreak(r)))
         for req in prefilling:
             pos = req.num_computed
             while pos < req.num_prompt and req in self.running:
                 length = min(req.num_prompt - pos, piece - pos % piece)
-                if slo:
-                    grown = features.with_piece(pos, length)
-                    if (features.rows or features.prefill_tokens) and self.cost.step_ms(grown) > limit_ms:
-                        return
-                    features = grown
-                if length > budget or not self._reserve(req, pos, pos + length, plan):
+                fit = budget.check(pos, length)
+                if fit is PieceFit.STEP_FULL:
+                    return
+                if fit is PieceFit.NEXT_REQUEST or not self._reserve(req, pos, pos + length, plan):
                     break
                 plan.segments.append(Segment(req, pos, length, pos + length == req.num_tokens,
                                              tuple(self.pool.table(req.request_id))))
                 pos += length
-                budget -= length
-
-    def _step_limit_ms(self, plan: StepPlan, now: float) -> float:
-        """The longest step (ms) the SLO targets allow, given the rows that sample in `plan`.
-
-        A row with n tokens since its first, the first at f and the last at l, keeps its time per
-        output token within the target T while the step ends by f + n·T, and its gap within the
-        target G while it ends by l + G. The step may take the least of these over its rows, but
-        never less than T (a row already behind is served at the target pace) nor more than G;
-        G when no row decodes.
-        """
-        tpot, gap = self.config.tpot_target_ms, self.config.gap_target_ms
-        limit = gap
-        for seg in plan.segments:
-            req = seg.request
-            if not (seg.decode and seg.samples) or req.first_token_s is None or req.last_token_s is None:
-                continue
-            n = len(req.generated)
-            own = min(gap - (now - req.last_token_s) * 1000.0, n * tpot - (now - req.first_token_s) * 1000.0)
-            limit = min(limit, max(tpot, own))
-        return limit
+                budget.spend(length)
 
     def _reserve(self, req: Request, pos: int, num_tokens: int, plan: StepPlan) -> bool:
         """Give `req` blocks for `num_tokens` positions (writing from `pos`), preempting newer
@@ -611,7 +522,7 @@ class Scheduler:
         req.finish_reason, req.finish_detail, req.finished_s = reason, detail, now
         self.num_finished += 1
         if reason != FinishReason.CANCELLED:
-            self.avg_output_tokens = 0.9 * self.avg_output_tokens + 0.1 * len(req.generated)
+            self.averages.observe_answer(len(req.generated))
         ms = lambda t: None if t is None else (t - req.arrival_s) * 1000.0  # noqa: E731
         n = len(req.generated)
         tpot_ms = None
