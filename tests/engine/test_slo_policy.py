@@ -9,7 +9,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.core.cost_model import StepFeatures
-from engine.core.sched.scheduler import AdmissionRejected
+from engine.core.sched.admission import AdmissionRejected
 from engine.core.sim_executor import SimExecutor
 from loadgen.sim import design_config, simulate
 from loadgen.workload import LengthMix, arrival_times, synthetic_workload

@@ -34,23 +34,13 @@ from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.outputs import FinishReason, SampledTokens, TokenEvent
 from engine.core.plan import Segment, StepPlan
 from engine.core.request import Request, RequestState
+from engine.core.sched.admission import AdmissionControl, AdmissionRejected
 from engine.core.sched.batching import batching_for
 from engine.core.sched.fair_queue import FairQueue, KeyUsage
 from engine.core.sched.step_budget import PieceFit, RequestAverages, step_budget_for
 
+# AdmissionRejected lives in admission.py; it stays importable from here for older callers.
 __all__ = ["AdmissionRejected", "Scheduler", "SchedulerStats"]
-
-
-class AdmissionRejected(Exception):
-    """More device work is queued than the budget allows (HTTP 429).
-
-    Attributes:
-        retry_after_s: whole seconds after which the queue should have drained enough (>= 1).
-    """
-
-    def __init__(self, message: str, retry_after_s: int) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,21 +82,26 @@ class Scheduler:
         self.averages = RequestAverages()
         self.num_preemptions = 0
         self.num_cancelled_tokens = 0
-        self.num_rejected = 0
         self.num_finished = 0
         self.kv_cache = KVCacheManager(pool)
         self.margin_blocks = math.ceil(config.free_margin * pool.num_blocks)
         self.batching = batching_for(config)
         self.budget = step_budget_for(config, self.batching.chunked_prefill)
+        self.admission = AdmissionControl(config, pool, self.margin_blocks,
+                                          self.batching.joins_between_steps)
 
     # -- submission ---------------------------------------------------------------------------
     def add(self, req: Request, now: float) -> None:
         """Queue `req` under its API key, or reject it when the queue is over budget.
 
+        Its device-time estimate (`est_device_ms`) charges the prompt tokens not already in the
+        prefix cache and min(max_tokens, the average answer) tokens per sample at `full_rows`.
+
         Raises:
             AdmissionRejected: the queueing delay this request would see, in device-seconds of
-                work ahead that waits for rows or blocks (`waiting_work_ms`), with its own estimate,
-                passes `config.queue_budget_s` (only while something else is queued).
+                work ahead that waits for rows or blocks (`AdmissionControl.waiting_work_ms`),
+                with its own estimate, passes `config.queue_budget_s` (only while something
+                else is queued).
             ValueError: a request with the same id is already in the engine.
         """
         if req.request_id in self.by_id:
@@ -117,88 +112,12 @@ class Scheduler:
         self.averages.observe_prompt(req.num_prompt)
         for child in req.children:
             child.arrival_s, child.deadline_s = req.arrival_s, req.deadline_s
-        budget_ms = self.config.queue_budget_s * 1000.0
-        if self.queue_depth:
-            total, own = self.waiting_work_ms(req)
-            if self._over_budget(req, total, own, budget_ms):
-                self.num_rejected += 1
-                excess_ms = total - budget_ms
-                # The device drains one device-second of waiting work per second of wall time.
-                raise AdmissionRejected(
-                    f"{(total - req.est_device_ms) / 1000:.2f} device-seconds of queued work wait for rows "
-                    f"or KV blocks ahead of this request, budget {self.config.queue_budget_s:g} s",
-                    max(1, math.ceil(excess_ms / 1000.0)))
+        if self.queue.depth:
+            rows = self.budget.queue_rows(self.cost, self.averages)
+            self.admission.check(req, self.queue, self.running, rows)
         req.state = RequestState.QUEUED
         self.queue.enqueue(req)
         self.by_id[req.request_id] = req
-
-    def waiting_work_ms(self, req: Request) -> tuple[float, float]:
-        """The queueing delay `req` would see if queued now, as device-ms of work that waits ahead
-        of it, itself included: (all keys', `req`'s key's).
-
-        Under continuous batching the queued requests and `req` are taken in the join's order
-        (keys under `per_key_rows` first, then the least-served key, then arrival; a key that
-        becomes active starts level with the least-served active one). One that the next join
-        would admit waits for nothing and counts nothing: a free row and its prompt's blocks plus
-        the free margin, or room the join makes by preempting a key over `per_key_rows`. From the
-        first one that does not fit on, everything waits (join never skips ahead) and counts its
-        estimate, up to `req`. Rows are `max_rows` under the fixed policy and `full_rows()` under
-        "slo" (`StepBudget.queue_rows`). Under static and dynamic batching all queued work and `req`'s count.
-        """
-        cfg = self.config
-        rows_of = {k: u.running_rows for k, u in self.usage.items() if u.running_rows}
-        active = [u.weighted_tokens_served for k, u in self.usage.items()
-                  if u.running_rows or self.waiting.get(k)]
-        floor = min(active, default=0.0)
-
-        def served(key: str) -> float:
-            u = self.usage.get(key)
-            if u is None or not (u.running_rows or self.waiting.get(key)):
-                return max(floor, u.weighted_tokens_served if u is not None else 0.0)
-            return u.weighted_tokens_served
-
-        order = sorted((*(r for q in self.waiting.values() for r in q), req),
-                       key=lambda r: (rows_of.get(r.api_key, 0) >= cfg.per_key_rows, served(r.api_key),
-                                      r is req, r.arrival_s))
-        total = own = 0.0
-        blocked = not self.batching.joins_between_steps
-        pending_forks = sum(len(r.children) for r in self.running if r.forks_now)
-        rows_free = self.budget.queue_rows(self.cost, self.averages) - len(self.running) - pending_forks
-        reserved = sum(self.pool.blocks_needed(r.request_id, r.num_prompt)
-                       for r in self.running if r.is_prefilling)
-        blocks_free = self.pool.num_free - reserved - self.margin_blocks
-        for r in order:
-            need = cfg.blocks_for(r.num_prompt)
-            key = r.api_key
-            if not blocked and r.n <= rows_free and need <= blocks_free:
-                rows_free -= r.n
-                blocks_free -= need
-                rows_of[key] = rows_of.get(key, 0) + r.n
-            elif not blocked and rows_of.get(key, 0) < cfg.per_key_rows and any(
-                    n > cfg.per_key_rows for k, n in rows_of.items() if k != key):
-                rows_of[key] = rows_of.get(key, 0) + r.n      # the join preempts an over-cap key
-            else:
-                blocked = True
-                total += r.est_device_ms
-                if key == req.api_key:
-                    own += r.est_device_ms
-            if r is req:
-                break
-        return total, own
-
-    def _over_budget(self, req: Request, total: float, own: float, budget_ms: float) -> bool:
-        """Whether queueing `req` passes the budget (the admit step), with a fair share per key.
-
-        `total` and `own` are the waiting work with `req`, all keys' and `req`'s key's
-        (`waiting_work_ms`). Over the budget, a key whose own waiting work stays within budget /
-        active keys is still admitted, so one key's backlog cannot make everyone else's requests
-        429; the total is then bounded by twice the budget.
-        """
-        if total <= budget_ms:
-            return False
-        active = {k for k, q in self.waiting.items() if q}
-        active |= {k for k, u in self.usage.items() if u.running_rows} | {req.api_key}
-        return own > budget_ms / len(active) or total > 2 * budget_ms
 
     def stop(self, req: Request) -> None:
         """Flag one sample to finish with STOP at the next step boundary (a stop string matched)."""
@@ -338,6 +257,11 @@ class Scheduler:
     def queued_device_ms(self) -> float:
         """Estimated device time of every queued request, ms (`FairQueue.queued_device_ms`)."""
         return self.queue.queued_device_ms
+
+    @property
+    def num_rejected(self) -> int:
+        """Requests refused with AdmissionRejected so far."""
+        return self.admission.num_rejected
 
     @property
     def avg_prompt_tokens(self) -> float:
