@@ -1,4 +1,4 @@
-"""Scheduling policy: fair per-key queues, admission control, chunked prefill, preemption.
+"""The scheduler: each step's leave, join, build and preempt, and the bookkeeping after it.
 
 Pure policy for the loop's admit, leave, join, build and preempt steps (docs/design.md, "The
 loop"): it takes the time as an argument, never calls `time.*`, never touches a tensor, and so
@@ -15,10 +15,19 @@ Prefill pieces are aligned to multiples of `prefill_piece` (64) within each requ
 [0, 64), [64, 128), ...), so a request's prompt is cut at the same places whether it runs alone
 or beside 31 others; a step carries pieces of several requests up to its prefill budget. Together
 with per-piece attention this makes every token's arithmetic independent of its batch neighbours
-(the batch-invariance test of docs/design.md). A preempted request re-prefills its prompt in the same
-pieces, then replays the tokens it had already produced
-as one-token rows without sampling, so its cache — and its later tokens — are bit-identical to a
-run without preemption.
+(the batch-invariance test of docs/design.md). A preempted request re-prefills its prompt in the
+same pieces, then replays the tokens it had already produced as one-token rows without sampling,
+so its cache — and its later tokens — are bit-identical to a run without preemption.
+
+`Scheduler` composes one policy per module and keeps the running batch itself:
+
+* `fair_queue.FairQueue`: the waiting requests per API key, the keys' usage accounts, which
+  request joins next;
+* `admission.AdmissionControl`: the queue budget (429);
+* `step_budget`: `FixedBudget` or `SloBudget`, the rows that fit and each step's prefill budget;
+* `batching`: when requests may join (continuous, static, dynamic) and whether prompts are cut;
+* `engine.core.kv_cache_manager.KVCacheManager`: what a request takes from the prefix cache and
+  what it offers back.
 """
 
 from __future__ import annotations
@@ -65,9 +74,17 @@ class Scheduler:
     """Decides, step by step, which tokens of which requests the device computes.
 
     Args:
-        config: the engine's dials (row cap, chunk, margins, fairness weights, budget).
+        config: the engine's dials (row cap, prefill budget, margins, fairness weights, budget).
         pool: the block pool whose free list bounds admission.
-        cost: per-token device costs for admission control and the queue estimate.
+        cost: per-token device costs for admission control, the queue estimate and the SLO
+            policy (None: the design's, `CostModel()`). May be replaced later (`cost = ...`).
+
+    Attributes:
+        running: running requests (samples included), in admission order: oldest first.
+        by_id: request id → every queued or running request, samples included.
+        queue, admission, budget, batching, kv_cache, averages: the composed policies (see the
+            module docstring); `averages` is the average request the estimates assume.
+        margin_blocks: blocks the join keeps free (`free_margin` of the pool).
 
     Thread-safety: none. The engine loop serialises every call behind its own lock.
     """
@@ -76,19 +93,19 @@ class Scheduler:
         self.config = config
         self.pool = pool
         self.cost = cost or CostModel()
-        self.running: list[Request] = []          # admission order: oldest first
+        self.running: list[Request] = []
         self.by_id: dict[str, Request] = {}
         self.queue = FairQueue(config.per_key_rows)
-        self.averages = RequestAverages()
-        self.num_preemptions = 0
-        self.num_cancelled_tokens = 0
-        self.num_finished = 0
         self.kv_cache = KVCacheManager(pool)
+        self.averages = RequestAverages()
         self.margin_blocks = math.ceil(config.free_margin * pool.num_blocks)
         self.batching = batching_for(config)
         self.budget = step_budget_for(config, self.batching.chunked_prefill)
         self.admission = AdmissionControl(config, pool, self.margin_blocks,
                                           self.batching.joins_between_steps)
+        self.num_preemptions = 0
+        self.num_cancelled_tokens = 0
+        self.num_finished = 0
 
     # -- submission ---------------------------------------------------------------------------
     def add(self, req: Request, now: float) -> None:
@@ -128,6 +145,12 @@ class Scheduler:
         for r in (req, *req.children):
             r.cancel_requested = True
 
+    def full_rows(self) -> int:
+        """Rows of a full step, for the device-time estimates of admission control: 32 under the
+        fixed policy, the most rows the SLO targets allow at the average context under "slo"
+        (`FixedBudget.full_rows`, `SloBudget.full_rows`)."""
+        return self.budget.full_rows(self.cost, self.averages)
+
     def join_wait_s(self, now: float) -> float:
         """Seconds until the batching mode lets queued requests join (rows and blocks
         permitting): 0.0 now, `math.inf` not before the running batch ends or more arrive
@@ -149,12 +172,6 @@ class Scheduler:
             self._join(now, plan)
         self._build(plan, now)
         return plan
-
-    def full_rows(self) -> int:
-        """Rows of a full step, for the device-time estimates of admission control: 32 under the
-        fixed policy, the most rows the SLO targets allow at the average context under "slo"
-        (`FixedBudget.full_rows`, `SloBudget.full_rows`)."""
-        return self.budget.full_rows(self.cost, self.averages)
 
     def update(self, plan: StepPlan, sampled: SampledTokens, now: float) -> list[TokenEvent]:
         """Advance every request of `plan` by its computed tokens and append sampled tokens.
@@ -203,33 +220,6 @@ class Scheduler:
                 self._accept(r, token, logprob, tuple(top), now, events)
         return events
 
-    def _activate_fork(self, parent: Request, child: Request) -> None:
-        """Start sample `child` on the parent's prefilled prompt blocks (ref_count + 1 each)."""
-        self.pool.share(parent.request_id, child.request_id, parent.num_prompt)
-        child.num_computed = parent.num_prompt
-        child.state = RequestState.RUNNING
-        child.admitted_s = parent.admitted_s
-        self.running.append(child)
-        self.by_id[child.request_id] = child
-        self.queue.row_started(child.api_key)
-
-    def _accept(self, req: Request, token: int, logprob: float | None,
-                top: tuple[tuple[int, float], ...], now: float, events: list[TokenEvent]) -> None:
-        """Append a sampled token to `req`, emit its event, finish it on EOS or length."""
-        req.generated.append(token)
-        self.queue.charge(req.api_key, self.config.output_token_weight)
-        if req.first_token_s is None:
-            req.first_token_s = now
-        else:
-            req.max_gap_s = max(req.max_gap_s, now - req.last_token_s)
-        req.last_token_s = now
-        reason = self._stop_reason(req, token)
-        if reason is None:
-            events.append(TokenEvent(req.group_id, index=req.index, token_id=token, logprob=logprob,
-                                     top_logprobs=top, position=len(req.generated) - 1))
-        else:
-            self._finish(req, reason, "", now, events, token=token, logprob=logprob, top=top)
-
     def fail_all(self, now: float, detail: str) -> list[TokenEvent]:
         """End every queued and running request with FinishReason.ERROR (the loop failed)."""
         events: list[TokenEvent] = []
@@ -259,24 +249,14 @@ class Scheduler:
         return self.queue.queued_device_ms
 
     @property
-    def num_rejected(self) -> int:
-        """Requests refused with AdmissionRejected so far."""
-        return self.admission.num_rejected
-
-    @property
-    def avg_prompt_tokens(self) -> float:
-        """Average prompt length the estimates assume, tokens (`RequestAverages`)."""
-        return self.averages.prompt_tokens
-
-    @property
-    def avg_output_tokens(self) -> float:
-        """Average answer length the estimates assume, tokens (`RequestAverages`)."""
-        return self.averages.output_tokens
-
-    @property
     def has_work(self) -> bool:
         """True while any request is queued or running."""
         return bool(self.running) or self.queue_depth > 0
+
+    @property
+    def num_rejected(self) -> int:
+        """Requests refused with AdmissionRejected so far."""
+        return self.admission.num_rejected
 
     @property
     def prefix_queried_tokens(self) -> int:
@@ -288,6 +268,16 @@ class Scheduler:
         """... of which the cache held (not computed again)."""
         return self.kv_cache.prefix_hit_tokens
 
+    @property
+    def avg_prompt_tokens(self) -> float:
+        """Average prompt length the estimates assume, tokens (`RequestAverages`)."""
+        return self.averages.prompt_tokens
+
+    @property
+    def avg_output_tokens(self) -> float:
+        """Average answer length the estimates assume, tokens (`RequestAverages`)."""
+        return self.averages.output_tokens
+
     def stats(self) -> SchedulerStats:
         """Gauges and counters for /metrics (call under the engine lock)."""
         return SchedulerStats(
@@ -298,14 +288,7 @@ class Scheduler:
             num_finished=self.num_finished, kv_blocks_cached=self.pool.num_cached_unused,
             prefix_queried_tokens=self.prefix_queried_tokens, prefix_hit_tokens=self.prefix_hit_tokens)
 
-    # -- internals ----------------------------------------------------------------------------
-    def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
-        if token == req.eos_token_id and not req.sampling.ignore_eos:
-            return FinishReason.STOP
-        if len(req.generated) >= req.max_tokens or req.num_tokens >= self.config.max_context:
-            return FinishReason.LENGTH
-        return None
-
+    # -- leave and join -----------------------------------------------------------------------
     def _leave(self, now: float, events: list[TokenEvent]) -> None:
         """Leave: drop stopped, cancelled and expired rows and queued requests."""
         for req in list(self.running) + list(self.queue.requests()):
@@ -361,6 +344,7 @@ class Scheduler:
         self.queue.row_started(req.api_key)
         self.running.append(req)
 
+    # -- build --------------------------------------------------------------------------------
     def _build(self, plan: StepPlan, now: float) -> None:
         """Build: one token per decoding row, then prefill pieces within the step's budget
         (`StepBudget.for_step`: tokens under the fixed policy, predicted time under "slo"; none
@@ -415,7 +399,7 @@ class Scheduler:
         return True
 
     def _preempt(self, req: Request, plan: StepPlan) -> None:
-        """Preempt: free the newest request's blocks and queue it first for its key."""
+        """Preempt: free `req`'s blocks, drop it from the step and queue it first for its key."""
         own = set(self.pool.table(req.request_id))
         plan.block_copies[:] = [(s, d) for s, d in plan.block_copies if d not in own]
         self.pool.free(req.request_id)
@@ -427,6 +411,43 @@ class Scheduler:
         self.queue.push_front(req)
         self.num_preemptions += 1
         plan.num_preempted += 1
+
+    # -- after the step -----------------------------------------------------------------------
+    def _activate_fork(self, parent: Request, child: Request) -> None:
+        """Start sample `child` on the parent's prefilled prompt blocks (ref_count + 1 each)."""
+        self.pool.share(parent.request_id, child.request_id, parent.num_prompt)
+        child.num_computed = parent.num_prompt
+        child.state = RequestState.RUNNING
+        child.admitted_s = parent.admitted_s
+        self.running.append(child)
+        self.by_id[child.request_id] = child
+        self.queue.row_started(child.api_key)
+
+    def _accept(self, req: Request, token: int, logprob: float | None,
+                top: tuple[tuple[int, float], ...], now: float, events: list[TokenEvent]) -> None:
+        """Append a sampled token to `req`, emit its event, finish it on EOS or length."""
+        req.generated.append(token)
+        self.queue.charge(req.api_key, self.config.output_token_weight)
+        if req.first_token_s is None:
+            req.first_token_s = now
+        else:
+            req.max_gap_s = max(req.max_gap_s, now - req.last_token_s)
+        req.last_token_s = now
+        reason = self._stop_reason(req, token)
+        if reason is None:
+            events.append(TokenEvent(req.group_id, index=req.index, token_id=token, logprob=logprob,
+                                     top_logprobs=top, position=len(req.generated) - 1))
+        else:
+            self._finish(req, reason, "", now, events, token=token, logprob=logprob, top=top)
+
+    def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
+        """STOP on the end-of-sequence token (unless ignored), LENGTH at `max_tokens` or the
+        context limit, else None."""
+        if token == req.eos_token_id and not req.sampling.ignore_eos:
+            return FinishReason.STOP
+        if len(req.generated) >= req.max_tokens or req.num_tokens >= self.config.max_context:
+            return FinishReason.LENGTH
+        return None
 
     def _finish(self, req: Request, reason: FinishReason, detail: str, now: float,
                 events: list[TokenEvent], token: int | None = None,
