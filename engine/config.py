@@ -70,7 +70,7 @@ class EngineConfig:
             predicts a step longer than it.
         slo_prefill_share: under "slo", the least share of `tpot_target_ms` the decoding rows must
             leave free for prefill pieces when a row joins (0.2; more when the rows' steady-state
-            prefill needs more, see `Scheduler._slo_rows_fit`; the simulator's sweep of it is in
+            prefill needs more, see `SloBudget.decode_rows_fit`; the simulator's sweep of it is in
             docs/benchmarks/README.md).
         slo_row_limit: under "slo", the most rows in one step whatever the model predicts (256).
         prefix_caching: reuse the K/V blocks of a prompt prefix an earlier request computed

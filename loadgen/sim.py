@@ -43,7 +43,7 @@ from engine.core.engine import Engine
 from engine.core.outputs import FinishReason, SampledTokens, TokenEvent
 from engine.core.plan import StepPlan
 from engine.core.request import Request, SamplingParams
-from engine.core.sched.scheduler import AdmissionRejected
+from engine.core.sched.admission import AdmissionRejected
 from engine.core.sim_executor import SimExecutor
 from loadgen.stats import RequestRecord, STATUS_OK, STATUS_REJECTED, TokenTimer
 from loadgen.workload import WorkItem

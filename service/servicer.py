@@ -37,7 +37,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from engine.core.engine import Engine, EngineUnavailable
 from engine.core.outputs import FinishReason, TokenEvent
 from engine.core.request import Request
-from engine.core.sched.scheduler import AdmissionRejected
+from engine.core.sched.admission import AdmissionRejected
 from engine.core.snapshot import LatencySummary, SchedulerSnapshot, SnapshotSource
 from genserve.common.telemetry import REQUEST_ID, extract_metadata
 from genserve.v1 import generate_pb2 as pb, generate_pb2_grpc as pb_grpc

@@ -65,15 +65,6 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-@dataclass(slots=True)
-class KeyUsage:
-    """Fair-queueing account of one API key (design: weighted tokens served, running rows)."""
-
-    api_key: str
-    weighted_tokens_served: float = 0.0
-    running_rows: int = 0
-
-
 @dataclass(eq=False, slots=True)
 class Request:
     """One generation request as the scheduler sees it.

@@ -272,9 +272,9 @@ def measure_costs(engine: Engine, rows: int = 32, prompt_len: int = 16,
                               new_tokens, SamplingParams(temperature=0.0, ignore_eos=True), 0.0, 0.0))
     engine.run_until_idle()
     engine.step_listeners.pop()
-    engine.scheduler.usage.pop("warmup", None)
+    engine.scheduler.queue.forget_key("warmup")
     # The warm-up is not traffic: the prefix-cache counters start from zero for the first user.
-    engine.scheduler.prefix_queried_tokens = engine.scheduler.prefix_hit_tokens = 0
+    engine.scheduler.kv_cache.reset_stats()
     engine.pool.check_all_free()
     prefill = [s / c for b, c, s in steps if c and not b]
     fullest = max(b for b, c, _ in steps if not c)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.core.outputs import FinishReason
-from engine.core.sched.scheduler import AdmissionRejected
+from engine.core.sched.admission import AdmissionRejected
 from tests.engine.sim import make_request, sim_engine
 
 

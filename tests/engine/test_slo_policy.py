@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from engine.config import EngineConfig
-from engine.core.sched.scheduler import AdmissionRejected
+from engine.core.sched.admission import AdmissionRejected
 from engine.core.sim_executor import SimExecutor
 from loadgen.sim import design_config, simulate
 from loadgen.workload import LengthMix, arrival_times, synthetic_workload

@@ -1,4 +1,4 @@
-"""Scheduling policy: fair per-key queues, admission control, chunked prefill, preemption.
+"""The scheduler: each step's leave, join, build and preempt, and the bookkeeping after it.
 
 Pure policy for the loop's admit, leave, join, build and preempt steps (docs/design.md, "The
 loop"): it takes the time as an argument, never calls `time.*`, never touches a tensor, and so
@@ -15,10 +15,19 @@ Prefill pieces are aligned to multiples of `prefill_piece` (64) within each requ
 [0, 64), [64, 128), ...), so a request's prompt is cut at the same places whether it runs alone
 or beside 31 others; a step carries pieces of several requests up to its prefill budget. Together
 with per-piece attention this makes every token's arithmetic independent of its batch neighbours
-(the batch-invariance test of docs/design.md). A preempted request re-prefills its prompt in the same
-pieces, then replays the tokens it had already produced
-as one-token rows without sampling, so its cache — and its later tokens — are bit-identical to a
-run without preemption.
+(the batch-invariance test of docs/design.md). A preempted request re-prefills its prompt in the
+same pieces, then replays the tokens it had already produced as one-token rows without sampling,
+so its cache — and its later tokens — are bit-identical to a run without preemption.
+
+`Scheduler` composes one policy per module and keeps the running batch itself:
+
+* `fair_queue.FairQueue`: the waiting requests per API key, the keys' usage accounts, which
+  request joins next;
+* `admission.AdmissionControl`: the queue budget (429);
+* `step_budget`: `FixedBudget` or `SloBudget`, the rows that fit and each step's prefill budget;
+* `batching`: when requests may join (continuous, static, dynamic) and whether prompts are cut;
+* `engine.core.kv_cache_manager.KVCacheManager`: what a request takes from the prefix cache and
+  what it offers back.
 """
 
 from __future__ import annotations
@@ -28,25 +37,19 @@ from collections import deque
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
-from engine.core.block_pool import BlockPool, prefix_block_hashes
-from engine.core.cost_model import CostModel, StepFeatures, piece_pairs
+from engine.core.block_pool import BlockPool
+from engine.core.cost_model import CostModel
+from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.outputs import FinishReason, SampledTokens, TokenEvent
 from engine.core.plan import Segment, StepPlan
-from engine.core.request import KeyUsage, Request, RequestState
+from engine.core.request import Request, RequestState
+from engine.core.sched.admission import AdmissionControl, AdmissionRejected
+from engine.core.sched.batching import batching_for
+from engine.core.sched.fair_queue import FairQueue, KeyUsage
+from engine.core.sched.step_budget import PieceFit, RequestAverages, step_budget_for
 
+# AdmissionRejected lives in admission.py; it stays importable from here for older callers.
 __all__ = ["AdmissionRejected", "Scheduler", "SchedulerStats"]
-
-
-class AdmissionRejected(Exception):
-    """More device work is queued than the budget allows (HTTP 429).
-
-    Attributes:
-        retry_after_s: whole seconds after which the queue should have drained enough (>= 1).
-    """
-
-    def __init__(self, message: str, retry_after_s: int) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,9 +74,17 @@ class Scheduler:
     """Decides, step by step, which tokens of which requests the device computes.
 
     Args:
-        config: the engine's dials (row cap, chunk, margins, fairness weights, budget).
+        config: the engine's dials (row cap, prefill budget, margins, fairness weights, budget).
         pool: the block pool whose free list bounds admission.
-        cost: per-token device costs for admission control and the queue estimate.
+        cost: per-token device costs for admission control, the queue estimate and the SLO
+            policy (None: the design's, `CostModel()`). May be replaced later (`cost = ...`).
+
+    Attributes:
+        running: running requests (samples included), in admission order: oldest first.
+        by_id: request id → every queued or running request, samples included.
+        queue, admission, budget, batching, kv_cache, averages: the composed policies (see the
+            module docstring); `averages` is the average request the estimates assume.
+        margin_blocks: blocks the join keeps free (`free_margin` of the pool).
 
     Thread-safety: none. The engine loop serialises every call behind its own lock.
     """
@@ -82,141 +93,48 @@ class Scheduler:
         self.config = config
         self.pool = pool
         self.cost = cost or CostModel()
-        self.waiting: dict[str, deque[Request]] = {}
-        self.running: list[Request] = []          # admission order: oldest first
-        self.usage: dict[str, KeyUsage] = {}
+        self.running: list[Request] = []
         self.by_id: dict[str, Request] = {}
-        self.queued_device_ms = 0.0
-        self.avg_output_tokens = 300.0             # docs/design.md: average answer of 300 tokens
-        self.avg_prompt_tokens = 1250.0            # docs/design.md: average prompt of 1,250 tokens
-        self._full_rows_key: tuple[int, int, int] | None = None
-        self._full_rows = config.max_rows
+        self.queue = FairQueue(config.per_key_rows)
+        self.kv_cache = KVCacheManager(pool)
+        self.averages = RequestAverages()
+        self.margin_blocks = math.ceil(config.free_margin * pool.num_blocks)
+        self.batching = batching_for(config)
+        self.budget = step_budget_for(config, self.batching.chunked_prefill)
+        self.admission = AdmissionControl(config, pool, self.margin_blocks,
+                                          self.batching.joins_between_steps)
         self.num_preemptions = 0
         self.num_cancelled_tokens = 0
-        self.num_rejected = 0
         self.num_finished = 0
-        self.prefix_queried_tokens = 0     # prompt tokens looked up in the prefix cache at admission
-        self.prefix_hit_tokens = 0         # ... of which the cache held (not computed again)
-        self.margin_blocks = math.ceil(config.free_margin * pool.num_blocks)
-        # Batch formation (config.batching): the gate in front of join, and whether prefill is
-        # chunked. "continuous" is the default policy; the others exist for the comparison.
-        self.join_wait_s = {"continuous": self._join_wait_continuous,
-                            "continuous_unchunked": self._join_wait_continuous,
-                            "static": self._join_wait_static,
-                            "dynamic": self._join_wait_dynamic}[config.batching]
-        self._chunked_prefill = config.batching == "continuous"
-        self._slo = config.policy == "slo" and self._chunked_prefill     # SLO-driven steps
 
     # -- submission ---------------------------------------------------------------------------
     def add(self, req: Request, now: float) -> None:
         """Queue `req` under its API key, or reject it when the queue is over budget.
 
+        Its device-time estimate (`est_device_ms`) charges the prompt tokens not already in the
+        prefix cache and min(max_tokens, the average answer) tokens per sample at `full_rows`.
+
         Raises:
             AdmissionRejected: the queueing delay this request would see, in device-seconds of
-                work ahead that waits for rows or blocks (`waiting_work_ms`), with its own estimate,
-                passes `config.queue_budget_s` (only while something else is queued).
+                work ahead that waits for rows or blocks (`AdmissionControl.waiting_work_ms`),
+                with its own estimate, passes `config.queue_budget_s` (only while something
+                else is queued).
             ValueError: a request with the same id is already in the engine.
         """
         if req.request_id in self.by_id:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
-        expected = min(req.max_tokens, self.avg_output_tokens) * req.n
-        to_compute = req.num_prompt - self._cached_tokens(req, self.pool.cached_prefix(self._hashes(req)))
+        expected = min(req.max_tokens, self.averages.output_tokens) * req.n
+        to_compute = req.num_prompt - self.kv_cache.num_cached_tokens(req, self.config.prefill_piece)
         req.est_device_ms = self.cost.estimate_ms(to_compute, expected, self.full_rows())
-        self.avg_prompt_tokens = 0.9 * self.avg_prompt_tokens + 0.1 * req.num_prompt
+        self.averages.observe_prompt(req.num_prompt)
         for child in req.children:
             child.arrival_s, child.deadline_s = req.arrival_s, req.deadline_s
-        budget_ms = self.config.queue_budget_s * 1000.0
-        if self.queue_depth:
-            total, own = self.waiting_work_ms(req)
-            if self._over_budget(req, total, own, budget_ms):
-                self.num_rejected += 1
-                excess_ms = total - budget_ms
-                # The device drains one device-second of waiting work per second of wall time.
-                raise AdmissionRejected(
-                    f"{(total - req.est_device_ms) / 1000:.2f} device-seconds of queued work wait for rows "
-                    f"or KV blocks ahead of this request, budget {self.config.queue_budget_s:g} s",
-                    max(1, math.ceil(excess_ms / 1000.0)))
-        usage = self.usage.setdefault(req.api_key, KeyUsage(req.api_key))
-        if not self.waiting.get(req.api_key) and usage.running_rows == 0:
-            # A key that becomes active starts level with the least-served active key, so
-            # an idle key cannot bank credit and then starve everyone (start-time fair queueing).
-            active = [u.weighted_tokens_served for k, u in self.usage.items()
-                      if k != req.api_key and (u.running_rows or self.waiting.get(k))]
-            if active:
-                usage.weighted_tokens_served = max(usage.weighted_tokens_served, min(active))
+        if self.queue.depth:
+            rows = self.budget.queue_rows(self.cost, self.averages)
+            self.admission.check(req, self.queue, self.running, rows)
         req.state = RequestState.QUEUED
-        self.waiting.setdefault(req.api_key, deque()).append(req)
+        self.queue.enqueue(req)
         self.by_id[req.request_id] = req
-        self.queued_device_ms += req.est_device_ms
-
-    def waiting_work_ms(self, req: Request) -> tuple[float, float]:
-        """The queueing delay `req` would see if queued now, as device-ms of work that waits ahead
-        of it, itself included: (all keys', `req`'s key's).
-
-        Under continuous batching the queued requests and `req` are taken in the join's order
-        (keys under `per_key_rows` first, then the least-served key, then arrival; a key that
-        becomes active starts level with the least-served active one). One that the next join
-        would admit waits for nothing and counts nothing: a free row and its prompt's blocks plus
-        the free margin, or room the join makes by preempting a key over `per_key_rows`. From the
-        first one that does not fit on, everything waits (join never skips ahead) and counts its
-        estimate, up to `req`. Rows are `max_rows` under the fixed policy and `full_rows()` under
-        "slo". Under static and dynamic batching all queued work and `req`'s count.
-        """
-        cfg = self.config
-        rows_of = {k: u.running_rows for k, u in self.usage.items() if u.running_rows}
-        active = [u.weighted_tokens_served for k, u in self.usage.items()
-                  if u.running_rows or self.waiting.get(k)]
-        floor = min(active, default=0.0)
-
-        def served(key: str) -> float:
-            u = self.usage.get(key)
-            if u is None or not (u.running_rows or self.waiting.get(key)):
-                return max(floor, u.weighted_tokens_served if u is not None else 0.0)
-            return u.weighted_tokens_served
-
-        order = sorted((*(r for q in self.waiting.values() for r in q), req),
-                       key=lambda r: (rows_of.get(r.api_key, 0) >= cfg.per_key_rows, served(r.api_key),
-                                      r is req, r.arrival_s))
-        total = own = 0.0
-        blocked = not cfg.batching.startswith("continuous")
-        pending_forks = sum(len(r.children) for r in self.running if r.forks_now)
-        rows_free = ((self.full_rows() if self._slo else cfg.max_rows)
-                     - len(self.running) - pending_forks)
-        reserved = sum(self.pool.blocks_needed(r.request_id, r.num_prompt)
-                       for r in self.running if r.is_prefilling)
-        blocks_free = self.pool.num_free - reserved - self.margin_blocks
-        for r in order:
-            need = cfg.blocks_for(r.num_prompt)
-            key = r.api_key
-            if not blocked and r.n <= rows_free and need <= blocks_free:
-                rows_free -= r.n
-                blocks_free -= need
-                rows_of[key] = rows_of.get(key, 0) + r.n
-            elif not blocked and rows_of.get(key, 0) < cfg.per_key_rows and any(
-                    n > cfg.per_key_rows for k, n in rows_of.items() if k != key):
-                rows_of[key] = rows_of.get(key, 0) + r.n      # the join preempts an over-cap key
-            else:
-                blocked = True
-                total += r.est_device_ms
-                if key == req.api_key:
-                    own += r.est_device_ms
-            if r is req:
-                break
-        return total, own
-
-    def _over_budget(self, req: Request, total: float, own: float, budget_ms: float) -> bool:
-        """Whether queueing `req` passes the budget (the admit step), with a fair share per key.
-
-        `total` and `own` are the waiting work with `req`, all keys' and `req`'s key's
-        (`waiting_work_ms`). Over the budget, a key whose own waiting work stays within budget /
-        active keys is still admitted, so one key's backlog cannot make everyone else's requests
-        429; the total is then bounded by twice the budget.
-        """
-        if total <= budget_ms:
-            return False
-        active = {k for k, q in self.waiting.items() if q}
-        active |= {k for k, u in self.usage.items() if u.running_rows} | {req.api_key}
-        return own > budget_ms / len(active) or total > 2 * budget_ms
 
     def stop(self, req: Request) -> None:
         """Flag one sample to finish with STOP at the next step boundary (a stop string matched)."""
@@ -226,6 +144,18 @@ class Scheduler:
         """Flag `req` and its samples for cancellation at the next step boundary."""
         for r in (req, *req.children):
             r.cancel_requested = True
+
+    def full_rows(self) -> int:
+        """Rows of a full step, for the device-time estimates of admission control: 32 under the
+        fixed policy, the most rows the SLO targets allow at the average context under "slo"
+        (`FixedBudget.full_rows`, `SloBudget.full_rows`)."""
+        return self.budget.full_rows(self.cost, self.averages)
+
+    def join_wait_s(self, now: float) -> float:
+        """Seconds until the batching mode lets queued requests join (rows and blocks
+        permitting): 0.0 now, `math.inf` not before the running batch ends or more arrive
+        (`batching`). A virtual-time driver jumps its clock by it when a step ran nothing."""
+        return self.batching.join_wait_s(now, len(self.running), self.queue)
 
     # -- one step -----------------------------------------------------------------------------
     def schedule(self, now: float) -> StepPlan:
@@ -242,89 +172,6 @@ class Scheduler:
             self._join(now, plan)
         self._build(plan, now)
         return plan
-
-    def full_rows(self) -> int:
-        """Rows of a full step, for the device-time estimates of admission control: 32 under the
-        fixed policy (the design's full step, whatever `max_rows` says, as the per-token costs
-        always were); under "slo", the most rows (1..`slo_row_limit`, at least 1) that
-        `_slo_rows_fit` allows at the average context (prompt + half an answer)."""
-        cfg = self.config
-        if not self._slo:
-            return 32
-        context = int(self.avg_prompt_tokens + self.avg_output_tokens / 2)
-        key = (id(self.cost), self.cost.version, context // 64, int(self.avg_output_tokens) // 8)
-        if key != self._full_rows_key:           # the model may be replaced, the averages move
-            self._full_rows_key = key
-            lo, hi = 1, cfg.slo_row_limit
-            while lo < hi:                       # the step time grows with the rows
-                mid = (lo + hi + 1) // 2
-                if self._slo_rows_fit(StepFeatures(rows=mid, context=mid * context)):
-                    lo = mid
-                else:
-                    hi = mid - 1
-            self._full_rows = lo
-        return self._full_rows
-
-    def _slo_rows_fit(self, decode: StepFeatures) -> bool:
-        """Whether the decode rows `decode` (rows and their summed context, no prefill) may all
-        run under "slo": their step plus the prefill they bring in steady state fits the TPOT
-        target, and their step plus one prefill piece fits the gap target.
-
-        Steady state: every row that leaves is replaced by a new one whose prompt must be
-        prefilled while the others decode, so each row brings an average prompt's prefill spread
-        over an average answer's steps (`_row_prefill_ms`), and never less than
-        `slo_prefill_share` of the target in all. A step may stretch to the gap target when its
-        rows are ahead of their TPOT pace (`_step_limit_ms`), so a piece that does not fit beside
-        the rows within the TPOT target still runs there; the rows never grow so many that it
-        cannot.
-        """
-        cfg = self.config
-        decode_ms = self.cost.step_ms(decode)
-        prefill_ms = max(cfg.slo_prefill_share * cfg.tpot_target_ms, decode.rows * self._row_prefill_ms())
-        return (decode_ms + prefill_ms <= cfg.tpot_target_ms
-                and decode_ms + self._piece_ms() <= cfg.gap_target_ms)
-
-    def _row_prefill_ms(self) -> float:
-        """The prefill time one decoding row brings to every step in steady state, ms: an average
-        prompt's prefill (`CostModel.prefill_ms`) over an average answer's tokens."""
-        return self.cost.prefill_ms(int(self.avg_prompt_tokens)) / max(1.0, self.avg_output_tokens)
-
-    def _piece_ms(self) -> float:
-        """Step time one `prefill_piece` halfway into an average prompt adds, ms (the smallest
-        prefill a step can carry)."""
-        cfg = self.config
-        start = int(self.avg_prompt_tokens / 2) // cfg.prefill_piece * cfg.prefill_piece
-        piece = StepFeatures(prefill_tokens=cfg.prefill_piece, pairs=piece_pairs(start, cfg.prefill_piece))
-        return self.cost.step_ms(piece) - self.cost.step_base_ms
-
-    def predicted_step_ms(self, plan: StepPlan) -> float:
-        """The cost model's prediction of `plan`'s step time, ms."""
-        return self.cost.step_ms(plan.features())
-
-    # -- batch formation (config.batching) ----------------------------------------------------
-    # join_wait_s(now): seconds until the batching policy lets queued requests join (rows and
-    # blocks permitting): 0.0 now, math.inf not before the running batch ends or more arrive.
-    # A virtual-time driver jumps its clock by it when a step ran nothing.
-    def _join_wait_continuous(self, now: float) -> float:
-        """Continuous batching: requests join between any two steps."""
-        return 0.0
-
-    def _join_wait_static(self, now: float) -> float:
-        """Static batching: a new batch forms only when none runs and `max_rows` requests wait."""
-        if self.running or self.queue_depth < self.config.max_rows:
-            return math.inf
-        return 0.0
-
-    def _join_wait_dynamic(self, now: float) -> float:
-        """Dynamic batching: as static, but a batch also fires once the oldest waiting request
-        has waited `dynamic_window_s`."""
-        if self.running or not self.queue_depth:
-            return math.inf
-        if self.queue_depth >= self.config.max_rows:
-            return 0.0
-        oldest = min(r.arrival_s for q in self.waiting.values() for r in q)
-        wait = oldest + self.config.dynamic_window_s - now
-        return 0.0 if wait <= 1e-9 else wait
 
     def update(self, plan: StepPlan, sampled: SampledTokens, now: float) -> list[TokenEvent]:
         """Advance every request of `plan` by its computed tokens and append sampled tokens.
@@ -351,13 +198,12 @@ class Scheduler:
                 continue
             if req.cancel_requested:
                 req.steps_after_cancel += 1
-            usage = self.usage[req.api_key]
             prefilled = req.is_prefilling           # this segment was a prompt piece
             if prefilled:
-                usage.weighted_tokens_served += seg.length
+                self.queue.charge(req.api_key, seg.length)
             req.num_computed = seg.end
-            if prefilled and self.pool.prefix_caching:
-                self._register_prefix(req, seg)
+            if prefilled:
+                self.kv_cache.cache_piece(req, seg.start, seg.length, self.config.prefill_piece)
             if not tokens:
                 continue
             if req.cancel_requested:
@@ -374,50 +220,63 @@ class Scheduler:
                 self._accept(r, token, logprob, tuple(top), now, events)
         return events
 
-    def _activate_fork(self, parent: Request, child: Request) -> None:
-        """Start sample `child` on the parent's prefilled prompt blocks (ref_count + 1 each)."""
-        self.pool.share(parent.request_id, child.request_id, parent.num_prompt)
-        child.num_computed = parent.num_prompt
-        child.state = RequestState.RUNNING
-        child.admitted_s = parent.admitted_s
-        self.running.append(child)
-        self.by_id[child.request_id] = child
-        self.usage[child.api_key].running_rows += 1
-
-    def _accept(self, req: Request, token: int, logprob: float | None,
-                top: tuple[tuple[int, float], ...], now: float, events: list[TokenEvent]) -> None:
-        """Append a sampled token to `req`, emit its event, finish it on EOS or length."""
-        req.generated.append(token)
-        self.usage[req.api_key].weighted_tokens_served += self.config.output_token_weight
-        if req.first_token_s is None:
-            req.first_token_s = now
-        else:
-            req.max_gap_s = max(req.max_gap_s, now - req.last_token_s)
-        req.last_token_s = now
-        reason = self._stop_reason(req, token)
-        if reason is None:
-            events.append(TokenEvent(req.group_id, index=req.index, token_id=token, logprob=logprob,
-                                     top_logprobs=top, position=len(req.generated) - 1))
-        else:
-            self._finish(req, reason, "", now, events, token=token, logprob=logprob, top=top)
-
     def fail_all(self, now: float, detail: str) -> list[TokenEvent]:
         """End every queued and running request with FinishReason.ERROR (the loop failed)."""
         events: list[TokenEvent] = []
-        for req in list(self.running) + [r for q in self.waiting.values() for r in q]:
+        for req in list(self.running) + list(self.queue.requests()):
             self._finish(req, FinishReason.ERROR, detail, now, events)
         return events
 
     # -- queries ------------------------------------------------------------------------------
     @property
+    def waiting(self) -> dict[str, deque[Request]]:
+        """API key → its queued requests (`FairQueue.waiting`; read, do not change)."""
+        return self.queue.waiting
+
+    @property
+    def usage(self) -> dict[str, KeyUsage]:
+        """API key → its fair-queueing account (`FairQueue.usage`)."""
+        return self.queue.usage
+
+    @property
     def queue_depth(self) -> int:
         """Requests waiting to be admitted (including preempted ones)."""
-        return sum(len(q) for q in self.waiting.values())
+        return self.queue.depth
+
+    @property
+    def queued_device_ms(self) -> float:
+        """Estimated device time of every queued request, ms (`FairQueue.queued_device_ms`)."""
+        return self.queue.queued_device_ms
 
     @property
     def has_work(self) -> bool:
         """True while any request is queued or running."""
         return bool(self.running) or self.queue_depth > 0
+
+    @property
+    def num_rejected(self) -> int:
+        """Requests refused with AdmissionRejected so far."""
+        return self.admission.num_rejected
+
+    @property
+    def prefix_queried_tokens(self) -> int:
+        """Prompt tokens looked up in the prefix cache at admission (`KVCacheManager`)."""
+        return self.kv_cache.prefix_queried_tokens
+
+    @property
+    def prefix_hit_tokens(self) -> int:
+        """... of which the cache held (not computed again)."""
+        return self.kv_cache.prefix_hit_tokens
+
+    @property
+    def avg_prompt_tokens(self) -> float:
+        """Average prompt length the estimates assume, tokens (`RequestAverages`)."""
+        return self.averages.prompt_tokens
+
+    @property
+    def avg_output_tokens(self) -> float:
+        """Average answer length the estimates assume, tokens (`RequestAverages`)."""
+        return self.averages.output_tokens
 
     def stats(self) -> SchedulerStats:
         """Gauges and counters for /metrics (call under the engine lock)."""
@@ -429,17 +288,10 @@ class Scheduler:
             num_finished=self.num_finished, kv_blocks_cached=self.pool.num_cached_unused,
             prefix_queried_tokens=self.prefix_queried_tokens, prefix_hit_tokens=self.prefix_hit_tokens)
 
-    # -- internals ----------------------------------------------------------------------------
-    def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
-        if token == req.eos_token_id and not req.sampling.ignore_eos:
-            return FinishReason.STOP
-        if len(req.generated) >= req.max_tokens or req.num_tokens >= self.config.max_context:
-            return FinishReason.LENGTH
-        return None
-
+    # -- leave and join -----------------------------------------------------------------------
     def _leave(self, now: float, events: list[TokenEvent]) -> None:
         """Leave: drop stopped, cancelled and expired rows and queued requests."""
-        for req in list(self.running) + [r for q in self.waiting.values() for r in q]:
+        for req in list(self.running) + list(self.queue.requests()):
             if req.stop_requested:
                 self._finish(req, FinishReason.STOP, "stop string", now, events)
             elif req.cancel_requested or now >= req.deadline_s:
@@ -451,44 +303,28 @@ class Scheduler:
 
         When the least-served key's next request does not fit and another key holds more than
         `per_key_rows` rows, that key's newest row is preempted: a key may use more than its cap
-        only while no other key is waiting for room.
+        only while no other key is waiting for room (`FairQueue.preemptible_key`).
         """
         while True:
-            req = self._next_candidate()
+            req = self.queue.next_candidate()
             if req is None:
                 return
             if self._fits(req):
                 self._admit(req, now)
                 continue
-            over = [k for k, u in self.usage.items()
-                    if k != req.api_key and u.running_rows > self.config.per_key_rows]
-            if not over or self.usage[req.api_key].running_rows >= self.config.per_key_rows:
+            key = self.queue.preemptible_key(req)
+            if key is None:
                 return          # wait for rows/blocks; never skip ahead to a smaller request
-            key = max(over, key=lambda k: self.usage[k].running_rows)
             victim = next(r for r in reversed(self.running) if r.api_key == key)
             self._preempt(victim, plan)
 
     def _fits(self, req: Request) -> bool:
-        """Rows and blocks allow `req` now (free blocks cover its prompt plus the margin).
-
-        Rows: at most `max_rows` under the fixed policy. Under "slo", at most `slo_row_limit`, and
-        (unless nothing runs) every running row plus `req`'s, at their current contexts, within
-        what `_slo_rows_fit` allows.
-        """
-        cfg = self.config
-        pending_forks = sum(len(r.children) for r in self.running if r.forks_now)
-        rows = len(self.running) + pending_forks + req.n
-        if self._slo:
-            if rows > cfg.slo_row_limit:
-                return False
-            if self.running:
-                context = (sum(r.num_tokens + len(r.children) * r.num_prompt * r.forks_now for r in self.running)
-                           + req.n * req.num_prompt)
-                if not self._slo_rows_fit(StepFeatures(rows=rows, context=context)):
-                    return False
-        elif rows > cfg.max_rows:
+        """Rows and blocks allow `req` now: the step budget's rows (`StepBudget.rows_fit`), and
+        free blocks, less those reserved for running prefills, cover its prompt plus the margin
+        (without the margin when nothing runs)."""
+        if not self.budget.rows_fit(self.running, req, self.cost, self.averages):
             return False
-        hits = self._usable_prefix(req)
+        hits = self.kv_cache.get_computed_blocks(req, self.config.prefill_piece)
         # Cached blocks another request holds cost no free block; unused cached ones are
         # counted in num_free and leave it when taken, like any other block.
         need = self.config.blocks_for(req.num_prompt) - sum(self.pool.ref_count(b) > 0 for b in hits)
@@ -498,78 +334,27 @@ class Scheduler:
         return free >= need + self.margin_blocks or (not self.running and free >= need)
 
     def _admit(self, req: Request, now: float) -> None:
-        self.waiting[req.api_key].popleft()
-        self.queued_device_ms = max(0.0, self.queued_device_ms - req.est_device_ms)
+        """Admit the fair queue's candidate `req`: run it from its cached prefix, if any."""
+        self.queue.pop_head(req)
         req.state = RequestState.RUNNING
-        hits = self._usable_prefix(req)
-        if hits:
-            self.pool.attach_prefix(req.request_id, hits)
-        req.num_computed = req.num_cached = len(hits) * self.config.block_size
-        if self.pool.prefix_caching:
-            self.prefix_queried_tokens += req.num_prompt
-            self.prefix_hit_tokens += req.num_cached
+        blocks = self.kv_cache.get_computed_blocks(req, self.config.prefill_piece)
+        req.num_computed = req.num_cached = self.kv_cache.take_computed_blocks(req, blocks)
         if req.admitted_s is None:
             req.admitted_s = now
-        self.usage[req.api_key].running_rows += 1
+        self.queue.row_started(req.api_key)
         self.running.append(req)
 
-    # -- prefix caching ---------------------------------------------------------------------------
-    def _hashes(self, req: Request) -> list[bytes]:
-        """`req`'s prompt block hashes (computed once; none when prefix caching is off)."""
-        if not self.pool.prefix_caching:
-            return []
-        if req.prefix_hashes is None:
-            req.prefix_hashes = prefix_block_hashes(req.prompt_ids, self.config.block_size)
-        return req.prefix_hashes
-
-    def _cached_tokens(self, req: Request, hits: list[int]) -> int:
-        """Prompt tokens `req` may take from `hits` (its cached prefix blocks): whole
-        `prefill_piece` pieces only, so every token it computes is cut on the same grid as when
-        computed from scratch (batch invariance), and never its whole prompt (the last prompt
-        token is computed to sample from)."""
-        piece = self.config.prefill_piece
-        tokens = min(len(hits) * self.config.block_size, req.num_prompt - 1)
-        return tokens // piece * piece
-
-    def _usable_prefix(self, req: Request) -> list[int]:
-        """The cached blocks `req` would take at admission (see `_cached_tokens`)."""
-        if self.pool.table(req.request_id):
-            return []
-        hits = self.pool.cached_prefix(self._hashes(req))
-        return hits[:self._cached_tokens(req, hits) // self.config.block_size]
-
-    def _register_prefix(self, req: Request, seg: Segment) -> None:
-        """Offer the prompt piece `seg` just computed to the prefix cache when it is a whole
-        `prefill_piece` piece (segments are cut on that grid; a shorter tail piece is not
-        offered: a later prompt would cut it elsewhere)."""
-        piece = self.config.prefill_piece
-        if seg.length == piece and seg.start % piece == 0 and seg.end <= req.num_prompt:
-            bs = self.config.block_size
-            self.pool.register_prefix(req.request_id, self._hashes(req), seg.end // bs, seg.start // bs)
-
-    def _next_candidate(self) -> Request | None:
-        """Head of the least-served waiting key; keys under the row cap first (work-conserving:
-        when every waiting key is at its cap, the least-served one still gets the free row).
-        Ties go to the key with fewer rows, then to the older head request."""
-        keys = [k for k, q in self.waiting.items() if q]
-        if not keys:
-            return None
-        under = [k for k in keys if self.usage[k].running_rows < self.config.per_key_rows]
-        key = min(under or keys, key=lambda k: (self.usage[k].weighted_tokens_served,
-                                                self.usage[k].running_rows, self.waiting[k][0].arrival_s))
-        return self.waiting[key][0]
-
+    # -- build --------------------------------------------------------------------------------
     def _build(self, plan: StepPlan, now: float) -> None:
-        """Build: one token per decoding row, then prefill pieces within the budget
-        (no budget unless `config.batching` is "continuous": whole prompts in one step).
+        """Build: one token per decoding row, then prefill pieces within the step's budget
+        (`StepBudget.for_step`: tokens under the fixed policy, predicted time under "slo"; none
+        unless prefill is chunked: whole prompts in one step).
 
-        The budget is `prefill_token_budget` tokens (`prefill_token_budget_few_rows` with at most `few_rows`
-        decode rows) under the fixed policy. Under "slo" it is time: pieces join while the cost
-        model predicts the step within `_step_limit_ms` (at least one piece when no row decodes).
-        Either way prefill goes to the least-served key first (at a tie, to the request with less
-        of its prompt done, then admission order), several requests share a step, and each request
-        is cut on the `prefill_piece` grid: the budget decides how many pieces run, never where a
-        prompt is cut.
+        Prefill goes to the least-served key first (at a tie, as the budget orders prompts:
+        `prefill_tiebreak`), several requests share a step, and each request is cut on the
+        `prefill_piece` grid: the budget decides how many pieces run, never where a prompt is
+        cut. A piece that does not fit moves on to the next request, or ends the step's prefill
+        when the budget says so (`PieceFit`).
         """
         for req in list(self.running):
             if req.is_prefilling or req not in self.running:
@@ -579,55 +364,23 @@ class Scheduler:
             samples = req.num_computed + 1 == req.num_tokens
             plan.segments.append(Segment(req, req.num_computed, 1, samples,
                                          tuple(self.pool.table(req.request_id)), decode=True))
-        cfg = self.config
-        budget = (cfg.prefill_token_budget_few_rows if plan.num_decode_rows <= cfg.few_rows
-                  else cfg.prefill_token_budget) if self._chunked_prefill else math.inf
-        slo = self._slo
-        if slo:
-            budget = math.inf
-            features = plan.features()
-            limit_ms = self._step_limit_ms(plan, now)
-        piece = cfg.prefill_piece
-        # Under "slo" the oldest prompt goes first and nothing skips past a piece that does not
-        # fit: pieces of newer prompts would become rows that keep it from ever fitting.
-        order = ((lambda r: (self.usage[r.api_key].weighted_tokens_served, r.admitted_s)) if slo else
-                 (lambda r: (self.usage[r.api_key].weighted_tokens_served, r.num_computed)))
-        prefilling = sorted((r for r in self.running if r.is_prefilling), key=order)
+        budget = self.budget.for_step(plan, now, self.cost)
+        piece = self.config.prefill_piece
+        prefilling = sorted((r for r in self.running if r.is_prefilling),
+                            key=lambda r: (self.queue.served(r.api_key), self.budget.prefill_tiebreak(r)))
         for req in prefilling:
             pos = req.num_computed
             while pos < req.num_prompt and req in self.running:
                 length = min(req.num_prompt - pos, piece - pos % piece)
-                if slo:
-                    grown = features.with_piece(pos, length)
-                    if (features.rows or features.prefill_tokens) and self.cost.step_ms(grown) > limit_ms:
-                        return
-                    features = grown
-                if length > budget or not self._reserve(req, pos, pos + length, plan):
+                fit = budget.check(pos, length)
+                if fit is PieceFit.STEP_FULL:
+                    return
+                if fit is PieceFit.NEXT_REQUEST or not self._reserve(req, pos, pos + length, plan):
                     break
                 plan.segments.append(Segment(req, pos, length, pos + length == req.num_tokens,
                                              tuple(self.pool.table(req.request_id))))
                 pos += length
-                budget -= length
-
-    def _step_limit_ms(self, plan: StepPlan, now: float) -> float:
-        """The longest step (ms) the SLO targets allow, given the rows that sample in `plan`.
-
-        A row with n tokens since its first, the first at f and the last at l, keeps its time per
-        output token within the target T while the step ends by f + n·T, and its gap within the
-        target G while it ends by l + G. The step may take the least of these over its rows, but
-        never less than T (a row already behind is served at the target pace) nor more than G;
-        G when no row decodes.
-        """
-        tpot, gap = self.config.tpot_target_ms, self.config.gap_target_ms
-        limit = gap
-        for seg in plan.segments:
-            req = seg.request
-            if not (seg.decode and seg.samples) or req.first_token_s is None or req.last_token_s is None:
-                continue
-            n = len(req.generated)
-            own = min(gap - (now - req.last_token_s) * 1000.0, n * tpot - (now - req.first_token_s) * 1000.0)
-            limit = min(limit, max(tpot, own))
-        return limit
+                budget.spend(length)
 
     def _reserve(self, req: Request, pos: int, num_tokens: int, plan: StepPlan) -> bool:
         """Give `req` blocks for `num_tokens` positions (writing from `pos`), preempting newer
@@ -646,19 +399,55 @@ class Scheduler:
         return True
 
     def _preempt(self, req: Request, plan: StepPlan) -> None:
-        """Preempt: free the newest request's blocks and queue it first for its key."""
+        """Preempt: free `req`'s blocks, drop it from the step and queue it first for its key."""
         own = set(self.pool.table(req.request_id))
         plan.block_copies[:] = [(s, d) for s, d in plan.block_copies if d not in own]
         self.pool.free(req.request_id)
         self.running.remove(req)
         plan.segments[:] = [s for s in plan.segments if s.request is not req]
-        self.usage[req.api_key].running_rows -= 1
+        self.queue.row_ended(req.api_key)
         req.state = RequestState.PREEMPTED
         req.num_computed = 0
-        self.waiting.setdefault(req.api_key, deque()).appendleft(req)
-        self.queued_device_ms += req.est_device_ms
+        self.queue.push_front(req)
         self.num_preemptions += 1
         plan.num_preempted += 1
+
+    # -- after the step -----------------------------------------------------------------------
+    def _activate_fork(self, parent: Request, child: Request) -> None:
+        """Start sample `child` on the parent's prefilled prompt blocks (ref_count + 1 each)."""
+        self.pool.share(parent.request_id, child.request_id, parent.num_prompt)
+        child.num_computed = parent.num_prompt
+        child.state = RequestState.RUNNING
+        child.admitted_s = parent.admitted_s
+        self.running.append(child)
+        self.by_id[child.request_id] = child
+        self.queue.row_started(child.api_key)
+
+    def _accept(self, req: Request, token: int, logprob: float | None,
+                top: tuple[tuple[int, float], ...], now: float, events: list[TokenEvent]) -> None:
+        """Append a sampled token to `req`, emit its event, finish it on EOS or length."""
+        req.generated.append(token)
+        self.queue.charge(req.api_key, self.config.output_token_weight)
+        if req.first_token_s is None:
+            req.first_token_s = now
+        else:
+            req.max_gap_s = max(req.max_gap_s, now - req.last_token_s)
+        req.last_token_s = now
+        reason = self._stop_reason(req, token)
+        if reason is None:
+            events.append(TokenEvent(req.group_id, index=req.index, token_id=token, logprob=logprob,
+                                     top_logprobs=top, position=len(req.generated) - 1))
+        else:
+            self._finish(req, reason, "", now, events, token=token, logprob=logprob, top=top)
+
+    def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
+        """STOP on the end-of-sequence token (unless ignored), LENGTH at `max_tokens` or the
+        context limit, else None."""
+        if token == req.eos_token_id and not req.sampling.ignore_eos:
+            return FinishReason.STOP
+        if len(req.generated) >= req.max_tokens or req.num_tokens >= self.config.max_context:
+            return FinishReason.LENGTH
+        return None
 
     def _finish(self, req: Request, reason: FinishReason, detail: str, now: float,
                 events: list[TokenEvent], token: int | None = None,
@@ -669,19 +458,16 @@ class Scheduler:
         """
         if req in self.running:
             self.running.remove(req)
-            self.usage[req.api_key].running_rows -= 1
+            self.queue.row_ended(req.api_key)
         else:
-            queue = self.waiting.get(req.api_key)
-            if queue is not None and req in queue:
-                queue.remove(req)
-                self.queued_device_ms = max(0.0, self.queued_device_ms - req.est_device_ms)
+            self.queue.remove(req)
         self.pool.free(req.request_id)
         self.by_id.pop(req.request_id, None)
         req.state = RequestState.CANCELLED if reason == FinishReason.CANCELLED else RequestState.DONE
         req.finish_reason, req.finish_detail, req.finished_s = reason, detail, now
         self.num_finished += 1
         if reason != FinishReason.CANCELLED:
-            self.avg_output_tokens = 0.9 * self.avg_output_tokens + 0.1 * len(req.generated)
+            self.averages.observe_answer(len(req.generated))
         ms = lambda t: None if t is None else (t - req.arrival_s) * 1000.0  # noqa: E731
         n = len(req.generated)
         tpot_ms = None

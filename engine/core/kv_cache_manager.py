@@ -1,0 +1,110 @@
+"""Prefix caching over the block pool: what a request takes from the cache, what it offers back.
+
+`BlockPool` keeps the cache (hash → block, reference counts, the LRU list of unused cached
+blocks); this module is the policy on top, modelled on vLLM's `v1/core/kv_cache_manager.py`:
+
+* `get_computed_blocks(req, align)`: the cached blocks a request takes at admission — its
+  longest cached prefix, never its whole prompt (its last prompt token is computed, to sample
+  from) and cut to whole multiples of `align` tokens, so every token it still computes is cut on
+  the same grid as from scratch (batch invariance). The scheduler passes `prefill_piece`.
+* `take_computed_blocks(req, blocks)`: attach them to the request and count the hit.
+* `cache_piece(req, start, length, align)`: offer a prompt piece just computed, when it is a
+  whole `align`-aligned piece (a shorter tail piece would be cut elsewhere by a later prompt).
+
+Torch-free and clock-free, like the rest of `engine.core`.
+"""
+
+from __future__ import annotations
+
+from engine.core.block_pool import BlockPool, prefix_block_hashes
+from engine.core.request import Request
+
+__all__ = ["KVCacheManager"]
+
+
+class KVCacheManager:
+    """Prefix-cache hits and registration for one `BlockPool`, and the hit counters.
+
+    Args:
+        pool: the block pool (its `prefix_caching` flag turns everything here off when False).
+
+    Attributes:
+        prefix_queried_tokens: prompt tokens looked up in the prefix cache at admission.
+        prefix_hit_tokens: ... of which the cache held (not computed again).
+
+    Thread-safety: none; the engine lock serialises every call.
+    """
+
+    def __init__(self, pool: BlockPool) -> None:
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.prefix_queried_tokens = 0
+        self.prefix_hit_tokens = 0
+
+    @property
+    def enable_caching(self) -> bool:
+        """True when the pool keeps a prefix cache."""
+        return self.pool.prefix_caching
+
+    def block_hashes(self, req: Request) -> list[bytes]:
+        """`req`'s prompt block hashes (computed once and kept on `req.prefix_hashes`; none when
+        prefix caching is off)."""
+        if not self.pool.prefix_caching:
+            return []
+        if req.prefix_hashes is None:
+            req.prefix_hashes = prefix_block_hashes(req.prompt_ids, self.block_size)
+        return req.prefix_hashes
+
+    def computed_tokens(self, req: Request, hits: list[int], align: int) -> int:
+        """Prompt tokens `req` may take from `hits` (its cached prefix blocks): whole multiples of
+        `align` tokens only, and never its whole prompt (the last prompt token is computed to
+        sample from)."""
+        tokens = min(len(hits) * self.block_size, req.num_prompt - 1)
+        return tokens // align * align
+
+    def num_cached_tokens(self, req: Request, align: int) -> int:
+        """Prompt tokens `req` would take from the cache as it stands (`computed_tokens` of its
+        cached prefix), for the admission estimate: the request holds no blocks yet."""
+        return self.computed_tokens(req, self.pool.cached_prefix(self.block_hashes(req)), align)
+
+    def get_computed_blocks(self, req: Request, align: int) -> list[int]:
+        """The cached blocks `req` would take at admission, in position order: its cached prefix
+        cut to `computed_tokens` (`align` must be a multiple of the block size). Empty when `req`
+        already holds blocks."""
+        if self.pool.table(req.request_id):
+            return []
+        hits = self.pool.cached_prefix(self.block_hashes(req))
+        return hits[:self.computed_tokens(req, hits, align) // self.block_size]
+
+    def take_computed_blocks(self, req: Request, blocks: list[int]) -> int:
+        """Start `req`'s block table with `blocks` (from `get_computed_blocks`) and count the
+        lookup in the hit counters.
+
+        Returns:
+            The prompt tokens those blocks hold (the request computes from there).
+        Raises:
+            BlockPoolError: `req` already has a table, or a block is not cached.
+        """
+        if blocks:
+            self.pool.attach_prefix(req.request_id, blocks)
+        cached = len(blocks) * self.block_size
+        if self.pool.prefix_caching:
+            self.prefix_queried_tokens += req.num_prompt
+            self.prefix_hit_tokens += cached
+        return cached
+
+    def cache_piece(self, req: Request, start: int, length: int, align: int) -> None:
+        """Offer the prompt piece [start, start + length) of `req`, just computed, to the prefix
+        cache when it is a whole `align`-token piece on the `align` grid within the prompt (a
+        shorter tail piece is not offered: a later prompt would cut it elsewhere). No-op when
+        prefix caching is off."""
+        if not self.pool.prefix_caching:
+            return
+        end = start + length
+        if length == align and start % align == 0 and end <= req.num_prompt:
+            bs = self.block_size
+            self.pool.register_prefix(req.request_id, self.block_hashes(req), end // bs, start // bs)
+
+    def reset_stats(self) -> None:
+        """Zero the hit counters (after start-up warm-up, so they count served traffic only)."""
+        self.prefix_queried_tokens = self.prefix_hit_tokens = 0

@@ -1,0 +1,159 @@
+"""Admission control (the admit step): refuse a request with a 429 when the queueing delay it
+would see passes the budget.
+
+The delay is estimated in device time: the estimates (`Request.est_device_ms`) of the queued
+requests that would wait ahead of it for rows or KV blocks, itself included (`waiting_work_ms`).
+Over the budget a key whose own waiting work is within its fair share is still admitted
+(`over_budget`). docs/architecture.md, "Admission and fairness".
+
+`waiting_work_ms` replays the join's order and room on a tally of its own, not the join's
+predicates: it is an estimate, and it differs from `Scheduler._fits` on purpose (see its
+docstring). Pure arithmetic: no clock, no tensors, nothing changed but `num_rejected`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from engine.config import EngineConfig
+from engine.core.block_pool import BlockPool
+from engine.core.request import Request
+from engine.core.sched.fair_queue import FairQueue
+
+__all__ = ["AdmissionControl", "AdmissionRejected"]
+
+
+class AdmissionRejected(Exception):
+    """More device work is queued than the budget allows (HTTP 429).
+
+    Attributes:
+        retry_after_s: whole seconds after which the queue should have drained enough (>= 1).
+    """
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class AdmissionControl:
+    """The queue budget (`config.queue_budget_s`) and the count of requests it refused.
+
+    Args:
+        config: the engine's dials (`queue_budget_s`, `per_key_rows`, `max_rows`, block size).
+        pool: the block pool whose free blocks the estimate counts.
+        margin_blocks: blocks the join keeps free (`free_margin` of the pool).
+        joins_between_steps: requests join a running batch (continuous batching); False under
+            static and dynamic batching, where every queued request waits.
+
+    Attributes:
+        num_rejected: requests refused so far.
+    """
+
+    def __init__(self, config: EngineConfig, pool: BlockPool, margin_blocks: int,
+                 joins_between_steps: bool) -> None:
+        self.config = config
+        self.pool = pool
+        self.margin_blocks = margin_blocks
+        self.joins_between_steps = joins_between_steps
+        self.num_rejected = 0
+
+    def check(self, req: Request, queue: FairQueue, running: Sequence[Request], rows: int) -> None:
+        """Refuse `req` when queueing it now passes the budget (call only while something is
+        queued: an empty queue always admits, so one large request is never refused forever).
+
+        Args:
+            req: the request, its `est_device_ms` set.
+            queue: the waiting requests and the keys' accounts.
+            running: the running requests, oldest first.
+            rows: the rows a join may fill (`StepBudget.queue_rows`).
+        Raises:
+            AdmissionRejected: over budget; `retry_after_s` is the excess in whole seconds (the
+                device drains one device-second of waiting work per second), at least 1.
+        """
+        budget_ms = self.config.queue_budget_s * 1000.0
+        total, own = self.waiting_work_ms(req, queue, running, rows)
+        if self.over_budget(req, total, own, budget_ms, queue):
+            self.num_rejected += 1
+            excess_ms = total - budget_ms
+            raise AdmissionRejected(
+                f"{(total - req.est_device_ms) / 1000:.2f} device-seconds of queued work wait for rows "
+                f"or KV blocks ahead of this request, budget {self.config.queue_budget_s:g} s",
+                max(1, math.ceil(excess_ms / 1000.0)))
+
+    def waiting_work_ms(self, req: Request, queue: FairQueue, running: Sequence[Request],
+                        rows: int) -> tuple[float, float]:
+        """The queueing delay `req` would see if queued now, as device-ms of work that waits ahead
+        of it, itself included: (all keys', `req`'s key's).
+
+        Under continuous batching the queued requests and `req` are taken in the join's order
+        (keys under `per_key_rows` first, then the least-served key, then arrival; a key that
+        becomes active starts level with the least-served active one). One that the next join
+        would admit waits for nothing and counts nothing: a free row and its prompt's blocks plus
+        the free margin, or room the join makes by preempting a key over `per_key_rows`. From the
+        first one that does not fit on, everything waits (join never skips ahead) and counts its
+        estimate, up to `req`. `rows` is `max_rows` under the fixed policy and `full_rows` under
+        "slo". Under static and dynamic batching all queued work and `req`'s count.
+
+        Where it differs from the join's own check (`Scheduler._fits`), on purpose: it sorts by
+        (over the cap, served, `req` last among equals, arrival), not `next_candidate`'s (served,
+        rows, head's arrival) per key; it counts a prompt's whole blocks, with no credit for
+        cached prefix blocks; it keeps the margin even when nothing runs; room made by
+        preemption leaves the preempted key's rows and blocks in its tally; and under "slo" it
+        caps the rows at `full_rows` (average contexts) instead of checking the running rows' own
+        contexts against `slo_row_limit` and the targets.
+        """
+        cfg = self.config
+        rows_of = {k: u.running_rows for k, u in queue.usage.items() if u.running_rows}
+        active = [u.weighted_tokens_served for k, u in queue.usage.items()
+                  if u.running_rows or queue.waiting.get(k)]
+        floor = min(active, default=0.0)
+
+        def served(key: str) -> float:
+            """`key`'s weighted tokens served, an inactive key's raised to the active floor."""
+            u = queue.usage.get(key)
+            if u is None or not (u.running_rows or queue.waiting.get(key)):
+                return max(floor, u.weighted_tokens_served if u is not None else 0.0)
+            return u.weighted_tokens_served
+
+        order = sorted((*queue.requests(), req),
+                       key=lambda r: (rows_of.get(r.api_key, 0) >= cfg.per_key_rows, served(r.api_key),
+                                      r is req, r.arrival_s))
+        total = own = 0.0
+        blocked = not self.joins_between_steps
+        pending_forks = sum(len(r.children) for r in running if r.forks_now)
+        rows_free = rows - len(running) - pending_forks
+        reserved = sum(self.pool.blocks_needed(r.request_id, r.num_prompt)
+                       for r in running if r.is_prefilling)
+        blocks_free = self.pool.num_free - reserved - self.margin_blocks
+        for r in order:
+            need = cfg.blocks_for(r.num_prompt)
+            key = r.api_key
+            if not blocked and r.n <= rows_free and need <= blocks_free:
+                rows_free -= r.n
+                blocks_free -= need
+                rows_of[key] = rows_of.get(key, 0) + r.n
+            elif not blocked and rows_of.get(key, 0) < cfg.per_key_rows and any(
+                    n > cfg.per_key_rows for k, n in rows_of.items() if k != key):
+                rows_of[key] = rows_of.get(key, 0) + r.n      # the join preempts an over-cap key
+            else:
+                blocked = True
+                total += r.est_device_ms
+                if key == req.api_key:
+                    own += r.est_device_ms
+            if r is req:
+                break
+        return total, own
+
+    def over_budget(self, req: Request, total: float, own: float, budget_ms: float,
+                    queue: FairQueue) -> bool:
+        """Whether queueing `req` passes the budget, with a fair share per key.
+
+        `total` and `own` are the waiting work with `req`, all keys' and `req`'s key's
+        (`waiting_work_ms`), and `budget_ms` the budget, ms. Over the budget, a key whose own
+        waiting work stays within budget / active keys is still admitted, so one key's backlog
+        cannot make everyone else's requests 429; the total is then bounded by twice the budget.
+        """
+        if total <= budget_ms:
+            return False
+        return own > budget_ms / len(queue.active_keys(req.api_key)) or total > 2 * budget_ms
