@@ -8,6 +8,12 @@ import uvicorn
 
 from bridge.app import DEFAULT_MODEL_NAME, MAX_BODY_BYTES, create_app
 
+KEEP_ALIVE_S = 75
+"""Seconds the bridge keeps an idle HTTP/1.1 connection open (uvicorn's `timeout_keep_alive`,
+5 s by default). Above Envoy's idle timeout for the bridge cluster (60 s,
+charts/genserve/files/envoy.yaml), so Envoy always closes an idle connection first and never
+sends a request on one the bridge is closing (that request would be reset: a 503)."""
+
 
 def run(
     grpc_target: str,
@@ -26,4 +32,5 @@ def run(
     """
     app = create_app(grpc_target, model_name, engine_metrics_url=engine_metrics_url,
                      max_body_bytes=max_body_bytes)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, log_config=None)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, log_config=None,
+                timeout_keep_alive=KEEP_ALIVE_S)

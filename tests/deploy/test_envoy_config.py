@@ -240,6 +240,17 @@ def test_engines_cluster(config):
     assert thresholds["retry_budget"] == {"budget_percent": {"value": 20}, "min_retry_concurrency": 3}
 
 
+def test_envoy_closes_idle_bridge_connections_before_the_bridge_does(config):
+    """Envoy's idle timeout for the bridge cluster is below the bridge's keep-alive, so Envoy never
+    reuses a connection the bridge is closing (a reset before any header, a 503 to the client)."""
+    from bridge.server import KEEP_ALIVE_S
+
+    protocol = cluster(config, "bridge")["typed_extension_protocol_options"][
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
+    idle = protocol["common_http_protocol_options"]["idle_timeout"]
+    assert idle.endswith("s") and float(idle[:-1]) < KEEP_ALIVE_S
+
+
 def test_bridge_cluster_never_ejects_on_answers(config):
     """A bridge's 503 (engines down) must reach the client: only connection failures eject."""
     c = cluster(config, "bridge")
