@@ -1,12 +1,9 @@
 """The field policy: what the bridge does with every field of OpenAI's completions and chat
 completions requests, and with the extensions it takes beyond them (vLLM's and genserve's).
 
-Each field is one `Rule` in `COMPLETIONS` or `CHAT`, with one of four statuses:
+Each field is one `Rule` in `COMPLETIONS` or `CHAT`, with one of three statuses:
 
     honoured            it does what OpenAI documents (or, for an extension, what vLLM does)
-    honoured (engine)   a sampling control the engine will implement: for now only its neutral
-                        value (OpenAI's or vLLM's default, which changes nothing) is accepted, a
-                        no-op; any other value is a 400 "not supported yet" naming the field
     accepted            accepted with no effect (the notes say why that is honest); `user`,
                         `metadata`, `store`, `service_tier` and `safety_identifier` are recorded
                         in the log line and the trace span of the request
@@ -17,9 +14,6 @@ Each field is one `Rule` in `COMPLETIONS` or `CHAT`, with one of four statuses:
 stay caught). The request schemas (bridge/protocol.py) have exactly these fields, and README.md's
 table is `markdown_table()`'s output; tests/bridge/test_field_policy.py checks both, and walks the
 openai SDK's own request types so a field OpenAI adds fails until it is classified here.
-
-`ENGINE_PENDING` is the one place that says which sampling controls wait for the engine: once the
-engine honours one, drop it from that set and forward the field in `bridge.protocol`.
 """
 
 from __future__ import annotations
@@ -29,10 +23,9 @@ from dataclasses import dataclass
 from typing import Any
 
 HONOURED = "honoured"
-ENGINE = "honoured (engine)"
 ACCEPTED = "accepted"
 NOT_SUPPORTED = "not supported"
-STATUSES = (HONOURED, ENGINE, ACCEPTED, NOT_SUPPORTED)
+STATUSES = (HONOURED, ACCEPTED, NOT_SUPPORTED)
 
 OPENAI = "OpenAI"
 VLLM = "vLLM"
@@ -85,31 +78,10 @@ class FieldRefused(ValueError):
         self.message = message
 
 
-# The sampling controls the engine will implement (see the module doc), with their neutral values.
-# Flip one to honoured by removing it here and forwarding it to the engine in bridge.protocol.
-ENGINE_PENDING: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "presence_penalty": (lambda v: v == 0, "0"),
-    "frequency_penalty": (lambda v: v == 0, "0"),
-    "repetition_penalty": (lambda v: v == 1, "1.0"),
-    "min_p": (lambda v: v == 0, "0"),
-    "logit_bias": (lambda v: v == {}, "{} or null"),
-    "min_tokens": (lambda v: v == 0, "0"),
-    "stop_token_ids": (lambda v: v == [], "[] or null"),
-    "include_stop_str_in_output": (lambda v: v is False, "false"),
-    "skip_special_tokens": (lambda v: v is True, "true"),
-}
-
-
-def _engine(name: str, probe: Any, refused: Any, notes: str, origin: str = OPENAI) -> Rule:
-    """A sampling control waiting for the engine (ENGINE_PENDING), or honoured once it is not:
-    then the field walk checks that it travels as `SamplingParams.<name>` (with its `refused`
-    value as the probe), so flipping it without forwarding it fails the tests."""
-    if name not in ENGINE_PENDING:
-        return Rule(HONOURED, notes, refused, origin=origin, grpc=f"sampling.{name}")
-    accepts, neutral = ENGINE_PENDING[name]
-    return Rule(ENGINE, f"{notes}; until the engine implements it only {neutral} is accepted (a no-op)",
-                probe, accepts=accepts, refused=refused, origin=origin,
-                why=f"only its neutral value {neutral} is accepted until the engine implements it")
+def _sampling(name: str, probe: Any, notes: str, origin: str = OPENAI) -> Rule:
+    """A sampling control the engine honours; the field walk checks it travels as
+    `SamplingParams.<name>` with the probe's value."""
+    return Rule(HONOURED, notes, probe, origin=origin, grpc=f"sampling.{name}")
 
 
 def _recorded(notes: str, probe: Any) -> Rule:
@@ -135,22 +107,25 @@ _SHARED: dict[str, Rule] = {
                            "`continuous_usage_stats` (vLLM's: each chunk carries its choice's usage so "
                            "far), `include_obfuscation` (accepted, no effect: nothing is padded)",
                            {"include_usage": True, "continuous_usage_stats": True}),
-    "presence_penalty": _engine("presence_penalty", 0, 0.5, "-2..2"),
-    "frequency_penalty": _engine("frequency_penalty", 0, 0.5, "-2..2"),
-    "logit_bias": _engine("logit_bias", {}, {"50256": -100}, "token id -> bias"),
+    "presence_penalty": _sampling("presence_penalty", 0.5, "-2..2, over the generated tokens"),
+    "frequency_penalty": _sampling("frequency_penalty", 0.5, "-2..2, over the generated tokens"),
+    "logit_bias": _sampling("logit_bias", {"100": -100}, "token id -> bias in [-100, 100], at most 300"),
     "user": _recorded("an end-user id", "user-1"),
     # vLLM's sampling extensions.
     "top_k": Rule(HONOURED, "0 or -1 = off", 5, origin=VLLM, grpc="sampling.top_k"),
     "ignore_eos": Rule(HONOURED, "keep sampling past the end-of-sequence token", True, origin=VLLM,
                        grpc="sampling.ignore_eos"),
-    "repetition_penalty": _engine("repetition_penalty", 1.0, 1.2, "> 0, 1 = off", VLLM),
-    "min_p": _engine("min_p", 0, 0.05, "0..1", VLLM),
-    "min_tokens": _engine("min_tokens", 0, 4, "no stop before this many tokens", VLLM),
-    "stop_token_ids": _engine("stop_token_ids", [], [2], "token ids that end a sample", VLLM),
-    "include_stop_str_in_output": _engine("include_stop_str_in_output", False, True,
-                                          "keep the matched stop string", VLLM),
-    "skip_special_tokens": _engine("skip_special_tokens", True, False,
-                                   "control tokens add no text", VLLM),
+    "repetition_penalty": _sampling("repetition_penalty", 1.2, "> 0, 1 = off; over the prompt and "
+                                    "the generated tokens", VLLM),
+    "min_p": _sampling("min_p", 0.05, "0..1", VLLM),
+    "min_tokens": _sampling("min_tokens", 2, "EOS, `stop_token_ids` and stop strings cannot end a "
+                            "sample before this many tokens; <= max_tokens", VLLM),
+    "stop_token_ids": _sampling("stop_token_ids", [2], "up to 64 token ids that end a sample "
+                                "(their text is not returned)", VLLM),
+    "include_stop_str_in_output": _sampling("include_stop_str_in_output", True,
+                                            "keep the matched stop string (or stop token's text)", VLLM),
+    "skip_special_tokens": _sampling("skip_special_tokens", False,
+                                     "default true: control tokens add no text", VLLM),
     # genserve's.
     "deadline_s": Rule(HONOURED, "seconds from arrival after which the request is dropped "
                        "(finish_reason cancelled, detail deadline)", 30.0, origin=GENSERVE, grpc="deadline_s"),
@@ -243,7 +218,7 @@ def enforce(values: Mapping[str, Any], table: Mapping[str, Rule]) -> None:
         rule = table.get(name)
         if rule is None or value is None or rule.accepts is None or rule.accepts(value):
             continue
-        yet = " yet" if rule.status == ENGINE or rule.yet else ""
+        yet = " yet" if rule.yet else ""
         raise FieldRefused(name, f"'{name}' is not supported{yet}: {rule.why}")
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 from pydantic import field_validator, model_validator
 
 from bridge.fields import CHAT, COMPLETIONS, FieldRefused, Rule, enforce, recorded
@@ -32,6 +32,18 @@ Uint64 = Annotated[StrictInt, Field(ge=0, le=UINT64_MAX)]
 Int32 = Annotated[StrictInt, Field(ge=INT32_MIN, le=INT32_MAX)]
 # A finite JSON number (an int is accepted where a float is expected).
 Float = Annotated[StrictFloat, Field(allow_inf_nan=False)]
+
+
+def _token_key(value: Any) -> int:
+    """A `logit_bias` key: a token id written as a JSON object key ("123")."""
+    if isinstance(value, str) and value.isascii() and value.isdigit():
+        return int(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise ValueError(f"keys must be token ids written as strings (\"123\"), got {value!r}")
+
+
+TokenKey = Annotated[int, BeforeValidator(_token_key), Field(ge=0, le=UINT32_MAX)]
 
 # OpenAI's defaults for an absent (or null) field.
 DEFAULT_MAX_TOKENS = 16
@@ -75,22 +87,6 @@ def stop_list(value: Any) -> list[str] | None:
     if isinstance(value, list) and all(isinstance(v, str) for v in value):
         return value
     raise ValueError("must be a string or a list of strings")
-
-
-def sampling_proto(temperature: float | None, top_k: int | None, top_p: float | None,
-                   ignore_eos: bool | None, stop: list[str] | None, seed: int | None) -> pb.SamplingParams:
-    """The gRPC SamplingParams of a REST body's fields; null fields take OpenAI's defaults and
-    an absent seed stays absent."""
-    sampling = pb.SamplingParams(
-        temperature=DEFAULT_TEMPERATURE if temperature is None else temperature,
-        top_k=DEFAULT_TOP_K if top_k is None else top_k,
-        top_p=DEFAULT_TOP_P if top_p is None else top_p,
-        ignore_eos=bool(ignore_eos),
-        stop=stop or [],
-    )
-    if seed is not None:
-        sampling.seed = seed
-    return sampling
 
 
 def _is_token_id(value: Any) -> bool:
@@ -137,10 +133,9 @@ class SamplingBody(BaseModel):
     ignore_eos: StrictBool | None = False
     deadline_s: Float | None = None  # seconds from arrival; the service caps it at its default
     user: StrictStr | None = None
-    # Sampling controls the engine will implement (bridge.fields.ENGINE_PENDING): neutral only.
     presence_penalty: Float | None = None
     frequency_penalty: Float | None = None
-    logit_bias: dict[str, Float] | None = None
+    logit_bias: dict[TokenKey, Float] | None = None
     repetition_penalty: Float | None = None
     min_p: Float | None = None
     min_tokens: Uint32 | None = None
@@ -189,9 +184,29 @@ class SamplingBody(BaseModel):
         return recorded(self.set_fields(), self.policy)
 
     def sampling_proto(self) -> pb.SamplingParams:
-        """The gRPC SamplingParams of these fields (`sampling_proto`)."""
-        return sampling_proto(self.temperature, self.top_k, self.top_p, self.ignore_eos, self.stop,
-                              self.seed)
+        """The gRPC SamplingParams of these fields: null or absent fields take OpenAI's (or
+        vLLM's) defaults, and those the proto marks optional stay absent.
+
+        Raises:
+            ValueError: a `logit_bias` key that is not a token id (the caller answers 400).
+        """
+        sampling = pb.SamplingParams(
+            temperature=DEFAULT_TEMPERATURE if self.temperature is None else self.temperature,
+            top_k=DEFAULT_TOP_K if self.top_k is None else self.top_k,
+            top_p=DEFAULT_TOP_P if self.top_p is None else self.top_p,
+            ignore_eos=bool(self.ignore_eos),
+            stop=self.stop or [],
+            stop_token_ids=self.stop_token_ids or [],
+            include_stop_str_in_output=bool(self.include_stop_str_in_output),
+        )
+        for name in ("seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
+                     "min_tokens", "skip_special_tokens"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(sampling, name, value)
+        for token, bias in (self.logit_bias or {}).items():
+            sampling.logit_bias[token] = bias
+        return sampling
 
 
 PromptInput = str | list[int]

@@ -19,19 +19,22 @@ class IncrementalDetokenizer:
     Byte-level BPE tokens are byte strings; a character of 2–4 UTF-8 bytes can be split across
     tokens (emoji, CJK). The stdlib incremental UTF-8 decoder holds back an incomplete trailing
     sequence until the bytes that complete it arrive, so a piece never contains U+FFFD for a
-    character that is merely split. Special tokens (`<|im_end|>`, EOS) add no text.
+    character that is merely split. Special tokens (`<|im_end|>`, EOS) add no text unless asked.
 
     Args:
         tokenizer: gives `token_bytes(id)` and `is_special(id)`.
+        skip_special_tokens: control tokens add no text (True, the default) or their own text
+            (`<|im_end|>`), as vLLM's `skip_special_tokens`.
     """
 
-    def __init__(self, tokenizer: TokenBytes) -> None:
+    def __init__(self, tokenizer: TokenBytes, skip_special_tokens: bool = True) -> None:
         self._tok = tokenizer
+        self._skip_special = skip_special_tokens
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def add(self, token_id: int) -> str:
         """Text completed by `token_id` (possibly empty while a character is incomplete)."""
-        if self._tok.is_special(token_id):
+        if self._skip_special and self._tok.is_special(token_id):
             return ""
         return self._decoder.decode(self._tok.token_bytes(token_id), final=False)
 

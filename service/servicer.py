@@ -44,7 +44,7 @@ from genserve.v1 import generate_pb2 as pb, generate_pb2_grpc as pb_grpc
 from service.auth import ANONYMOUS, Authenticator
 from service.handoff import LoopHandoff
 from service.metrics import EngineMetrics
-from service.stream import SampleStream
+from service.stream import SampleStream, TextOptions
 from service.tracing import SpanTracker
 from service.validation import ValidationError, Validator
 
@@ -258,7 +258,9 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
         try:
             yield pb.GenerateResponse(request_id=request_id, started=pb.Started(
                 request_id=request_id, prompt_tokens=len(valid.prompt_ids)))
-            streams = [SampleStream(i, self.tokenizer, valid.stop, request.HasField("logprobs"))
+            options = TextOptions(valid.stop, valid.include_stop_str_in_output,
+                                  valid.skip_special_tokens, valid.sampling.min_tokens)
+            streams = [SampleStream(i, self.tokenizer, options, request.HasField("logprobs"))
                        for i in range(valid.n)]
             while open_samples:
                 try:

@@ -25,16 +25,18 @@ class StopCheck:
 class StopMatcher:
     """Holds back text that could still become a stop string.
 
-    The stop string itself is never emitted. A match can start only inside held-back text:
+    The stop string itself is not emitted (unless `include_stop`). A match can start only inside held-back text:
     anything already streamed had, when it was released, no suffix that was a prefix of a stop
     string. So the concatenation of streamed pieces equals the non-streamed completion.
 
     Args:
         stops: up to 4 non-empty strings.
+        include_stop: a match releases the stop string too (vLLM's `include_stop_str_in_output`).
     """
 
-    def __init__(self, stops: list[str] | tuple[str, ...]) -> None:
+    def __init__(self, stops: list[str] | tuple[str, ...], include_stop: bool = False) -> None:
         self.stops = tuple(stops)
+        self.include_stop = include_stop
         self._held = ""
 
     def push(self, piece: str) -> StopCheck:
@@ -46,7 +48,7 @@ class StopMatcher:
         if hits:
             at, stop = min(hits)
             self._held = ""
-            return StopCheck(text[:at], stop)
+            return StopCheck(text[:at + len(stop)] if self.include_stop else text[:at], stop)
         hold = self._longest_partial(text)
         self._held = text[len(text) - hold:] if hold else ""
         return StopCheck(text[:len(text) - hold])

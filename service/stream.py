@@ -7,13 +7,32 @@ from dataclasses import dataclass, field
 from engine.core.outputs import FinishReason, TokenEvent
 from genserve.v1 import generate_pb2 as pb
 from service.detokenizer import IncrementalDetokenizer
-from service.stop import StopMatcher
+from service.stop import StopCheck, StopMatcher
 
 FINISH_REASONS = {
     FinishReason.STOP: pb.FINISH_REASON_STOP,
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
     FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED,
 }
+
+
+@dataclass(frozen=True, slots=True)
+class TextOptions:
+    """How a sample's tokens become text.
+
+    Attributes:
+        stops: stop strings (up to 4).
+        include_stop: the matched stop string, or the text of the token that stopped the sample
+            (EOS, a `stop_token_ids` id), stays in the output (vLLM's `include_stop_str_in_output`).
+        skip_special_tokens: control tokens add no text.
+        min_tokens: stop strings do not match before this many tokens (vLLM's rule: the check
+            starts at the `min_tokens`-th token).
+    """
+
+    stops: tuple[str, ...] = ()
+    include_stop: bool = False
+    skip_special_tokens: bool = True
+    min_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -30,19 +49,22 @@ class SampleStream:
     Args:
         index: the sample's index (0..n-1).
         tokenizer: `token_bytes`, `is_special` (for text and top-logprob texts).
-        stops: stop strings of the request.
+        options: stop strings and the other text settings of the request.
         want_logprobs: whether Token messages carry logprobs.
 
     After a stop string matched, later tokens of this sample (at most the one step the engine
     needs to see the flag) are dropped, and the Finished message says STOP with the usage
-    counted up to the matching token.
+    counted up to the matching token. A sample the engine ended with STOP ended on a stop token
+    (EOS or a `stop_token_ids` id): that token's text is dropped unless `include_stop`, as vLLM
+    does.
     """
 
-    def __init__(self, index: int, tokenizer, stops: tuple[str, ...], want_logprobs: bool) -> None:
+    def __init__(self, index: int, tokenizer, options: TextOptions, want_logprobs: bool) -> None:
         self.index = index
         self.tokenizer = tokenizer
-        self.detok = IncrementalDetokenizer(tokenizer)
-        self.matcher = StopMatcher(stops)
+        self.options = options
+        self.detok = IncrementalDetokenizer(tokenizer, options.skip_special_tokens)
+        self.matcher = StopMatcher(options.stops, options.include_stop)
         self.want_logprobs = want_logprobs
         self.num_tokens = 0
         self.stopped_by: str | None = None
@@ -53,8 +75,14 @@ class SampleStream:
         finished = ev.finish_reason is not None
         if ev.token_id is not None and self.stopped_by is None:
             self.num_tokens += 1
-            piece = self.detok.add(ev.token_id) + (self.detok.flush() if finished else "")
-            check = self.matcher.push(piece)
+            stop_token = ev.finish_reason == FinishReason.STOP and not self.options.include_stop
+            piece = "" if stop_token else self.detok.add(ev.token_id)
+            if finished:
+                piece += self.detok.flush()
+            if self.num_tokens < self.options.min_tokens:
+                check = StopCheck(self.matcher.flush() + piece)
+            else:
+                check = self.matcher.push(piece)
             text = check.text
             if check.matched is not None:
                 self.stopped_by = check.matched

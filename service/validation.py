@@ -15,6 +15,9 @@ from service.stop import MAX_STOP_CHARS, MAX_STOP_STRINGS
 DEFAULT_MAX_TOKENS = 16          # OpenAI completions API default
 MAX_SAMPLES = 8                  # n: samples per prompt
 MAX_PROMPT_CHARS = 200_000       # bound on text handed to the tokenizer (≈ 8,192 tokens × 24)
+MAX_LOGIT_BIAS = 300             # logit_bias entries (OpenAI's limit)
+MAX_BIAS = 100.0                 # |bias| (OpenAI's range, -100..100)
+MAX_STOP_TOKEN_IDS = 64          # stop_token_ids entries
 
 
 class ValidationError(ValueError):
@@ -35,6 +38,8 @@ class ValidRequest:
     deadline_s: float | None
     n: int = 1
     stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
 
 class Validator:
@@ -90,8 +95,14 @@ class Validator:
             raise ValidationError("logprobs", f"must be between 0 and 5, got {logprobs}")
         sampling = replace(self._sampling(req.sampling), top_logprobs=logprobs,
                            logprobs=req.HasField("logprobs"))
-        return ValidRequest(prompt_ids, max_tokens, sampling, self._deadline(req), n,
-                            self._stop(req.sampling))
+        if sampling.min_tokens > max_tokens:
+            raise ValidationError("min_tokens", f"must be at most max_tokens ({max_tokens}), "
+                                                f"got {sampling.min_tokens}")
+        s = req.sampling
+        return ValidRequest(prompt_ids, max_tokens, sampling, self._deadline(req), n, self._stop(s),
+                            include_stop_str_in_output=s.include_stop_str_in_output,
+                            skip_special_tokens=(s.skip_special_tokens
+                                                 if s.HasField("skip_special_tokens") else True))
 
     def tokenize_prompt(self, prompt: str) -> list[int]:
         """Token ids of a text prompt (field `prompt`), as Generate counts them."""
@@ -148,8 +159,41 @@ class Validator:
         if top_k < -1:
             raise ValidationError("top_k", f"must be -1, 0 (off) or a positive count, got {top_k}")
         seed = s.seed if s.HasField("seed") else None
+        penalties = {}
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(s, name) if s.HasField(name) else 0.0
+            if not (math.isfinite(value) and -2.0 <= value <= 2.0):
+                raise ValidationError(name, f"must be in [-2, 2], got {value}")
+            penalties[name] = float(value)
+        repetition = s.repetition_penalty if s.HasField("repetition_penalty") else 1.0
+        if not (math.isfinite(repetition) and repetition > 0):
+            raise ValidationError("repetition_penalty", f"must be a finite number > 0, got {repetition}")
+        min_p = s.min_p if s.HasField("min_p") else 0.0
+        if not (math.isfinite(min_p) and 0.0 <= min_p <= 1.0):
+            raise ValidationError("min_p", f"must be in [0, 1], got {min_p}")
         return SamplingParams(temperature=float(temperature), top_k=max(0, top_k), top_p=float(top_p),
-                              seed=seed, ignore_eos=s.ignore_eos)
+                              seed=seed, ignore_eos=s.ignore_eos, repetition_penalty=float(repetition),
+                              min_p=float(min_p), logit_bias=self._logit_bias(s),
+                              min_tokens=s.min_tokens if s.HasField("min_tokens") else 0,
+                              stop_token_ids=self._stop_token_ids(s), **penalties)
+
+    def _logit_bias(self, s: pb.SamplingParams) -> tuple[tuple[int, float], ...]:
+        if len(s.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValidationError("logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(s.logit_bias)}")
+        self.check_token_ids(list(s.logit_bias), "logit_bias")
+        for token, bias in s.logit_bias.items():
+            if not (math.isfinite(bias) and -MAX_BIAS <= bias <= MAX_BIAS):
+                raise ValidationError("logit_bias", f"the bias of token {token} must be in "
+                                                    f"[-{MAX_BIAS:g}, {MAX_BIAS:g}], got {bias}")
+        return tuple(sorted((int(t), float(b)) for t, b in s.logit_bias.items()))
+
+    def _stop_token_ids(self, s: pb.SamplingParams) -> tuple[int, ...]:
+        if len(s.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValidationError("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids, got "
+                                                    f"{len(s.stop_token_ids)}")
+        ids = list(s.stop_token_ids)
+        self.check_token_ids(ids, "stop_token_ids")
+        return tuple(dict.fromkeys(ids))
 
     def _deadline(self, req: pb.GenerateRequest) -> float | None:
         if not req.HasField("deadline_s"):

@@ -3,8 +3,8 @@
 `Request` is the one mutable record a request has inside the engine. Its writers, each of its own
 fields: the scheduler (`engine.core.sched`) changes `state`, `num_computed`, `generated`, the
 timestamps and counters; `Engine.submit` stamps `arrival_s` and `deadline_s`; the model runner
-keeps the request's `generator`; any thread may set `cancel_requested` or `stop_requested`. Its
-blocks are in the block pool, by request id. The service reads `state` to trace a request's
+keeps the request's `generator` and `sampler_state`; any thread may set `cancel_requested` or
+`stop_requested`. Its blocks are in the block pool, by request id. The service reads `state` to trace a request's
 admissions and preemptions (`service.tracing`) and otherwise sees only the `TokenEvent`s pushed
 through the request's `on_event` callback.
 """
@@ -40,6 +40,11 @@ class RequestState(enum.Enum):
 class SamplingParams:
     """Per-request sampling settings.
 
+    The logits of a row go through, in this order (vLLM's; `engine.runner.logits_processors`):
+    the repetition penalty, the frequency and presence penalties, `logit_bias`, the `min_tokens`
+    ban; then temperature, top-k, top-p and min-p shape the distribution the token is drawn from
+    (`engine.runner.sampler`). Reported logprobs are of the raw logits, before all of it.
+
     Attributes:
         temperature: softmax temperature; 0 means greedy (argmax). Must be >= 0.
         top_k: keep the k most likely tokens; 0 or negative means off.
@@ -49,6 +54,22 @@ class SamplingParams:
         top_logprobs: how many most-likely alternatives to report per token (0..5).
         logprobs: report each sampled token's log-probability (and `top_logprobs` alternatives);
             when no row of a step asks, the sampler skips the log-softmax over the vocabulary.
+        presence_penalty: subtracted once from the logit of every token already generated
+            (OpenAI's definition, over the generated tokens only); 0 is off. -2..2.
+        frequency_penalty: subtracted from a token's logit once per time it was generated
+            (OpenAI's definition); 0 is off. -2..2.
+        repetition_penalty: a token in the prompt or generated so far has its logit divided by
+            it when positive, multiplied when negative (Keskar et al. 2019, CTRL, as in Hugging
+            Face transformers and vLLM); 1 is off. > 0.
+        min_p: after temperature, drop tokens whose probability is below min_p times the most
+            likely token's (vLLM's, from Nguyen et al. 2024); 0 is off. 0..1.
+        logit_bias: (token id, bias) pairs added to those logits (OpenAI's `logit_bias`; -100
+            in effect bans a token, 100 forces it). Sorted by id, ids distinct.
+        min_tokens: the end-of-sequence token and `stop_token_ids` cannot be sampled (their logits
+            are -inf) until this many tokens were generated; stop strings do not match before
+            then either (the service's part). 0 is off.
+        stop_token_ids: token ids that end the sample (FinishReason.STOP) like EOS does, also
+            with `ignore_eos`.
     """
 
     temperature: float = 1.0
@@ -58,11 +79,31 @@ class SamplingParams:
     ignore_eos: bool = False
     top_logprobs: int = 0
     logprobs: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
 
     @property
     def greedy(self) -> bool:
         """True when sampling reduces to argmax (temperature 0)."""
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """True when a repetition, frequency or presence penalty is set (the row's logits depend
+        on the tokens before it)."""
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0)
+
+    @property
+    def processes_logits(self) -> bool:
+        """True when anything changes the row's logits before sampling (penalties, a bias,
+        `min_tokens` with tokens to ban)."""
+        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
 
 
 @dataclass(eq=False, slots=True)
@@ -99,6 +140,9 @@ class Request:
         prefix_hashes: chained hashes of the prompt's full blocks (`block_pool.prefix_block_hashes`),
             computed once when prefix caching is on; None before.
         num_cached: prompt tokens its last admission took from the prefix cache (0 with none).
+        sampler_state: the model runner's per-request state for the logits processors (the
+            token history the penalties read, the bias as arrays); opaque to the core, None
+            until a step samples the request with a processor on.
     """
 
     request_id: str
@@ -130,6 +174,7 @@ class Request:
     finish_detail: str = ""
     prefix_hashes: list[bytes] | None = None
     num_cached: int = 0
+    sampler_state: object | None = None
 
     @property
     def num_prompt(self) -> int:

@@ -28,6 +28,7 @@ from engine.runner.cuda_graphs import DecodeGraphs
 from engine.runner.decode_loop import DecodeLoop
 from engine.runner.inputs import StepInputs
 from engine.runner.kv_cache import KVCache
+from engine.runner.logits_processors import process_logits
 from engine.runner.sampler import make_generator, sample
 
 
@@ -163,6 +164,11 @@ class ModelRunner:
             logits = logits[draw_index]
         draws = plan.draws
         with torch.profiler.record_function("genserve.sample"):
-            tokens, logprobs, top = sample(logits, [r.sampling for _, r in draws],
-                                           [request_generator(r, self.device) for _, r in draws])
+            requests = [r for _, r in draws]
+            params = [r.sampling for r in requests]
+            keep_raw = any(p.logprobs for p in params)
+            processed = process_logits(logits, requests, copy=keep_raw)
+            tokens, logprobs, top = sample(processed, params,
+                                           [request_generator(r, self.device) for r in requests],
+                                           raw_logits=logits if processed is not logits else None)
         return SampledTokens(tokens, logprobs, top, time.perf_counter() - t0)

@@ -1,4 +1,4 @@
-"""Per-row sampling: temperature, top-k, top-p, one seeded generator per request.
+"""Per-row sampling: temperature, top-k, top-p, min-p, one seeded generator per request.
 
 Runs on the logits' device; each request's generator must live there too (`make_generator`).
 The only device-to-host copies are the sampled ids (and the logprobs, for rows that ask).
@@ -25,21 +25,25 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
-           generators: Sequence[torch.Generator]
+           generators: Sequence[torch.Generator], raw_logits: torch.Tensor | None = None
            ) -> tuple[list[int], list[float | None], list[list[tuple[int, float]]]]:
     """Draw one token per row.
 
     Args:
-        logits: fp32 [R, vocab], the model's raw output for the rows that sample.
+        logits: fp32 [R, vocab], the logits to draw from: the model's output for the rows that
+            sample, after the logits processors (`engine.runner.logits_processors`).
         params: R sampling settings; temperature 0 means greedy (argmax), top_k <= 0 means off,
             top_p 1 means off.
         generators: R per-request generators on the logits' device (only consumed by rows with temperature > 0, one
             uniform draw per token each, so a request's stream of random numbers does not depend
             on its neighbours).
+        raw_logits: fp32 [R, vocab], the model's output before the processors, for the
+            logprobs; None when they are `logits` (no processor ran, or in place with no row
+            asking for logprobs).
     Returns:
         (next_token [R] ints, logprob [R] floats or None, top [R] lists of (token id, logprob)).
-        The logprobs are under the model's raw distribution, log_softmax(logits), before
-        temperature, top-k and top-p (vLLM's default); always finite; None for rows whose
+        The logprobs are under the model's raw distribution, log_softmax(raw_logits), before
+        the processors, temperature, top-k, top-p and min-p (vLLM's default, "raw_logprobs"); always finite; None for rows whose
         `params[r].logprobs` is False (no log-softmax is computed when no row asks, ≈ 1 ms of
         a 32-row step on 2 CPU cores). `top[r]` holds the `params[r].top_logprobs` most likely
         tokens, most likely first.
@@ -72,7 +76,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
         return tokens, [None] * len(tokens), top
     device = logits.device
     index = torch.tensor(asked, dtype=torch.long, device=device)
-    sub = logits[index]                                              # [A, vocab]
+    sub = (logits if raw_logits is None else raw_logits)[index]                                              # [A, vocab]
     log_z = torch.logsumexp(sub, dim=-1)                             # [A]
     chosen = torch.tensor([tokens[row] for row in asked], dtype=torch.long, device=device)
     lp = (sub[torch.arange(len(asked), device=device), chosen] - log_z).tolist()
@@ -145,6 +149,14 @@ def _draw(logits: torch.Tensor, params: Sequence[SamplingParams],
             kth = torch.topk(sub, k, dim=-1).values[:, -1:]
             x[same_k] = sub.masked_fill_(sub < kth, float("-inf"))
     w = torch.softmax(x, dim=-1)                                                # [S, vocab]
+    min_p = [(i, params[r].min_p) for i, r in enumerate(rows) if params[r].min_p > 0.0]
+    if min_p:
+        # Min-p (Nguyen et al. 2024, "Turning Up the Heat"): drop tokens below min_p times the
+        # row's most likely token's probability, after temperature (vLLM's order).
+        at = [i for i, _ in min_p]
+        sub = w[at]
+        floor = torch.tensor([p for _, p in min_p], dtype=w.dtype, device=w.device)[:, None]
+        w[at] = sub.masked_fill_(sub < floor * sub.amax(dim=-1, keepdim=True), 0.0)
     top_p = [(i, params[r].top_p) for i, r in enumerate(rows) if params[r].top_p < 1.0]
     if top_p:
         keep_top_p_(w, [i for i, _ in top_p], [p for _, p in top_p])

@@ -68,8 +68,9 @@ async def test_bad_messages_are_400s_naming_the_field_and_reach_no_engine(client
         assert r.json()["error"]["param"] == field
     r = await client.post("/v1/chat/completions", json={"messages": MESSAGES, "top_logprobs": 2})
     assert r.status_code == 400 and "top_logprobs" in r.json()["error"]["message"]
-    r = await client.post("/v1/chat/completions", json={"messages": MESSAGES, "frequency_penalty": 1})
-    assert r.status_code == 400 and "frequency_penalty" in r.json()["error"]["message"]
+    r = await client.post("/v1/chat/completions", json={"messages": MESSAGES, "logit_bias": {"the": 1}})
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("logit_bias"), r.text
+    assert "token ids" in r.json()["error"]["message"]
     assert len(service.requests) == before
 
 

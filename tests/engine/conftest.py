@@ -58,8 +58,9 @@ def generate(engine: Engine, prompts: list[list[int]], max_tokens: int, **sampli
 
 
 def check_preemption_keeps_tokens(engine: Engine, gguf_weights, prompts: list[list[int]],
-                                  **config) -> None:
-    """Run six requests (greedy and seeded top-p, 40 tokens each) on `engine`, then on a fresh
+                                  settings: list[dict] | None = None, **config) -> None:
+    """Run six requests (greedy and seeded top-p, 40 tokens each, or each with its own sampling
+    `settings`) on `engine`, then on a fresh
     engine of the same settings (`config`: extra EngineConfig fields) whose 14-block pool must
     preempt them as they grow; assert that it did preempt and that every request produced the same
     tokens, and that both pools end with every block free.
@@ -68,7 +69,7 @@ def check_preemption_keeps_tokens(engine: Engine, gguf_weights, prompts: list[li
     14 blocks admits all six and must preempt as they grow.
     """
     args, state = gguf_weights
-    settings = [dict(temperature=0.0), dict(temperature=0.8, top_p=0.9, seed=99)] * 3
+    settings = settings or [dict(temperature=0.0), dict(temperature=0.8, top_p=0.9, seed=99)] * 3
 
     def run(e: Engine) -> list[list[int]]:
         reqs = [new_request(p, 40, ignore_eos=True, **s) for p, s in zip(prompts, settings)]

@@ -8,7 +8,7 @@ from engine.core.outputs import FinishReason, TokenEvent
 from genserve.v1 import generate_pb2 as pb
 from service.detokenizer import IncrementalDetokenizer
 from service.stop import StopMatcher
-from service.stream import SampleStream
+from service.stream import SampleStream, TextOptions
 
 
 def test_multibyte_characters_split_across_tokens_never_stream_replacement(gguf_tokenizer):
@@ -47,7 +47,7 @@ def test_stop_matcher(pieces, stops, streamed, matched):
 
 def test_sample_stream_stops_and_drops_the_token_after_the_match(gguf_tokenizer):
     ids = gguf_tokenizer.encode("The answer is 42. Done")
-    stream = SampleStream(0, gguf_tokenizer, (" 4",), want_logprobs=False)
+    stream = SampleStream(0, gguf_tokenizer, TextOptions((" 4",)), want_logprobs=False)
     texts, stop_asked = [], False
     for pos, t in enumerate(ids):
         out = stream.on_event(TokenEvent("r", token_id=t, position=pos))

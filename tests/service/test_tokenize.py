@@ -8,7 +8,7 @@ import pytest
 
 from engine.core.outputs import FinishReason, TokenEvent
 from genserve.v1 import generate_pb2 as pb
-from service.stream import SampleStream
+from service.stream import SampleStream, TextOptions
 from tests.service.harness import VOCAB, running_server
 
 
@@ -58,7 +58,7 @@ def test_each_token_carries_its_own_bytes(gguf_tokenizer):
     exact bytes while their text shows U+FFFD."""
     text = "ok 😀 ✓"
     ids = gguf_tokenizer.encode(text)
-    stream = SampleStream(0, gguf_tokenizer, (), want_logprobs=True)
+    stream = SampleStream(0, gguf_tokenizer, TextOptions(), want_logprobs=True)
     tokens = []
     for position, t in enumerate(ids):
         last = position == len(ids) - 1
@@ -76,7 +76,7 @@ def test_each_token_carries_its_own_bytes(gguf_tokenizer):
 
 
 def test_control_tokens_carry_no_bytes(gguf_tokenizer):
-    stream = SampleStream(0, gguf_tokenizer, (), want_logprobs=True)
+    stream = SampleStream(0, gguf_tokenizer, TextOptions(), want_logprobs=True)
     [token, _] = stream.on_event(TokenEvent("r", token_id=2, logprob=-0.1, position=0,
                                             finish_reason=FinishReason.STOP, num_prompt_tokens=1,
                                             num_completion_tokens=1)).messages

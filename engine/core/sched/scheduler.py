@@ -441,9 +441,14 @@ class Scheduler:
             self._finish(req, reason, "", now, events, token=token, logprob=logprob, top=top)
 
     def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
-        """STOP on the end-of-sequence token (unless ignored), LENGTH at `max_tokens` or the
-        context limit, else None."""
-        if token == req.eos_token_id and not req.sampling.ignore_eos:
+        """STOP on the end-of-sequence token (unless ignored) or one of `stop_token_ids`, once
+        `min_tokens` are generated; LENGTH at `max_tokens` or the context limit; else None.
+
+        (The model runner already bans those tokens before `min_tokens`; the check here keeps
+        an executor that does not, the simulator's, to the same rule.)"""
+        sampling = req.sampling
+        if len(req.generated) >= sampling.min_tokens and (
+                (token == req.eos_token_id and not sampling.ignore_eos) or token in sampling.stop_token_ids):
             return FinishReason.STOP
         if len(req.generated) >= req.max_tokens or req.num_tokens >= self.config.max_context:
             return FinishReason.LENGTH
