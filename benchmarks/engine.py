@@ -41,6 +41,10 @@ What is measured:
   step time, K/V bytes, GB/s and time / (bytes ÷ the read bandwidth above), with the pools in
   4 KB pages and advised for transparent huge pages (as the engine's KV cache); printed beside
   the 32-row short- and long-context decode steps.
+* sampling controls: 32-row pure-decode steps where every row has the repetition, frequency and
+  presence penalties and a 10-entry `logit_bias` on (`PENALIZED`), against the same steps with
+  plain greedy rows, in alternating runs over the same 16- and 512-token prompts (median executor
+  time of each; the ratio is the cost of `engine.runner.logits_processors`).
 * end to end: the engine and transformers' `generate` (bf16, greedy, 64 new tokens forced with
   min_new_tokens) on the same static batches: 1 × 16-token prompts, 32 × 16, 32 × 512; tokens/s =
   generated tokens / wall time including prefill.
@@ -95,6 +99,11 @@ from engine.model.weights import default_gguf_path, load_gguf, open_gguf
 from engine.runner.builder import engine_from_weights, set_threads
 
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
+# Every sampling control that reads the row's history or vocabulary entries, on at once: what the
+# penalty step measures against GREEDY (rows of the same prompts, same step shape).
+PENALIZED = SamplingParams(temperature=0.0, ignore_eos=True, presence_penalty=0.5,
+                           frequency_penalty=0.5, repetition_penalty=1.1,
+                           logit_bias=tuple((100 + 97 * i, -5.0 + i) for i in range(10)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +132,9 @@ class Sizes:
     attn_repeats: int = 5
     e2e_cases: tuple[tuple[str, int, int], ...] = (
         ("b1_short", 1, 16), ("b32_short", 32, 16), ("b32_long", 32, 512))
+    controls_prompts: tuple[int, ...] = (16, 512)   # prompt lengths of the penalty step
+    controls_steps: int = 24      # counted 32-row steps per run of the penalty step
+    controls_rounds: int = 3      # plain / penalized runs, alternating
 
 
 FULL = Sizes()
@@ -130,7 +142,8 @@ QUICK = Sizes(gemm_n=256, gemm_repeats=2, copy_mib=16, copy_repeats=2, prefill_p
               prefill_requests=2, short_prompt=16, long_prompt=64, decode_steps=2, decode_skip=1,
               profile_steps=1, breakdown_steps=2, split_steps=2, e2e_new_tokens=4,
               attn_rows=4, attn_context=64, attn_repeats=2,
-              e2e_cases=(("b1_short", 1, 16), ("b32_short", 32, 16), ("b32_long", 32, 48)))
+              e2e_cases=(("b1_short", 1, 16), ("b32_short", 32, 16), ("b32_long", 32, 48)),
+              controls_prompts=(16,), controls_steps=3, controls_rounds=1)
 
 
 # -- report --------------------------------------------------------------------------------------
@@ -315,11 +328,12 @@ class Bench:
         hi = min(self.args.vocab_size, 32000)
         return torch.randint(100, hi, (n, length), generator=g).tolist()
 
-    def submit(self, engine: Engine, prompts: list[list[int]], max_tokens: int) -> list[Request]:
+    def submit(self, engine: Engine, prompts: list[list[int]], max_tokens: int,
+               sampling: SamplingParams = GREEDY) -> list[Request]:
         reqs = []
         for p in prompts:
             self._ids += 1
-            req = Request(f"bench-{self._ids}", "bench", list(p), max_tokens, GREEDY, 0.0, 0.0)
+            req = Request(f"bench-{self._ids}", "bench", list(p), max_tokens, sampling, 0.0, 0.0)
             engine.submit(req)
             reqs.append(req)
         return reqs
@@ -500,6 +514,24 @@ class Bench:
             raise RuntimeError(f"decode sweep ended in phase {st['phase']} "
                                f"({ {r: len(v) for r, v in counted.items()} } steps counted)")
         return counted, breakdown, split
+
+    def controls_step(self, prompt_len: int) -> tuple[list[float], list[float]]:
+        """The penalty step: 32-row pure-decode steps where every row is GREEDY, and where every
+        row is PENALIZED (repetition, frequency and presence penalties and a 10-entry bias over
+        the same prompts), in alternating runs of `controls_steps` counted steps each
+        (`controls_rounds` of each, the first 2 steps of a run dropped), so drift in the
+        machine's speed falls on both. Returns the step times (executor time, s) of each."""
+        s = self.sizes
+        out: dict[bool, list[float]] = {False: [], True: []}
+        prompts = self.prompts(32, prompt_len)
+        for _ in range(s.controls_rounds):
+            for penalized in (False, True):
+                eng = self.engine(max_rows=32, prefill_token_budget=2048,
+                                  prefill_token_budget_few_rows=2048)
+                self.submit(eng, prompts, s.controls_steps + 2 + 1, PENALIZED if penalized else GREEDY)
+                recs = [r for r in self.run(eng) if r.rows == 32 and r.prefill == 0]
+                out[penalized] += [r.step_s for r in recs[2:]]
+        return out[False], out[True]
 
     def end_to_end(self, batch: int, prompt_len: int, new_tokens: int) -> float:
         """Static batch through the default engine (32 rows, chunk 256): generated tokens/s."""
@@ -735,6 +767,20 @@ def main(argv: list[str] | None = None) -> int:
                 "ms", "step wall − execute")
         rep.add(f"{k}.outside_forward_share", 1 - (forward + logits) / wall,
                 f"{ctx} ctx: share outside forward", "", "1 − (forward + logits) / step wall; target < 0.1")
+
+    # the sampling controls' cost: 32-row steps with every row penalized and biased, beside the
+    # same steps without (alternating runs of one engine, same prompts)
+    for plen in s.controls_prompts:
+        log(f"penalty step: 32 rows, {plen}-token prompts, plain vs penalties + bias")
+        plain, penalized = bench.controls_step(plen)
+        k = f"controls.prompt{plen}.rows32"
+        p_ms, q_ms = 1000 * statistics.median(plain), 1000 * statistics.median(penalized)
+        rep.add(f"{k}.plain_step_ms", p_ms, f"{plen}-token prompts, 32 rows: plain step", "ms",
+                f"median of {len(plain)}")
+        rep.add(f"{k}.penalized_step_ms", q_ms, f"{plen}-token prompts, 32 rows: penalties + bias",
+                "ms", f"median of {len(penalized)}; repetition, frequency, presence, 10-entry bias")
+        rep.add(f"{k}.penalized_over_plain", q_ms / p_ms, f"{plen}-token prompts: penalized / plain step",
+                "×", "target ≤ 1.05")
 
     # end to end, and transformers on the same batches
     ours = {}

@@ -84,7 +84,7 @@ def start_server(*extra: str, env: dict[str, str] | None = None, replicas: int =
     proc = subprocess.Popen(
         [sys.executable, "-m", "genserve.deploy.cli", "serve", "--port", str(port), "--grpc-port", str(grpc_port),
          "--metrics-port", str(metrics_port), "--kv-pool-gib", str(kv_pool_gib),
-         "--replicas", str(replicas), *extra],
+         "--replicas", str(replicas), "--ready-timeout-s", str(START_TIMEOUT_S), *extra],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, **(env or {})})
     base = f"http://127.0.0.1:{port}"
@@ -95,7 +95,10 @@ def start_server(*extra: str, env: dict[str, str] | None = None, replicas: int =
         output.append(line)
         if "genserve ready" in line:
             break
-        if proc.poll() is not None or time.monotonic() > deadline or not line:
+        # "not ready after ...": the supervisor goes on waiting, but no more lines may come, and
+        # a readline here would block for ever.
+        if ("not ready after" in line or proc.poll() is not None or time.monotonic() > deadline
+                or not line):
             proc.kill()
             raise RuntimeError("genserve did not start:\n" + "".join(output[-40:]))
     assert httpx.get(f"{base}/health", timeout=10).status_code == 200

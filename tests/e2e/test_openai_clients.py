@@ -176,3 +176,50 @@ def test_several_prompts_and_echo_and_best_of(server):
     [choice] = best["choices"]
     assert best["usage"]["completion_tokens"] == 9
     assert len(choice["logprobs"]["token_logprobs"]) == 3
+
+
+def tokenize(server, text: str) -> list[int]:
+    """Token ids of `text` from the server's /tokenize."""
+    return httpx.post(f"{server.base_url}/tokenize", json={"prompt": text}, timeout=30).json()["tokens"]
+
+
+def test_sampling_controls_through_the_openai_sdk(server, openai_client):
+    """OpenAI's penalties and logit_bias as SDK arguments, vLLM's controls in `extra_body`, through
+    Envoy to the engine: each changes the answer as it should, neutral values change nothing."""
+    prompt = "The capital of France is"
+    common = dict(model=MODEL, prompt=prompt, max_tokens=6, temperature=0)
+
+    def text(**kw) -> tuple[str, str, int]:
+        choice = openai_client.completions.create(**{**common, **kw})
+        return choice.choices[0].text, choice.choices[0].finish_reason, choice.usage.completion_tokens
+
+    base, _, _ = text()
+    assert base.startswith(" Paris")
+    assert text(presence_penalty=0, frequency_penalty=0, extra_body={"repetition_penalty": 1.0})[0] == base
+    paris = tokenize(server, " Paris")
+    assert len(paris) == 1
+    assert not text(logit_bias={str(paris[0]): -100})[0].startswith(" Paris")
+    # The stop token's text is dropped unless include_stop_str_in_output; min_tokens holds it off.
+    assert text(extra_body={"stop_token_ids": paris}) == ("", "stop", 1)
+    assert text(extra_body={"stop_token_ids": paris, "include_stop_str_in_output": True}) == (" Paris", "stop", 1)
+    held, _, used = text(extra_body={"stop_token_ids": paris, "min_tokens": 3})   # banned until 3
+    assert used >= 3 and not held.startswith(" Paris") and held != base
+    assert text(stop=[" Paris"], extra_body={"include_stop_str_in_output": True})[0] == " Paris"
+    # A control token forced by logit_bias: no text by default, its own text when not skipped.
+    im_start = tokenize(server, "<|im_start|>")
+    assert len(im_start) == 1
+    forced = dict(max_tokens=3, logit_bias={str(im_start[0]): 100})
+    assert text(**forced)[0] == ""
+    assert text(**forced, extra_body={"skip_special_tokens": False})[0] == "<|im_start|>" * 3
+
+
+@pytest.mark.parametrize("field,value,limit", [
+    ("logit_bias", {"1000000": 1}, "vocabulary"), ("logit_bias", {"5": 101}, "[-100, 100]"),
+    ("presence_penalty", 2.5, "[-2, 2]"), ("repetition_penalty", 0, "> 0"), ("min_p", 1.5, "[0, 1]"),
+    ("min_tokens", 50, "max_tokens"), ("stop_token_ids", [10**6], "vocabulary")])
+def test_out_of_range_controls_are_400s_naming_the_field(server, field, value, limit):
+    r = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "Hi", "max_tokens": 5, field: value},
+                   timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == field and limit in error["message"], error
