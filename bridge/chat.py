@@ -180,4 +180,4 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
                                     include_usage=stream and body.include_usage,
                                     continuous_usage=stream and body.continuous_usage)
     return await generate(request, state, "/v1/chat/completions", proto, builder, stream,
-                          recorded=body.recorded_fields())
+                          recorded=body.recorded_fields(), constraint=body.constraint())

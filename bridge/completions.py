@@ -292,7 +292,7 @@ async def completions(body: CompletionRequest, request: Request,
     protos = [body.to_proto(p, request_id=f"{request_id}-{k}" if request_id and k else request_id)
               for k, p in enumerate(prompts)]
     return await generate(request, state, "/v1/completions", protos, builder, bool(body.stream),
-                          recorded=body.recorded_fields())
+                          recorded=body.recorded_fields(), constraint=body.constraint())
 
 
 async def prompt_text(prompt: Any, request: Request, state: BridgeState) -> str:

@@ -151,6 +151,17 @@ _SHARED: dict[str, Rule] = {
                                           "keep the matched stop string", VLLM),
     "skip_special_tokens": _engine("skip_special_tokens", True, False,
                                    "control tokens add no text", VLLM),
+    # vLLM's output constraints (bridge/constraints.py): one per request.
+    "structured_outputs": Rule(HONOURED, "one of `json` (a schema), `regex`, `choice`, `grammar` (Lark), "
+                               "`json_object`", {"regex": "[a-z]+"}, origin=VLLM),
+    "guided_json": Rule(HONOURED, "vLLM's older name for `structured_outputs.json`", {"type": "object"},
+                        origin=VLLM),
+    "guided_regex": Rule(HONOURED, "older name for `structured_outputs.regex`", "[a-z]+", origin=VLLM,
+                         grpc="regex"),
+    "guided_choice": Rule(HONOURED, "older name for `structured_outputs.choice`", ["yes", "no"],
+                          origin=VLLM, grpc="choice.options"),
+    "guided_grammar": Rule(HONOURED, "older name for `structured_outputs.grammar`", 'start: "a" | "b"',
+                           origin=VLLM, grpc="grammar"),
     # genserve's.
     "deadline_s": Rule(HONOURED, "seconds from arrival after which the request is dropped "
                        "(finish_reason cancelled, detail deadline)", 30.0, origin=GENSERVE, grpc="deadline_s"),
@@ -180,6 +191,7 @@ COMPLETIONS: dict[str, Rule] = {
                              origin=GENSERVE),
     **_pick("top_k", "ignore_eos", "repetition_penalty", "min_p", "min_tokens", "stop_token_ids",
             "include_stop_str_in_output", "skip_special_tokens", "deadline_s"),
+    **_pick("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"),
 }
 
 _TOOLS_WHY = "genserve does not call tools or functions"
@@ -206,10 +218,9 @@ CHAT: dict[str, Rule] = {
     "reasoning_effort": Rule(ACCEPTED, "the served model does not reason", "low"),
     "verbosity": Rule(ACCEPTED, "no effect on this model", "low"),
     "parallel_tool_calls": Rule(ACCEPTED, "no tools are ever called", False),
-    "response_format": Rule(NOT_SUPPORTED, "`{\"type\": \"text\"}` accepted; JSON modes not supported yet",
-                            {"type": "text"}, accepts=lambda v: v == {"type": "text"},
-                            refused={"type": "json_object"}, yet=True,
-                            why="only {\"type\": \"text\"} is accepted; JSON output modes are not implemented"),
+    "response_format": Rule(HONOURED, "`text`, `json_object`, `json_schema` (`name`, `schema`, `strict`): "
+                            "decoding follows the schema (llguidance), so the answer always parses",
+                            {"type": "json_object"}),
     "tools": Rule(NOT_SUPPORTED, "`[]` accepted", [], accepts=_none_or_empty,
                   refused=[{"type": "function", "function": {"name": "f"}}], why=_TOOLS_WHY, yet=True),
     "tool_choice": Rule(NOT_SUPPORTED, "`\"none\"` accepted", "none", accepts=_none_or_empty,
@@ -228,6 +239,7 @@ CHAT: dict[str, Rule] = {
                        refused={"policy": {"input": {"mode": "score"}}}, why="genserve runs no moderation model"),
     **_pick("top_k", "ignore_eos", "repetition_penalty", "min_p", "min_tokens", "stop_token_ids",
             "include_stop_str_in_output", "skip_special_tokens", "deadline_s"),
+    **_pick("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"),
 }
 
 TABLES = {"/v1/completions": COMPLETIONS, "/v1/chat/completions": CHAT}

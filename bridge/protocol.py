@@ -18,6 +18,7 @@ from typing import Annotated, Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 from pydantic import field_validator, model_validator
 
+from bridge.constraints import BodyConstraint, ConstraintFieldError, body_constraint
 from bridge.fields import CHAT, COMPLETIONS, FieldRefused, Rule, enforce, recorded
 from genserve.common.chat_messages import parse_messages
 from genserve.v1 import generate_pb2 as pb
@@ -147,6 +148,12 @@ class SamplingBody(BaseModel):
     stop_token_ids: list[Uint32] | None = None
     include_stop_str_in_output: StrictBool | None = None
     skip_special_tokens: StrictBool | None = None
+    # Output constraints, vLLM's names (bridge/constraints.py).
+    structured_outputs: AnyObject | None = None
+    guided_json: AnyObject | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
 
     # The endpoint's policy table (bridge/fields.py).
     policy: ClassVar[dict[str, Rule]] = {}
@@ -180,9 +187,22 @@ class SamplingBody(BaseModel):
         """The first refusal of the field policy (bridge/fields.py), or None."""
         try:
             enforce(self.set_fields(), self.policy)
+            self.constraint()
         except FieldRefused as refused:
             return refused
+        except ConstraintFieldError as e:
+            return FieldRefused(e.field, e.message)
         return None
+
+    def constraint(self) -> BodyConstraint | None:
+        """The output constraint the body asks for (bridge/constraints.py), or None.
+
+        Raises:
+            ConstraintFieldError: a malformed one, or several.
+        """
+        return body_constraint({name: getattr(self, name, None) for name in
+                                ("response_format", "structured_outputs", "guided_json", "guided_regex",
+                                 "guided_choice", "guided_grammar")})
 
     def recorded_fields(self) -> dict[str, Any]:
         """The fields the policy records (`user`, `metadata`, ...) that the body set."""
@@ -283,6 +303,9 @@ class CompletionRequest(SamplingBody):
             request.logprobs = 0           # best_of ranks samples by their tokens' logprobs
         if self.deadline_s is not None:
             request.deadline_s = self.deadline_s
+        constraint = self.constraint()
+        if constraint is not None:
+            constraint.set_on(request)
         if isinstance(prompt, str):
             request.prompt = prompt
         else:
@@ -356,6 +379,9 @@ class ChatCompletionRequest(SamplingBody):
             request.logprobs = self.top_logprobs or 0
         if self.deadline_s is not None:
             request.deadline_s = self.deadline_s
+        constraint = self.constraint()
+        if constraint is not None:
+            constraint.set_on(request)
         chat = request.chat
         chat.SetInParent()
         chat.messages.extend(chat_messages_proto(self.messages))

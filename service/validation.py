@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 
 from engine.config import EngineConfig
 from engine.core.request import SamplingParams
+from engine.structured.spec import ConstraintError, ConstraintSpec
 from genserve.common.chat_messages import ChatError, parse_messages
 from genserve.v1 import generate_pb2 as pb
 from service.chat import ChatTemplate
@@ -35,6 +36,7 @@ class ValidRequest:
     deadline_s: float | None
     n: int = 1
     stop: tuple[str, ...] = ()
+    constraint: ConstraintSpec | None = None
 
 
 class Validator:
@@ -91,7 +93,7 @@ class Validator:
         sampling = replace(self._sampling(req.sampling), top_logprobs=logprobs,
                            logprobs=req.HasField("logprobs"))
         return ValidRequest(prompt_ids, max_tokens, sampling, self._deadline(req), n,
-                            self._stop(req.sampling))
+                            self._stop(req.sampling), constraint_spec(req))
 
     def tokenize_prompt(self, prompt: str) -> list[int]:
         """Token ids of a text prompt (field `prompt`), as Generate counts them."""
@@ -158,3 +160,25 @@ class Validator:
         if not (math.isfinite(d) and 0 < d <= self.config.default_deadline_s):
             raise ValidationError("deadline_s", f"must be in (0, {self.config.default_deadline_s:g}] seconds, got {d}")
         return float(d)
+
+
+def constraint_spec(req: pb.GenerateRequest) -> ConstraintSpec | None:
+    """The request's `constraint` oneof as a `ConstraintSpec` (None when absent); its shape and
+    size only: whether it compiles is the grammar compiler's to say.
+
+    Raises:
+        ValidationError: naming the constraint's field (too long, no choices, bad JSON text).
+    """
+    which = req.WhichOneof("constraint")
+    try:
+        if which is None:
+            return None
+        if which == "json_schema":
+            return ConstraintSpec.json_schema(req.json_schema, field="json_schema")
+        if which == "json_object":
+            return ConstraintSpec("json_object", "", field="json_object")
+        if which == "choice":
+            return ConstraintSpec.choices(list(req.choice.options), field="choice")
+        return ConstraintSpec(which, getattr(req, which), field=which)
+    except ConstraintError as e:
+        raise ValidationError(e.field, e.reason) from None

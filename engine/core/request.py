@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.core.outputs import FinishReason, TokenEvent
 
@@ -99,6 +99,11 @@ class Request:
         prefix_hashes: chained hashes of the prompt's full blocks (`block_pool.prefix_block_hashes`),
             computed once when prefix caching is on; None before.
         num_cached: prompt tokens its last admission took from the prefix cache (0 with none).
+        constraint: the compiled grammar its output must follow
+            (`engine.structured.compiler.CompiledGrammar`), or None; forked samples share it.
+        grammar_state: the sample's own matcher in that grammar
+            (`engine.structured.masks.RowMatcher`), made by the model runner on the first draw
+            and kept across preemption; None before.
     """
 
     request_id: str
@@ -130,6 +135,8 @@ class Request:
     finish_detail: str = ""
     prefix_hashes: list[bytes] | None = None
     num_cached: int = 0
+    constraint: Any = None
+    grammar_state: Any = None
 
     @property
     def num_prompt(self) -> int:
@@ -180,7 +187,8 @@ class Request:
                 prompt_ids=self.prompt_ids, max_tokens=self.max_tokens,
                 sampling=replace(self.sampling, seed=seeds[i]), arrival_s=self.arrival_s,
                 deadline_s=self.deadline_s, on_event=self.on_event,
-                eos_token_id=self.eos_token_id, index=i, parent=self))
+                eos_token_id=self.eos_token_id, index=i, parent=self,
+                constraint=self.constraint))
 
     @property
     def finished(self) -> bool:

@@ -29,6 +29,7 @@ from engine.runner.decode_loop import DecodeLoop
 from engine.runner.inputs import StepInputs
 from engine.runner.kv_cache import KVCache
 from engine.runner.sampler import make_generator, sample
+from engine.structured.masks import GrammarMasks
 
 
 def request_generator(req: Request, device: torch.device | str = "cpu") -> torch.Generator:
@@ -108,6 +109,7 @@ class ModelRunner:
         self._preferred = attention
         self.kernels = kernels
         self.graphs = DecodeGraphs(model, kv) if cuda_graphs else None
+        self.grammar = GrammarMasks()        # constrained rows' token masks (engine/structured)
 
     @property
     def kernels(self) -> bool:
@@ -137,6 +139,7 @@ class ModelRunner:
         records nothing.
         """
         t0 = time.perf_counter()
+        masks = self.grammar.start(plan.draws)      # on a worker while the forward runs
         with torch.profiler.record_function("genserve.inputs"):
             inputs = StepInputs.from_plan(plan, self.kv.block_size)
             for src, dst in plan.block_copies:      # copy-on-write of shared prompt blocks
@@ -163,6 +166,8 @@ class ModelRunner:
             logits = logits[draw_index]
         draws = plan.draws
         with torch.profiler.record_function("genserve.sample"):
+            if masks is not None:                   # grammar masks last, after every other processor
+                masks.apply(logits)
             tokens, logprobs, top = sample(logits, [r.sampling for _, r in draws],
                                            [request_generator(r, self.device) for _, r in draws])
         return SampledTokens(tokens, logprobs, top, time.perf_counter() - t0)
