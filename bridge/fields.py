@@ -217,14 +217,15 @@ CHAT: dict[str, Rule] = {
                        {"type": "content", "content": "x"}),
     "reasoning_effort": Rule(ACCEPTED, "the served model does not reason", "low"),
     "verbosity": Rule(ACCEPTED, "no effect on this model", "low"),
-    "parallel_tool_calls": Rule(ACCEPTED, "no tools are ever called", False),
+    "parallel_tool_calls": Rule(HONOURED, "false: at most one call per answer", False),
     "response_format": Rule(HONOURED, "`text`, `json_object`, `json_schema` (`name`, `schema`, `strict`): "
                             "decoding follows the schema (llguidance), so the answer always parses",
                             {"type": "json_object"}),
-    "tools": Rule(NOT_SUPPORTED, "`[]` accepted", [], accepts=_none_or_empty,
-                  refused=[{"type": "function", "function": {"name": "f"}}], why=_TOOLS_WHY, yet=True),
-    "tool_choice": Rule(NOT_SUPPORTED, "`\"none\"` accepted", "none", accepts=_none_or_empty,
-                        refused="auto", why=_TOOLS_WHY, yet=True),
+    "tools": Rule(HONOURED, "functions; the tool prompt and call format are bridge/tools.py's (the model's "
+                  "template has none); calls are parsed into `tool_calls`, finish_reason `tool_calls`",
+                  [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
+    "tool_choice": Rule(HONOURED, "none, auto, required, or a named function; required and named "
+                        "constrain decoding to a call whose arguments follow the function's schema", "none"),
     "functions": Rule(NOT_SUPPORTED, "`[]` accepted", [], accepts=_none_or_empty,
                       refused=[{"name": "f"}], why=_TOOLS_WHY, yet=True),
     "function_call": Rule(NOT_SUPPORTED, "`\"none\"` accepted", "none", accepts=_none_or_empty,

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 from pydantic import field_validator, model_validator
 
 from bridge.constraints import BodyConstraint, ConstraintFieldError, body_constraint
+from bridge.tools import ToolSetup, render_messages, tool_setup
 from bridge.fields import CHAT, COMPLETIONS, FieldRefused, Rule, enforce, recorded
 from genserve.common.chat_messages import parse_messages
 from genserve.v1 import generate_pb2 as pb
@@ -363,6 +364,25 @@ class ChatCompletionRequest(SamplingBody):
             raise ValueError("max_tokens and max_completion_tokens differ; send one")
         return self
 
+    def tool_setup(self) -> ToolSetup | None:
+        """The request's tools (bridge/tools.py), or None. Raises ConstraintFieldError."""
+        return tool_setup(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def constraint(self) -> BodyConstraint | None:
+        """The output constraint: the body's (`SamplingBody.constraint`) or the tool-call grammar.
+
+        Raises:
+            ConstraintFieldError: a malformed one, or tools that may be called with another.
+        """
+        asked = super().constraint()
+        setup = self.tool_setup()
+        grammar = setup.grammar() if setup is not None else None
+        if grammar is None:
+            return asked
+        if asked is not None:
+            raise ConstraintFieldError(asked.rest_field, "cannot be combined with tools that may be called")
+        return BodyConstraint("grammar", grammar, "tools")
+
     def to_proto(self, request_id: str = "") -> pb.GenerateRequest:
         """The gRPC request: the messages as `ChatMessages`, null fields at OpenAI's defaults.
 
@@ -384,7 +404,7 @@ class ChatCompletionRequest(SamplingBody):
             constraint.set_on(request)
         chat = request.chat
         chat.SetInParent()
-        chat.messages.extend(chat_messages_proto(self.messages))
+        chat.messages.extend(chat_messages_proto(render_messages(self.messages, self.tool_setup())))
         return request
 
 

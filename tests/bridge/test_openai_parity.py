@@ -140,10 +140,9 @@ async def test_chat_tools_and_formats_asking_for_nothing_are_accepted(client, fa
           "messages": [{"role": "user", "content": "Hi", "name": "ann"}]}
     r = await client.post("/v1/chat/completions", json=ok)
     assert r.status_code == 200, r.text
-    for field, value in [("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto")]:
+    for field, value in [("tools", [{"type": "function"}]), ("tool_choice", "sometimes")]:
         r = await client.post("/v1/chat/completions", json={"messages": CHAT, field: value})
-        assert r.status_code == 400 and r.json()["error"]["param"] == field
-        assert "not supported yet" in r.json()["error"]["message"], r.text
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith(field), r.text
 
 
 async def test_chat_without_max_tokens_leaves_it_to_the_engine(client, fake):

@@ -193,3 +193,51 @@ def test_litellm_response_format(server):
                                messages=[{"role": "user", "content": "Tell me about Rome."}], max_tokens=120,
                                temperature=0, response_format=City)
     assert City.model_validate_json(reply.choices[0].message.content).name
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+
+
+def test_openai_sdk_tools_required_named_and_streamed(server):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        reply = client.chat.completions.create(model=MODEL, messages=ask, tools=[WEATHER], tool_choice=choice,
+                                               temperature=0, max_tokens=80)
+        c = reply.choices[0]
+        assert c.finish_reason == "tool_calls" and c.message.content is None
+        call = c.message.tool_calls[0]
+        assert call.id.startswith("call_") and call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    stream = client.chat.completions.create(model=MODEL, messages=ask, tools=[WEATHER], tool_choice="required",
+                                            temperature=0, max_tokens=80, stream=True)
+    deltas = [chunk.choices[0] for chunk in stream if chunk.choices]
+    parts = [d.delta.tool_calls[0] for d in deltas if d.delta.tool_calls]
+    assert parts[0].id.startswith("call_") and parts[0].function.name == "get_weather"
+    assert "".join(p.function.arguments or "" for p in parts) == call.function.arguments
+    assert deltas[-1].finish_reason == "tool_calls"
+    # A round trip: the call and its result go back, and the model answers in text.
+    follow = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=30, tools=[WEATHER],
+                                            tool_choice="none", messages=[
+        *ask, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "18 degrees and sunny"}])
+    assert follow.choices[0].finish_reason in ("stop", "length") and follow.choices[0].message.content
+
+
+def test_langchain_bind_tools_round_trip(server):
+    langchain_openai = pytest.importorskip("langchain_openai")
+    from langchain_core.messages import HumanMessage, ToolMessage
+    chat = langchain_openai.ChatOpenAI(base_url=f"{server.base_url}/v1", api_key="unused", model=MODEL,
+                                       max_tokens=80, temperature=0)
+    bound = chat.bind_tools([WEATHER], tool_choice="get_weather")
+    question = HumanMessage("What is the weather in Rome?")
+    ai = bound.invoke([question])
+    assert ai.tool_calls and ai.tool_calls[0]["name"] == "get_weather"
+    jsonschema.validate(ai.tool_calls[0]["args"], WEATHER["function"]["parameters"])
+    answer = chat.invoke([question, ai, ToolMessage("21 degrees", tool_call_id=ai.tool_calls[0]["id"])])
+    assert isinstance(answer.content, str) and answer.content
