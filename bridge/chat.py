@@ -30,6 +30,7 @@ from bridge.errors import ApiError
 from bridge.protocol import ChatCompletionRequest, FINISH_REASON_NAME, timing_json
 from bridge.serving import generate
 from bridge.state import BridgeState, bridge_state
+from bridge.tools import parse_tool_calls
 from genserve.common.chat_messages import ChatError
 from genserve.v1 import generate_pb2 as pb
 
@@ -47,10 +48,14 @@ class ChatCompletionBuilder:
         include_usage: stream a last chunk with the usage (``stream_options.include_usage``).
         continuous_usage: every chunk of a choice carries its usage so far
             (``stream_options.continuous_usage_stats``, vLLM's).
+        tools: the request has tools that may be called: an answer that starts with ``<`` is
+            held back until it ends and, when it is tool calls (bridge/tools.py), answered as
+            ``tool_calls`` (streamed: each call's id and name, then its arguments) with
+            finish_reason "tool_calls".
     """
 
     def __init__(self, *, model: str, created: int, num_samples: int, logprobs: bool,
-                 include_usage: bool = False, continuous_usage: bool = False) -> None:
+                 include_usage: bool = False, continuous_usage: bool = False, tools: bool = False) -> None:
         self.model = model
         self.created = created
         self.num_samples = num_samples
@@ -64,6 +69,8 @@ class ChatCompletionBuilder:
         self._finish: dict[int, str | None] = {}
         self._completion_tokens: dict[int, int] = {}
         self._detail: dict[int, str] = {}
+        self.tools = tools
+        self._calls: dict[int, list[dict]] = {}
 
     @property
     def all_finished(self) -> bool:
@@ -116,12 +123,31 @@ class ChatCompletionBuilder:
                                            "bytes": list(t.token_bytes or t.text.encode())}
                                           for t in tok.top_logprobs]}
                 self._logprobs.setdefault(tok.index, []).append(entry)
+            if self.tools and "".join(self._text[tok.index]).lstrip().startswith("<"):
+                return []                                   # maybe a tool call: held until the end
             return [self._chunk([{"index": tok.index, "delta": {"content": tok.text},
                                   "logprobs": None if entry is None else {"content": [entry]},
                                   "finish_reason": None}])]
         if kind == "finished":
             fin = msg.finished
             reason = FINISH_REASON_NAME.get(fin.reason)
+            chunks = []
+            text = "".join(self._text.get(fin.index, []))
+            if self.tools and text.lstrip().startswith("<"):
+                calls = parse_tool_calls(text) if reason == "stop" else None
+                if calls:
+                    reason = "tool_calls"
+                    self._calls[fin.index] = calls
+                    for k, call in enumerate(calls):
+                        head = {"index": k, "id": call["id"], "type": "function",
+                                "function": {"name": call["function"]["name"], "arguments": ""}}
+                        tail = {"index": k, "function": {"arguments": call["function"]["arguments"]}}
+                        chunks += [self._chunk([{"index": fin.index, "delta": {"tool_calls": [part]},
+                                                 "logprobs": None, "finish_reason": None}])
+                                   for part in (head, tail)]
+                else:
+                    chunks.append(self._chunk([{"index": fin.index, "delta": {"content": text},
+                                                "logprobs": None, "finish_reason": None}]))
             self._finish[fin.index] = reason
             if fin.HasField("usage"):
                 self._completion_tokens[fin.index] = fin.usage.completion_tokens
@@ -130,8 +156,8 @@ class ChatCompletionBuilder:
             extra: dict[str, Any] = {"timing": timing_json(fin.timing)}
             if fin.detail:
                 extra["detail"] = fin.detail
-            chunks = [self._chunk([{"index": fin.index, "delta": {}, "logprobs": None,
-                                    "finish_reason": reason}], **extra)]
+            chunks.append(self._chunk([{"index": fin.index, "delta": {}, "logprobs": None,
+                                        "finish_reason": reason}], **extra))
             if self.include_usage and self.all_finished:
                 chunks.append(self._chunk([], usage=self.usage()))
             return chunks
@@ -150,6 +176,9 @@ class ChatCompletionBuilder:
             choice = {"index": i, "message": {"role": "assistant", "content": "".join(self._text[i])},
                       "logprobs": {"content": self._logprobs.get(i, [])} if self.logprobs else None,
                       "finish_reason": self._finish.get(i)}
+            if i in self._calls:
+                choice["message"] = {"role": "assistant", "content": None, "tool_calls": self._calls[i]}
+                choice["finish_reason"] = "tool_calls"
             if self._detail.get(i):
                 choice["detail"] = self._detail[i]
             choices.append(choice)
@@ -178,6 +207,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
     builder = ChatCompletionBuilder(model=state.model_name, created=int(time.time()),
                                     num_samples=body.num_samples, logprobs=bool(body.logprobs),
                                     include_usage=stream and body.include_usage,
-                                    continuous_usage=stream and body.continuous_usage)
+                                    continuous_usage=stream and body.continuous_usage,
+                                    tools=body.tool_setup() is not None)
     return await generate(request, state, "/v1/chat/completions", proto, builder, stream,
-                          recorded=body.recorded_fields())
+                          recorded=body.recorded_fields(), constraint=body.constraint())

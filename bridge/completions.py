@@ -40,17 +40,40 @@ class _Sample:
     text_offset: int = 0
     tokens: list[str] = field(default_factory=list)
     token_logprobs: list[float | None] = field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = field(default_factory=list)
     text_offsets: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     detail: str = ""
     completion_tokens: int = 0
     timing: pb.Timing | None = None
 
+    def logprobs_json(self, before: "_Sample | None" = None) -> dict:
+        """OpenAI's completion `logprobs` object of its tokens, after those of `before` (the
+        prompt's, with echo)."""
+        parts = [before, self] if before is not None else [self]
+        return {"tokens": [t for p in parts for t in p.tokens],
+                "token_logprobs": [v for p in parts for v in p.token_logprobs],
+                "top_logprobs": [v for p in parts for v in p.top_logprobs],
+                "text_offset": [v for p in parts for v in p.text_offsets]}
+
     def mean_logprob(self) -> float:
         """The mean of its tokens' logprobs (`best_of`'s ranking); -inf without any."""
         values = [v for v in self.token_logprobs if v is not None]
         return sum(values) / len(values) if values else -math.inf
+
+
+def _prompt_sample(msg: pb.PromptLogprobs) -> _Sample:
+    """A prompt's tokens as a _Sample: texts, logprobs (the first null), top alternatives (the
+    first null) and text offsets from 0."""
+    prompt = _Sample()
+    for tok in msg.tokens:
+        prompt.tokens.append(tok.text)
+        prompt.token_logprobs.append(tok.logprob if tok.HasField("logprob") else None)
+        prompt.top_logprobs.append({t.text: t.logprob for t in tok.top_logprobs}
+                                   if tok.HasField("logprob") else None)
+        prompt.text_offsets.append(prompt.text_offset)
+        prompt.text_offset += len(tok.text)
+    return prompt
 
 
 class CompletionBuilder:
@@ -87,6 +110,9 @@ class CompletionBuilder:
         self.prompt_tokens_each: list[int] = []      # per prompt; a CallGroup fills it
         self._samples: dict[int, _Sample] = {}
         self._finished: set[int] = set()
+        # With echo and logprobs: each prompt's own tokens as a _Sample (its logprobs from the
+        # engine's PromptLogprobs message), by prompt index.
+        self._prompts: dict[int, _Sample] = {}
 
     @property
     def all_finished(self) -> bool:
@@ -125,18 +151,21 @@ class CompletionBuilder:
 
     def events_for(self, msg: pb.GenerateResponse) -> list[dict]:
         """Record one message; return the SSE events it makes, in order."""
-        if msg.WhichOneof("event") == "started":
+        kind = msg.WhichOneof("event")
+        if kind == "started":
             self.on_message(msg)
             if not self.echo:
                 return []
-            events = []
             for index in range(self.num_samples):
-                text = self.echo[self._prompt_index(index)]
-                self._sample(index).text_offset = len(text)
-                event = self._chunk(index, text, None, None)
-                event["text"] = text
-                events.append(event)
-            return events
+                self._sample(index).text_offset = len(self.echo[self._prompt_index(index)])
+            if self.logprobs:          # the echo waits for the prompt's logprobs
+                return []
+            return [self._echo_event(index) for index in range(self.num_samples)]
+        if kind == "prompt_logprobs":
+            k = self._prompt_index(msg.prompt_logprobs.index)
+            self._prompts[k] = _prompt_sample(msg.prompt_logprobs)
+            first = k * self.samples_per_prompt
+            return [self._echo_event(index) for index in range(first, first + self.samples_per_prompt)]
         event = self.on_message(msg)
         events = [] if event is None else [event]
         if msg.WhichOneof("event") == "finished" and self.include_usage and self.all_finished:
@@ -144,6 +173,14 @@ class CompletionBuilder:
                            "model": self.model, "choices": [], "usage": self.usage(),
                            "request_id": self.request_id})
         return events
+
+    def _echo_event(self, index: int) -> dict:
+        """The event that streams choice `index`'s prompt text (and its logprobs, when asked)."""
+        text = self.echo[self._prompt_index(index)]
+        prompt = self._prompts.get(self._prompt_index(index))
+        event = self._chunk(index, text, None if prompt is None else prompt.logprobs_json(), None)
+        event["text"] = text
+        return event
 
     def on_message(self, msg: pb.GenerateResponse) -> dict | None:
         """Record one message; return the SSE event it makes (None for Started)."""
@@ -238,12 +275,8 @@ class CompletionBuilder:
                 "finish_reason": sample.finish_reason,
             }
             if self.logprobs:
-                choice["logprobs"] = {
-                    "tokens": sample.tokens,
-                    "token_logprobs": sample.token_logprobs,
-                    "top_logprobs": sample.top_logprobs,
-                    "text_offset": sample.text_offsets,
-                }
+                prompt = self._prompts.get(self._prompt_index(index // self.n * self.samples_per_prompt))
+                choice["logprobs"] = sample.logprobs_json(prompt)
             if sample.detail:
                 choice["detail"] = sample.detail
             choices.append(choice)
@@ -292,7 +325,7 @@ async def completions(body: CompletionRequest, request: Request,
     protos = [body.to_proto(p, request_id=f"{request_id}-{k}" if request_id and k else request_id)
               for k, p in enumerate(prompts)]
     return await generate(request, state, "/v1/completions", protos, builder, bool(body.stream),
-                          recorded=body.recorded_fields())
+                          recorded=body.recorded_fields(), constraint=body.constraint())
 
 
 async def prompt_text(prompt: Any, request: Request, state: BridgeState) -> str:

@@ -88,6 +88,8 @@ class CallGroup:
             msg.token.index += k * self._samples
         elif kind == "finished":
             msg.finished.index += k * self._samples
+        elif kind == "prompt_logprobs":
+            msg.prompt_logprobs.index += k * self._samples
         return msg
 
     def cancel(self) -> bool:

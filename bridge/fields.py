@@ -126,6 +126,17 @@ _SHARED: dict[str, Rule] = {
                                             "keep the matched stop string (or stop token's text)", VLLM),
     "skip_special_tokens": _sampling("skip_special_tokens", False,
                                      "default true: control tokens add no text", VLLM),
+    # vLLM's output constraints (bridge/constraints.py): one per request.
+    "structured_outputs": Rule(HONOURED, "one of `json` (a schema), `regex`, `choice`, `grammar` (Lark), "
+                               "`json_object`", {"regex": "[a-z]+"}, origin=VLLM),
+    "guided_json": Rule(HONOURED, "vLLM's older name for `structured_outputs.json`", {"type": "object"},
+                        origin=VLLM),
+    "guided_regex": Rule(HONOURED, "older name for `structured_outputs.regex`", "[a-z]+", origin=VLLM,
+                         grpc="regex"),
+    "guided_choice": Rule(HONOURED, "older name for `structured_outputs.choice`", ["yes", "no"],
+                          origin=VLLM, grpc="choice.options"),
+    "guided_grammar": Rule(HONOURED, "older name for `structured_outputs.grammar`", 'start: "a" | "b"',
+                           origin=VLLM, grpc="grammar"),
     # genserve's.
     "deadline_s": Rule(HONOURED, "seconds from arrival after which the request is dropped "
                        "(finish_reason cancelled, detail deadline)", 30.0, origin=GENSERVE, grpc="deadline_s"),
@@ -143,8 +154,8 @@ COMPLETIONS: dict[str, Rule] = {
     "max_tokens": Rule(HONOURED, "1..1,000, default 16; prompt + max_tokens <= 8,192", 5, grpc="max_tokens"),
     **_pick("temperature", "top_p", "n", "seed", "stop", "stream", "stream_options"),
     "logprobs": Rule(HONOURED, "0..5 alternatives per token", 2, grpc="logprobs"),
-    "echo": Rule(HONOURED, "each choice's text starts with its prompt; with `logprobs`: not supported "
-                 "yet (prompt logprobs come from the engine later)", True),
+    "echo": Rule(HONOURED, "each choice's text starts with its prompt; with `logprobs`, the prompt "
+                 "tokens' logprobs come first (the first null), computed in the prompt's prefill", True),
     "best_of": Rule(HONOURED, "samples `best_of` per prompt, returns the `n` with the highest mean "
                     "token logprob; `best_of >= n`; not with `stream` (as OpenAI)", 2),
     "suffix": Rule(NOT_SUPPORTED, "fill-in-the-middle; `\"\"` accepted", "",
@@ -155,6 +166,7 @@ COMPLETIONS: dict[str, Rule] = {
                              origin=GENSERVE),
     **_pick("top_k", "ignore_eos", "repetition_penalty", "min_p", "min_tokens", "stop_token_ids",
             "include_stop_str_in_output", "skip_special_tokens", "deadline_s"),
+    **_pick("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"),
 }
 
 _TOOLS_WHY = "genserve does not call tools or functions"
@@ -180,15 +192,15 @@ CHAT: dict[str, Rule] = {
                        {"type": "content", "content": "x"}),
     "reasoning_effort": Rule(ACCEPTED, "the served model does not reason", "low"),
     "verbosity": Rule(ACCEPTED, "no effect on this model", "low"),
-    "parallel_tool_calls": Rule(ACCEPTED, "no tools are ever called", False),
-    "response_format": Rule(NOT_SUPPORTED, "`{\"type\": \"text\"}` accepted; JSON modes not supported yet",
-                            {"type": "text"}, accepts=lambda v: v == {"type": "text"},
-                            refused={"type": "json_object"}, yet=True,
-                            why="only {\"type\": \"text\"} is accepted; JSON output modes are not implemented"),
-    "tools": Rule(NOT_SUPPORTED, "`[]` accepted", [], accepts=_none_or_empty,
-                  refused=[{"type": "function", "function": {"name": "f"}}], why=_TOOLS_WHY, yet=True),
-    "tool_choice": Rule(NOT_SUPPORTED, "`\"none\"` accepted", "none", accepts=_none_or_empty,
-                        refused="auto", why=_TOOLS_WHY, yet=True),
+    "parallel_tool_calls": Rule(HONOURED, "false: at most one call per answer", False),
+    "response_format": Rule(HONOURED, "`text`, `json_object`, `json_schema` (`name`, `schema`, `strict`): "
+                            "decoding follows the schema (llguidance), so the answer always parses",
+                            {"type": "json_object"}),
+    "tools": Rule(HONOURED, "functions; the tool prompt and call format are bridge/tools.py's (the model's "
+                  "template has none); calls are parsed into `tool_calls`, finish_reason `tool_calls`",
+                  [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
+    "tool_choice": Rule(HONOURED, "none, auto, required, or a named function; required and named "
+                        "constrain decoding to a call whose arguments follow the function's schema", "none"),
     "functions": Rule(NOT_SUPPORTED, "`[]` accepted", [], accepts=_none_or_empty,
                       refused=[{"name": "f"}], why=_TOOLS_WHY, yet=True),
     "function_call": Rule(NOT_SUPPORTED, "`\"none\"` accepted", "none", accepts=_none_or_empty,
@@ -203,6 +215,7 @@ CHAT: dict[str, Rule] = {
                        refused={"policy": {"input": {"mode": "score"}}}, why="genserve runs no moderation model"),
     **_pick("top_k", "ignore_eos", "repetition_penalty", "min_p", "min_tokens", "stop_token_ids",
             "include_stop_str_in_output", "skip_special_tokens", "deadline_s"),
+    **_pick("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"),
 }
 
 TABLES = {"/v1/completions": COMPLETIONS, "/v1/chat/completions": CHAT}

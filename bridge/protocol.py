@@ -18,6 +18,8 @@ from typing import Annotated, Any, ClassVar
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 from pydantic import field_validator, model_validator
 
+from bridge.constraints import BodyConstraint, ConstraintFieldError, body_constraint
+from bridge.tools import ToolSetup, render_messages, tool_setup
 from bridge.fields import CHAT, COMPLETIONS, FieldRefused, Rule, enforce, recorded
 from genserve.common.chat_messages import parse_messages
 from genserve.v1 import generate_pb2 as pb
@@ -142,6 +144,12 @@ class SamplingBody(BaseModel):
     stop_token_ids: list[Uint32] | None = None
     include_stop_str_in_output: StrictBool | None = None
     skip_special_tokens: StrictBool | None = None
+    # Output constraints, vLLM's names (bridge/constraints.py).
+    structured_outputs: AnyObject | None = None
+    guided_json: AnyObject | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
 
     # The endpoint's policy table (bridge/fields.py).
     policy: ClassVar[dict[str, Rule]] = {}
@@ -175,9 +183,22 @@ class SamplingBody(BaseModel):
         """The first refusal of the field policy (bridge/fields.py), or None."""
         try:
             enforce(self.set_fields(), self.policy)
+            self.constraint()
         except FieldRefused as refused:
             return refused
+        except ConstraintFieldError as e:
+            return FieldRefused(e.field, e.message)
         return None
+
+    def constraint(self) -> BodyConstraint | None:
+        """The output constraint the body asks for (bridge/constraints.py), or None.
+
+        Raises:
+            ConstraintFieldError: a malformed one, or several.
+        """
+        return body_constraint({name: getattr(self, name, None) for name in
+                                ("response_format", "structured_outputs", "guided_json", "guided_regex",
+                                 "guided_choice", "guided_grammar")})
 
     def recorded_fields(self) -> dict[str, Any]:
         """The fields the policy records (`user`, `metadata`, ...) that the body set."""
@@ -265,7 +286,7 @@ class CompletionRequest(SamplingBody):
 
     def policy_refusal(self) -> FieldRefused | None:
         """The policy's refusal (bridge/fields.py), or one of the combinations OpenAI refuses too:
-        `best_of` below `n` or with `stream`; `echo` with `logprobs` (not yet)."""
+        `best_of` below `n` or with `stream`."""
         refused = super().policy_refusal()
         if refused is not None:
             return refused
@@ -276,15 +297,13 @@ class CompletionRequest(SamplingBody):
             if self.stream and self.best_of > 1:
                 return FieldRefused("best_of", "'best_of' cannot be used with 'stream' (the best "
                                                "samples are known only once all have finished)")
-        if self.echo and self.logprobs is not None:
-            return FieldRefused("echo", "'echo' with 'logprobs' is not supported yet: the prompt's "
-                                        "logprobs will come from the engine")
         return None
 
     def to_proto(self, prompt: PromptInput, request_id: str = "") -> pb.GenerateRequest:
         """The gRPC request for one of the prompts; null fields take OpenAI's defaults,
         seed/logprobs stay absent. With `best_of` the engine draws `best_of` samples, with
-        logprobs (the choice is made on them)."""
+        logprobs (the choice is made on them); `echo` with `logprobs` asks for the prompt's
+        logprobs too (`prompt_logprobs`, the same number of alternatives)."""
         sampling = self.sampling_proto()
         request = pb.GenerateRequest(
             max_tokens=DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens,
@@ -294,10 +313,15 @@ class CompletionRequest(SamplingBody):
         )
         if self.logprobs is not None:
             request.logprobs = self.logprobs
+            if self.echo:
+                request.prompt_logprobs = self.logprobs
         elif self.engine_samples > self.num_samples:
             request.logprobs = 0           # best_of ranks samples by their tokens' logprobs
         if self.deadline_s is not None:
             request.deadline_s = self.deadline_s
+        constraint = self.constraint()
+        if constraint is not None:
+            constraint.set_on(request)
         if isinstance(prompt, str):
             request.prompt = prompt
         else:
@@ -355,6 +379,25 @@ class ChatCompletionRequest(SamplingBody):
             raise ValueError("max_tokens and max_completion_tokens differ; send one")
         return self
 
+    def tool_setup(self) -> ToolSetup | None:
+        """The request's tools (bridge/tools.py), or None. Raises ConstraintFieldError."""
+        return tool_setup(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def constraint(self) -> BodyConstraint | None:
+        """The output constraint: the body's (`SamplingBody.constraint`) or the tool-call grammar.
+
+        Raises:
+            ConstraintFieldError: a malformed one, or tools that may be called with another.
+        """
+        asked = super().constraint()
+        setup = self.tool_setup()
+        grammar = setup.grammar() if setup is not None else None
+        if grammar is None:
+            return asked
+        if asked is not None:
+            raise ConstraintFieldError(asked.rest_field, "cannot be combined with tools that may be called")
+        return BodyConstraint("grammar", grammar, "tools")
+
     def to_proto(self, request_id: str = "") -> pb.GenerateRequest:
         """The gRPC request: the messages as `ChatMessages`, null fields at OpenAI's defaults.
 
@@ -371,9 +414,12 @@ class ChatCompletionRequest(SamplingBody):
             request.logprobs = self.top_logprobs or 0
         if self.deadline_s is not None:
             request.deadline_s = self.deadline_s
+        constraint = self.constraint()
+        if constraint is not None:
+            constraint.set_on(request)
         chat = request.chat
         chat.SetInParent()
-        chat.messages.extend(chat_messages_proto(self.messages))
+        chat.messages.extend(chat_messages_proto(render_messages(self.messages, self.tool_setup())))
         return request
 
 

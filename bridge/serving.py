@@ -21,6 +21,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from opentelemetry.trace import SpanKind
 
+from bridge.constraints import BodyConstraint
 from bridge.errors import ApiError, from_grpc
 from bridge.fanout import CallGroup
 from bridge.spans import SpanNotes, span_error
@@ -45,10 +46,12 @@ def record_fields(span, fields: Mapping[str, Any], route: str) -> None:
 
 async def generate(request: Request, state: BridgeState, route: str,
                    protos: pb.GenerateRequest | Sequence[pb.GenerateRequest], builder: Builder, stream: bool,
-                   recorded: Mapping[str, Any] | None = None) -> Response:
+                   recorded: Mapping[str, Any] | None = None,
+                   constraint: BodyConstraint | None = None) -> Response:
     """Run the Generate call (one per GenerateRequest in `protos`, read as one `CallGroup`) for
     `route` and answer with `builder`'s JSON or SSE events. `recorded`: fields to put on the span
-    and in the log (`record_fields`).
+    and in the log (`record_fields`). `constraint`: the body's output constraint, whose REST field
+    an engine error about it names (`response_format.json_schema.schema`, not `json_schema`).
 
     Raises ApiError: the call failed before it started (its status mapped by `from_grpc`), or,
     without `stream`, while it ran.
@@ -104,6 +107,9 @@ async def generate(request: Request, state: BridgeState, route: str,
         return JSONResponse(builder.completion(), headers=headers)
     except BaseException as exc:
         call.cancel()  # never leave a request generating for nobody
+        if isinstance(exc, ApiError) and constraint is not None and exc.param == constraint.grpc_field:
+            exc.param = constraint.rest_field
+            exc.message = constraint.rest_field + exc.message.removeprefix(constraint.grpc_field)
         if isinstance(exc, ApiError):
             span_error(span, exc.status_code, exc.message)
         raise

@@ -28,6 +28,7 @@ import socket
 import time
 import uuid
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import NoReturn
 
 import grpc
@@ -39,6 +40,8 @@ from engine.core.outputs import FinishReason, TokenEvent
 from engine.core.request import Request
 from engine.core.sched.admission import AdmissionRejected
 from engine.core.snapshot import LatencySummary, SchedulerSnapshot, SnapshotSource
+from engine.structured.compiler import GrammarCompiler
+from engine.structured.spec import ConstraintError
 from genserve.common.telemetry import REQUEST_ID, extract_metadata
 from genserve.v1 import generate_pb2 as pb, generate_pb2_grpc as pb_grpc
 from service.auth import ANONYMOUS, Authenticator
@@ -61,6 +64,9 @@ GENERATE_SPAN = "genserve.v1.GenerateService/Generate"
 # WatchScheduler: milliseconds between snapshots by default and the range a caller may ask for.
 WATCH_INTERVAL_MS = 250
 WATCH_INTERVAL_RANGE_MS = (100, 10_000)
+# Threads compiling constraints (engine/structured/compiler.py): a slow grammar holds one of them
+# and no engine row; cached grammars need none.
+COMPILE_THREADS = 2
 
 
 class StreamFailed(Exception):
@@ -164,6 +170,8 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
         self.metrics = metrics
         self.spans = SpanTracker(engine)
         self.snapshots = SnapshotSource(engine)
+        self.grammars = GrammarCompiler(tokenizer)
+        self._compile_pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="genserve-compile")
         self.engine = engine
         engine.step_listeners.append(self._flush_events)
 
@@ -217,6 +225,17 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
         except ValidationError as exc:
             context.set_trailing_metadata(((INVALID_FIELD_METADATA, exc.field),))
             await self._reject(context, "400", grpc.StatusCode.INVALID_ARGUMENT, str(exc), span)
+        compiled = None
+        if valid.constraint is not None:
+            # Compiled off the event loop and the step loop; the request is not queued until then.
+            if not self.grammars.cached(valid.constraint):
+                span.add_event("compiling_constraint")
+            try:
+                compiled = await asyncio.get_running_loop().run_in_executor(
+                    self._compile_pool, self.grammars.compile, valid.constraint)
+            except ConstraintError as exc:
+                context.set_trailing_metadata(((INVALID_FIELD_METADATA, exc.field),))
+                await self._reject(context, "400", grpc.StatusCode.INVALID_ARGUMENT, str(exc), span)
         request_id = request.request_id or f"cmpl-{uuid.uuid4().hex}"
         REQUEST_ID.set(request_id)
         span.set_attributes({"genserve.request_id": request_id, "genserve.prompt_tokens": len(valid.prompt_ids),
@@ -230,7 +249,7 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
             request_id=request_id, api_key=api_key, prompt_ids=valid.prompt_ids,
             max_tokens=valid.max_tokens, sampling=valid.sampling, arrival_s=0.0,
             deadline_s=0.0, eos_token_id=self.tokenizer.eos_token_id,
-            on_event=lambda ev: handoff.call(self._deliver, request_id, buffer, ev))
+            on_event=lambda ev: handoff.call(self._deliver, request_id, buffer, ev), constraint=compiled)
         if valid.n > 1:
             req.fork(valid.n, sample_seeds(valid.sampling.seed, valid.n))
         if valid.deadline_s is not None:
@@ -270,6 +289,10 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
                 if ev.finish_reason == FinishReason.ERROR:
                     log.error("request %s: %s", request_id, ev.finish_detail)
                     await self._abort(context, grpc.StatusCode.UNAVAILABLE, ev.finish_detail, span)
+                if ev.prompt_logprobs is not None:
+                    yield pb.GenerateResponse(request_id=request_id, prompt_logprobs=streams[
+                        ev.index].prompt_logprobs(ev, valid.prompt_ids))
+                    continue
                 if first_token and ev.token_id is not None:
                     first_token = False
                     span.add_event("first_token", {"genserve.index": ev.index})

@@ -94,6 +94,25 @@ class SampleStream:
             out.messages.append(self._finished(ev))
         return out
 
+    def prompt_logprobs(self, ev: TokenEvent, prompt_ids: list[int]) -> pb.PromptLogprobs:
+        """The PromptLogprobs message of `ev` (`TokenEvent.prompt_logprobs`): one Token per
+        prompt token, each with its own text and bytes (a token holding part of a character
+        shows U+FFFD in `text`; its `token_bytes` are exact)."""
+        msg = pb.PromptLogprobs(index=self.index)
+        for position, token_id in enumerate(prompt_ids):
+            raw = self.tokenizer.token_bytes(token_id)
+            token = msg.tokens.add(token_id=token_id, position=position, token_bytes=raw,
+                                   text=raw.decode("utf-8", errors="replace"))
+            if position == 0:
+                continue
+            lp, top = ev.prompt_logprobs[position - 1]
+            token.logprob = lp
+            for t, alt in top:
+                alt_raw = self.tokenizer.token_bytes(t)
+                token.top_logprobs.add(token_id=t, logprob=alt, token_bytes=alt_raw,
+                                       text=alt_raw.decode("utf-8", errors="replace"))
+        return msg
+
     def _token(self, ev: TokenEvent, text: str) -> pb.Token:
         token = pb.Token(index=self.index, text=text, token_id=ev.token_id, position=ev.position)
         if self.want_logprobs and ev.logprob is not None:

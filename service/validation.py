@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 
 from engine.config import EngineConfig
 from engine.core.request import SamplingParams
+from engine.structured.spec import ConstraintError, ConstraintSpec
 from genserve.common.chat_messages import ChatError, parse_messages
 from genserve.v1 import generate_pb2 as pb
 from service.chat import ChatTemplate
@@ -40,6 +41,7 @@ class ValidRequest:
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    constraint: ConstraintSpec | None = None
 
 
 class Validator:
@@ -93,16 +95,24 @@ class Validator:
         logprobs = req.logprobs if req.HasField("logprobs") else 0
         if not 0 <= logprobs <= 5:
             raise ValidationError("logprobs", f"must be between 0 and 5, got {logprobs}")
+        prompt_logprobs = req.prompt_logprobs if req.HasField("prompt_logprobs") else None
+        if prompt_logprobs is not None and not 0 <= prompt_logprobs <= 5:
+            raise ValidationError("prompt_logprobs", f"must be between 0 and 5, got {prompt_logprobs}")
         sampling = replace(self._sampling(req.sampling), top_logprobs=logprobs,
-                           logprobs=req.HasField("logprobs"))
+                           logprobs=req.HasField("logprobs"), prompt_logprobs=prompt_logprobs)
         if sampling.min_tokens > max_tokens:
             raise ValidationError("min_tokens", f"must be at most max_tokens ({max_tokens}), "
                                                 f"got {sampling.min_tokens}")
+        constraint = constraint_spec(req)
+        if constraint is not None and sampling.min_tokens:
+            # The grammar may allow only the end-of-sequence token where min_tokens bans it.
+            raise ValidationError("min_tokens", "cannot be combined with a structured-output constraint")
         s = req.sampling
         return ValidRequest(prompt_ids, max_tokens, sampling, self._deadline(req), n, self._stop(s),
                             include_stop_str_in_output=s.include_stop_str_in_output,
                             skip_special_tokens=(s.skip_special_tokens
-                                                 if s.HasField("skip_special_tokens") else True))
+                                                 if s.HasField("skip_special_tokens") else True),
+                            constraint=constraint)
 
     def tokenize_prompt(self, prompt: str) -> list[int]:
         """Token ids of a text prompt (field `prompt`), as Generate counts them."""
@@ -202,3 +212,25 @@ class Validator:
         if not (math.isfinite(d) and 0 < d <= self.config.default_deadline_s):
             raise ValidationError("deadline_s", f"must be in (0, {self.config.default_deadline_s:g}] seconds, got {d}")
         return float(d)
+
+
+def constraint_spec(req: pb.GenerateRequest) -> ConstraintSpec | None:
+    """The request's `constraint` oneof as a `ConstraintSpec` (None when absent); its shape and
+    size only: whether it compiles is the grammar compiler's to say.
+
+    Raises:
+        ValidationError: naming the constraint's field (too long, no choices, bad JSON text).
+    """
+    which = req.WhichOneof("constraint")
+    try:
+        if which is None:
+            return None
+        if which == "json_schema":
+            return ConstraintSpec.json_schema(req.json_schema, field="json_schema")
+        if which == "json_object":
+            return ConstraintSpec("json_object", "", field="json_object")
+        if which == "choice":
+            return ConstraintSpec.choices(list(req.choice.options), field="choice")
+        return ConstraintSpec(which, getattr(req, which), field=which)
+    except ConstraintError as e:
+        raise ValidationError(e.field, e.reason) from None

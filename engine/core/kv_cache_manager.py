@@ -58,7 +58,9 @@ class KVCacheManager:
     def computed_tokens(self, req: Request, hits: list[int], align: int) -> int:
         """Prompt tokens `req` may take from `hits` (its cached prefix blocks): whole multiples of
         `align` tokens only, and never its whole prompt (the last prompt token is computed to
-        sample from)."""
+        sample from); none for a request that asks for prompt logprobs."""
+        if req.sampling.prompt_logprobs is not None:
+            return 0                   # every prompt position's logits are needed
         tokens = min(len(hits) * self.block_size, req.num_prompt - 1)
         return tokens // align * align
 

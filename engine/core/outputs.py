@@ -20,6 +20,24 @@ class FinishReason(str, enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
+class PromptLogprobs:
+    """Log-probabilities of a run of prompt tokens, computed in the prefill piece that held them.
+
+    Attributes:
+        request_id: the request whose prompt it is.
+        first_position: prompt position of the first entry (>= 1: position 0 has no context).
+        logprobs: logprob of the prompt token at each position, given the tokens before it.
+        top_logprobs: per position, the (token id, logprob) of the most likely tokens there, as
+            many as the request's `prompt_logprobs` asks.
+    """
+
+    request_id: str
+    first_position: int
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]]
+
+
+@dataclass(frozen=True, slots=True)
 class SampledTokens:
     """The execute stage's output: one token per draw, in `plan.draws` order.
 
@@ -30,12 +48,15 @@ class SampledTokens:
         top_logprobs: per draw, the (token id, logprob) of the most likely tokens, as many as
             that request's `top_logprobs` asks (empty lists when none).
         forward_s: seconds spent in the forward pass and sampling (for calibration).
+        prompt_logprobs: the prompt logprobs of the step's prefill pieces whose request asks
+            (`SamplingParams.prompt_logprobs`).
     """
 
     token_ids: list[int]
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     forward_s: float = 0.0
+    prompt_logprobs: tuple[PromptLogprobs, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +79,9 @@ class TokenEvent:
         tpot_ms: mean time per output token after the first, on the last event (None if < 2).
         max_gap_ms: longest gap between two consecutive tokens, on the last event.
         steps_after_cancel: steps the request ran after its cancel flag was set (0 or 1).
+        prompt_logprobs: on an event of its own (no token), just before the first token's, for
+            a request that asked: per prompt position from 1, (logprob of that prompt token,
+            its top alternatives).
     """
 
     request_id: str
@@ -76,3 +100,4 @@ class TokenEvent:
     tpot_ms: float | None = None
     max_gap_ms: float = 0.0
     steps_after_cancel: int = 0
+    prompt_logprobs: tuple[tuple[float, tuple[tuple[int, float], ...]], ...] | None = None

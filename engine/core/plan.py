@@ -103,6 +103,13 @@ class StepPlan:
                 for req in seg.sample_requests]
 
     @property
+    def wants_prompt_logprobs(self) -> bool:
+        """True when a prefill piece's request asks for prompt logprobs
+        (`SamplingParams.prompt_logprobs`)."""
+        return any(not s.decode and s.request.sampling.prompt_logprobs is not None
+                   for s in self.segments)
+
+    @property
     def empty(self) -> bool:
         """True when there is nothing to run."""
         return not self.segments

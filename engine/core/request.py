@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.core.outputs import FinishReason, TokenEvent
 
@@ -70,6 +70,10 @@ class SamplingParams:
             then either (the service's part). 0 is off.
         stop_token_ids: token ids that end the sample (FinishReason.STOP) like EOS does, also
             with `ignore_eos`.
+        prompt_logprobs: report each prompt token's logprob given the tokens before it, with
+            this many top alternatives (0..5), computed in the prefill the request runs anyway
+            (vLLM's `prompt_logprobs`); None is off. Such a request takes nothing from the prefix
+            cache (a cached block's positions would have no logits).
     """
 
     temperature: float = 1.0
@@ -86,6 +90,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -140,9 +145,17 @@ class Request:
         prefix_hashes: chained hashes of the prompt's full blocks (`block_pool.prefix_block_hashes`),
             computed once when prefix caching is on; None before.
         num_cached: prompt tokens its last admission took from the prefix cache (0 with none).
+        prompt_logprob_entries: with `sampling.prompt_logprobs`, the scheduler's list of
+            (logprob, top alternatives) per prompt position 1..num_prompt-1 (None until
+            computed), filled piece by piece and pushed before the first token.
         sampler_state: the model runner's per-request state for the logits processors (the
             token history the penalties read, the bias as arrays); opaque to the core, None
             until a step samples the request with a processor on.
+        constraint: the compiled grammar its output must follow
+            (`engine.structured.compiler.CompiledGrammar`), or None; forked samples share it.
+        grammar_state: the sample's own matcher in that grammar
+            (`engine.structured.masks.RowMatcher`), made by the model runner on the first draw
+            and kept across preemption; None before.
     """
 
     request_id: str
@@ -175,6 +188,9 @@ class Request:
     prefix_hashes: list[bytes] | None = None
     num_cached: int = 0
     sampler_state: object | None = None
+    prompt_logprob_entries: list | None = None
+    constraint: Any = None
+    grammar_state: Any = None
 
     @property
     def num_prompt(self) -> int:
@@ -225,7 +241,8 @@ class Request:
                 prompt_ids=self.prompt_ids, max_tokens=self.max_tokens,
                 sampling=replace(self.sampling, seed=seeds[i]), arrival_s=self.arrival_s,
                 deadline_s=self.deadline_s, on_event=self.on_event,
-                eos_token_id=self.eos_token_id, index=i, parent=self))
+                eos_token_id=self.eos_token_id, index=i, parent=self,
+                constraint=self.constraint))
 
     @property
     def finished(self) -> bool:

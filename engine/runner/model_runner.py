@@ -29,7 +29,9 @@ from engine.runner.decode_loop import DecodeLoop
 from engine.runner.inputs import StepInputs
 from engine.runner.kv_cache import KVCache
 from engine.runner.logits_processors import process_logits
+from engine.runner.prompt_logprobs import prompt_logprobs
 from engine.runner.sampler import make_generator, sample
+from engine.structured.masks import GrammarMasks
 
 
 def request_generator(req: Request, device: torch.device | str = "cpu") -> torch.Generator:
@@ -109,6 +111,7 @@ class ModelRunner:
         self._preferred = attention
         self.kernels = kernels
         self.graphs = DecodeGraphs(model, kv) if cuda_graphs else None
+        self.grammar = GrammarMasks()        # constrained rows' token masks (engine/structured)
 
     @property
     def kernels(self) -> bool:
@@ -138,6 +141,7 @@ class ModelRunner:
         records nothing.
         """
         t0 = time.perf_counter()
+        masks = self.grammar.start(plan.draws)      # on a worker while the forward runs
         with torch.profiler.record_function("genserve.inputs"):
             inputs = StepInputs.from_plan(plan, self.kv.block_size)
             for src, dst in plan.block_copies:      # copy-on-write of shared prompt blocks
@@ -156,14 +160,19 @@ class ModelRunner:
                 hidden = self.decode_loop.run(self.model, token_ids, positions, self.kv.layers, meta)
             else:
                 hidden = self.model(token_ids, positions, self.kv.layers, meta, self.layer_ops)
+        prompt = prompt_logprobs(plan, hidden, self.model.logits) if plan.wants_prompt_logprobs else ()
         if not inputs.sample_rows:
-            return SampledTokens([], [], [], time.perf_counter() - t0)
+            return SampledTokens([], [], [], time.perf_counter() - t0, prompt)
         with torch.profiler.record_function("genserve.logits"):
             logits = self.model.logits(hidden[sample_index])              # [R, vocab] fp32
         if inputs.draws_share_rows:                    # n > 1: several draws share a row
             logits = logits[draw_index]
         draws = plan.draws
         with torch.profiler.record_function("genserve.sample"):
+            if masks is not None:
+                # Grammar masks first, in place: the reported logprobs see them, as vLLM's do
+                # (a masked entry stays -inf through every processor below).
+                masks.apply(logits)
             requests = [r for _, r in draws]
             params = [r.sampling for r in requests]
             keep_raw = any(p.logprobs for p in params)
@@ -171,4 +180,4 @@ class ModelRunner:
             tokens, logprobs, top = sample(processed, params,
                                            [request_generator(r, self.device) for r in requests],
                                            raw_logits=logits if processed is not logits else None)
-        return SampledTokens(tokens, logprobs, top, time.perf_counter() - t0)
+        return SampledTokens(tokens, logprobs, top, time.perf_counter() - t0, prompt)

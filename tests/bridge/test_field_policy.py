@@ -33,6 +33,8 @@ BASE = {"/v1/completions": {"prompt": "Say hi", "max_tokens": 3},
 # Probes that need a companion field.
 COMPANIONS = {"top_logprobs": {"logprobs": True}}
 ROUTES = list(SDK_TYPES)
+# Output constraints: compiled against a real vocabulary (tests/e2e/test_structured_outputs.py).
+CONSTRAINT_FIELDS = {"structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"}
 
 
 def sdk_fields(union) -> set[str]:
@@ -134,6 +136,8 @@ async def test_field_walk_on_the_real_servicer():
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://bridge",
                                          timeout=30) as c:
                 for name, rule in fields.COMPLETIONS.items():
+                    if name in CONSTRAINT_FIELDS:
+                        continue      # the byte tokenizer has no end-of-sequence token to end a grammar
                     body = probe_body("/v1/completions", name, rule.probe)
                     r = await c.post("/v1/completions", json=body)
                     assert r.status_code == 200, (name, r.text)

@@ -223,3 +223,27 @@ def test_out_of_range_controls_are_400s_naming_the_field(server, field, value, l
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == field and limit in error["message"], error
+
+
+def test_echo_with_logprobs_gives_the_prompt_tokens_logprobs_first(server, openai_client):
+    """lm-evaluation-harness's loglikelihood request: echo, logprobs, max_tokens 0 is not OpenAI's
+    (1 here); the prompt's tokens come first with a null first logprob, each later one the
+    model's logprob of that token given the ones before, the same whether streamed or not."""
+    prompt = "The capital of France is Paris"
+    reply = openai_client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=2,
+                                             max_tokens=1, temperature=0)
+    choice = reply.choices[0]
+    lp = choice.logprobs
+    n_prompt = reply.usage.prompt_tokens
+    assert choice.text.startswith(prompt)
+    assert "".join(lp.tokens[:n_prompt]) == prompt
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+    assert len(lp.tokens) == n_prompt + 1 and lp.text_offset[n_prompt] == len(prompt)
+    # " Paris" after "The capital of France is" is the model's greedy choice: the top alternative
+    assert list(lp.top_logprobs[n_prompt - 1])[0] == " Paris"
+    assert lp.token_logprobs[n_prompt - 1] == pytest.approx(lp.top_logprobs[n_prompt - 1][" Paris"])
+    chunks = list(openai_client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=2,
+                                                   max_tokens=1, temperature=0, stream=True))
+    first = chunks[0].choices[0]
+    assert first.text == prompt and first.logprobs.token_logprobs == lp.token_logprobs[:n_prompt]

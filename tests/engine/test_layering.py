@@ -6,6 +6,8 @@ The layers, lowest first (docs/architecture.md, "Layout"):
 * `engine.config`, `engine.tokenizer` (leaves) and `engine.kernels` (the C++ kernels' build);
 * `engine.core`: requests, plans, the cost model, the block pool, the scheduler, the engine loop,
   the simulator's executor — no torch, nothing from the tensor side;
+* `engine.structured`: constrained decoding's grammars and masks (beside the core: the request
+  carries its compiled grammar as an opaque object);
 * `engine.attention`: the backend interface and the backends;
 * `engine.model`: the network; of attention it imports only the interface (`attention.base`);
 * `engine.runner`: the model runner, its inputs and fast paths, sampling, the KV cache tensors,
@@ -31,7 +33,10 @@ GRAPH = import_graph(REPO_ROOT)
 # package prefix → prefixes it must not import
 FORBIDDEN = {
     "engine.core": ("engine.attention", "engine.model", "engine.runner", "engine.kernels",
-                    "service", "bridge"),
+                    "engine.structured", "service", "bridge"),
+    # constrained decoding: the request carries its grammar as an opaque object
+    "engine.structured": ("engine.core", "engine.attention", "engine.model", "engine.runner",
+                          "service", "bridge"),
     "engine.attention": ("engine.core", "engine.model", "engine.runner", "service", "bridge"),
     "engine.model": ("engine.core", "engine.runner", "service", "bridge"),
     "engine.kernels": ("engine.core", "engine.attention", "engine.model", "engine.runner"),

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from tests.engine.conftest import check_preemption_keeps_tokens, generate, new_request
 from tests.engine.test_model import mixed_prompts
 
@@ -137,3 +139,33 @@ def test_logprobs_stay_the_models_and_finite_under_every_control(bf16_engine, gg
     assert penalized.generated[0] == 5
     assert events[0].top_logprobs == plain_events[0].top_logprobs
     assert all(math.isfinite(e.logprob) for e in events + plain_events if e.logprob is not None)
+
+
+def test_prompt_logprobs_match_the_logprobs_the_tokens_were_sampled_with(bf16_engine, gguf_tokenizer):
+    """Greedy tokens G sampled after prompt P report logprobs; the prompt P + G with
+    prompt_logprobs reports the same for G's positions (computed in its prefill), one entry per
+    position from 1, over a prompt long enough to be prefilled in several pieces, and a cached
+    prefix does not cut it short."""
+    prompt = mixed_prompts(gguf_tokenizer)[-1][:700]
+    events: list = []
+    first = new_request(prompt, 6, events, temperature=0.0, logprobs=True, ignore_eos=True)
+    bf16_engine.submit(first)
+    bf16_engine.run_until_idle()
+    sampled = [e.logprob for e in events if e.token_id is not None]
+    full = prompt + first.generated
+    events = []
+    req = new_request(full, 1, events, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
+    bf16_engine.submit(req)
+    bf16_engine.run_until_idle()
+    bf16_engine.pool.check_all_free()
+    prompt_events = [e for e in events if e.prompt_logprobs is not None]
+    assert len(prompt_events) == 1 and events.index(prompt_events[0]) == 0
+    entries = prompt_events[0].prompt_logprobs
+    assert len(entries) == len(full) - 1
+    bad = [(i, lp, len(top)) for i, (lp, top) in enumerate(entries)
+           if not (math.isfinite(lp) and lp <= 0 and len(top) == 2)]
+    assert not bad, (bad[:5], len(bad))
+    tail = [lp for lp, _ in entries[len(prompt) - 1:]]
+    assert tail == pytest.approx(sampled, abs=0.05)
+    # the greedy token is the top alternative where the continuation was greedy
+    assert [top[0][0] for _, top in entries[len(prompt) - 1:]] == first.generated

@@ -40,7 +40,7 @@ from engine.config import EngineConfig
 from engine.core.block_pool import BlockPool
 from engine.core.cost_model import CostModel
 from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.outputs import FinishReason, SampledTokens, TokenEvent
+from engine.core.outputs import FinishReason, PromptLogprobs, SampledTokens, TokenEvent
 from engine.core.plan import Segment, StepPlan
 from engine.core.request import Request, RequestState
 from engine.core.sched.admission import AdmissionControl, AdmissionRejected
@@ -184,6 +184,8 @@ class Scheduler:
             The events to push: plan.events first, then one per sampled token.
         """
         events = list(plan.events)
+        # by (request, first position): a prompt may run as several pieces in one step
+        prompt_logprobs = {(p.request_id, p.first_position): p for p in sampled.prompt_logprobs}
         i = 0
         for seg in plan.segments:
             req = seg.request
@@ -199,6 +201,8 @@ class Scheduler:
             if req.cancel_requested:
                 req.steps_after_cancel += 1
             prefilled = req.is_prefilling           # this segment was a prompt piece
+            if prefilled and req.sampling.prompt_logprobs is not None:
+                self._record_prompt_logprobs(req, prompt_logprobs.get((req.request_id, seg.start + 1)))
             if prefilled:
                 self.queue.charge(req.api_key, seg.length)
             req.num_computed = seg.end
@@ -216,9 +220,23 @@ class Scheduler:
             if req.forks_now:
                 for child in req.children:
                     self._activate_fork(req, child)
+            if req.prompt_logprob_entries is not None and not req.generated:
+                events.append(TokenEvent(req.group_id, index=req.index, prompt_logprobs=tuple(
+                    entry or (float("nan"), ()) for entry in req.prompt_logprob_entries)))
             for r, token, logprob, top in zip(draws, tokens, logprobs, tops):
                 self._accept(r, token, logprob, tuple(top), now, events)
         return events
+
+    @staticmethod
+    def _record_prompt_logprobs(req: Request, piece: PromptLogprobs | None) -> None:
+        """Keep a prefill piece's prompt logprobs on `req` (by position: a piece computed again
+        after a preemption overwrites the same entries with the same values)."""
+        if req.prompt_logprob_entries is None:
+            req.prompt_logprob_entries = [None] * (req.num_prompt - 1)
+        if piece is None:
+            return
+        for k, (lp, top) in enumerate(zip(piece.logprobs, piece.top_logprobs)):
+            req.prompt_logprob_entries[piece.first_position - 1 + k] = (lp, tuple(top))
 
     def fail_all(self, now: float, detail: str) -> list[TokenEvent]:
         """End every queued and running request with FinishReason.ERROR (the loop failed)."""
