@@ -26,7 +26,6 @@ from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from engine.config import EngineConfig
@@ -41,6 +40,7 @@ from service.command_line import (DRAIN_GRACE_S, HelpFormatter, add_engine_args,
                                   options_from_args)
 from service.faults import FailingExecutor, fault_settings
 from service.metrics import EngineMetrics
+from service.reflection import enable_server_reflection
 from service.servicer import GenerateServicer, MAX_BUFFERED_EVENTS
 from service.validation import Validator
 
@@ -115,8 +115,7 @@ class EngineServer:
             check_ports_free([("engine metrics", self.host, self.metrics_port)])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
+        enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME), self.server)
         pb_grpc.add_GenerateServiceServicer_to_server(self.servicer, self.server)
         try:
             self.port = self.server.add_insecure_port(f"{self.host}:{self.requested_port}")
