@@ -64,6 +64,7 @@ class ChatCompletionBuilder:
         self._finish: dict[int, str | None] = {}
         self._completion_tokens: dict[int, int] = {}
         self._detail: dict[int, str] = {}
+        self._cached_tokens = 0
 
     @property
     def all_finished(self) -> bool:
@@ -126,6 +127,7 @@ class ChatCompletionBuilder:
             if fin.HasField("usage"):
                 self._completion_tokens[fin.index] = fin.usage.completion_tokens
                 self.prompt_tokens = fin.usage.prompt_tokens or self.prompt_tokens
+                self._cached_tokens = max(self._cached_tokens, fin.usage.cached_tokens)
             self._detail[fin.index] = fin.detail
             extra: dict[str, Any] = {"timing": timing_json(fin.timing)}
             if fin.detail:
@@ -138,10 +140,12 @@ class ChatCompletionBuilder:
         return []
 
     def usage(self) -> dict:
-        """Token counts over all samples, OpenAI's ``usage`` object."""
+        """Token counts over all samples, OpenAI's ``usage`` object (``prompt_tokens_details.
+        cached_tokens``: the prompt tokens the prefix cache held)."""
         completion = sum(self._completion_tokens.get(i, len(t)) for i, t in self._text.items())
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
-                "total_tokens": self.prompt_tokens + completion}
+                "total_tokens": self.prompt_tokens + completion,
+                "prompt_tokens_details": {"cached_tokens": self._cached_tokens}}
 
     def completion(self) -> dict:
         """The whole chat completion, OpenAI-style (for stream=false)."""

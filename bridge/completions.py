@@ -87,6 +87,7 @@ class CompletionBuilder:
         self.prompt_tokens_each: list[int] = []      # per prompt; a CallGroup fills it
         self._samples: dict[int, _Sample] = {}
         self._finished: set[int] = set()
+        self._cached: dict[int, int] = {}             # prompt index -> prompt tokens from the cache
 
     @property
     def all_finished(self) -> bool:
@@ -197,10 +198,13 @@ class CompletionBuilder:
         prompt_tokens = fin.usage.prompt_tokens if fin.HasField("usage") else self.prompt_tokens
         event = self._chunk(fin.index, "", None, reason)
         event["finish_reason"] = reason
+        cached = fin.usage.cached_tokens if fin.HasField("usage") else 0
+        self._cached[self._prompt_index(fin.index)] = cached
         event["usage"] = {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": sample.completion_tokens,
             "total_tokens": prompt_tokens + sample.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached},
         }
         event["timing"] = timing_json(fin.timing)
         if fin.detail:
@@ -208,10 +212,12 @@ class CompletionBuilder:
         return event
 
     def usage(self) -> dict:
-        """Token counts of the whole request: every prompt once, every sample drawn."""
+        """Token counts of the whole request: every prompt once, every sample drawn; OpenAI's
+        `prompt_tokens_details.cached_tokens` counts the prompt tokens the prefix cache held."""
         completion_tokens = sum(s.completion_tokens for s in self._samples.values())
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": self.prompt_tokens + completion_tokens}
+                "total_tokens": self.prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": sum(self._cached.values())}}
 
     def _chosen(self) -> list[tuple[int, _Sample]]:
         """(choice index, sample) of the answer: every sample, or with `best_of` each prompt's

@@ -136,6 +136,7 @@ class SamplingBody(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool | None = False
     deadline_s: Float | None = None  # seconds from arrival; the service caps it at its default
+    cache_salt: StrictStr | None = None  # vLLM's: narrows the prefix-cache scope (engine checks length)
     user: StrictStr | None = None
     # Sampling controls the engine will implement (bridge.fields.ENGINE_PENDING): neutral only.
     presence_penalty: Float | None = None
@@ -283,6 +284,8 @@ class CompletionRequest(SamplingBody):
             request.logprobs = 0           # best_of ranks samples by their tokens' logprobs
         if self.deadline_s is not None:
             request.deadline_s = self.deadline_s
+        if self.cache_salt is not None:
+            request.cache_salt = self.cache_salt
         if isinstance(prompt, str):
             request.prompt = prompt
         else:
@@ -356,6 +359,8 @@ class ChatCompletionRequest(SamplingBody):
             request.logprobs = self.top_logprobs or 0
         if self.deadline_s is not None:
             request.deadline_s = self.deadline_s
+        if self.cache_salt is not None:
+            request.cache_salt = self.cache_salt
         chat = request.chat
         chat.SetInParent()
         chat.messages.extend(chat_messages_proto(self.messages))

@@ -15,6 +15,7 @@ from service.stop import MAX_STOP_CHARS, MAX_STOP_STRINGS
 DEFAULT_MAX_TOKENS = 16          # OpenAI completions API default
 MAX_SAMPLES = 8                  # n: samples per prompt
 MAX_PROMPT_CHARS = 200_000       # bound on text handed to the tokenizer (≈ 8,192 tokens × 24)
+MAX_CACHE_SALT_CHARS = 256       # cache_salt: a scope name, not data (a digest's hex is 64)
 
 
 class ValidationError(ValueError):
@@ -35,6 +36,7 @@ class ValidRequest:
     deadline_s: float | None
     n: int = 1
     stop: tuple[str, ...] = ()
+    cache_salt: str = ""
 
 
 class Validator:
@@ -90,8 +92,11 @@ class Validator:
             raise ValidationError("logprobs", f"must be between 0 and 5, got {logprobs}")
         sampling = replace(self._sampling(req.sampling), top_logprobs=logprobs,
                            logprobs=req.HasField("logprobs"))
+        if len(req.cache_salt) > MAX_CACHE_SALT_CHARS:
+            raise ValidationError("cache_salt", f"is {len(req.cache_salt)} characters; the limit is "
+                                                f"{MAX_CACHE_SALT_CHARS}")
         return ValidRequest(prompt_ids, max_tokens, sampling, self._deadline(req), n,
-                            self._stop(req.sampling))
+                            self._stop(req.sampling), req.cache_salt)
 
     def tokenize_prompt(self, prompt: str) -> list[int]:
         """Token ids of a text prompt (field `prompt`), as Generate counts them."""

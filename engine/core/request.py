@@ -99,6 +99,9 @@ class Request:
         prefix_hashes: chained hashes of the prompt's full blocks (`block_pool.prefix_block_hashes`),
             computed once when prefix caching is on; None before.
         num_cached: prompt tokens its last admission took from the prefix cache (0 with none).
+        cache_salt: the client's narrowing of its prefix-cache scope (vLLM's `cache_salt`): only
+            requests with the same salt (and, under the default scope, the same key) share
+            cached blocks; "" for none.
     """
 
     request_id: str
@@ -130,6 +133,7 @@ class Request:
     finish_detail: str = ""
     prefix_hashes: list[bytes] | None = None
     num_cached: int = 0
+    cache_salt: str = ""
 
     @property
     def num_prompt(self) -> int:
@@ -180,7 +184,7 @@ class Request:
                 prompt_ids=self.prompt_ids, max_tokens=self.max_tokens,
                 sampling=replace(self.sampling, seed=seeds[i]), arrival_s=self.arrival_s,
                 deadline_s=self.deadline_s, on_event=self.on_event,
-                eos_token_id=self.eos_token_id, index=i, parent=self))
+                eos_token_id=self.eos_token_id, index=i, parent=self, cache_salt=self.cache_salt))
 
     @property
     def finished(self) -> bool:
