@@ -65,6 +65,7 @@ class ChatCompletionBuilder:
         self._completion_tokens: dict[int, int] = {}
         self._detail: dict[int, str] = {}
         self._cached_tokens = 0
+        self._opened: set[int] = set()       # choices whose role chunk went out
 
     @property
     def all_finished(self) -> bool:
@@ -94,17 +95,25 @@ class ChatCompletionBuilder:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
                 "total_tokens": self.prompt_tokens + completion}
 
+    def _open(self, index: int) -> list[dict]:
+        """The role chunk of choice `index` the first time it has something to say, else []."""
+        if index in self._opened:
+            return []
+        self._opened.add(index)
+        return [self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None}])]
+
     def events_for(self, msg: pb.GenerateResponse) -> list[dict]:
-        """Record one message; return the chunks it makes (Started: one role chunk per sample)."""
+        """Record one message; return the chunks it makes. Started makes none: a choice's role
+        chunk goes out with its first token (or its finish), as OpenAI's and vLLM's do, so a
+        client timing the first chunk measures the time to the first token, not to admission."""
         if msg.request_id:
             self.request_id = msg.request_id
         kind = msg.WhichOneof("event")
         if kind == "started":
             self.request_id = msg.started.request_id or self.request_id
             self.prompt_tokens = msg.started.prompt_tokens
-            return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                                  "logprobs": None, "finish_reason": None}])
-                    for i in range(self.num_samples)]
+            return []
         if kind == "token":
             tok = msg.token
             self._text.setdefault(tok.index, []).append(tok.text)
@@ -117,7 +126,7 @@ class ChatCompletionBuilder:
                                            "bytes": list(t.token_bytes or t.text.encode())}
                                           for t in tok.top_logprobs]}
                 self._logprobs.setdefault(tok.index, []).append(entry)
-            return [self._chunk([{"index": tok.index, "delta": {"content": tok.text},
+            return self._open(tok.index) + [self._chunk([{"index": tok.index, "delta": {"content": tok.text},
                                   "logprobs": None if entry is None else {"content": [entry]},
                                   "finish_reason": None}])]
         if kind == "finished":
@@ -132,8 +141,8 @@ class ChatCompletionBuilder:
             extra: dict[str, Any] = {"timing": timing_json(fin.timing)}
             if fin.detail:
                 extra["detail"] = fin.detail
-            chunks = [self._chunk([{"index": fin.index, "delta": {}, "logprobs": None,
-                                    "finish_reason": reason}], **extra)]
+            chunks = self._open(fin.index) + [self._chunk([{"index": fin.index, "delta": {}, "logprobs": None,
+                                                            "finish_reason": reason}], **extra)]
             if self.include_usage and self.all_finished:
                 chunks.append(self._chunk([], usage=self.usage()))
             return chunks

@@ -4,7 +4,8 @@ and OpenAI completion JSON (`CompletionBuilder`); the request body is
 
 One `CompletionBuilder` follows one Generate stream (with several prompts, one per prompt read as
 one by `bridge.fanout.CallGroup`, whose choice indices are prompt-major, then by sample). Each
-message gives at most one event (Started: one echo event per choice with `echo`; the last
+message gives at most one event (Started: none, so the first event leaves with the first token;
+with `echo`, a choice's first token or finish is preceded by its echo event; the last
 Finished also a usage chunk with `stream_options.include_usage`); the builder also accumulates the
 whole completion for stream=false, where `best_of` picks each prompt's `n` best samples.
 
@@ -88,6 +89,7 @@ class CompletionBuilder:
         self._samples: dict[int, _Sample] = {}
         self._finished: set[int] = set()
         self._cached: dict[int, int] = {}             # prompt index -> prompt tokens from the cache
+        self._echoed: set[int] = set()                # samples whose echo event went out
 
     @property
     def all_finished(self) -> bool:
@@ -128,23 +130,29 @@ class CompletionBuilder:
         """Record one message; return the SSE events it makes, in order."""
         if msg.WhichOneof("event") == "started":
             self.on_message(msg)
-            if not self.echo:
-                return []
-            events = []
-            for index in range(self.num_samples):
-                text = self.echo[self._prompt_index(index)]
-                self._sample(index).text_offset = len(text)
-                event = self._chunk(index, text, None, None)
-                event["text"] = text
-                events.append(event)
-            return events
+            return []
+        kind = msg.WhichOneof("event")
+        index = msg.token.index if kind == "token" else msg.finished.index if kind == "finished" else None
+        events = [] if index is None else self._echo_event(index)
         event = self.on_message(msg)
-        events = [] if event is None else [event]
+        events += [] if event is None else [event]
         if msg.WhichOneof("event") == "finished" and self.include_usage and self.all_finished:
             events.append({"id": self.request_id, "object": "text_completion", "created": self.created,
                            "model": self.model, "choices": [], "usage": self.usage(),
                            "request_id": self.request_id})
         return events
+
+    def _echo_event(self, index: int) -> list[dict]:
+        """With `echo`, sample `index`'s prompt as its first event, sent with its first token (or
+        its finish) so that the first event of a stream comes with the first token; else []."""
+        if not self.echo or index in self._echoed:
+            return []
+        self._echoed.add(index)
+        text = self.echo[self._prompt_index(index)]
+        self._sample(index).text_offset = len(text)
+        event = self._chunk(index, text, None, None)
+        event["text"] = text
+        return [event]
 
     def on_message(self, msg: pb.GenerateResponse) -> dict | None:
         """Record one message; return the SSE event it makes (None for Started)."""
