@@ -7,7 +7,7 @@ TOOLS_DIR ?= .tools
 TOOLS_STAMP := $(TOOLS_DIR)/.installed
 export GENSERVE_TOOLS_DIR ?= $(abspath $(TOOLS_DIR))
 
-.PHONY: serve test bench proto
+.PHONY: serve test bench proto soak
 
 $(STAMP): pyproject.toml scripts/bootstrap.sh
 	VENV=$(VENV) bash scripts/bootstrap.sh
@@ -26,3 +26,11 @@ bench: $(STAMP)
 
 proto: $(STAMP)
 	$(PY) scripts/gen_proto.py
+
+# The hour-long soak (loadgen/soak.py): starts genserve, measures its capacity, drives 70 % of it
+# through Envoy for SOAK_S seconds, writes soak.json and soak.png into SOAK_OUT, exits 1 on a
+# failed check. `make soak SOAK_S=120` is the CI length.
+SOAK_S ?= 3600
+SOAK_OUT ?= docs/benchmarks/soak
+soak: $(STAMP) $(TOOLS_STAMP)
+	$(PY) -m loadgen.soak --duration-s $(SOAK_S) --out $(SOAK_OUT) $(SOAK_ARGS)

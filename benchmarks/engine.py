@@ -585,6 +585,22 @@ def transformers_tok_s(cases: list[tuple[str, list[list[int]]]], new_tokens: int
     return result
 
 
+def report_controls(rep: Report, bench: Bench, s: Sizes) -> None:
+    """The sampling controls' cost: 32-row steps with every row penalized and biased, beside the
+    same steps without (alternating runs of one engine, same prompts; `Bench.controls_step`)."""
+    for plen in s.controls_prompts:
+        log(f"penalty step: 32 rows, {plen}-token prompts, plain vs penalties + bias")
+        plain, penalized = bench.controls_step(plen)
+        k = f"controls.prompt{plen}.rows32"
+        p_ms, q_ms = 1000 * statistics.median(plain), 1000 * statistics.median(penalized)
+        rep.add(f"{k}.plain_step_ms", p_ms, f"{plen}-token prompts, 32 rows: plain step", "ms",
+                f"median of {len(plain)}")
+        rep.add(f"{k}.penalized_step_ms", q_ms, f"{plen}-token prompts, 32 rows: penalties + bias",
+                "ms", f"median of {len(penalized)}; repetition, frequency, presence, 10-entry bias")
+        rep.add(f"{k}.penalized_over_plain", q_ms / p_ms, f"{plen}-token prompts: penalized / plain step",
+                "×", "target ≤ 1.05")
+
+
 # -- the run -------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.engine", description=__doc__.split("\n")[0])
@@ -594,6 +610,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="do not run transformers' generate for comparison")
     ap.add_argument("--profile", action="store_true",
                     help="print a torch.profiler op table of a few 32-row decode steps")
+    ap.add_argument("--only", choices=["controls"],
+                    help="run one section only: the sampling controls' step cost")
     opts = ap.parse_args(argv)
     s = QUICK if opts.quick else FULL
     rep = Report()
@@ -602,6 +620,12 @@ def main(argv: list[str] | None = None) -> int:
                     sizes={k: getattr(s, k) for k in s.__slots__})
     started = time.perf_counter()
     load_start = os.getloadavg()[0]
+    if opts.only == "controls":
+        bench = Bench(s)
+        log("warm-up")
+        bench.warm_up()
+        report_controls(rep, bench, s)
+        return finish(rep, opts, threads, started, load_start)
 
     # 1. machine
     log("machine limits")
@@ -768,19 +792,7 @@ def main(argv: list[str] | None = None) -> int:
         rep.add(f"{k}.outside_forward_share", 1 - (forward + logits) / wall,
                 f"{ctx} ctx: share outside forward", "", "1 − (forward + logits) / step wall; target < 0.1")
 
-    # the sampling controls' cost: 32-row steps with every row penalized and biased, beside the
-    # same steps without (alternating runs of one engine, same prompts)
-    for plen in s.controls_prompts:
-        log(f"penalty step: 32 rows, {plen}-token prompts, plain vs penalties + bias")
-        plain, penalized = bench.controls_step(plen)
-        k = f"controls.prompt{plen}.rows32"
-        p_ms, q_ms = 1000 * statistics.median(plain), 1000 * statistics.median(penalized)
-        rep.add(f"{k}.plain_step_ms", p_ms, f"{plen}-token prompts, 32 rows: plain step", "ms",
-                f"median of {len(plain)}")
-        rep.add(f"{k}.penalized_step_ms", q_ms, f"{plen}-token prompts, 32 rows: penalties + bias",
-                "ms", f"median of {len(penalized)}; repetition, frequency, presence, 10-entry bias")
-        rep.add(f"{k}.penalized_over_plain", q_ms / p_ms, f"{plen}-token prompts: penalized / plain step",
-                "×", "target ≤ 1.05")
+    report_controls(rep, bench, s)
 
     # end to end, and transformers on the same batches
     ours = {}
@@ -800,6 +812,11 @@ def main(argv: list[str] | None = None) -> int:
             rep.add(f"e2e.ours_over_hf.{name}", ours[name] / theirs[name],
                     f"genserve / transformers, {batch:>2} × {plen}", "×")
 
+    return finish(rep, opts, threads, started, load_start)
+
+
+def finish(rep: Report, opts: argparse.Namespace, threads: int, started: float, load_start: float) -> int:
+    """Print the report (and write --json); returns the exit status 0."""
     rep.meta["seconds"] = round(time.perf_counter() - started, 1)
     rep.meta["loadavg_1min"] = [load_start, os.getloadavg()[0]]
     print(f"genserve engine benchmark — {threads} threads, torch {torch.__version__}, "

@@ -13,6 +13,7 @@ import os
 
 from bridge.app import DEFAULT_MODEL_NAME, MAX_BODY_BYTES
 from bridge.server import run
+from genserve.common.keepalive import PING_INTERVAL_S
 from genserve.common.telemetry import setup_logging, setup_tracing
 
 
@@ -31,13 +32,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-body-bytes", type=int,
                         default=int(os.environ.get("GENSERVE_MAX_BODY_BYTES", MAX_BODY_BYTES)),
                         help="largest request body, bytes (413 above; default: %(default)s)")
+    parser.add_argument("--keepalive-interval-s", type=float, default=PING_INTERVAL_S,
+                        help="HTTP/2 keepalive ping interval of the gRPC channel, seconds "
+                             "(default: %(default)s)")
     args = parser.parse_args(argv)
     engine_metrics_urls = args.engine_metrics_url or \
         [url for url in [os.environ.get("GENSERVE_ENGINE_METRICS_URL")] if url]
     setup_logging(args.log_level.upper())
     setup_tracing("genserve-bridge")
     run(args.grpc_target, args.host, args.port, model_name=args.model_name, log_level=args.log_level,
-        engine_metrics_url=engine_metrics_urls, max_body_bytes=args.max_body_bytes)
+        engine_metrics_url=engine_metrics_urls, max_body_bytes=args.max_body_bytes,
+        grpc_ping_interval_s=args.keepalive_interval_s)
 
 
 if __name__ == "__main__":

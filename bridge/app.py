@@ -70,6 +70,7 @@ from bridge.protocol import UINT32_MAX, DetokenizeRequest, TokenizeRequest
 from bridge.sse import SSEResponse, SSE_KEEPALIVE_S, read_first, sse_data, sse_error
 from bridge.state import Backend, BridgeState, auth_metadata, bridge_state
 from genserve.common.chat_messages import ChatError
+from genserve.common.keepalive import PING_INTERVAL_S
 from genserve.common.model_name import DEFAULT_MODEL_NAME
 from genserve.v1 import generate_pb2 as pb
 
@@ -93,6 +94,7 @@ def create_app(
     max_body_bytes: int = MAX_BODY_BYTES,
     tracer: trace.Tracer | None = None,
     keepalive_s: float = SSE_KEEPALIVE_S,
+    grpc_ping_interval_s: float = PING_INTERVAL_S,
 ) -> FastAPI:
     """Build the bridge app for the GenerateService at `grpc_target` ("host:port").
 
@@ -100,7 +102,8 @@ def create_app(
     URLs (one per engine replica) each engine's series get a `replica` label (`BridgeMetrics`).
     `max_body_bytes` bounds request bodies (413 above). `tracer`: OpenTelemetry tracer for
     request spans (default: the global provider's, a no-op unless tracing was set up).
-    `keepalive_s`: see `BridgeState.keepalive_s`.
+    `keepalive_s`: see `BridgeState.keepalive_s`; `grpc_ping_interval_s`: see
+    `BridgeState.grpc_ping_interval_s`.
     """
     metrics = BridgeMetrics(engine_metrics_url)
     app = FastAPI(title="genserve bridge", lifespan=_lifespan)
@@ -112,6 +115,7 @@ def create_app(
         tracer=tracer or trace.get_tracer("genserve.bridge"),
         metrics=metrics,
         keepalive_s=keepalive_s,
+        grpc_ping_interval_s=grpc_ping_interval_s,
     )
     app.add_middleware(BodyGuard, max_body_bytes=max_body_bytes)
     app.add_middleware(ResponseCounter, metrics=metrics)
@@ -125,7 +129,7 @@ def create_app(
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     """Open the gRPC backend at startup and close it at shutdown."""
     state: BridgeState = app.state.bridge
-    state.backend = Backend(state.grpc_target)
+    state.backend = Backend(state.grpc_target, state.grpc_ping_interval_s)
     try:
         yield
     finally:

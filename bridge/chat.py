@@ -71,6 +71,8 @@ class ChatCompletionBuilder:
         self._detail: dict[int, str] = {}
         self.tools = tools
         self._calls: dict[int, list[dict]] = {}
+        self._cached_tokens = 0
+        self._opened: set[int] = set()       # choices whose role chunk went out
 
     @property
     def all_finished(self) -> bool:
@@ -100,17 +102,25 @@ class ChatCompletionBuilder:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
                 "total_tokens": self.prompt_tokens + completion}
 
+    def _open(self, index: int) -> list[dict]:
+        """The role chunk of choice `index` the first time it has something to say, else []."""
+        if index in self._opened:
+            return []
+        self._opened.add(index)
+        return [self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None}])]
+
     def events_for(self, msg: pb.GenerateResponse) -> list[dict]:
-        """Record one message; return the chunks it makes (Started: one role chunk per sample)."""
+        """Record one message; return the chunks it makes. Started makes none: a choice's role
+        chunk goes out with its first token (or its finish), as OpenAI's and vLLM's do, so a
+        client timing the first chunk measures the time to the first token, not to admission."""
         if msg.request_id:
             self.request_id = msg.request_id
         kind = msg.WhichOneof("event")
         if kind == "started":
             self.request_id = msg.started.request_id or self.request_id
             self.prompt_tokens = msg.started.prompt_tokens
-            return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                                  "logprobs": None, "finish_reason": None}])
-                    for i in range(self.num_samples)]
+            return []
         if kind == "token":
             tok = msg.token
             self._text.setdefault(tok.index, []).append(tok.text)
@@ -124,14 +134,14 @@ class ChatCompletionBuilder:
                                           for t in tok.top_logprobs]}
                 self._logprobs.setdefault(tok.index, []).append(entry)
             if self.tools and "".join(self._text[tok.index]).lstrip().startswith("<"):
-                return []                                   # maybe a tool call: held until the end
-            return [self._chunk([{"index": tok.index, "delta": {"content": tok.text},
+                return self._open(tok.index)                # maybe a tool call: held until the end
+            return self._open(tok.index) + [self._chunk([{"index": tok.index, "delta": {"content": tok.text},
                                   "logprobs": None if entry is None else {"content": [entry]},
                                   "finish_reason": None}])]
         if kind == "finished":
             fin = msg.finished
             reason = FINISH_REASON_NAME.get(fin.reason)
-            chunks = []
+            chunks = self._open(fin.index)          # the role chunk, if no token sent it
             text = "".join(self._text.get(fin.index, []))
             if self.tools and text.lstrip().startswith("<"):
                 calls = parse_tool_calls(text) if reason == "stop" else None
@@ -152,6 +162,7 @@ class ChatCompletionBuilder:
             if fin.HasField("usage"):
                 self._completion_tokens[fin.index] = fin.usage.completion_tokens
                 self.prompt_tokens = fin.usage.prompt_tokens or self.prompt_tokens
+                self._cached_tokens = max(self._cached_tokens, fin.usage.cached_tokens)
             self._detail[fin.index] = fin.detail
             extra: dict[str, Any] = {"timing": timing_json(fin.timing)}
             if fin.detail:
@@ -164,10 +175,12 @@ class ChatCompletionBuilder:
         return []
 
     def usage(self) -> dict:
-        """Token counts over all samples, OpenAI's ``usage`` object."""
+        """Token counts over all samples, OpenAI's ``usage`` object (``prompt_tokens_details.
+        cached_tokens``: the prompt tokens the prefix cache held)."""
         completion = sum(self._completion_tokens.get(i, len(t)) for i, t in self._text.items())
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
-                "total_tokens": self.prompt_tokens + completion}
+                "total_tokens": self.prompt_tokens + completion,
+                "prompt_tokens_details": {"cached_tokens": self._cached_tokens}}
 
     def completion(self) -> dict:
         """The whole chat completion, OpenAI-style (for stream=false)."""

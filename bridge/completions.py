@@ -4,7 +4,8 @@ and OpenAI completion JSON (`CompletionBuilder`); the request body is
 
 One `CompletionBuilder` follows one Generate stream (with several prompts, one per prompt read as
 one by `bridge.fanout.CallGroup`, whose choice indices are prompt-major, then by sample). Each
-message gives at most one event (Started: one echo event per choice with `echo`; the last
+message gives at most one event (Started: none, so the first event leaves with the first token;
+with `echo`, a choice's first token or finish is preceded by its echo event; the last
 Finished also a usage chunk with `stream_options.include_usage`); the builder also accumulates the
 whole completion for stream=false, where `best_of` picks each prompt's `n` best samples.
 
@@ -113,6 +114,8 @@ class CompletionBuilder:
         # With echo and logprobs: each prompt's own tokens as a _Sample (its logprobs from the
         # engine's PromptLogprobs message), by prompt index.
         self._prompts: dict[int, _Sample] = {}
+        self._cached: dict[int, int] = {}             # prompt index -> prompt tokens from the cache
+        self._echoed: set[int] = set()                # samples whose echo event went out
 
     @property
     def all_finished(self) -> bool:
@@ -154,33 +157,34 @@ class CompletionBuilder:
         kind = msg.WhichOneof("event")
         if kind == "started":
             self.on_message(msg)
-            if not self.echo:
-                return []
-            for index in range(self.num_samples):
-                self._sample(index).text_offset = len(self.echo[self._prompt_index(index)])
-            if self.logprobs:          # the echo waits for the prompt's logprobs
-                return []
-            return [self._echo_event(index) for index in range(self.num_samples)]
-        if kind == "prompt_logprobs":
+            return []
+        if kind == "prompt_logprobs":      # kept for the echo event, which leaves with the first token
             k = self._prompt_index(msg.prompt_logprobs.index)
             self._prompts[k] = _prompt_sample(msg.prompt_logprobs)
-            first = k * self.samples_per_prompt
-            return [self._echo_event(index) for index in range(first, first + self.samples_per_prompt)]
+            return []
+        index = msg.token.index if kind == "token" else msg.finished.index if kind == "finished" else None
+        events = [] if index is None else self._echo_event(index)
         event = self.on_message(msg)
-        events = [] if event is None else [event]
+        events += [] if event is None else [event]
         if msg.WhichOneof("event") == "finished" and self.include_usage and self.all_finished:
             events.append({"id": self.request_id, "object": "text_completion", "created": self.created,
                            "model": self.model, "choices": [], "usage": self.usage(),
                            "request_id": self.request_id})
         return events
 
-    def _echo_event(self, index: int) -> dict:
-        """The event that streams choice `index`'s prompt text (and its logprobs, when asked)."""
+    def _echo_event(self, index: int) -> list[dict]:
+        """With `echo`, sample `index`'s prompt (with logprobs, also its tokens' logprobs) as its
+        first event, sent with its first token (or its finish) so that the first event of a
+        stream comes with the first token; else []."""
+        if not self.echo or index in self._echoed:
+            return []
+        self._echoed.add(index)
         text = self.echo[self._prompt_index(index)]
-        prompt = self._prompts.get(self._prompt_index(index))
+        self._sample(index).text_offset = len(text)
+        prompt = self._prompts.get(self._prompt_index(index))      # echo with logprobs
         event = self._chunk(index, text, None if prompt is None else prompt.logprobs_json(), None)
         event["text"] = text
-        return event
+        return [event]
 
     def on_message(self, msg: pb.GenerateResponse) -> dict | None:
         """Record one message; return the SSE event it makes (None for Started)."""
@@ -234,10 +238,13 @@ class CompletionBuilder:
         prompt_tokens = fin.usage.prompt_tokens if fin.HasField("usage") else self.prompt_tokens
         event = self._chunk(fin.index, "", None, reason)
         event["finish_reason"] = reason
+        cached = fin.usage.cached_tokens if fin.HasField("usage") else 0
+        self._cached[self._prompt_index(fin.index)] = cached
         event["usage"] = {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": sample.completion_tokens,
             "total_tokens": prompt_tokens + sample.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached},
         }
         event["timing"] = timing_json(fin.timing)
         if fin.detail:
@@ -245,10 +252,12 @@ class CompletionBuilder:
         return event
 
     def usage(self) -> dict:
-        """Token counts of the whole request: every prompt once, every sample drawn."""
+        """Token counts of the whole request: every prompt once, every sample drawn; OpenAI's
+        `prompt_tokens_details.cached_tokens` counts the prompt tokens the prefix cache held."""
         completion_tokens = sum(s.completion_tokens for s in self._samples.values())
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": self.prompt_tokens + completion_tokens}
+                "total_tokens": self.prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": sum(self._cached.values())}}
 
     def _chosen(self) -> list[tuple[int, _Sample]]:
         """(choice index, sample) of the answer: every sample, or with `best_of` each prompt's

@@ -137,6 +137,9 @@ _SHARED: dict[str, Rule] = {
                           origin=VLLM, grpc="choice.options"),
     "guided_grammar": Rule(HONOURED, "older name for `structured_outputs.grammar`", 'start: "a" | "b"',
                            origin=VLLM, grpc="grammar"),
+    "cache_salt": Rule(HONOURED, "cached prompt blocks are shared only by requests with the same salt "
+                       "(and, by default, the same API key); up to 256 characters", "s1", origin=VLLM,
+                       grpc="cache_salt"),
     # genserve's.
     "deadline_s": Rule(HONOURED, "seconds from arrival after which the request is dropped "
                        "(finish_reason cancelled, detail deadline)", 30.0, origin=GENSERVE, grpc="deadline_s"),
@@ -165,7 +168,7 @@ COMPLETIONS: dict[str, Rule] = {
     "prompt_token_ids": Rule(HONOURED, "the prompt as token ids (instead of `prompt`)", [1, 2, 3],
                              origin=GENSERVE),
     **_pick("top_k", "ignore_eos", "repetition_penalty", "min_p", "min_tokens", "stop_token_ids",
-            "include_stop_str_in_output", "skip_special_tokens", "deadline_s"),
+            "include_stop_str_in_output", "skip_special_tokens", "cache_salt", "deadline_s"),
     **_pick("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"),
 }
 
@@ -185,7 +188,8 @@ CHAT: dict[str, Rule] = {
     "store": _recorded("genserve stores nothing", False),
     "service_tier": _recorded("one tier", "auto"),
     "safety_identifier": _recorded("an end-user id", "user-1"),
-    "prompt_cache_key": Rule(ACCEPTED, "prefix caching is automatic", "k1"),
+    "prompt_cache_key": Rule(ACCEPTED, "prefix caching is automatic, within the API key (`cache_salt` "
+                             "narrows it)", "k1"),
     "prompt_cache_retention": Rule(ACCEPTED, "cached prefixes live while the pool has room", "in_memory"),
     "prompt_cache_options": Rule(ACCEPTED, "as `prompt_cache_key`", {}),
     "prediction": Rule(ACCEPTED, "a latency hint; the output is the same without it",
@@ -214,7 +218,7 @@ CHAT: dict[str, Rule] = {
     "moderation": Rule(NOT_SUPPORTED, "null only", None, accepts=lambda v: False,
                        refused={"policy": {"input": {"mode": "score"}}}, why="genserve runs no moderation model"),
     **_pick("top_k", "ignore_eos", "repetition_penalty", "min_p", "min_tokens", "stop_token_ids",
-            "include_stop_str_in_output", "skip_special_tokens", "deadline_s"),
+            "include_stop_str_in_output", "skip_special_tokens", "cache_salt", "deadline_s"),
     **_pick("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"),
 }
 

@@ -8,6 +8,8 @@ BodyGuard's refusals too.
 
 from __future__ import annotations
 
+import asyncio
+
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -16,6 +18,13 @@ from bridge.metrics import BridgeMetrics
 
 # Largest request body accepted (413 above). A full 8,192-token prompt is well under 100 KB.
 MAX_BODY_BYTES = 1024 * 1024
+
+DRAIN_TIME_S = 30.0
+"""How long the bridge reads (and drops) the rest of a body over the limit before it answers 413,
+seconds (nginx's `lingering_time` default). A server that answers and closes while the client
+still sends resets the connection, and a client that writes its whole body before it reads
+(httpx, most SDKs, Envoy in front) then sees the reset, not the 413. Past this time the 413 is
+sent anyway."""
 
 
 class ResponseCounter:
@@ -66,7 +75,7 @@ class BodyGuard:
         headers = Headers(scope=scope)
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            await self._too_large(scope, receive, send)
+            await self._too_large(scope, receive, send, more_body=True)
             return
         content_type = headers.get("content-type")
         if not content_type:        # no content type: take the body as JSON
@@ -85,7 +94,7 @@ class BodyGuard:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body_bytes:
-                await self._too_large(scope, receive, send)
+                await self._too_large(scope, receive, send, more_body=message.get("more_body", False))
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):
@@ -108,7 +117,20 @@ class BodyGuard:
 
         await self.app(scope, replay, send)
 
-    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send, *, more_body: bool) -> None:
+        """Answer 413, after reading the rest of the body (`more_body`: some is unread) for up to
+        `DRAIN_TIME_S` seconds, so the answer is read rather than lost in a reset. Nothing is kept."""
+        if more_body:
+            try:
+                async with asyncio.timeout(DRAIN_TIME_S):
+                    while True:
+                        message = await receive()
+                        if message["type"] == "http.disconnect":
+                            return                            # the client left: nobody to answer
+                        if not message.get("more_body", False):
+                            break
+            except TimeoutError:
+                pass
         await ApiError(413, f"request body is larger than {self.max_body_bytes} bytes",
                        code="payload_too_large").response()(scope, receive, send)
 

@@ -134,6 +134,7 @@ class SamplingBody(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool | None = False
     deadline_s: Float | None = None  # seconds from arrival; the service caps it at its default
+    cache_salt: StrictStr | None = None  # vLLM's: narrows the prefix-cache scope (engine checks length)
     user: StrictStr | None = None
     presence_penalty: Float | None = None
     frequency_penalty: Float | None = None
@@ -322,6 +323,8 @@ class CompletionRequest(SamplingBody):
         constraint = self.constraint()
         if constraint is not None:
             constraint.set_on(request)
+        if self.cache_salt is not None:
+            request.cache_salt = self.cache_salt
         if isinstance(prompt, str):
             request.prompt = prompt
         else:
@@ -417,6 +420,8 @@ class ChatCompletionRequest(SamplingBody):
         constraint = self.constraint()
         if constraint is not None:
             constraint.set_on(request)
+        if self.cache_salt is not None:
+            request.cache_salt = self.cache_salt
         chat = request.chat
         chat.SetInParent()
         chat.messages.extend(chat_messages_proto(render_messages(self.messages, self.tool_setup())))

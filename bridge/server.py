@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import uvicorn
 
 from bridge.app import DEFAULT_MODEL_NAME, MAX_BODY_BYTES, create_app
+from genserve.common.keepalive import PING_INTERVAL_S
 
 KEEP_ALIVE_S = 75
 """Seconds the bridge keeps an idle HTTP/1.1 connection open (uvicorn's `timeout_keep_alive`,
@@ -24,6 +25,7 @@ def run(
     log_level: str = "info",
     engine_metrics_url: str | Sequence[str] | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
+    grpc_ping_interval_s: float = PING_INTERVAL_S,
 ) -> None:
     """Serve the bridge on host:port until interrupted, talking to grpc_target.
 
@@ -31,6 +33,6 @@ def run(
     root handler, which `genserve.common.telemetry.setup_logging` makes write JSON lines.
     """
     app = create_app(grpc_target, model_name, engine_metrics_url=engine_metrics_url,
-                     max_body_bytes=max_body_bytes)
+                     max_body_bytes=max_body_bytes, grpc_ping_interval_s=grpc_ping_interval_s)
     uvicorn.run(app, host=host, port=port, log_level=log_level, log_config=None,
                 timeout_keep_alive=KEEP_ALIVE_S)

@@ -14,6 +14,7 @@ from opentelemetry import trace
 
 from bridge.metrics import BridgeMetrics
 from bridge.sse import SSE_KEEPALIVE_S
+from genserve.common import keepalive
 from genserve.v1 import generate_pb2_grpc as pb_grpc
 
 # While the engine is down (restarting), calls fail at once with UNAVAILABLE (503 + Retry-After);
@@ -27,10 +28,17 @@ CHANNEL_OPTIONS = (
 
 
 class Backend:
-    """The app's one gRPC channel and the stubs on it."""
+    """The app's one gRPC channel and the stubs on it.
 
-    def __init__(self, target: str) -> None:
-        self.channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+    Args:
+        target: "host:port" of the GenerateService (Envoy's listener, or an engine).
+        ping_interval_s: HTTP/2 keepalive ping interval of the channel, seconds
+            (`genserve.common.keepalive.channel_options`; the engines accept pings that often).
+    """
+
+    def __init__(self, target: str, ping_interval_s: float = keepalive.PING_INTERVAL_S) -> None:
+        self.channel = grpc.aio.insecure_channel(
+            target, options=CHANNEL_OPTIONS + keepalive.channel_options(ping_interval_s))
         self.generate = pb_grpc.GenerateServiceStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
 
@@ -59,6 +67,8 @@ class BridgeState:
             SSE comment (`bridge.sse.SSE_KEEPALIVE`) is sent every this many seconds, so that
             proxies with an idle timeout (Envoy's stream_idle_timeout, 300 s in the chart) do not
             cut it.
+        grpc_ping_interval_s: the gRPC channel's HTTP/2 keepalive ping interval, seconds
+            (`genserve.common.keepalive`).
         tracer: OpenTelemetry tracer of the request spans.
         metrics: the bridge's Prometheus metrics (and the engine's, appended to `GET /metrics`).
         backend: the gRPC channel and stubs: opened by the lifespan at startup (closed at
@@ -76,13 +86,14 @@ class BridgeState:
     tracer: trace.Tracer
     metrics: BridgeMetrics
     keepalive_s: float = SSE_KEEPALIVE_S
+    grpc_ping_interval_s: float = keepalive.PING_INTERVAL_S
     backend: Backend | None = None
     groups: dict[str, list[str]] = field(default_factory=dict)
 
     def connect(self) -> Backend:
         """The gRPC backend, opened here when the lifespan has not opened one."""
         if self.backend is None:
-            self.backend = Backend(self.grpc_target)
+            self.backend = Backend(self.grpc_target, self.grpc_ping_interval_s)
         return self.backend
 
 

@@ -15,6 +15,7 @@ DEVICES = ("auto", "cpu", "cuda")
 POLICIES = ("fixed", "slo")
 WEIGHTS = ("auto", "bf16", "q4")
 KV_CACHE_DTYPES = ("auto", "int8")
+PREFIX_CACHE_SCOPES = ("key", "global")
 
 
 @dataclass(slots=True)
@@ -77,6 +78,13 @@ class EngineConfig:
             (on by default, as in vLLM): full prompt blocks stay cached after their request ends
             and are taken back least recently used only when the pool needs them; reuse is in
             whole `prefill_piece` pieces, so a cached answer is bit-identical to a computed one.
+        prefix_cache_scope: who may reuse whose cached blocks (`PREFIX_CACHE_SCOPES`): "key"
+            (default): only requests of the API key (and `cache_salt`, when a request sends one)
+            that computed them, so a request's speed and its cached-token count say nothing
+            about other tenants' prompts; "global": every request whose prompt and
+            `cache_salt` match, across keys. "global" reuses more, and opens a side channel: a
+            tenant can tell from its time to first token or its cached-token count (and from
+            /metrics' hit counter) whether anyone sent a prompt before (vLLM's CVE-2025-46570).
         weights: how the block matrices are read (`WEIGHTS`): "bf16": dequantized to bf16 at
             load; "q4": the GGUF's 4-bit Q4_1 blocks as they are, 3.2x fewer bytes per product,
             with the bits of genserve's bf16 products (`engine.model.quant` says where those are the
@@ -117,6 +125,7 @@ class EngineConfig:
     slo_prefill_share: float = 0.2
     slo_row_limit: int = 256
     prefix_caching: bool = True
+    prefix_cache_scope: str = "key"
     weights: str = "auto"
     kv_cache_dtype: str = "auto"
 
@@ -163,6 +172,9 @@ class EngineConfig:
             raise ValueError(f"slo_row_limit must be in 1..4096, got {self.slo_row_limit}")
         if self.weights not in WEIGHTS:
             raise ValueError(f"weights must be one of {WEIGHTS}, got {self.weights!r}")
+        if self.prefix_cache_scope not in PREFIX_CACHE_SCOPES:
+            raise ValueError(f"prefix_cache_scope must be one of {PREFIX_CACHE_SCOPES}, got "
+                             f"{self.prefix_cache_scope!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got "
                              f"{self.kv_cache_dtype!r}")

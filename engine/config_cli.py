@@ -24,7 +24,8 @@ import typing
 from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
-from engine.config import BATCHING_MODES, DEVICES, DTYPES, KV_CACHE_DTYPES, POLICIES, WEIGHTS, EngineConfig
+from engine.config import (BATCHING_MODES, DEVICES, DTYPES, KV_CACHE_DTYPES, POLICIES, PREFIX_CACHE_SCOPES,
+                           WEIGHTS, EngineConfig)
 
 GIB = 1024**3
 GB = 10**9
@@ -71,6 +72,7 @@ FLAG_CHOICES: typing.Mapping[str, tuple[str, ...]] = types.MappingProxyType({
     "device": DEVICES,
     "kv_cache_dtype": KV_CACHE_DTYPES,
     "policy": POLICIES,
+    "prefix_cache_scope": PREFIX_CACHE_SCOPES,
     "weights": WEIGHTS,
 })
 

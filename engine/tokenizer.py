@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 from collections.abc import Iterable
 from functools import lru_cache
 from typing import TYPE_CHECKING
@@ -65,6 +66,26 @@ def bytes_to_unicode() -> dict[int, str]:
             n += 1
     return dict(zip(bs, map(chr, cs)))
 
+
+
+
+def _control_tokens(token_bytes: list[bytes], token_types: list[int]
+                    ) -> tuple["re.Pattern[str] | None", dict[str, int]]:
+    """A regular expression matching any control token's text (longest first, as the library
+    matches added tokens) and text -> id; (None, {}) for a vocabulary without control tokens."""
+    ids_of = {token_bytes[i].decode("utf-8", "replace"): i
+              for i, kind in enumerate(token_types) if kind == TOKEN_CONTROL}
+    if not ids_of:
+        return None, {}
+    return re.compile("|".join(re.escape(t) for t in sorted(ids_of, key=len, reverse=True))), ids_of
+
+def _literal_copy(tk: _HFTokenizer) -> _HFTokenizer:
+    """A copy of `tk` that reads special-token text as plain text (the library's
+    `encode_special_tokens`), for `Tokenizer.encode_text`. A copy, so that `tk` itself never
+    changes mode and both can be used at once."""
+    copy = _HFTokenizer.from_str(tk.to_str())
+    copy.encode_special_tokens = True
+    return copy
 
 class Tokenizer:
     """Text <-> token ids for a byte-level BPE GGUF, plus the exact bytes of each token.
@@ -148,6 +169,8 @@ class Tokenizer:
         if tk.get_vocab_size(with_added_tokens=True) != self.vocab_size:
             raise ValueError("added tokens grew the vocabulary: a control/user token is not in it")
         self._tk = tk
+        self._tk_text = _literal_copy(tk)
+        self._control = _control_tokens(self._bytes, self._types)
 
     @classmethod
     def from_gguf(cls, source: "str | pathlib.Path | gguf.GGUFReader | None" = None) -> "Tokenizer":
@@ -270,6 +293,8 @@ class Tokenizer:
         self._types = token_types
         self._bytes = token_bytes
         self._tk = tk
+        self._tk_text = _literal_copy(tk)
+        self._control = _control_tokens(token_bytes, token_types)
         return self
 
     def encode(self, text: str) -> list[int]:
@@ -277,6 +302,34 @@ class Tokenizer:
         Control-token text such as ``<|im_end|>`` becomes its single id (as in transformers and
         llama.cpp with special parsing)."""
         return self._bos + self._tk.encode(text, add_special_tokens=False).ids
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of ``text`` read as plain text: control-token text such as ``<|im_end|>`` is
+        tokenized like any other characters and never becomes a control id; no BOS. For text a
+        user wrote inside a chat message (service/chat.py), which must not open or close turns."""
+        return self._tk_text.encode(text, add_special_tokens=False).ids
+
+    def encode_pieces(self, pieces: Iterable[tuple[str, bool]]) -> list[int]:
+        """Token ids of the text the pieces join to, where control-token text is matched only
+        in pieces whose flag is False (a chat template's own text), never in those flagged True
+        (message text). Between two control tokens the text is tokenized as one run, as
+        `encode` of the joined text would, so text without control-token spellings gives
+        exactly `encode("".join(texts))`. A BOS as `encode` adds it."""
+        pattern, ids_of = self._control
+        ids = list(self._bos)
+        run: list[str] = []
+        for text, is_message in pieces:
+            if is_message or pattern is None:
+                run.append(text)
+                continue
+            pos = 0
+            for match in pattern.finditer(text):
+                run.append(text[pos:match.start()])
+                ids += self.encode_text("".join(run))
+                ids.append(ids_of[match.group()])
+                run, pos = [], match.end()
+            run.append(text[pos:])
+        return ids + self.encode_text("".join(run))
 
     def encode_batch(self, texts: Iterable[str]) -> list[list[int]]:
         """``[encode(t) for t in texts]``, run in parallel by the Rust library."""
@@ -345,6 +398,14 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         """The UTF-8 bytes of ``text`` as ids 0..255."""
         return list(text.encode("utf-8"))
+
+    def encode_text(self, text: str) -> list[int]:
+        """As `encode`: a byte vocabulary has no control tokens to keep out."""
+        return self.encode(text)
+
+    def encode_pieces(self, pieces: Iterable[tuple[str, bool]]) -> list[int]:
+        """`encode` of the joined texts (no control tokens to keep out of message pieces)."""
+        return self.encode("".join(text for text, _ in pieces))
 
     def encode_batch(self, texts: Iterable[str]) -> list[list[int]]:
         """``[encode(t) for t in texts]``."""

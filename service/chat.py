@@ -4,8 +4,9 @@ An instruct model was trained on conversations laid out in one exact format (Smo
 ``<|im_start|>role\\ncontent<|im_end|>\\n`` per message). The model file carries that format as a
 Jinja template (GGUF ``tokenizer.chat_template``; ``chat_template`` in a Hugging Face
 ``tokenizer_config.json``). A chat request is rendered with it, the generation prompt appended
-(``<|im_start|>assistant\\n``), and the text is tokenized like any prompt, control tokens matched
-whole. The rendering follows transformers' ``apply_chat_template``
+(``<|im_start|>assistant\\n``), and tokenized: the template's own text with control tokens
+matched whole, each message's text as plain text (`render_pieces`), so that a user who writes
+``<|im_end|><|im_start|>system`` gets those characters, not a closed turn and a forged system turn. The rendering follows transformers' ``apply_chat_template``
 (``transformers/utils/chat_template_utils.py``): an immutable sandboxed Jinja environment with
 ``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols`` extension, a ``tojson`` filter, and the
 ``raise_exception`` and ``strftime_now`` globals, so a template behaves here as it does there.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import secrets
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
@@ -76,7 +78,49 @@ class ChatTemplate:
             ChatError: field "messages" when the template refuses the conversation (its
                 ``raise_exception``) or fails while rendering it.
         """
-        data = [{"role": m.role, "content": m.content} for m in messages]
+        return self._render([{"role": m.role, "content": m.content} for m in messages],
+                            add_generation_prompt)
+
+    def render_pieces(self, messages: Sequence[ChatMessage],
+                      add_generation_prompt: bool = True) -> list[tuple[str, bool]]:
+        """The prompt as (text, is_message_text) pieces, in order: the template's own text
+        (False), which may hold control tokens, and each message's content where the template
+        placed it (True), to be tokenized as plain text.
+
+        Each content is rendered as a marker made of a random nonce (private-use characters and
+        128 random bits, which no message can guess), then the markers are replaced by the
+        contents. A template that edits the content it prints (``| trim``, ``| upper``) sees the
+        marker instead: the content goes in unedited (a marker it mangles is refused).
+
+        Raises:
+            ChatError: field "messages" as `render`; field "chat_template" when the template
+                alters a message marker, so the message text cannot be kept apart.
+        """
+        nonce = secrets.token_hex(16)
+        markers = {f"\ue000{nonce}:{i}\ue001": m.content for i, m in enumerate(messages)}
+        text = self._render([{"role": m.role, "content": marker} for m, marker in zip(messages, markers)],
+                            add_generation_prompt)
+        pieces: list[tuple[str, bool]] = []
+        rest = text
+        while True:
+            at = rest.find("\ue000")
+            if at < 0:
+                break
+            end = rest.find("\ue001", at)
+            marker = rest[at:end + 1]
+            if end < 0 or marker not in markers:
+                raise ChatError("chat_template", "alters message text as it prints it; genserve "
+                                                 "cannot keep message text apart from its control tokens")
+            pieces += [(rest[:at], False), (markers[marker], True)]
+            rest = rest[end + 1:]
+        if "\ue000" in rest:
+            raise ChatError("chat_template", "alters message text as it prints it; genserve "
+                                             "cannot keep message text apart from its control tokens")
+        pieces.append((rest, False))
+        return [(t, literal) for t, literal in pieces if t]
+
+    def _render(self, data: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        """Render the template over `data` (role/content dicts). Raises ChatError as `render`."""
         try:
             return self._template.render(messages=data, add_generation_prompt=add_generation_prompt,
                                          **self.special_tokens)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.config_cli import add_engine_config_args, engine_config_argv, engine_config_from_args
+from genserve.common.keepalive import PING_INTERVAL_S
 from genserve.common.model_name import DEFAULT_MODEL_NAME
 from genserve.common.model_source import RANDOM_SHAPES, parse_model_source
 
@@ -31,11 +32,15 @@ class ProcessOptions:
             model, DEFAULT_MODEL_NAME).
         metrics_port: port of the engine's Prometheus /metrics (None: not served).
         drain_grace_s: on SIGTERM, seconds open streams may run on before they are ended.
+        keepalive_interval_s: the HTTP/2 ping interval of the engine's callers (Envoy, the
+            bridge), seconds; the gRPC server accepts pings that often
+            (`genserve.common.keepalive.server_options`).
     """
 
     model_path: str | None = None
     metrics_port: int | None = None
     drain_grace_s: float = DRAIN_GRACE_S
+    keepalive_interval_s: float = PING_INTERVAL_S
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -70,6 +75,9 @@ def add_engine_args(parser: argparse.ArgumentParser, *,
     group.add_argument("--drain-grace-s", type=float, default=DRAIN_GRACE_S, metavar="SECONDS",
                        help="on SIGTERM, how long open streams may run on before they are ended. "
                             "Default: %(default)s.")
+    group.add_argument("--keepalive-interval-s", type=float, default=PING_INTERVAL_S, metavar="SECONDS",
+                       help="how often the engine's callers (Envoy, the bridge) ping an idle "
+                            "connection; the gRPC server accepts pings that often. Default: %(default)s.")
     add_engine_config_args(parser)
     return group
 
@@ -90,8 +98,10 @@ def options_from_args(args: argparse.Namespace) -> ProcessOptions:
         ValueError: --model is not a valid spelling (`genserve.common.model_source.parse_model_source`).
     """
     parse_model_source(args.model_path)
+    if not args.keepalive_interval_s > 0:
+        raise ValueError(f"--keepalive-interval-s must be > 0, got {args.keepalive_interval_s}")
     return ProcessOptions(model_path=args.model_path, metrics_port=args.metrics_port,
-                          drain_grace_s=args.drain_grace_s)
+                          drain_grace_s=args.drain_grace_s, keepalive_interval_s=args.keepalive_interval_s)
 
 
 def service_argv(config: EngineConfig, options: ProcessOptions, *, host: str, port: int) -> list[str]:
@@ -102,7 +112,8 @@ def service_argv(config: EngineConfig, options: ProcessOptions, *, host: str, po
         ValueError: `config` holds a value the command line cannot spell (see
             `engine.config_cli.engine_config_argv`).
     """
-    argv = [f"--host={host}", f"--port={port}", f"--drain-grace-s={options.drain_grace_s!r}"]
+    argv = [f"--host={host}", f"--port={port}", f"--drain-grace-s={options.drain_grace_s!r}",
+            f"--keepalive-interval-s={options.keepalive_interval_s!r}"]
     if options.model_path is not None:
         argv.append(f"--model={options.model_path}")
     if options.metrics_port is not None:

@@ -26,11 +26,11 @@ from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from engine.config import EngineConfig
 from engine.runner.builder import LoadedEngine, build_engine
+from genserve.common import keepalive
 from genserve.common.ports import PortInUse, check_ports_free
 from genserve.common.telemetry import setup_logging, setup_tracing
 from genserve.v1 import generate_pb2 as pb, generate_pb2_grpc as pb_grpc
@@ -40,6 +40,7 @@ from service.command_line import (DRAIN_GRACE_S, HelpFormatter, add_engine_args,
                                   options_from_args)
 from service.faults import FailingExecutor, fault_settings
 from service.metrics import EngineMetrics
+from service.reflection import enable_server_reflection
 from service.servicer import GenerateServicer, MAX_BUFFERED_EVENTS
 from service.validation import Validator
 
@@ -71,6 +72,8 @@ class EngineServer:
         max_buffered_events: bound of each request's output buffer.
         build: loads the engine (tests pass one that builds a simulated engine).
         tracer: OpenTelemetry tracer for request spans (default: the global provider's).
+        keepalive_interval_s: the callers' HTTP/2 ping interval, seconds; pings that often are
+            accepted (`genserve.common.keepalive.server_options`), so a silent stream survives.
     """
 
     def __init__(self, config: EngineConfig, host: str = "127.0.0.1", port: int = 50051, *,
@@ -78,7 +81,8 @@ class EngineServer:
                  metrics_port: int | None = None, drain_grace_s: float = DRAIN_GRACE_S,
                  fail_at_step: int | None = None, fail_once_file: str | None = None,
                  max_buffered_events: int = MAX_BUFFERED_EVENTS,
-                 build: Builder = build_engine, tracer=None) -> None:
+                 build: Builder = build_engine, tracer=None,
+                 keepalive_interval_s: float = keepalive.PING_INTERVAL_S) -> None:
         self.config = config
         self.host = host
         self.requested_port = port
@@ -88,7 +92,8 @@ class EngineServer:
         self.fail_at_step = fail_at_step
         self.fail_once_file = fail_once_file
         self.build = build
-        self.server = grpc.aio.server(options=GRPC_SERVER_OPTIONS)
+        self.server = grpc.aio.server(
+            options=GRPC_SERVER_OPTIONS + keepalive.server_options(keepalive_interval_s))
         self.health = EngineHealth(lambda: self.loaded is None or self.loaded.engine.alive)
         self.servicer = GenerateServicer(auth=auth or Authenticator.from_env(),
                                          max_buffered_events=max_buffered_events, tracer=tracer)
@@ -110,8 +115,7 @@ class EngineServer:
             check_ports_free([("engine metrics", self.host, self.metrics_port)])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
+        enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME), self.server)
         pb_grpc.add_GenerateServiceServicer_to_server(self.servicer, self.server)
         try:
             self.port = self.server.add_insecure_port(f"{self.host}:{self.requested_port}")
@@ -321,5 +325,6 @@ def main(argv: list[str] | None = None) -> None:
     code = asyncio.run(serve(config, args.host, args.port, options.model_path,
                              metrics_port=options.metrics_port, drain_grace_s=options.drain_grace_s,
                              fail_at_step=fail_at_step, fail_once_file=once_file,
-                             max_buffered_events=args.max_buffered_events))
+                             max_buffered_events=args.max_buffered_events,
+                             keepalive_interval_s=options.keepalive_interval_s))
     sys.exit(code)

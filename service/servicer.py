@@ -248,7 +248,7 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
         req = Request(
             request_id=request_id, api_key=api_key, prompt_ids=valid.prompt_ids,
             max_tokens=valid.max_tokens, sampling=valid.sampling, arrival_s=0.0,
-            deadline_s=0.0, eos_token_id=self.tokenizer.eos_token_id,
+            deadline_s=0.0, eos_token_id=self.tokenizer.eos_token_id, cache_salt=valid.cache_salt,
             on_event=lambda ev: handoff.call(self._deliver, request_id, buffer, ev), constraint=compiled)
         if valid.n > 1:
             req.fork(valid.n, sample_seeds(valid.sampling.seed, valid.n))

@@ -19,6 +19,7 @@ MAX_PROMPT_CHARS = 200_000       # bound on text handed to the tokenizer (≈ 8,
 MAX_LOGIT_BIAS = 300             # logit_bias entries (OpenAI's limit)
 MAX_BIAS = 100.0                 # |bias| (OpenAI's range, -100..100)
 MAX_STOP_TOKEN_IDS = 64          # stop_token_ids entries
+MAX_CACHE_SALT_CHARS = 256       # cache_salt: a scope name, not data (a digest's hex is 64)
 
 
 class ValidationError(ValueError):
@@ -42,6 +43,7 @@ class ValidRequest:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     constraint: ConstraintSpec | None = None
+    cache_salt: str = ""
 
 
 class Validator:
@@ -107,12 +109,15 @@ class Validator:
         if constraint is not None and sampling.min_tokens:
             # The grammar may allow only the end-of-sequence token where min_tokens bans it.
             raise ValidationError("min_tokens", "cannot be combined with a structured-output constraint")
+        if len(req.cache_salt) > MAX_CACHE_SALT_CHARS:
+            raise ValidationError("cache_salt", f"is {len(req.cache_salt)} characters; the limit is "
+                                                f"{MAX_CACHE_SALT_CHARS}")
         s = req.sampling
         return ValidRequest(prompt_ids, max_tokens, sampling, self._deadline(req), n, self._stop(s),
                             include_stop_str_in_output=s.include_stop_str_in_output,
                             skip_special_tokens=(s.skip_special_tokens
                                                  if s.HasField("skip_special_tokens") else True),
-                            constraint=constraint)
+                            constraint=constraint, cache_salt=req.cache_salt)
 
     def tokenize_prompt(self, prompt: str) -> list[int]:
         """Token ids of a text prompt (field `prompt`), as Generate counts them."""
@@ -121,8 +126,17 @@ class Validator:
         return self.tokenizer.encode(prompt)
 
     def tokenize_chat(self, chat: pb.ChatMessages) -> list[int]:
-        """Token ids of a conversation rendered with the model's chat template (field `messages`)."""
-        prompt_ids = self.tokenizer.encode(self._render_chat(chat))
+        """Token ids of a conversation rendered with the model's chat template (field `messages`).
+
+        Only the template makes control tokens: they are matched in its own text, never in a
+        message's (`ChatTemplate.render_pieces`, `Tokenizer.encode_pieces`).
+        """
+        pieces = self._render_chat(chat)
+        encode_pieces = getattr(self.tokenizer, "encode_pieces", None)
+        if encode_pieces is not None:
+            prompt_ids = encode_pieces(pieces)
+        else:                               # a tokenizer without control tokens
+            prompt_ids = self.tokenizer.encode("".join(text for text, _ in pieces))
         bos = getattr(self.tokenizer, "bos_token_id", None)
         if bos is not None and prompt_ids[:2] == [bos, bos]:
             prompt_ids = prompt_ids[1:]     # the template wrote the BOS the tokenizer adds
@@ -135,20 +149,22 @@ class Validator:
         if bad:
             raise ValidationError(field, f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
 
-    def _render_chat(self, chat: pb.ChatMessages) -> str:
-        """The conversation as prompt text, rendered with the model's chat template."""
+    def _render_chat(self, chat: pb.ChatMessages) -> list[tuple[str, bool]]:
+        """The conversation as prompt pieces (`ChatTemplate.render_pieces`), rendered with the
+        model's chat template."""
         if self.chat_template is None:
             raise ValidationError("messages", "the served model has no chat template; "
                                               "send a prompt to /v1/completions instead")
         try:
             messages = parse_messages([{"role": m.role, "content": m.content} for m in chat.messages])
-            text = self.chat_template.render(messages)
+            pieces = self.chat_template.render_pieces(messages)
         except ChatError as e:
             raise ValidationError(e.field, e.message) from None
-        if len(text) > MAX_PROMPT_CHARS:
-            raise ValidationError("messages", f"render to {len(text)} characters; the limit is "
+        length = sum(len(text) for text, _ in pieces)
+        if length > MAX_PROMPT_CHARS:
+            raise ValidationError("messages", f"render to {length} characters; the limit is "
                                               f"{MAX_PROMPT_CHARS}")
-        return text
+        return pieces
 
     def _stop(self, s: pb.SamplingParams) -> tuple[str, ...]:
         if len(s.stop) > MAX_STOP_STRINGS:

@@ -26,7 +26,7 @@ NON_DEFAULT = EngineConfig(
     queue_budget_s=3.5, output_token_weight=6.25, default_deadline_s=60.0, dtype="float32",
     num_threads=3, batching="dynamic", dynamic_window_s=0.02, device="cpu",
     activation_reserve_bytes=2_500_000_000, policy="slo", tpot_target_ms=50.0, gap_target_ms=80.0,
-    slo_prefill_share=0.3, slo_row_limit=128, prefix_caching=False, weights="q4",
+    slo_prefill_share=0.3, slo_row_limit=128, prefix_caching=False, prefix_cache_scope="global", weights="q4",
     kv_cache_dtype="int8")
 
 

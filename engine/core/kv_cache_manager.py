@@ -11,12 +11,21 @@ blocks); this module is the policy on top, modelled on vLLM's `v1/core/kv_cache_
 * `cache_piece(req, start, length, align)`: offer a prompt piece just computed, when it is a
   whole `align`-aligned piece (a shorter tail piece would be cut elsewhere by a later prompt).
 
+Scope: a block is found only by requests in the scope that computed it (`cache_scope`): under
+`prefix_cache_scope` "key" (the default) the API key and the request's `cache_salt`, under
+"global" the salt alone. The scope is the salt of the first block's hash, so scopes never share a
+hash, a block or a hit: one tenant's hit count and time to first token do not depend on what
+another tenant sent.
+
 Torch-free and clock-free, like the rest of `engine.core`.
 """
 
 from __future__ import annotations
 
-from engine.core.block_pool import BlockPool, prefix_block_hashes
+import hashlib
+
+from engine.config import PREFIX_CACHE_SCOPES
+from engine.core.block_pool import HASH_BYTES, BlockPool, prefix_block_hashes
 from engine.core.request import Request
 
 __all__ = ["KVCacheManager"]
@@ -27,16 +36,24 @@ class KVCacheManager:
 
     Args:
         pool: the block pool (its `prefix_caching` flag turns everything here off when False).
+        scope: "key" (blocks shared per API key and cache salt) or "global" (per cache salt
+            only); `engine.config.PREFIX_CACHE_SCOPES`.
 
     Attributes:
         prefix_queried_tokens: prompt tokens looked up in the prefix cache at admission.
         prefix_hit_tokens: ... of which the cache held (not computed again).
 
+    Raises:
+        ValueError: `scope` is not one of `PREFIX_CACHE_SCOPES`.
+
     Thread-safety: none; the engine lock serialises every call.
     """
 
-    def __init__(self, pool: BlockPool) -> None:
+    def __init__(self, pool: BlockPool, scope: str = "key") -> None:
+        if scope not in PREFIX_CACHE_SCOPES:
+            raise ValueError(f"scope must be one of {PREFIX_CACHE_SCOPES}, got {scope!r}")
         self.pool = pool
+        self.scope = scope
         self.block_size = pool.block_size
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
@@ -46,13 +63,22 @@ class KVCacheManager:
         """True when the pool keeps a prefix cache."""
         return self.pool.prefix_caching
 
+    def cache_scope(self, req: Request) -> bytes:
+        """The salt of `req`'s first block hash: a digest of its API key (scope "key") and its
+        `cache_salt`; empty for the global scope without a salt (the unscoped hashes)."""
+        if self.scope == "global" and not req.cache_salt:
+            return b""
+        key = req.api_key if self.scope == "key" else ""
+        parts = f"{self.scope}\0{len(key)}\0{key}\0{req.cache_salt}".encode()
+        return hashlib.blake2b(parts, digest_size=HASH_BYTES, person=b"genserve-scope").digest()
+
     def block_hashes(self, req: Request) -> list[bytes]:
-        """`req`'s prompt block hashes (computed once and kept on `req.prefix_hashes`; none when
-        prefix caching is off)."""
+        """`req`'s prompt block hashes in its cache scope (computed once and kept on
+        `req.prefix_hashes`; none when prefix caching is off)."""
         if not self.pool.prefix_caching:
             return []
         if req.prefix_hashes is None:
-            req.prefix_hashes = prefix_block_hashes(req.prompt_ids, self.block_size)
+            req.prefix_hashes = prefix_block_hashes(req.prompt_ids, self.block_size, self.cache_scope(req))
         return req.prefix_hashes
 
     def computed_tokens(self, req: Request, hits: list[int], align: int) -> int:

@@ -73,6 +73,8 @@ class TokenEvent:
         finish_reason: set on the request's last event.
         finish_detail: why, in words, when not obvious ("deadline", an error message).
         num_prompt_tokens / num_completion_tokens: usage, on the last event.
+        num_cached_tokens: prompt tokens taken from the prefix cache (in the request's own cache
+            scope), on the last event.
         queue_ms: arrival → admission, on the last event.
         ttft_ms: arrival → first token sampled, on the last event (None if none was).
         e2e_ms: arrival → finish, on the last event.
@@ -94,6 +96,7 @@ class TokenEvent:
     finish_detail: str = ""
     num_prompt_tokens: int = 0
     num_completion_tokens: int = 0
+    num_cached_tokens: int = 0
     queue_ms: float | None = None
     ttft_ms: float | None = None
     e2e_ms: float | None = None

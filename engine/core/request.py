@@ -156,6 +156,9 @@ class Request:
         grammar_state: the sample's own matcher in that grammar
             (`engine.structured.masks.RowMatcher`), made by the model runner on the first draw
             and kept across preemption; None before.
+        cache_salt: the client's narrowing of its prefix-cache scope (vLLM's `cache_salt`): only
+            requests with the same salt (and, under the default scope, the same key) share
+            cached blocks; "" for none.
     """
 
     request_id: str
@@ -191,6 +194,7 @@ class Request:
     prompt_logprob_entries: list | None = None
     constraint: Any = None
     grammar_state: Any = None
+    cache_salt: str = ""
 
     @property
     def num_prompt(self) -> int:
@@ -242,7 +246,7 @@ class Request:
                 sampling=replace(self.sampling, seed=seeds[i]), arrival_s=self.arrival_s,
                 deadline_s=self.deadline_s, on_event=self.on_event,
                 eos_token_id=self.eos_token_id, index=i, parent=self,
-                constraint=self.constraint))
+                constraint=self.constraint, cache_salt=self.cache_salt))
 
     @property
     def finished(self) -> bool:

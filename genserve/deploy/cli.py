@@ -106,6 +106,7 @@ def bridge_argv(args: argparse.Namespace) -> list[str]:
         argv += ["--engine-metrics-url", f"http://{ENGINE_HOST}:{metrics_port}/metrics"]
     if args.max_body_bytes is not None:
         argv += ["--max-body-bytes", str(args.max_body_bytes)]
+    argv += ["--keepalive-interval-s", repr(args.keepalive_interval_s)]
     return argv
 
 
@@ -147,7 +148,9 @@ def envoy_config(args: argparse.Namespace) -> str:
                                 # a refused call is retried on another replica; with one replica
                                 # a retry would only ask the same engine again
                                 "engines": {"lbPolicy": args.lb_policy,
-                                            "numRetries": 1 if args.replicas > 1 else 0},
+                                            "numRetries": 1 if args.replicas > 1 else 0,
+                                            # the engines accept pings this often (one flag)
+                                            "keepaliveIntervalSeconds": args.keepalive_interval_s},
                                 # enough tries to reach every replica despite the balancer
                                 # re-picking tried ones
                                 "cancel": {"numRetries": max(CANCEL_RETRIES, 2 * (args.replicas - 1))}}})

@@ -73,7 +73,9 @@ class GenerateServiceServicer:
 
     def Generate(self, request, context):
         """Generate samples a completion for one prompt and streams it back.
-        The first message is always `started`; then `token` messages in order
+        The first message is always `started`, sent when the request is queued
+        (before its prompt is computed: it carries no token, and the time to
+        first token is measured at the first `token`); then `token` messages in order
         per sample; then one `finished` message per sample (n of them). The
         stream ends after the last sample finished. Cancelling the call (client
         disconnect) cancels the request server-side.

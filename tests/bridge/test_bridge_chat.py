@@ -87,10 +87,12 @@ async def test_engine_errors_map_as_for_completions(client: httpx.AsyncClient):
 def test_finish_chunk_carries_genserve_timing():
     from bridge.chat import ChatCompletionBuilder
     b = ChatCompletionBuilder(model="m", created=1, num_samples=1, logprobs=False)
-    b.events_for(pb.GenerateResponse(request_id="r", started=pb.Started(request_id="r", prompt_tokens=3)))
-    [chunk] = b.events_for(pb.GenerateResponse(request_id="r", finished=pb.Finished(
+    assert b.events_for(pb.GenerateResponse(request_id="r", started=pb.Started(request_id="r", prompt_tokens=3))) == []
+    # A sample that ends before any token still opens with its role chunk, then finishes.
+    [role, chunk] = b.events_for(pb.GenerateResponse(request_id="r", finished=pb.Finished(
         index=0, reason=pb.FINISH_REASON_STOP, usage=pb.Usage(prompt_tokens=3, completion_tokens=0),
         timing=pb.Timing(queue_ms=1.0, ttft_ms=2.0, e2e_ms=3.0))))
+    assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert chunk["choices"][0]["finish_reason"] == "stop"
     assert chunk["timing"] == {"queue_ms": 1.0, "ttft_ms": 2.0, "e2e_ms": 3.0}
     assert b.all_finished and b.completion()["choices"][0]["message"]["content"] == ""

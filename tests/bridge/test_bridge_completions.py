@@ -32,7 +32,8 @@ async def test_stream_events_are_design_events_and_openai_chunks(client, fake):
     assert "".join(e["text"] for e in tokens) == FULL_TEXT
     assert finish["finish_reason"] == "stop"
     assert finish["choices"] == [{"index": 0, "text": "", "logprobs": None, "finish_reason": "stop"}]
-    assert finish["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert finish["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
+                              "prompt_tokens_details": {"cached_tokens": 0}}
     assert finish["timing"] == {"queue_ms": 1.5, "ttft_ms": 12.25, "e2e_ms": 40.0}      # TIMING to the µs
     assert finish["id"] == request_id and "detail" not in finish
 
@@ -88,7 +89,8 @@ async def test_non_stream_completion(client):
     assert body["choices"] == [
         {"index": i, "text": "Hello,", "logprobs": None, "finish_reason": "length"} for i in range(2)
     ]
-    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6}
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     assert body["timing"] == {"queue_ms": 1.5, "ttft_ms": 12.25, "e2e_ms": 40.0}        # TIMING to the µs
 
 

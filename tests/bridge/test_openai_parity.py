@@ -27,7 +27,7 @@ async def test_several_prompts_answer_prompt_major_then_n_with_usage_summed(clie
     assert sorted(req.prompt for req in fake.service.requests) == ["one two", "three"]   # calls run at once
     assert all(req.n == 2 for req in fake.service.requests)
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 4 * len(TOKENS),
-                             "total_tokens": 3 + 4 * len(TOKENS)}
+                             "total_tokens": 3 + 4 * len(TOKENS), "prompt_tokens_details": {"cached_tokens": 0}}
     assert body["id"].startswith("fake-")
 
 

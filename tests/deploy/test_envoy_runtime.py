@@ -181,15 +181,18 @@ class Envoy:
         return time.monotonic() - start
 
 
-def start_envoy(tmp_path, bridge_port: int, engine_ports: list[int]) -> Envoy:
-    """Envoy with the chart's configuration for these loopback upstreams, once it is LIVE."""
+def start_envoy(tmp_path, bridge_port: int, engine_ports: list[int],
+                engine_values: dict | None = None) -> Envoy:
+    """Envoy with the chart's configuration for these loopback upstreams, once it is LIVE;
+    `engine_values`: more chart values of `envoy.engines`."""
     envoy_binary = tool("envoy")
     tool("helm")
     port, admin_port = free_port(), free_port()
     text = envoy.render_envoy_config(
         listen_host="127.0.0.1", listen_port=port, admin_port=admin_port,
         bridge=[("127.0.0.1", bridge_port)], engines=[("127.0.0.1", p) for p in engine_ports],
-        extra_values={"envoy": {"accessLog": False, "engines": {"lbPolicy": "ROUND_ROBIN"}}})
+        extra_values={"envoy": {"accessLog": False,
+                                "engines": {"lbPolicy": "ROUND_ROBIN", **(engine_values or {})}}})
     config = tmp_path / f"envoy-{port}.yaml"
     config.write_text(text)
     process = subprocess.Popen([str(envoy_binary), "-c", str(config), "--disable-hot-restart",

@@ -38,6 +38,27 @@ def test_serve_passes_the_body_limit_to_the_bridge(keyed_server):
     assert httpx.post(url, headers=ALICE, json=small, timeout=60).status_code != 413
 
 
+async def _post_async(url: str, content) -> httpx.Response:
+    async with httpx.AsyncClient(timeout=60) as client:
+        return await client.post(url, headers={**ALICE, "content-type": "application/json"}, content=content)
+
+
+def test_a_body_of_any_size_over_the_limit_gets_the_413_through_envoy(keyed_server):
+    # An async client writes its whole body before it reads: the answer must wait for the body,
+    # or the client sees a reset. 20 MB with a Content-Length, and a chunked one without.
+    url = f"{keyed_server.base_url}/v1/completions"
+    expected = {"error": {"message": f"request body is larger than {KEYED_MAX_BODY_BYTES} bytes",
+                          "type": "invalid_request_error", "code": "payload_too_large", "param": None}}
+
+    async def chunks():
+        for _ in range(200):
+            yield b" " * 100_000
+
+    for content in (b"{" + b" " * 20_000_000 + b"}", chunks()):
+        reply = asyncio.run(_post_async(url, content))
+        assert reply.status_code == 413 and reply.json() == expected
+
+
 def test_delete_with_another_key_is_404_and_the_stream_goes_on(keyed_server):
     body = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{keyed_server.base_url}/v1/completions", headers=ALICE, json=body,

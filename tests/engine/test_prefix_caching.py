@@ -112,3 +112,57 @@ def test_cached_tokens_are_bit_identical_to_computed_ones(gguf_weights, gguf_tok
         assert generate(cached, prompts, 10, ignore_eos=True, **sampling) == want
     assert cached.stats().prefix_hit_tokens >= 5 * (len(system) // 64 * 64)
     assert scratch.stats().prefix_hit_tokens == 0
+
+
+def _run_cached(engine, api_key: str, salt: str = "", events=None) -> tuple[int, list[int]]:
+    """Run a 300-token prompt (always the same) as `api_key` with `salt`; returns the prompt
+    tokens it took from the cache and those each step computed."""
+    req = make_request(300, 4, api_key=api_key, events=events)
+    req.cache_salt = salt
+    computed = _prefill_tokens(engine, req)
+    return req.num_cached, computed
+
+
+def test_another_keys_prompt_is_a_miss_as_a_fresh_prompt_is():
+    engine, _ = sim_engine(prefix_caching=True)
+    assert _run_cached(engine, "alice") == (0, [300])     # computes it all (as any first time)
+    before = engine.stats()
+    events: list = []
+    # bob, on alice's prompt: nothing from her cache, the same steps as alice's first time.
+    assert _run_cached(engine, "bob", events=events) == (0, [300])
+    after = engine.stats()
+    assert after.prefix_hit_tokens == before.prefix_hit_tokens               # no global signal
+    assert events[-1].num_cached_tokens == 0
+    # alice still hits her own cache, and bob now hits his.
+    assert _run_cached(engine, "alice")[0] == 256
+    assert _run_cached(engine, "bob")[0] == 256
+    engine.pool.check_all_free()
+
+
+def test_the_cache_salt_separates_requests_of_one_key():
+    engine, _ = sim_engine(prefix_caching=True)
+    assert _run_cached(engine, "alice", "s1")[0] == 0
+    assert _run_cached(engine, "alice", "s2")[0] == 0          # another salt: a miss
+    assert _run_cached(engine, "alice")[0] == 0                # no salt: a scope of its own
+    events: list = []
+    assert _run_cached(engine, "alice", "s1", events)[0] == 256
+    assert events[-1].num_cached_tokens == 256
+    assert _run_cached(engine, "bob", "s1")[0] == 0            # a salt never crosses keys
+
+
+def test_the_global_scope_shares_across_keys_within_a_salt():
+    engine, _ = sim_engine(prefix_caching=True, prefix_cache_scope="global")
+    assert _run_cached(engine, "alice")[0] == 0
+    assert _run_cached(engine, "bob")[0] == 256                # the side channel it opens
+    assert _run_cached(engine, "bob", "s")[0] == 0
+    assert _run_cached(engine, "alice", "s")[0] == 256
+
+
+def test_n_samples_report_the_cached_tokens_of_their_shared_prompt():
+    engine, _ = sim_engine(prefix_caching=True)
+    _run_cached(engine, "alice")
+    events: list = []
+    req = make_request(300, 4, api_key="alice", events=events)
+    req.fork(2, [1, 2])
+    _prefill_tokens(engine, req)
+    assert sorted((e.index, e.num_cached_tokens) for e in events if e.finish_reason) == [(0, 256), (1, 256)]

@@ -59,7 +59,7 @@ def test_genserve_serve_defaults():
     assert cli.bridge_argv(args)[3:] == [
         "--grpc-target", "127.0.0.1:8000", "--host", "127.0.0.1", "--port", str(args.bridge_port),
         "--log-level", "warning", "--model-name", "SmolLM2-135M-Instruct",
-        "--engine-metrics-url", "http://127.0.0.1:9400/metrics"]
+        "--engine-metrics-url", "http://127.0.0.1:9400/metrics", "--keepalive-interval-s", "30.0"]
     assert args.bridge_port not in (0, 8000) and args.envoy_admin_port not in (0, 8000, args.bridge_port)
 
 
@@ -68,7 +68,8 @@ def test_genserve_serve_without_envoy_is_the_direct_layout():
     cli.resolve_ports(args)
     assert cli.bridge_argv(args)[3:] == [
         "--grpc-target", "127.0.0.1:50051", "--host", "127.0.0.1", "--port", "8000", "--log-level", "warning",
-        "--model-name", "SmolLM2-135M-Instruct", "--engine-metrics-url", "http://127.0.0.1:9400/metrics"]
+        "--model-name", "SmolLM2-135M-Instruct", "--engine-metrics-url", "http://127.0.0.1:9400/metrics",
+        "--keepalive-interval-s", "30.0"]
 
 
 def test_genserve_serve_replicas_take_consecutive_ports():

@@ -96,7 +96,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.by_id: dict[str, Request] = {}
         self.queue = FairQueue(config.per_key_rows)
-        self.kv_cache = KVCacheManager(pool)
+        self.kv_cache = KVCacheManager(pool, config.prefix_cache_scope)
         self.averages = RequestAverages()
         self.margin_blocks = math.ceil(config.free_margin * pool.num_blocks)
         self.batching = batching_for(config)
@@ -500,6 +500,7 @@ class Scheduler:
             req.group_id, index=req.index, token_id=token, logprob=logprob, top_logprobs=top,
             position=max(0, len(req.generated) - 1), finish_reason=reason, finish_detail=detail,
             num_prompt_tokens=req.num_prompt, num_completion_tokens=len(req.generated),
+            num_cached_tokens=(req.parent or req).num_cached,
             queue_ms=ms(req.admitted_s) if req.admitted_s is not None else ms(now),
             ttft_ms=ms(req.first_token_s), e2e_ms=ms(now), tpot_ms=tpot_ms,
             max_gap_ms=req.max_gap_s * 1000.0, steps_after_cancel=req.steps_after_cancel))
