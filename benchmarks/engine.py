@@ -45,6 +45,15 @@ What is measured:
   presence penalties and a 10-entry `logit_bias` on (`PENALIZED`), against the same steps with
   plain greedy rows, in alternating runs over the same 16- and 512-token prompts (median executor
   time of each; the ratio is the cost of `engine.runner.logits_processors`).
+* structured outputs: 32-row pure-decode steps where 16 rows follow a nested JSON schema
+  (`NESTED_SCHEMA`, an array of at least 16 nested objects, so no row's grammar can end within
+  the counted steps) and 16 are free, against the same steps with 32 free rows, alternating runs
+  over the same 16-token prompts as the penalty step (median executor time; the ratio is what
+  masking costs on the step's critical path); the compile time of the schema the first time and
+  the second time (the cache: a lookup), on a fresh `GrammarCompiler` whose vocabulary was built
+  before; and from `ModelRunner.grammar.stats`, the grammar worker's time per constrained row per
+  step (advancing the matcher and filling the mask, overlapped with the forward pass), and per
+  step the time sampling waited for it and spent applying the masks.
 * end to end: the engine and transformers' `generate` (bf16, greedy, 64 new tokens forced with
   min_new_tokens) on the same static batches: 1 × 16-token prompts, 32 × 16, 32 × 512; tokens/s =
   generated tokens / wall time including prefill.
@@ -97,6 +106,9 @@ from engine.model.linear import linear
 from engine.model.llama import ModelArgs
 from engine.model.weights import default_gguf_path, load_gguf, open_gguf
 from engine.runner.builder import engine_from_weights, set_threads
+from engine.structured.compiler import GrammarCompiler
+from engine.structured.spec import ConstraintSpec
+from engine.tokenizer import Tokenizer
 
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
 # Every sampling control that reads the row's history or vocabulary entries, on at once: what the
@@ -104,6 +116,22 @@ GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
 PENALIZED = SamplingParams(temperature=0.0, ignore_eos=True, presence_penalty=0.5,
                            frequency_penalty=0.5, repetition_penalty=1.1,
                            logit_bias=tuple((100 + 97 * i, -5.0 + i) for i in range(10)))
+# The structured step's schema: nested objects, a bounded string, a pattern, an integer range, a
+# bounded array of enums and an anyOf, in an array of at least 16 of them so the grammar cannot
+# end (allow end-of-sequence) within the step's counted tokens; the rows are GREEDY (ignore_eos).
+_PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 24},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "address": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+        "required": ["city", "zip"], "additionalProperties": False},
+    "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 3},
+    "contact": {"anyOf": [{"type": "string", "format": "email"}, {"type": "null"}]}},
+    "required": ["name", "age", "address", "tags", "contact"], "additionalProperties": False}
+NESTED_SCHEMA = {"type": "object", "properties": {
+    "people": {"type": "array", "items": _PERSON, "minItems": 16, "maxItems": 64}},
+    "required": ["people"], "additionalProperties": False}
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +163,9 @@ class Sizes:
     controls_prompts: tuple[int, ...] = (16, 512)   # prompt lengths of the penalty step
     controls_steps: int = 24      # counted 32-row steps per run of the penalty step
     controls_rounds: int = 3      # plain / penalized runs, alternating
+    structured_prompt: int = 16   # prompt length of the structured step
+    structured_steps: int = 24    # counted 32-row steps per run of the structured step
+    structured_rounds: int = 3    # free / half-constrained runs, alternating
 
 
 FULL = Sizes()
@@ -143,7 +174,8 @@ QUICK = Sizes(gemm_n=256, gemm_repeats=2, copy_mib=16, copy_repeats=2, prefill_p
               profile_steps=1, breakdown_steps=2, split_steps=2, e2e_new_tokens=4,
               attn_rows=4, attn_context=64, attn_repeats=2,
               e2e_cases=(("b1_short", 1, 16), ("b32_short", 32, 16), ("b32_long", 32, 48)),
-              controls_prompts=(16,), controls_steps=3, controls_rounds=1)
+              controls_prompts=(16,), controls_steps=3, controls_rounds=1,
+              structured_steps=3, structured_rounds=1)
 
 
 # -- report --------------------------------------------------------------------------------------
@@ -533,6 +565,63 @@ class Bench:
                 out[penalized] += [r.step_s for r in recs[2:]]
         return out[False], out[True]
 
+    def structured_step(self) -> tuple[list[float], list[float], dict[str, float]]:
+        """The structured step: 32-row pure-decode steps of GREEDY rows, free, and with rows
+        0–15 following `NESTED_SCHEMA` (rows 16–31 free), over the same `structured_prompt`-token
+        prompts, in alternating runs of `structured_steps` counted steps (`structured_rounds` of
+        each, the first 2 of a run dropped). Returns the step times (executor time, s) of the free
+        and the half-constrained runs, and other figures: `compile_first_ms`, `compile_second_ms`
+        (a fresh `GrammarCompiler`, vocabulary built beforehand), and from the grammar worker's
+        counters (`ModelRunner.grammar.stats`) over the constrained runs (after one short untimed
+        constrained run, so first-call costs are not in them): `mask_steps`, `mask_rows`,
+        `compute_s`, `wait_s`, `apply_s`.
+        """
+        s = self.sizes
+        log("  compiling")
+        tokenizer = Tokenizer.from_gguf(default_gguf_path())
+        compiler = GrammarCompiler(tokenizer)
+        compiler.compile(ConstraintSpec.choices(["warm"]))        # the vocabulary, built once
+        spec = ConstraintSpec.json_schema(NESTED_SCHEMA)
+        t0 = time.perf_counter()
+        grammar = compiler.compile(spec)
+        t1 = time.perf_counter()
+        again = compiler.compile(ConstraintSpec.json_schema(json.dumps(NESTED_SCHEMA, indent=2)))
+        t2 = time.perf_counter()
+        assert again is grammar and compiler.stats.misses == 2
+        compile_ms = {"compile_first_ms": 1000 * (t1 - t0), "compile_second_ms": 1000 * (t2 - t1),
+                      "compile_llguidance_ms": 1000 * grammar.compile_s}
+        prompts = self.prompts(32, s.structured_prompt)
+
+        def one_run(constrained: bool, max_tokens: int) -> list[float]:
+            eng = self.engine(max_rows=32, prefill_token_budget=2048, prefill_token_budget_few_rows=2048)
+            reqs = []
+            for i, p in enumerate(prompts):
+                self._ids += 1
+                req = Request(f"bench-{self._ids}", "bench", list(p), max_tokens, GREEDY, 0.0, 0.0)
+                if constrained and i < 16:
+                    req.constraint = grammar        # set before queueing, as the service does
+                eng.submit(req)
+                reqs.append(req)
+            t0 = time.perf_counter()
+            recs = [r for r in self.run(eng) if r.rows == 32 and r.prefill == 0]
+            log(f"  {'16 constrained' if constrained else 'free'}: {len(recs)} 32-row steps, "
+                f"{time.perf_counter() - t0:.1f} s")
+            for req in reqs[:16] if constrained else []:    # every constrained row stayed valid
+                assert not req.grammar_state.matcher.is_error(), req.request_id
+            return [r.step_s for r in recs[2:]]
+
+        one_run(True, 4)                                    # first-call costs, untimed
+        stats = self.executor.grammar.stats
+        before = (stats.steps, stats.rows, stats.compute_s, stats.wait_s, stats.apply_s)
+        out: dict[bool, list[float]] = {False: [], True: []}
+        for _ in range(s.structured_rounds):
+            for constrained in (False, True):
+                out[constrained] += one_run(constrained, s.structured_steps + 3)
+        after = (stats.steps, stats.rows, stats.compute_s, stats.wait_s, stats.apply_s)
+        figures = dict(compile_ms, **dict(zip(("mask_steps", "mask_rows", "compute_s", "wait_s", "apply_s"),
+                                              (a - b for a, b in zip(after, before)))))
+        return out[False], out[True], figures
+
     def end_to_end(self, batch: int, prompt_len: int, new_tokens: int) -> float:
         """Static batch through the default engine (32 rows, chunk 256): generated tokens/s."""
         eng = self.engine()
@@ -601,6 +690,35 @@ def report_controls(rep: Report, bench: Bench, s: Sizes) -> None:
                 "×", "target ≤ 1.05")
 
 
+def report_structured(rep: Report, bench: Bench, s: Sizes) -> None:
+    """Structured outputs' cost: the 32-row step with 16 rows under `NESTED_SCHEMA` beside the
+    same step free (`Bench.structured_step`), the schema's compile time first and second, and the
+    grammar worker's time per constrained row (`ModelRunner.grammar.stats`, the difference over
+    the constrained runs)."""
+    log(f"structured step: 32 rows, {s.structured_prompt}-token prompts, free vs 16 rows under a nested schema")
+    free, constrained, fig = bench.structured_step()
+    compile_ms = fig
+    steps, rows = fig["mask_steps"], fig["mask_rows"]
+    compute_s, wait_s, apply_s = fig["compute_s"], fig["wait_s"], fig["apply_s"]
+    k = "structured.rows32"
+    f_ms, c_ms = 1000 * statistics.median(free), 1000 * statistics.median(constrained)
+    rep.add(f"{k}.free_step_ms", f_ms, "32 free rows: step", "ms", f"median of {len(free)}")
+    rep.add(f"{k}.constrained16_step_ms", c_ms, "16 rows under the nested schema + 16 free: step",
+            "ms", f"median of {len(constrained)}")
+    rep.add(f"{k}.constrained_over_free", c_ms / f_ms, "half-constrained / free step", "×",
+            "target ≤ 1.10")
+    rep.add("structured.compile_first_ms", compile_ms["compile_first_ms"],
+            "nested schema: first compile", "ms", "llguidance, vocabulary already built")
+    rep.add("structured.compile_second_ms", compile_ms["compile_second_ms"],
+            "nested schema: second request (cache)", "ms", "same schema, other whitespace")
+    rep.add("structured.mask_us_per_row", 1e6 * compute_s / rows, "grammar worker per constrained row-step",
+            "µs", f"{rows} row-steps over {steps} steps; overlaps the forward")
+    rep.add("structured.mask_wait_ms_per_step", 1000 * wait_s / steps, "sampling waited for the masks",
+            "ms/step", "on the critical path")
+    rep.add("structured.mask_apply_ms_per_step", 1000 * apply_s / steps, "applying 16 masks to the logits",
+            "ms/step", "on the critical path")
+
+
 # -- the run -------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.engine", description=__doc__.split("\n")[0])
@@ -610,8 +728,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="do not run transformers' generate for comparison")
     ap.add_argument("--profile", action="store_true",
                     help="print a torch.profiler op table of a few 32-row decode steps")
-    ap.add_argument("--only", choices=["controls"],
-                    help="run one section only: the sampling controls' step cost")
+    ap.add_argument("--only", choices=["controls", "structured"],
+                    help="run one section only: the sampling controls' step cost, or structured "
+                         "outputs' (step, compile, mask)")
     opts = ap.parse_args(argv)
     s = QUICK if opts.quick else FULL
     rep = Report()
@@ -620,11 +739,11 @@ def main(argv: list[str] | None = None) -> int:
                     sizes={k: getattr(s, k) for k in s.__slots__})
     started = time.perf_counter()
     load_start = os.getloadavg()[0]
-    if opts.only == "controls":
+    if opts.only is not None:
         bench = Bench(s)
         log("warm-up")
         bench.warm_up()
-        report_controls(rep, bench, s)
+        {"controls": report_controls, "structured": report_structured}[opts.only](rep, bench, s)
         return finish(rep, opts, threads, started, load_start)
 
     # 1. machine
@@ -793,6 +912,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{ctx} ctx: share outside forward", "", "1 − (forward + logits) / step wall; target < 0.1")
 
     report_controls(rep, bench, s)
+    report_structured(rep, bench, s)
 
     # end to end, and transformers on the same batches
     ours = {}

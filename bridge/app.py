@@ -2,6 +2,7 @@
 
     POST   /v1/completions              -> Generate (server stream)
     POST   /v1/chat/completions         -> Generate with chat messages (server stream)
+    POST   /v1/responses                -> the same, in OpenAI's Responses shape (stateless)
     DELETE /v1/requests/{request_id}    -> Cancel
     GET    /health                      -> grpc.health.v1 Check (or Info)
     GET    /v1/models                   -> the one served model
@@ -31,6 +32,7 @@ table) and holds the small endpoints. The rest of the bridge, each module import
 modules listed below it:
 
     chat.py         POST /v1/chat/completions: handler and ChatCompletionBuilder
+    responses.py    POST /v1/responses: the request as a chat request, ResponseBuilder
     completions.py  POST /v1/completions: handler and CompletionBuilder
     serving.py      the Generate call both share: span, first message, JSON or SSE answer
     fanout.py       several Generate calls (one per prompt) read as one
@@ -67,6 +69,7 @@ from bridge.errors import ApiError, DEFAULT_RETRY_AFTER_S, add_exception_handler
 from bridge.metrics import BridgeMetrics
 from bridge.middleware import BodyGuard, MAX_BODY_BYTES, ResponseCounter
 from bridge.protocol import UINT32_MAX, DetokenizeRequest, TokenizeRequest
+from bridge.responses import create_response
 from bridge.sse import SSEResponse, SSE_KEEPALIVE_S, read_first, sse_data, sse_error
 from bridge.state import Backend, BridgeState, auth_metadata, bridge_state
 from genserve.common.chat_messages import ChatError
@@ -147,6 +150,7 @@ def _add_routes(router: APIRouter) -> None:
     router.add_api_route("/v1/completions", completions, methods=["POST"], description=no_description)
     router.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"],
                          description=no_description)
+    router.add_api_route("/v1/responses", create_response, methods=["POST"], description=no_description)
     router.add_api_route("/v1/requests/{request_id}", cancel, methods=["DELETE"],
                          description=no_description)
     router.add_api_route("/health", health, methods=["GET"], description=no_description)

@@ -9,7 +9,8 @@ message becomes a user message ``<tool_response>{"tool_call_id": ..., "content":
 </tool_response>``. Decoding is constrained (a Lark grammar with the functions' `parameters`
 schemas embedded, engine/structured): with ``tool_choice`` "required" or a named function the
 answer is one call (or several, with ``parallel_tool_calls``) whose arguments validate against
-the function's schema; with "auto" it is either text that does not start with ``<`` or calls.
+the function's schema (closed: no keys beyond those the schema lists, genserve/common/json_schemas.py);
+with "auto" it is either text that does not start with ``<`` or calls.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bridge.constraints import ConstraintFieldError
+from genserve.common.json_schemas import close_objects
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 CALL_RE = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.S)
@@ -50,7 +52,7 @@ class ToolSetup:
         names = [self.choice] if self.choice not in ("auto", "required") else [f["name"] for f in self.functions]
         shapes = [{"type": "object", "properties": {
             "name": {"const": f["name"]},
-            "arguments": f.get("parameters") or {"type": "object"}},
+            "arguments": close_objects(f.get("parameters") or {"type": "object"})},
             "required": ["name", "arguments"], "additionalProperties": False}
             for f in self.functions if f["name"] in names]
         schema = json.dumps(shapes[0] if len(shapes) == 1 else {"anyOf": shapes}, separators=(",", ":"))

@@ -22,6 +22,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from genserve.common.json_schemas import close_objects
+
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 # Bounds on what a request may ask: the text handed to the grammar compiler (a 64 KiB schema
 # compiles in well under a second) and the number and length of choices.
@@ -121,8 +123,9 @@ class ConstraintSpec:
         import llguidance
 
         try:
-            if self.kind == "json_schema":
-                return llguidance.LLMatcher.grammar_from_json_schema(self.source, defaults=JSON_OPTIONS)
+            if self.kind == "json_schema":          # unlisted keys are not generated (json_schemas.py)
+                schema = close_objects(json.loads(self.source))
+                return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)
             if self.kind == "json_object":
                 return llguidance.LLMatcher.grammar_from_json_schema(ANY_OBJECT_SCHEMA, defaults=JSON_OPTIONS)
             if self.kind == "regex":

@@ -1,6 +1,7 @@
 """Structured outputs against the real server (engine on the embedded model, bridge, Envoy), with
 the client libraries people use for them: the openai SDK's `chat.completions.parse`, LangChain's
-`with_structured_output`, LiteLLM's `response_format`; vLLM's `structured_outputs` and `guided_*`
+`with_structured_output` (json_schema and function_calling), instructor (TOOLS, JSON and
+JSON_SCHEMA modes), LiteLLM's `response_format`; vLLM's `structured_outputs` and `guided_*`
 on both endpoints; the gRPC `constraint` oneof. Every output is checked: JSON with `jsonschema`,
 regex and choice outputs by matching."""
 
@@ -9,6 +10,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import statistics
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -241,3 +245,101 @@ def test_langchain_bind_tools_round_trip(server):
     jsonschema.validate(ai.tool_calls[0]["args"], WEATHER["function"]["parameters"])
     answer = chat.invoke([question, ai, ToolMessage("21 degrees", tool_call_id=ai.tool_calls[0]["id"])])
     assert isinstance(answer.content, str) and answer.content
+
+
+def test_langchain_with_structured_output_function_calling(server):
+    """LangChain's default structured-output method: a forced call of a tool named after the model
+    (`tool_choice` naming it, `parallel_tool_calls` false), parsed back into the pydantic object."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    chat = langchain_openai.ChatOpenAI(base_url=f"{server.base_url}/v1", api_key="unused", model=MODEL,
+                                       max_tokens=120, temperature=0)
+    city = chat.with_structured_output(City, method="function_calling").invoke("Tell me about Paris.")
+    assert isinstance(city, City) and city.name and 0 <= city.population <= 50_000_000
+    raw = chat.with_structured_output(City, method="function_calling", include_raw=True).invoke("Tell me about Paris.")
+    assert raw["parsing_error"] is None and raw["parsed"] == city
+    assert raw["raw"].tool_calls[0]["name"] == "City"
+
+
+def test_instructor_tools_and_json_modes(server):
+    """instructor, in the mode that forces a tool call (TOOLS) and in its JSON mode that sends the
+    schema (JSON_SCHEMA: `response_format` json_schema), returns the pydantic object without a
+    retry. (Its plain JSON mode asks for `json_object`, any object, with the schema only in the
+    prompt; that guarantees an object, not the schema's, and SmolLM2 answers with one shaped like
+    the schema text itself.)"""
+    instructor = pytest.importorskip("instructor")
+    openai = pytest.importorskip("openai")
+    for mode in (instructor.Mode.TOOLS, instructor.Mode.JSON_SCHEMA):
+        client = instructor.from_openai(openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused"),
+                                        mode=mode)
+        city, completion = client.chat.completions.create_with_completion(
+            model=MODEL, response_model=City, max_retries=0, temperature=0, max_tokens=150,
+            messages=[{"role": "user", "content": "Tell me about Paris."}])
+        assert isinstance(city, City) and city.name and 0 <= city.population <= 50_000_000, mode
+        choice = completion.choices[0]
+        if mode is instructor.Mode.TOOLS:
+            assert choice.finish_reason == "tool_calls" and choice.message.tool_calls[0].function.name == "City"
+        else:
+            assert choice.finish_reason == "stop"
+            assert City.model_validate_json(choice.message.content).model_dump() == city.model_dump()
+
+
+def _big_schema(tag: int) -> dict:
+    """A schema of ≈ 60 KiB (under the 64 KiB limit) whose grammar takes llguidance a good fraction of a
+    second to compile: 900 integer properties with distinct wide ranges (the compiler builds a
+    regular expression for each range); `tag` makes each one distinct, so none is cached."""
+    props = {f"p{tag}_{k}": {"type": "integer", "minimum": -123456789 + k + tag, "maximum": 987654321 - k}
+             for k in range(900)}
+    return {"type": "object", "properties": props, "required": [next(iter(props))]}
+
+
+@pytest.mark.xfail(reason="measured: in some runs the stream still stops for ≈ 0.3–1.3 s while eight 60 KiB "
+                          "schemas compile (compile threads are off the loop, release the GIL and run "
+                          "at nice 10; the cause is not found yet)", strict=False)
+def test_a_slow_compile_does_not_delay_other_streams(server):
+    """Compiling happens on the service's compile workers before a request is queued, so while
+    big schemas compile, a running stream keeps its pace: its inter-token gaps while eight distinct
+    slow schemas compile stay within a generous factor of its own gaps just before (the CPU is
+    shared, so some slowdown is expected; a compile in the step loop would stop the stream for
+    the whole compilation)."""
+    base = server.base_url
+    arrivals: list[float] = []
+    done = threading.Event()
+
+    def stream() -> None:
+        body = {"messages": [{"role": "user", "content": "Count slowly to one thousand."}],
+                "max_tokens": 400, "ignore_eos": True, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=600) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:") and '"content":"' in line:
+                    arrivals.append(time.perf_counter())
+                if done.is_set():
+                    break
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    try:
+        while len(arrivals) < 40:                       # the stream's own pace first
+            assert reader.is_alive(), "the stream ended early"
+            time.sleep(0.05)
+        t0 = time.perf_counter()
+
+        def big(tag: int) -> float:
+            r = _chat(server, max_tokens=1, temperature=0,
+                      response_format={"type": "json_schema", "json_schema": {"name": f"big{tag}",
+                                                                              "schema": _big_schema(tag)}})
+            assert r.status_code == 200, r.text
+            return time.perf_counter()
+
+        with ThreadPoolExecutor(8) as pool:
+            ends = list(pool.map(big, range(8)))
+        t1 = min(ends)            # until the first big request is answered, all eight were compiling
+        time.sleep(0.5)
+    finally:
+        done.set()
+        reader.join(600)
+    before = [b - a for a, b in zip(arrivals, arrivals[1:]) if b <= t0][10:]    # past the prefill
+    during = [b - a for a, b in zip(arrivals, arrivals[1:]) if a >= t0 and b <= t1]
+    assert len(before) >= 20 and len(during) >= 5, (len(before), len(during), t1 - t0)
+    pace = statistics.median(before)
+    assert statistics.median(during) < 4 * pace, (pace, during)
+    assert max(during) < max(10 * pace, 0.5), (pace, during)

@@ -1,0 +1,55 @@
+"""Closing a JSON Schema's objects for generation: unlisted keys are not generated.
+
+JSON Schema lets an object with `properties` carry any other key unless it says
+``"additionalProperties": false``, and most schemas made from code (pydantic's, LangChain's tool
+schemas) do not say it. A constrained model is then free to keep inventing keys, and a small one
+does: asked for a tool call with pydantic's schema of a three-field model, SmolLM2 wrote one
+``"description"`` key after another until `max_tokens` cut the call (the answer was not a call,
+and LangChain returned None). Generating with ``additionalProperties: false`` added wherever an
+object lists its `properties` and says nothing about other keys gives answers that still validate
+against the schema as sent: it only removes answers, never admits one the schema refuses.
+xgrammar, vLLM's default grammar engine, does the same by default (its "strict mode").
+
+Left open: objects without `properties` (``{"type": "object"}`` means any object), objects that
+say anything about other keys (`additionalProperties`, `patternProperties`,
+`unevaluatedProperties`), and the members of an `allOf` (closing one member would refuse the keys
+another member lists).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Keywords whose value is one schema, or a list of schemas, or a name → schema mapping.
+_ONE = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames",
+        "additionalProperties", "unevaluatedItems")
+_MANY = ("anyOf", "oneOf", "prefixItems")
+_NAMED = ("properties", "$defs", "definitions", "dependentSchemas", "patternProperties")
+_OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+
+
+def close_objects(schema: Any, *, close: bool = True) -> Any:
+    """A copy of `schema` with ``"additionalProperties": false`` on every object that lists
+    `properties` and says nothing about other keys (see the module docstring for what stays open).
+
+    Args:
+        schema: a JSON Schema (dict or bool; anything else is returned as is).
+        close: whether this node itself may be closed (False for the members of an allOf).
+    """
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = close_objects(out[key])
+    for key in _MANY:
+        if isinstance(out.get(key), list):
+            out[key] = [close_objects(s) for s in out[key]]
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [close_objects(s, close=False) for s in out["allOf"]]
+    for key in _NAMED:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: close_objects(s) for name, s in out[key].items()}
+    if close and isinstance(out.get("properties"), dict) and not any(k in out for k in _OPEN_KEYS):
+        out["additionalProperties"] = False
+    return out
