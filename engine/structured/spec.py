@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from genserve.common.json_schemas import close_objects
+from genserve.common.json_schemas import close_objects, schema_text
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 # Bounds on what a request may ask: the text handed to the grammar compiler (a 64 KiB schema
@@ -76,13 +76,11 @@ class ConstraintSpec:
         if isinstance(schema, str):
             if len(schema) > MAX_SOURCE_CHARS:
                 raise ConstraintError(field, f"is {len(schema)} characters; the limit is {MAX_SOURCE_CHARS}")
-            try:
-                schema = json.loads(schema)
-            except json.JSONDecodeError as e:
-                raise ConstraintError(field, f"is not valid JSON: {e}") from None
-        if not isinstance(schema, dict | bool):
-            raise ConstraintError(field, "must be a JSON Schema object")
-        return cls("json_schema", json.dumps(schema, separators=(",", ":"), ensure_ascii=False), field)
+        try:
+            text = schema_text(schema)
+        except ValueError as e:
+            raise ConstraintError(field, str(e)) from None
+        return cls("json_schema", text, field)
 
     @classmethod
     def choices(cls, options: list[str], field: str = "choice") -> "ConstraintSpec":

@@ -1,4 +1,5 @@
-"""Closing a JSON Schema's objects for generation: unlisted keys are not generated.
+"""JSON Schemas as clients send them: one canonical text (`schema_text`), and closing a schema's
+objects for generation (`close_objects`): unlisted keys are not generated.
 
 JSON Schema lets an object with `properties` carry any other key unless it says
 ``"additionalProperties": false``, and most schemas made from code (pydantic's, LangChain's tool
@@ -18,6 +19,7 @@ another member lists).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 # Keywords whose value is one schema, or a list of schemas, or a name → schema mapping.
@@ -26,6 +28,24 @@ _ONE = ("items", "additionalItems", "contains", "not", "if", "then", "else", "pr
 _MANY = ("anyOf", "oneOf", "prefixItems")
 _NAMED = ("properties", "$defs", "definitions", "dependentSchemas", "patternProperties")
 _OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+
+
+def schema_text(value: Any) -> str:
+    """A JSON Schema, sent as an object (a dict, or a bool schema) or as JSON text, as compact
+    JSON text (the same schema always gives the same text, so it can key a compile cache).
+
+    Raises:
+        ValueError: the reason alone (the caller names the field): the text is not JSON, or the
+            schema is neither an object nor a bool.
+    """
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"is not valid JSON: {e}") from None
+    if not isinstance(value, dict | bool):
+        raise ValueError("must be a JSON Schema object")
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
 def close_objects(schema: Any, *, close: bool = True) -> Any:

@@ -141,3 +141,35 @@ async def test_field_walk_on_the_real_servicer():
                     body = probe_body("/v1/completions", name, rule.probe)
                     r = await c.post("/v1/completions", json=body)
                     assert r.status_code == 200, (name, r.text)
+
+
+def test_a_responses_chat_error_names_the_input_item_it_came_from():
+    from bridge.responses import ResponsesRequest, input_field
+
+    body = ResponsesRequest.model_validate({"instructions": "Be brief.", "input": [
+        {"role": "user", "content": "hi"},
+        {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"},
+        {"type": "function_call", "call_id": "call_2", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "1"}]})
+    messages, sources = body.messages()
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool"]
+    assert sources == ["instructions", "input[0]", "input[1]", "input[3]"]    # the two calls: one turn
+    assert input_field("messages[1].content[0]", sources) == "input[0].content[0]"
+    assert input_field("messages[3].content", sources) == "input[3].content"
+    assert input_field("messages", sources) == "input"
+    assert input_field("temperature", sources) == "temperature"
+
+
+def test_every_field_of_the_openai_sdks_responses_request_is_classified():
+    """A field the openai SDK sends on /v1/responses is never an 'unknown field' 400: it is
+    honoured, accepted, or refused by name (ResponsesRequest.refusal)."""
+    from openai.types.responses.response_create_params import ResponseCreateParamsBase
+
+    from bridge.responses import ResponsesRequest
+
+    assert set(ResponseCreateParamsBase.__annotations__) <= set(ResponsesRequest.model_fields)
+    body = ResponsesRequest.model_validate({"input": "hi", "moderation": {"input": {"mode": "block"}}})
+    refused = body.refusal()
+    assert refused is not None and refused.field == "moderation" and "not supported" in refused.message
+    assert ResponsesRequest.model_validate({"input": "hi", "prompt_cache_retention": "24h",
+                                            "moderation": None}).refusal() is None
