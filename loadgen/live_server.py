@@ -19,6 +19,7 @@ import time
 from collections.abc import Sequence
 
 from genserve.deploy.supervisor import free_port
+from loadgen.metrics import scrape_metrics, wait_idle
 
 QUEUE_BUDGET_S = 60.0          # --queue-budget-s unless told: long enough that nothing is refused
 START_TIMEOUT_S = 300.0
@@ -71,25 +72,12 @@ class LiveServer:
             tail = (tail + [line])[-40:]
 
     def metrics(self) -> dict[str, float]:
-        import httpx
-        from prometheus_client.parser import text_string_to_metric_families
-
-        out = {}
-        for fam in text_string_to_metric_families(httpx.get(f"{self.url}/metrics", timeout=10).text):
-            for s in fam.samples:
-                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-                out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-        return out
+        """`loadgen.metrics.scrape_metrics` of this server."""
+        return scrape_metrics(self.url)
 
     def wait_idle(self, timeout_s: float = 120.0) -> dict[str, float]:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            m = self.metrics()
-            if m.get("genserve_running_rows", 0) == 0 and m.get("genserve_queue_depth", 0) == 0:
-                return m
-            if time.monotonic() > deadline:
-                raise RuntimeError("the live server did not go idle")
-            time.sleep(0.2)
+        """`loadgen.metrics.wait_idle` of this server (TimeoutError when it stays busy)."""
+        return wait_idle(self.url, timeout_s)
 
     def __exit__(self, *exc) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -42,7 +42,7 @@ import pathlib
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from loadgen import stats as st

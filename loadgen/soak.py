@@ -44,10 +44,10 @@ from dataclasses import asdict, dataclass, field
 import grpc
 import httpx
 import psutil
-from prometheus_client.parser import text_string_to_metric_families
 
 from genserve.v1 import generate_pb2 as pb
 from genserve.v1 import generate_pb2_grpc as pb_grpc
+from loadgen.metrics import parse_metrics, wait_idle
 from loadgen.workload import LengthMix, WorkItem, arrival_times, synthetic_workload
 
 DISCONNECT_SHARE = 0.2     # the design's: a fifth of the clients leave mid-stream
@@ -96,35 +96,6 @@ class SoakResult:
     def passed(self) -> bool:
         """True when every check held."""
         return all(c["ok"] for c in self.checks.values())
-
-
-def metrics(base_url: str) -> dict[str, float]:
-    """Every sample of GET /metrics as {"name{label=value,...}": value}."""
-    out = {}
-    for family in text_string_to_metric_families(httpx.get(f"{base_url}/metrics", timeout=10).text):
-        for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-    return out
-
-
-def wait_idle(base_url: str, timeout_s: float = 120.0) -> dict[str, float]:
-    """/metrics once no request runs or waits (twice in a row, 0.3 s apart).
-
-    Raises:
-        TimeoutError: still busy after `timeout_s`.
-    """
-    deadline = time.monotonic() + timeout_s
-    while True:
-        m = metrics(base_url)
-        if m["genserve_running_rows"] == 0 and m["genserve_queue_depth"] == 0:
-            time.sleep(0.3)
-            m = metrics(base_url)
-            if m["genserve_running_rows"] == 0 and m["genserve_queue_depth"] == 0:
-                return m
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"engine not idle after {timeout_s} s")
-        time.sleep(0.2)
 
 
 def children(supervisor_pid: int) -> tuple[psutil.Process, psutil.Process]:
@@ -311,8 +282,7 @@ async def _sample(target: Target, every_s: float, stop: asyncio.Event, out: list
     async with httpx.AsyncClient(timeout=10) as client:
         while not stop.is_set():
             text = (await client.get(f"{target.base_url}/metrics")).text
-            free = next(s.value for f in text_string_to_metric_families(text) for s in f.samples
-                        if s.name == "genserve_kv_blocks_free")
+            free = parse_metrics(text)["genserve_kv_blocks_free"]
             out.append({"t_s": round(time.monotonic() - start, 3), "engine_rss": engine.memory_info().rss,
                         "bridge_rss": bridge.memory_info().rss, "kv_blocks_free": free})
             with contextlib.suppress(TimeoutError):

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from genserve.deploy.supervisor import free_port
+from loadgen.metrics import scrape_metrics, wait_idle
 
 START_TIMEOUT_S = 240.0
 KEYED_MAX_BODY_BYTES = 65_536   # keyed_server's body limit
@@ -33,31 +33,16 @@ class Server:
     engine_metrics_urls: list[str] = field(default_factory=list)
 
     def metrics(self) -> dict[str, float]:
-        """Every sample of GET /metrics as {"name{label=value,...}": value}."""
-        text = httpx.get(f"{self.base_url}/metrics", timeout=10).text
-        out = {}
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-                out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-        return out
+        """Every sample of GET /metrics (`loadgen.metrics.scrape_metrics`)."""
+        return scrape_metrics(self.base_url)
 
     def wait_idle(self, timeout_s: float = 30.0, settle_s: float = 0.3) -> dict[str, float]:
-        """Poll /metrics until no request runs or waits, and still none `settle_s` seconds later;
-        returns that later snapshot. The engine frees a finished row under its lock and tells the
-        metrics listener just after, so one scrape can see the row gone and its finish (a cancel,
-        its steps) not yet counted; the second look comes after that gap."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            m = self.metrics()
-            if m["genserve_running_rows"] == 0 and m["genserve_queue_depth"] == 0:
-                time.sleep(settle_s)
-                m = self.metrics()
-                if m["genserve_running_rows"] == 0 and m["genserve_queue_depth"] == 0:
-                    return m
-            if time.monotonic() > deadline:
-                raise AssertionError(f"engine not idle after {timeout_s} s: {m['genserve_running_rows']} rows")
-            time.sleep(0.1)
+        """/metrics once no request runs or waits (`loadgen.metrics.wait_idle`); an
+        AssertionError when the engine stays busy for `timeout_s`."""
+        try:
+            return wait_idle(self.base_url, timeout_s, settle_s)
+        except TimeoutError as e:
+            raise AssertionError(str(e)) from None
 
 
 def free_ports(n: int) -> int:

@@ -10,12 +10,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from engine.core.engine import Engine
-from engine.core.outputs import FinishReason, TokenEvent
+from engine.core.outputs import TokenEvent
 from genserve.v1 import generate_pb2 as pb
 from service.faults import FailingExecutor, InjectedFault, fault_settings
-from service.servicer import EventBuffer, GenerateServicer
-from service.validation import Validator
+from service.servicer import EventBuffer
 from tests.service.harness import collect, request, running_server
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
