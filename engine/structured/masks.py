@@ -3,8 +3,8 @@
 A step's masks depend only on the tokens its rows generated before the step, so they are known
 when the step starts. `GrammarMasks.start` hands the step's constrained draws to a worker thread
 as the model runner begins the step; the worker advances each row's matcher by the tokens it has
-not seen yet and fills one bit per vocabulary token (llguidance's `LLExecutor`, which releases
-the GIL); `PendingMasks.apply`, just before sampling, waits for it (normally done long before the
+not seen yet, fills one bit per vocabulary token (llguidance's `LLExecutor`, which releases
+the GIL) and unpacks the bits to one bool per token (numpy); `PendingMasks.apply`, just before sampling, waits for it (normally done long before the
 forward ends) and sets the logits of disallowed tokens to -inf, row by row. Rows without a
 constraint are never touched, and a step without constrained rows does no grammar work at all.
 
@@ -29,9 +29,24 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 BITS = 32      # tokens per int32 word of an llguidance bitmask (bit b of word w: token 32 w + b)
+
+
+def unpack_bitmask(bitmask: torch.Tensor) -> torch.Tensor:
+    """llguidance's token bitmask as one bool per token.
+
+    Args:
+        bitmask: int32 [K, W], bit b of word w set when token 32 w + b is allowed (on the CPU).
+    Returns:
+        bool [K, 32 W] on the CPU, True where allowed (ids past the vocabulary are never set).
+    """
+    # Written as little-endian words, bit b of word w is bit b % 8 of byte 4 w + b // 8, which
+    # unpackbits(bitorder="little") puts at index 32 w + b.
+    raw = bitmask.numpy().astype("<i4", copy=False).view(np.uint8)
+    return torch.from_numpy(np.unpackbits(raw, axis=1, bitorder="little").view(np.bool_))
 
 
 class RowMatcher:
@@ -100,13 +115,10 @@ class PendingMasks:
             whatever the worker raised (a bug: the engine loop fails the step).
         """
         t0 = time.perf_counter()
-        bitmask = self._future.result()                                     # int32 [K, words]
+        allowed = self._future.result()                                     # bool [K, words * 32]
         t1 = time.perf_counter()
         device = logits.device
-        k, words = bitmask.shape
-        shifts = torch.arange(BITS, dtype=torch.int32, device=device)
-        packed = bitmask.to(device, non_blocking=True)
-        allowed = ((packed[:, :, None] >> shifts) & 1).view(k, words * BITS).bool()
+        allowed = allowed.to(device, non_blocking=True)
         vocab = logits.shape[1]
         if allowed.shape[1] >= vocab:
             allowed = allowed[:, :vocab]
@@ -152,7 +164,9 @@ class GrammarMasks:
         return PendingMasks(self, [j for j, _ in rows], self._pool.submit(self._compute, rows))
 
     def _compute(self, rows: list[tuple[int, Any]]) -> torch.Tensor:
-        """On the worker: advance each row's matcher and fill its mask (int32 [K, words])."""
+        """On the worker: advance each row's matcher, fill its mask and unpack it to one bool per
+        token (bool [K, words * 32], True: allowed), so that only the fill of the logits is left
+        on the step's critical path."""
         import llguidance
 
         t0 = time.perf_counter()
@@ -177,10 +191,11 @@ class GrammarMasks:
         for k, eos in broken:                               # only end-of-sequence: the row ends
             bitmask[k].zero_()
             bitmask[k, eos // BITS] = 1 << (eos % BITS) if eos % BITS != 31 else -(2**31)
+        allowed = unpack_bitmask(bitmask)
         self.stats.steps += 1
         self.stats.rows += len(rows)
         self.stats.compute_s += time.perf_counter() - t0
-        return bitmask
+        return allowed
 
     def close(self) -> None:
         """Stop the worker thread (pending masks finish first)."""

@@ -138,3 +138,18 @@ def test_regex_and_choice(bf16_engine, compiler, prompt, gguf_tokenizer):
     assert all(re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", gguf_tokenizer.decode(ids[:-1])) for ids in out[:4])
     assert all(gguf_tokenizer.decode(ids[:-1]) in ("sunny", "rainy day", "snow") for ids in out[4:])
     assert bf16_engine.executor.grammar.stats.rows > 0
+
+
+def test_the_bitmask_unpacks_to_token_order():
+    """Bit b of word w is token 32 w + b, the sign bit included (unpack_bitmask against shifts)."""
+    import torch
+
+    from engine.structured.masks import unpack_bitmask
+
+    words = torch.randint(-2**31, 2**31 - 1, (3, 5), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    words[0, 0] = -2**31                          # only token 31 of the first word
+    reference = ((words[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1).view(3, 160).bool()
+    got = unpack_bitmask(words)
+    assert got.dtype == torch.bool and got.shape == (3, 160)
+    assert torch.equal(got, reference)
+    assert got[0, :32].nonzero().flatten().tolist() == [31]
