@@ -172,7 +172,7 @@ COMPLETIONS: dict[str, Rule] = {
     **_pick("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"),
 }
 
-_TOOLS_WHY = "genserve does not call tools or functions"
+_FUNCTIONS_WHY = "OpenAI's deprecated form of tools; send tools and tool_choice"
 CHAT: dict[str, Rule] = {
     "messages": Rule(HONOURED, "roles system, developer, user, assistant; text content; `name` "
                      "accepted", [{"role": "user", "content": "hi", "name": "ann"}]),
@@ -206,9 +206,9 @@ CHAT: dict[str, Rule] = {
     "tool_choice": Rule(HONOURED, "none, auto, required, or a named function; required and named "
                         "constrain decoding to a call whose arguments follow the function's schema", "none"),
     "functions": Rule(NOT_SUPPORTED, "`[]` accepted", [], accepts=_none_or_empty,
-                      refused=[{"name": "f"}], why=_TOOLS_WHY, yet=True),
+                      refused=[{"name": "f"}], why=_FUNCTIONS_WHY),
     "function_call": Rule(NOT_SUPPORTED, "`\"none\"` accepted", "none", accepts=_none_or_empty,
-                          refused="auto", why=_TOOLS_WHY, yet=True),
+                          refused="auto", why=_FUNCTIONS_WHY),
     "modalities": Rule(NOT_SUPPORTED, "`[\"text\"]` accepted", ["text"], accepts=lambda v: v == ["text"],
                        refused=["text", "audio"], why="the served model writes text only"),
     "audio": Rule(NOT_SUPPORTED, "null only", None, accepts=lambda v: False,
