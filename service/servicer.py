@@ -68,17 +68,22 @@ WATCH_INTERVAL_RANGE_MS = (100, 10_000)
 # Threads compiling constraints (engine/structured/compiler.py): a slow grammar holds one of them
 # and no engine row; cached grammars need none.
 COMPILE_THREADS = 2
-# The compile threads' nice value (Linux: per thread): while a big grammar compiles, the engine's
-# step threads, at 0, get the CPU first (the kernel's CFS weights: ≈ 10 to 1), so other requests'
-# tokens keep their pace instead of sharing the cores with the compiler.
-COMPILE_NICE = 10
+# How much nicer than the engine the compile threads run (Linux: nice is per thread): while a big
+# grammar compiles, the engine's step threads get the CPU first (the kernel's CFS weights for a
+# difference of 10: ≈ 10 to 1), so other requests' tokens keep their pace instead of sharing the
+# cores with the compiler.
+COMPILE_NICE_OFFSET = 10
 
 
 def _lower_compile_priority() -> None:
-    """Compile-thread initializer: raise this thread's nice value to COMPILE_NICE (a no-op where
-    the OS does not set priorities per thread or refuses)."""
+    """Compile-thread initializer: this thread's nice value becomes the process's plus
+    COMPILE_NICE_OFFSET (at most 19), relative so that a server started niced keeps its compile
+    threads below its own step threads, never above them (a privileged process could otherwise
+    raise them). A no-op where the OS does not set priorities per thread or refuses."""
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICE)
+        tid = threading.get_native_id()
+        own = os.getpriority(os.PRIO_PROCESS, tid)
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, own + COMPILE_NICE_OFFSET))
     except (AttributeError, OSError):
         pass
 
