@@ -84,7 +84,11 @@ def start_server(*extra: str, env: dict[str, str] | None = None, replicas: int =
         # a readline here would block for ever.
         if ("not ready after" in line or proc.poll() is not None or time.monotonic() > deadline
                 or not line):
-            proc.kill()
+            proc.terminate()            # the supervisor stops its engine, bridge and Envoy (a
+            try:                        # SIGKILL would leave them running, Envoy on its ports)
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
             raise RuntimeError("genserve did not start:\n" + "".join(output[-40:]))
     assert httpx.get(f"{base}/health", timeout=10).status_code == 200
     # Read the rest of the output in the background so the pipe never fills (last lines kept).
