@@ -41,6 +41,8 @@ by one loop whose shape does not depend on the batch.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import logging
 import os
@@ -79,6 +81,45 @@ def _build_name() -> str:
     return f"genserve_kernels_{zlib.crc32(cpu.encode()):08x}_{zlib.crc32(code):08x}"
 
 
+def _build_directory(name: str) -> pathlib.Path:
+    """Where the extension `name` is built: torch's own place for a CPU build
+    ($TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions/py<major><minor>_cpu), created."""
+    from torch.utils import cpp_extension
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
+        cpp_extension.get_default_build_root(), f"py{sys.version_info.major}{sys.version_info.minor}_cpu")
+    directory = pathlib.Path(root) / name
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
+
+
+@contextlib.contextmanager
+def build_lock(directory: pathlib.Path):
+    """Hold an exclusive lock on `directory`'s build for the `with` body, and clear torch's own
+    lock file if a dead process left it.
+
+    torch's `cpp_extension.load` serializes builders with a lock *file* (`directory/lock`) that
+    it removes when its build ends; a builder killed mid-build (a timeout, Ctrl-C, the OOM killer)
+    leaves it behind and every later load waits for it for ever. The lock here is an `flock` on
+    `directory/genserve.flock`, which the kernel releases when its holder dies. Every genserve
+    builder takes it first, so while one is held no other genserve builder is running, and a
+    `lock` file found then is stale: it is removed (with a warning) before torch looks.
+
+    Raises:
+        OSError: the lock file cannot be created.
+    """
+    with open(directory / "genserve.flock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)          # waits while another process builds
+        try:
+            stale = directory / "lock"
+            if stale.exists():
+                log.warning("removing %s, left by a kernel build that did not finish", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 @functools.cache
 def available() -> bool:
     """Build (or load the cached build of) the kernels once per process; True if usable.
@@ -96,8 +137,11 @@ def available() -> bool:
         bin_dir = str(pathlib.Path(sys.executable).parent)
         if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
             os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-        cpp_extension.load(name=_build_name(), sources=[str(src) for src in SOURCES], extra_cflags=CFLAGS,
-                           is_python_module=False, verbose=False)
+        name = _build_name()
+        directory = _build_directory(name)
+        with build_lock(directory):
+            cpp_extension.load(name=name, sources=[str(src) for src in SOURCES], extra_cflags=CFLAGS,
+                               build_directory=str(directory), is_python_module=False, verbose=False)
         built = [op for op in (*OPS, *AVX512_BF16_OPS, *AMX_OPS) if hasattr(torch.ops.genserve, op)]
         log.info("genserve kernels ready: torch.ops.genserve.%s", ", ".join(built))
         return all(hasattr(torch.ops.genserve, op) for op in OPS)
