@@ -28,6 +28,7 @@ from bridge.spans import SpanNotes, span_error
 from bridge.sse import (Builder, SSEResponse, cancel_on_disconnect, drain, read_cancelled_by_us, read_first,
                         sse_events)
 from bridge.state import BridgeState, auth_metadata
+from genserve.common.prefix_route import ROUTE_KEY_HEADER, request_route_key
 from genserve.common.telemetry import REQUEST_ID, inject_metadata
 from genserve.v1 import generate_pb2 as pb
 
@@ -62,7 +63,12 @@ async def generate(request: Request, state: BridgeState, route: str,
     if isinstance(protos, pb.GenerateRequest):
         protos = [protos]
     metadata = inject_metadata(auth_metadata(request), span)
-    calls = [state.connect().generate.Generate(p, metadata=metadata) for p in protos]
+    # Each call carries its prefix routing key: Envoy sends the turns of one conversation (of one
+    # tenant) to the replica that holds their cached prefix (genserve/common/prefix_route.py).
+    authorization = request.headers.get("authorization", "")
+    calls = [state.connect().generate.Generate(
+        p, metadata=(*metadata, (ROUTE_KEY_HEADER, request_route_key(p, authorization))))
+        for p in protos]
     if len(calls) == 1:
         call = calls[0]
     else:
