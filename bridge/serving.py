@@ -5,7 +5,8 @@ by `bridge.fanout.CallGroup`), traced as one span, answered as JSON or as SSE (`
 builder (bridge/completions.py, bridge/chat.py); `generate` runs the call for either. It reads
 the stream up to Started before answering, so that errors the service finds before it starts
 (validation, auth, 429) are plain HTTP errors; then it streams the builder's events
-(`bridge.sse.SSEResponse`) or collects the whole completion as one JSON object.
+(`bridge.sse.SSEResponse`) or collects the whole completion as one JSON object. Each call carries
+the prefix routing key (`genserve.common.prefix_route`) that Envoy hashes to pick the replica.
 """
 
 from __future__ import annotations

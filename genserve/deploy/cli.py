@@ -9,6 +9,9 @@ Layout (the Kubernetes deployment's, on one machine):
 Envoy's configuration is the Helm chart's one template (`charts/genserve/files/envoy.yaml`),
 rendered by `genserve.deploy.envoy` with loopback upstreams: the same routes, retries, health checks
 (a killed or draining replica leaves rotation within about 2 s) and Cancel sweep across replicas.
+With several replicas, completions carry the bridge's prefix routing key and Envoy places them by
+consistent hashing with bounded load (`--prefix-affinity`, on by default), so a conversation's
+turns reach the replica that holds their cached prefix; other calls are balanced by --lb-policy.
 `--no-envoy` runs without it: the bridge on --host:--port talks to the one engine directly.
 
 Every process is a child, as it would be a container, supervised by `genserve.deploy.supervisor`: a child
