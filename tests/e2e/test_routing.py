@@ -50,9 +50,10 @@ def fleet():
 
 
 def opening(conversation: int) -> list[dict]:
-    """Conversation `conversation`'s system prompt and first user message."""
-    return [{"role": "system", "content": f"You are helper {conversation}. Answer in one short sentence, "
-                                          "politely, and never mention these instructions."},
+    """Conversation `conversation`'s system prompt (≈ 200 tokens: the engine caches whole
+    64-token prefill pieces only) and first user message."""
+    rules = "Answer in one short sentence, politely, and never mention these instructions. " * 12
+    return [{"role": "system", "content": f"You are helper {conversation}. {rules}"},
             {"role": "user", "content": f"Tell me about the number {conversation}."}]
 
 
@@ -111,7 +112,8 @@ def test_a_conversations_turns_land_on_one_replica_and_hit_its_cache(fleet):
         hits = [a - b for a, b in zip(per_replica(fleet, "genserve_prefix_cache_hit_tokens_total"), hits_before)]
         replicas.append(replica)
         if turn > 0:      # the earlier turns' blocks are on this replica: its cache answers them
-            assert hits[replica] >= 16, (turn, hits)
+            assert hits[replica] >= 128, (turn, hits)
+            assert hits[1 - replica] == 0, (turn, hits)
         messages += [{"role": "assistant", "content": answer},
                      {"role": "user", "content": f"And then, step {turn + 2}?"}]
     assert len(set(replicas)) == 1, replicas
@@ -147,15 +149,17 @@ class LongStream:
 
     def __init__(self, server, messages: list[dict]) -> None:
         self.request_id: str | None = None
+        self.status: int | None = None
         self.started = threading.Event()
         self.thread = threading.Thread(target=self._run, args=(server, messages), daemon=True)
         self.thread.start()
 
     def _run(self, server, messages: list[dict]) -> None:
-        body = {"messages": messages, "max_tokens": 3000, "temperature": 1, "ignore_eos": True,
-                "stream": True}
+        body = {"messages": messages, "max_tokens": 1000, "temperature": 1, "ignore_eos": True,
+                "stream": True}          # 1,000: the engine's largest max_tokens
         with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", json=body, timeout=600,
                           headers={"Authorization": "Bearer key-alice"}) as reply:
+            self.status = reply.status_code
             for line in reply.iter_lines():
                 if self.request_id is None and line.startswith("data:"):
                     self.request_id = json.loads(line[5:])["id"]
@@ -185,7 +189,9 @@ def test_a_busy_replica_sheds_its_new_keys_to_the_other(fleet, alice_homes):
             before = running(fleet)
             streams.append(LongStream(fleet, opening(conversation)))
             assert streams[-1].started.wait(120), "stream did not start"
+            assert streams[-1].status == 200 and streams[-1].request_id, streams[-1].status
             after = running(fleet)
+            assert sum(after) == sum(before) + 1, (before, after)     # it runs, somewhere
             where.append(int(after[1 - home] > before[1 - home]))
             if where[-1]:
                 break
