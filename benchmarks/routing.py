@@ -173,16 +173,19 @@ def bounded_load_pick(order: list[int], active: list[int], factor_pct: int) -> i
 
 
 def simulate(replicas: int, conversations: int, turns: int, system_tokens: list[int],
-             turn_tokens: int, policy: str, factor_pct: int = 125, seed: int = 0) -> float:
+             turn_tokens: int, policy: str, factor_pct: int = 125, seed: int = 0,
+             piece: int = 64) -> float:
     """Expected hit ratio of the trace on `replicas` replicas with unbounded caches.
 
     Turns run in rounds (every conversation's turn k together, as in the closed-loop trace);
     within a round each request is placed while the earlier ones of the round are active.
     `least`: a random replica among those with the fewest active requests; `affinity`: the
     conversation's hash order with Envoy's bounded load. A request hits the longest prefix of its
-    prompt that an earlier turn of its conversation computed on the same replica.
+    prompt that an earlier turn of its conversation computed on the same replica, in whole
+    `piece`-token prefill pieces (the engine caches a prompt's whole pieces only, never the
+    generated tokens, and always computes the last prompt token).
     Token counts: `system_tokens[i]` for conversation i's system prompt, `turn_tokens` per
-    user message + answer.
+    user message + answer. Returns hit tokens ÷ prompt tokens.
     """
     rng = random.Random(seed)
     cached: list[dict[int, int]] = [dict() for _ in range(replicas)]   # conv -> tokens cached
@@ -200,10 +203,32 @@ def simulate(replicas: int, conversations: int, turns: int, system_tokens: list[
                 order = [(start + i) % replicas for i in range(replicas)]
                 replica = bounded_load_pick(order, active, factor_pct)
             active[replica] += 1
-            hit += min(cached[replica].get(conv, 0), prompt - 1)
+            hit += min(cached[replica].get(conv, 0), (prompt - 1) // piece * piece)
             queried += prompt
-            cached[replica][conv] = prompt + turn_tokens // 2
+            cached[replica][conv] = max(cached[replica].get(conv, 0), prompt // piece * piece)
     return hit / queried
+
+
+def simulated_table(replica_counts: tuple[int, ...] = (1, 2, 8), conversations_per_replica: int = 8,
+                    turns: int = 4, system_range: tuple[int, int] = (450, 700), turn_tokens: int = 70,
+                    factors: tuple[int, ...] = (125, 150), seeds: int = 40) -> list[dict]:
+    """`simulate` averaged over `seeds` traces for each replica count: conversations
+    `conversations_per_replica` × N (and 16 when that differs), system prompts drawn from
+    `system_range` tokens (450–700 reproduces the measured one-replica hit ratio), least request
+    and affinity at each hash balance factor; one dict per (N, conversations)."""
+    rows = []
+    for n in replica_counts:
+        for conversations in sorted({16, conversations_per_replica * n}):
+            def mean(policy: str, factor: int = 125) -> float:
+                total = 0.0
+                for seed in range(seeds):
+                    rng = random.Random(seed)
+                    system = [rng.randint(*system_range) for _ in range(conversations)]
+                    total += simulate(n, conversations, turns, system, turn_tokens, policy, factor, seed)
+                return total / seeds
+            rows.append({"replicas": n, "conversations": conversations, "least": mean("least"),
+                         **{f"affinity_{f}": mean("affinity", f) for f in factors}})
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -216,7 +241,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", default=",".join(RUNS), help="which runs, comma-separated")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--json", type=pathlib.Path, help="also write the figures as JSON here")
+    p.add_argument("--simulate", action="store_true",
+                   help="print the model's hit ratios for 1, 2 and 8 replicas (no server) and exit")
     opts = p.parse_args(argv)
+    if opts.simulate:
+        rows = simulated_table()
+        one = {r["conversations"]: r["least"] for r in rows if r["replicas"] == 1}
+        print("| replicas | conversations | least request | affinity (factor 125) | affinity (150) |")
+        print("|---:|---:|---:|---:|---:|")
+        for r in rows:
+            base = one.get(r["conversations"], one[16])
+            print(f"| {r['replicas']} | {r['conversations']} | {r['least']:.3f} ({r['least'] / base:.2f}×) | "
+                  f"{r['affinity_125']:.3f} ({r['affinity_125'] / base:.2f}×) | "
+                  f"{r['affinity_150']:.3f} ({r['affinity_150'] / base:.2f}×) |")
+        return 0
     load_start = os.getloadavg()[0]
     results: dict[str, dict] = {}
     for name in opts.runs.split(","):
