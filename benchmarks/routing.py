@@ -41,18 +41,18 @@ import httpx
 from loadgen import stats
 from loadgen.live_server import LiveServer
 
-RUNS = {
-    "one": ["--replicas", "1"],
-    "least": ["--replicas", "2", "--no-prefix-affinity"],
-    "affinity": ["--replicas", "2"],
-}
-WORDS = ("the of and to in is was for on with as by at from that this which it be are an or have "
+RUNS = (                                    # (name, genserve serve flags)
+    ("one", ("--replicas", "1")),
+    ("least", ("--replicas", "2", "--no-prefix-affinity")),
+    ("affinity", ("--replicas", "2")),
+)
+WORDS = tuple(("the of and to in is was for on with as by at from that this which it be are an or have "
          "not they his her their one all were when there can more would been has will other about "
          "many some time these two may then do first any my now such like our over man me even most "
          "made after also did many before must through back years where much your way well down "
          "should because each just those people how too little state good very make world still own "
          "see men work long get here between both life being under never day same another know while "
-         "last might us great old year off come since against go came right used take three").split()
+         "last might us great old year off come since against go came right used take three").split())
 HIT = "genserve_prefix_cache_hit_tokens_total"
 QUERIED = "genserve_prefix_cache_queried_tokens_total"
 FINISHED = "genserve_requests_finished_total"
@@ -232,13 +232,15 @@ def simulated_table(replica_counts: tuple[int, ...] = (1, 2, 8), conversations_p
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark (or, with --simulate, print the model's table); prints a Markdown table
+    and writes --json. Returns 0. Raises RuntimeError when a server does not start."""
     p = argparse.ArgumentParser(prog="python -m benchmarks.routing", description=__doc__.split("\n")[0])
     p.add_argument("--conversations", type=int, default=16)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=32, help="answer tokens a turn")
     p.add_argument("--stagger-s", type=float, default=0.1, help="start of conversation i: i × this")
     p.add_argument("--kv-pool-gib", type=float, default=1.0, help="each replica's KV pool")
-    p.add_argument("--runs", default=",".join(RUNS), help="which runs, comma-separated")
+    p.add_argument("--runs", default=",".join(name for name, _ in RUNS), help="which runs, comma-separated")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--json", type=pathlib.Path, help="also write the figures as JSON here")
     p.add_argument("--simulate", action="store_true",
@@ -258,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     load_start = os.getloadavg()[0]
     results: dict[str, dict] = {}
     for name in opts.runs.split(","):
-        extra = [*RUNS[name], "--kv-pool-gib", f"{opts.kv_pool_gib:g}"]
+        extra = [*dict(RUNS)[name], "--kv-pool-gib", f"{opts.kv_pool_gib:g}"]
         with LiveServer(queue_budget_s=1e6, extra_args=extra) as server:
             run_trace(server.url, 2, 1, 4, opts.seed + 1000, 0.0)        # warm-up, other prompts
             server.wait_idle()
