@@ -240,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=32, help="answer tokens a turn")
     p.add_argument("--stagger-s", type=float, default=0.1, help="start of conversation i: i × this")
     p.add_argument("--kv-pool-gib", type=float, default=1.0, help="each replica's KV pool")
+    p.add_argument("--hash-balance-factor", type=int, default=125,
+                   help="the affinity run's bounded load (genserve serve --hash-balance-factor)")
     p.add_argument("--runs", default=",".join(name for name, _ in RUNS), help="which runs, comma-separated")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--json", type=pathlib.Path, help="also write the figures as JSON here")
@@ -261,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict] = {}
     for name in opts.runs.split(","):
         extra = [*dict(RUNS)[name], "--kv-pool-gib", f"{opts.kv_pool_gib:g}"]
+        if name == "affinity":
+            extra += ["--hash-balance-factor", str(opts.hash_balance_factor)]
         with LiveServer(queue_budget_s=1e6, extra_args=extra) as server:
             run_trace(server.url, 2, 1, 4, opts.seed + 1000, 0.0)        # warm-up, other prompts
             server.wait_idle()
