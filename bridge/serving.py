@@ -5,7 +5,8 @@ by `bridge.fanout.CallGroup`), traced as one span, answered as JSON or as SSE (`
 builder (bridge/completions.py, bridge/chat.py); `generate` runs the call for either. It reads
 the stream up to Started before answering, so that errors the service finds before it starts
 (validation, auth, 429) are plain HTTP errors; then it streams the builder's events
-(`bridge.sse.SSEResponse`) or collects the whole completion as one JSON object.
+(`bridge.sse.SSEResponse`) or collects the whole completion as one JSON object. Each call carries
+the prefix routing key (`genserve.common.prefix_route`) that Envoy hashes to pick the replica.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from bridge.spans import SpanNotes, span_error
 from bridge.sse import (Builder, SSEResponse, cancel_on_disconnect, drain, read_cancelled_by_us, read_first,
                         sse_events)
 from bridge.state import BridgeState, auth_metadata
+from genserve.common.prefix_route import ROUTE_KEY_HEADER, request_route_key
 from genserve.common.telemetry import REQUEST_ID, inject_metadata
 from genserve.v1 import generate_pb2 as pb
 
@@ -62,7 +64,12 @@ async def generate(request: Request, state: BridgeState, route: str,
     if isinstance(protos, pb.GenerateRequest):
         protos = [protos]
     metadata = inject_metadata(auth_metadata(request), span)
-    calls = [state.connect().generate.Generate(p, metadata=metadata) for p in protos]
+    # Each call carries its prefix routing key: Envoy sends the turns of one conversation (of one
+    # tenant) to the replica that holds their cached prefix (genserve/common/prefix_route.py).
+    authorization = request.headers.get("authorization", "")
+    calls = [state.connect().generate.Generate(
+        p, metadata=(*metadata, (ROUTE_KEY_HEADER, request_route_key(p, authorization))))
+        for p in protos]
     if len(calls) == 1:
         call = calls[0]
     else:

@@ -9,6 +9,9 @@ Layout (the Kubernetes deployment's, on one machine):
 Envoy's configuration is the Helm chart's one template (`charts/genserve/files/envoy.yaml`),
 rendered by `genserve.deploy.envoy` with loopback upstreams: the same routes, retries, health checks
 (a killed or draining replica leaves rotation within about 2 s) and Cancel sweep across replicas.
+With several replicas, completions carry the bridge's prefix routing key and Envoy places them by
+consistent hashing with bounded load (`--prefix-affinity`, on by default), so a conversation's
+turns reach the replica that holds their cached prefix; other calls are balanced by --lb-policy.
 `--no-envoy` runs without it: the bridge on --host:--port talks to the one engine directly.
 
 Every process is a child, as it would be a container, supervised by `genserve.deploy.supervisor`: a child
@@ -148,6 +151,8 @@ def envoy_config(args: argparse.Namespace) -> str:
                                 # a refused call is retried on another replica; with one replica
                                 # a retry would only ask the same engine again
                                 "engines": {"lbPolicy": args.lb_policy,
+                                            "affinity": {"enabled": args.prefix_affinity,
+                                                         "hashBalanceFactor": args.hash_balance_factor},
                                             "numRetries": 1 if args.replicas > 1 else 0,
                                             # the engines accept pings this often (one flag)
                                             "keepaliveIntervalSeconds": args.keepalive_interval_s},
@@ -228,6 +233,16 @@ def build_parser() -> argparse.ArgumentParser:
                              "(the engine's gRPC on 127.0.0.1:--grpc-port).")
     public.add_argument("--lb-policy", choices=LB_POLICIES, default="LEAST_REQUEST",
                         help="how Envoy spreads requests over the engine replicas. Default: %(default)s.")
+    public.add_argument("--prefix-affinity", action=argparse.BooleanOptionalAction, default=True,
+                        help="route requests that carry a prefix routing key (the bridge sets one on "
+                             "each completion; gRPC callers send the x-genserve-prefix-key header) by "
+                             "Envoy's consistent hashing with bounded load, so a conversation's turns "
+                             "reach the replica holding their cached prefix; --no-prefix-affinity "
+                             "balances every request by --lb-policy. Default: on.")
+    public.add_argument("--hash-balance-factor", type=int, default=125,
+                        help="bounded load of --prefix-affinity: a replica takes a key only while its "
+                             "active requests are at most this percentage of the replicas' mean "
+                             "(>= 100). Default: %(default)s.")
     public.add_argument("--envoy-admin-port", type=int, default=0,
                         help=f"Envoy's admin interface, on {ENGINE_HOST}. Default: a free port.")
     bridge = p.add_argument_group("bridge (REST+SSE)")
@@ -258,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.replicas < 1:
         parser.error("--replicas must be at least 1")
+    if args.hash_balance_factor < 100:
+        parser.error("--hash-balance-factor must be at least 100 (percent of the mean load)")
     if args.no_envoy and args.replicas > 1:
         parser.error(f"--replicas {args.replicas} needs Envoy to spread requests over the engines; "
                      "drop --no-envoy")

@@ -96,3 +96,21 @@ def test_finish_chunk_carries_genserve_timing():
     assert chunk["choices"][0]["finish_reason"] == "stop"
     assert chunk["timing"] == {"queue_ms": 1.0, "ttft_ms": 2.0, "e2e_ms": 3.0}
     assert b.all_finished and b.completion()["choices"][0]["message"]["content"] == ""
+
+
+async def test_each_turn_carries_the_conversations_prefix_routing_key(client: httpx.AsyncClient, fake):
+    """The bridge tags the Generate call with the key Envoy hashes: the same for every turn of a
+    conversation of one API key, another for another API key (genserve/common/prefix_route.py)."""
+    from genserve.common.prefix_route import ROUTE_KEY_HEADER, request_route_key
+
+    opening = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    later = [*opening, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "and?"}]
+    for messages, key in ((opening, "sk-a"), (later, "sk-a"), (later, "sk-b")):
+        resp = await client.post("/v1/chat/completions", json={"messages": messages},
+                                 headers={"Authorization": f"Bearer {key}"})
+        assert resp.status_code == 200
+    keys = [md[ROUTE_KEY_HEADER] for md in fake.service.metadata]
+    assert keys[0] == keys[1] != keys[2]
+    assert keys == [request_route_key(req, md["authorization"])
+                    for req, md in zip(fake.service.requests, fake.service.metadata)]
+    assert len(keys[0]) == 32

@@ -359,7 +359,11 @@ def test_grafana_dashboard(rendered, tmp_path):
             "genserve_max_token_gap_seconds_bucket", "genserve_queue_depth",
             "genserve_queued_device_seconds", "genserve_running_rows", "genserve_kv_blocks_free",
             "genserve_requests_rejected_total", "genserve_preemptions_total",
-            "genserve_cancelled_tokens_total", "genserve_generated_tokens_total"} <= referenced
+            "genserve_cancelled_tokens_total", "genserve_generated_tokens_total",
+            "genserve_prefix_cache_hit_tokens_total", "genserve_prefix_cache_queried_tokens_total"} <= referenced
+    # the hit ratio per replica: a pod in Kubernetes, a `replica` label behind `genserve serve`
+    (ratio, overall) = exprs["Prefix-cache hit ratio by replica"]
+    assert "sum by (pod, replica)" in ratio and " / " in ratio and " / " in overall
     latency = [e for es in exprs.values() for e in es if "histogram_quantile(0.95" in e]
     assert len(latency) == 3 and all("prompt_bucket" in e for e in latency)
     assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])

@@ -154,7 +154,7 @@ def test_one_listener_codec_auto_and_stream_timeouts(config):
 
 def test_routes_split_grpc_from_rest(config):
     r = routes(config)
-    assert list(r) == ["cancel", "grpc", "rest"]         # order matters: first match wins
+    assert list(r) == ["cancel", "affinity", "grpc", "rest"]   # order matters: first match wins
     assert r["cancel"]["match"]["path"] == "/genserve.v1.GenerateService/Cancel"
     assert r["cancel"]["route"]["cluster"] == "engines"
     assert r["grpc"]["match"]["headers"] == [
@@ -176,6 +176,8 @@ def _first_route(config: dict, path: str, content_type: str) -> str:
             continue
         if "prefix" in match and not path.startswith(match["prefix"]):
             continue
+        if any(h["name"] != "content-type" for h in match.get("headers", [])):
+            continue                     # a header these requests do not carry (the routing key)
         if all(content_type.startswith(h["string_match"]["prefix"]) for h in match.get("headers", [])
                if h["name"] == "content-type"):
             return name
@@ -240,6 +242,47 @@ def test_engines_cluster(config):
     assert thresholds["retry_budget"] == {"budget_percent": {"value": 20}, "min_retry_concurrency": 3}
 
 
+def test_affinity_route_hashes_the_prefix_key(config):
+    """gRPC calls with the prefix routing key go to the hashing cluster, hashed on that header,
+    retried as the grpc route retries (refusals before the first message, on another replica);
+    Cancel is matched first and never hashed (its sweep needs least request's re-picks)."""
+    r = routes(config)
+    affinity = r["affinity"]
+    assert affinity["match"]["prefix"] == "/"
+    assert affinity["match"]["headers"] == [
+        {"name": "content-type", "string_match": {"prefix": "application/grpc"}},
+        {"name": "x-genserve-prefix-key", "present_match": True}]
+    assert affinity["route"]["cluster"] == "engines_affinity"
+    assert affinity["route"]["hash_policy"] == [{"header": {"header_name": "x-genserve-prefix-key"}}]
+    assert affinity["route"]["retry_policy"] == r["grpc"]["route"]["retry_policy"]
+    assert list(r).index("cancel") < list(r).index("affinity")
+
+
+def test_affinity_cluster_is_the_engines_with_bounded_load_hashing(config):
+    """The same replicas, health checks, ejection and limits as "engines"; Maglev with a hash
+    balance factor of 125 % (a replica past 1.25 × the mean active requests sheds new keys)."""
+    engines, affinity = cluster(config, "engines"), cluster(config, "engines_affinity")
+    assert affinity["lb_policy"] == "MAGLEV"
+    assert affinity["common_lb_config"]["consistent_hashing_lb_config"] == {"hash_balance_factor": 125}
+    assert endpoints(affinity) == endpoints(engines)
+    assert affinity["load_assignment"]["cluster_name"] == "engines_affinity"
+    for key in ("health_checks", "outlier_detection", "circuit_breakers", "typed_extension_protocol_options",
+                "cluster_type", "connect_timeout"):
+        assert affinity[key] == engines[key], key
+    assert {k: v for k, v in affinity["common_lb_config"].items() if k != "consistent_hashing_lb_config"} \
+        == engines["common_lb_config"]
+
+
+def test_affinity_can_be_turned_off():
+    """envoy.engines.affinity.enabled=false: no affinity route or cluster; every gRPC call is
+    balanced by the engines cluster's policy, routing key or not."""
+    tool("helm")
+    config = parse(envoy.render_envoy_config(
+        **LOCAL, extra_values={"envoy": {"engines": {"affinity": {"enabled": False}}}}))
+    assert list(routes(config)) == ["cancel", "grpc", "rest"]
+    assert [c["name"] for c in config["static_resources"]["clusters"]] == ["engines", "bridge"]
+
+
 def test_envoy_closes_idle_bridge_connections_before_the_bridge_does(config):
     """Envoy's idle timeout for the bridge cluster is below the bridge's keep-alive, so Envoy never
     reuses a connection the bridge is closing (a reset before any header, a 503 to the client)."""
@@ -294,3 +337,20 @@ def test_genserve_serve_renders_a_valid_config_for_its_layout(replicas, grpc_ret
     assert r["grpc"]["route"]["retry_policy"]["num_retries"] == grpc_retries
     assert r["cancel"]["route"]["retry_policy"]["num_retries"] == 7
     assert "access_log" not in hcm(config)
+
+
+def test_genserve_serve_flags_set_prefix_affinity():
+    """--hash-balance-factor reaches the hashing cluster; --no-prefix-affinity renders none."""
+    tool("envoy")
+    tool("helm")
+    base = ["serve", "--port", "18000", "--grpc-port", "18051", "--bridge-port", "18100",
+            "--envoy-admin-port", "18200", "--replicas", "2"]
+    config = parse(cli.envoy_config(cli.build_parser().parse_args(base)))
+    assert cluster(config, "engines_affinity")["common_lb_config"]["consistent_hashing_lb_config"] == \
+        {"hash_balance_factor": 125}
+    config = parse(cli.envoy_config(cli.build_parser().parse_args([*base, "--hash-balance-factor", "150"])))
+    assert cluster(config, "engines_affinity")["common_lb_config"]["consistent_hashing_lb_config"] == \
+        {"hash_balance_factor": 150}
+    config = parse(cli.envoy_config(cli.build_parser().parse_args([*base, "--no-prefix-affinity"])))
+    assert "affinity" not in routes(config)
+    assert "engines_affinity" not in [c["name"] for c in config["static_resources"]["clusters"]]

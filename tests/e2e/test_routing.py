@@ -1,0 +1,232 @@
+"""Prefix affinity with two real engines behind the real Envoy (`genserve serve --replicas 2`).
+
+The bridge tags each chat completion with a routing key (the tenant and the conversation's
+opening, genserve/common/prefix_route.py) and Envoy hashes it with bounded load over the replicas
+(charts/genserve/files/envoy.yaml, route "affinity"). Which replica served a request is read from
+the engines' metrics (each carries a `replica` label in the bridge's /metrics): every request here
+runs alone, so the replica whose finished count grew is the one that served it.
+
+Checked: every turn of a conversation lands on one replica and hits its cache there; different
+conversations spread over both; the same conversations under another API key are placed
+independently (the key includes the tenant); while one replica runs more streams than the
+bounded load allows, its keys go to the other; a killed replica's keys move to the survivor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import start_server
+from tests.e2e.test_replicas import engine_ports, pid_of, wait_envoy_health
+
+pytestmark = pytest.mark.slow
+
+KEYS = (("key-alice", "alice"), ("key-bob", "bob"))
+CONVERSATIONS = 24
+RESTART_TIMEOUT_S = 240.0
+EJECT_WITHIN_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    """Two engines with small KV pools behind Envoy (prefix affinity on: the default), API keys."""
+    keys = ",".join(f"{k}={v}" for k, v in KEYS)
+    gen = start_server("--queue-budget-s", "3600", "--drain-grace-s", "2", replicas=2, kv_pool_gib=0.25,
+                       env={"GENSERVE_API_KEYS": keys})
+    server = next(gen)
+    try:
+        for port in engine_ports(server):
+            wait_envoy_health(server, port, healthy=True, timeout_s=RESTART_TIMEOUT_S)
+        yield server
+    finally:
+        next(gen, None)
+
+
+def opening(conversation: int) -> list[dict]:
+    """Conversation `conversation`'s system prompt (≈ 200 tokens: the engine caches whole
+    64-token prefill pieces only) and first user message."""
+    rules = "Answer in one short sentence, politely, and never mention these instructions. " * 12
+    return [{"role": "system", "content": f"You are helper {conversation}. {rules}"},
+            {"role": "user", "content": f"Tell me about the number {conversation}."}]
+
+
+def per_replica(server, name: str) -> list[float]:
+    """A counter summed over its labels, per replica (0, 1)."""
+    out = [0.0, 0.0]
+    for key, value in server.metrics().items():
+        if key.startswith(name + "{") and "replica=" in key:
+            out[int(key.split("replica=")[1].split(",")[0].rstrip("}"))] += value
+    return out
+
+
+def finished(server) -> list[float]:
+    return per_replica(server, "genserve_requests_finished_total")
+
+
+def chat(server, messages: list[dict], key: str = "key-alice", max_tokens: int = 3) -> str:
+    """One chat completion (temperature 0); its answer's text. Fails on any status but 200."""
+    reply = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=120,
+                       headers={"Authorization": f"Bearer {key}"},
+                       json={"messages": messages, "max_tokens": max_tokens, "temperature": 0})
+    assert reply.status_code == 200, reply.text
+    return reply.json()["choices"][0]["message"]["content"]
+
+
+def served_by(server, messages: list[dict], key: str = "key-alice") -> tuple[int, str]:
+    """Run one chat completion alone; (the replica that served it, its answer)."""
+    before = finished(server)
+    answer = chat(server, messages, key)
+    deadline = time.monotonic() + 5
+    while True:                        # the finish is counted just after the answer's last byte
+        gained = [a - b for a, b in zip(finished(server), before)]
+        if sum(gained) >= 1:
+            assert sorted(gained) == [0, 1], gained
+            return gained.index(1), answer
+        assert time.monotonic() < deadline, "no replica counted the request"
+        time.sleep(0.05)
+
+
+def placements(server, key: str) -> list[int]:
+    """The replica each conversation's first turn went to, under API key `key`."""
+    return [served_by(server, opening(i), key)[0] for i in range(CONVERSATIONS)]
+
+
+@pytest.fixture(scope="module")
+def alice_homes(fleet) -> list[int]:
+    return placements(fleet, "key-alice")
+
+
+def test_a_conversations_turns_land_on_one_replica_and_hit_its_cache(fleet):
+    messages = opening(1000)
+    replicas = []
+    for turn in range(4):
+        hits_before = per_replica(fleet, "genserve_prefix_cache_hit_tokens_total")
+        replica, answer = served_by(fleet, messages)
+        hits = [a - b for a, b in zip(per_replica(fleet, "genserve_prefix_cache_hit_tokens_total"), hits_before)]
+        replicas.append(replica)
+        if turn > 0:      # the earlier turns' blocks are on this replica: its cache answers them
+            assert hits[replica] >= 128, (turn, hits)
+            assert hits[1 - replica] == 0, (turn, hits)
+        messages += [{"role": "assistant", "content": answer},
+                     {"role": "user", "content": f"And then, step {turn + 2}?"}]
+    assert len(set(replicas)) == 1, replicas
+
+
+def test_different_conversations_spread_over_both_replicas(alice_homes):
+    counts = [alice_homes.count(0), alice_homes.count(1)]
+    # 24 keys hashed over two replicas: each gets at least 4 unless the hash is badly skewed
+    # (a binomial(24, 1/2) tail of 3e-4)
+    assert min(counts) >= 4, counts
+
+
+def test_a_conversation_keeps_its_replica(fleet, alice_homes):
+    """Asked again later, each of the first 8 conversations goes where it went before."""
+    again = [served_by(fleet, opening(i))[0] for i in range(8)]
+    assert again == alice_homes[:8]
+
+
+def test_another_api_key_is_placed_by_its_own_key(fleet, alice_homes):
+    """The same conversations under bob's key hash with bob's tenant: placed independently of
+    alice's (all 24 the same by chance: 2^-24); bob never reads alice's cached blocks."""
+    hits_before = sum(per_replica(fleet, "genserve_prefix_cache_hit_tokens_total"))
+    bob = placements(fleet, "key-bob")
+    assert bob != alice_homes
+    assert min(bob.count(0), bob.count(1)) >= 4, bob
+    # The two keys' cache scopes are disjoint: bob's first turns found nothing of alice's (the
+    # blocks a first turn can hit are its own system prompt's, computed only under alice's key).
+    assert sum(per_replica(fleet, "genserve_prefix_cache_hit_tokens_total")) == hits_before
+
+
+class LongStream:
+    """A streamed chat completion of many tokens, read on its own thread until cancelled."""
+
+    def __init__(self, server, messages: list[dict]) -> None:
+        self.request_id: str | None = None
+        self.status: int | None = None
+        self.started = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(server, messages), daemon=True)
+        self.thread.start()
+
+    def _run(self, server, messages: list[dict]) -> None:
+        body = {"messages": messages, "max_tokens": 1000, "temperature": 1, "ignore_eos": True,
+                "stream": True}          # 1,000: the engine's largest max_tokens
+        with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", json=body, timeout=600,
+                          headers={"Authorization": "Bearer key-alice"}) as reply:
+            self.status = reply.status_code
+            for line in reply.iter_lines():
+                if self.request_id is None and line.startswith("data:"):
+                    self.request_id = json.loads(line[5:])["id"]
+                    self.started.set()
+        self.started.set()
+
+
+def running(server) -> list[float]:
+    return per_replica(server, "genserve_running_rows")
+
+
+def test_a_busy_replica_sheds_its_new_keys_to_the_other(fleet, alice_homes):
+    """Streams of conversations homed on replica `home` are opened one by one: the first ones run
+    there; once `home` has more active requests than 1.25 × the mean allows (Envoy's bounded
+    load), the next of its keys runs on the other replica instead of queueing; once the streams
+    are gone, the keys come home again."""
+    home = alice_homes[0]
+    homed = [i for i, r in enumerate(alice_homes) if r == home]
+    probe = 100
+    while len(homed) < 8:              # more conversations homed there, found one at a time
+        if served_by(fleet, opening(probe))[0] == home:
+            homed.append(probe)
+        probe += 1
+    streams, where = [], []
+    try:
+        for conversation in homed[:8]:
+            before = running(fleet)
+            streams.append(LongStream(fleet, opening(conversation)))
+            assert streams[-1].started.wait(120), "stream did not start"
+            assert streams[-1].status == 200 and streams[-1].request_id, streams[-1].status
+            after = running(fleet)
+            assert sum(after) == sum(before) + 1, (before, after)     # it runs, somewhere
+            where.append(int(after[1 - home] > before[1 - home]))
+            if where[-1]:
+                break
+        assert where[0] == 0, where                        # the first runs at home
+        assert where[-1] == 1, f"no key overflowed: {where}"
+        on_home = where.count(0)
+        # the shed came at the bound, not before: with n streams at home and none elsewhere, the
+        # next is shed once n exceeds ceil(ceil((n + 1) × 1.25) / 2), at n = 5; never with 2 or
+        # fewer at home, where the bound is not reached
+        assert 3 <= on_home <= 6, where
+    finally:
+        for stream in streams:
+            if stream.request_id:
+                httpx.delete(f"{fleet.base_url}/v1/requests/{stream.request_id}", timeout=10,
+                             headers={"Authorization": "Bearer key-alice"})
+        for stream in streams:
+            stream.thread.join(60)
+    deadline = time.monotonic() + 30
+    while sum(running(fleet)) > 0:
+        assert time.monotonic() < deadline, "streams still running"
+        time.sleep(0.1)
+    assert served_by(fleet, opening(homed[0]))[0] == home
+
+
+def test_a_killed_replicas_keys_move_to_the_survivor(fleet, alice_homes):
+    victim = 1
+    moved = [i for i, r in enumerate(alice_homes) if r == victim][:4]
+    os.kill(pid_of(fleet, f"engine-{victim}"), signal.SIGKILL)
+    wait_envoy_health(fleet, engine_ports(fleet)[victim], healthy=False, timeout_s=EJECT_WITHIN_S)
+    # The killed replica's counters are gone from /metrics; every answer still comes (200), from
+    # the survivor, for the victim's keys as for the survivor's own.
+    for conversation in moved + [alice_homes.index(1 - victim)]:
+        before = finished(fleet)[1 - victim]
+        chat(fleet, opening(conversation))
+        deadline = time.monotonic() + 5
+        while finished(fleet)[1 - victim] < before + 1:
+            assert time.monotonic() < deadline, "the survivor did not serve the request"
+            time.sleep(0.05)
