@@ -412,7 +412,8 @@ def serve(extra: Sequence[str] = (), timeout_s: float = 300.0) -> Iterator[Targe
     port, grpc_port, metrics_port = free_port(), free_port(), free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "genserve.deploy.cli", "serve", "--port", str(port), "--grpc-port", str(grpc_port),
-         "--metrics-port", str(metrics_port), "--queue-budget-s", "3600", *extra],
+         "--metrics-port", str(metrics_port), "--queue-budget-s", "3600",
+         "--ready-timeout-s", f"{timeout_s:g}", *extra],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + timeout_s
     lines = []
@@ -422,7 +423,9 @@ def serve(extra: Sequence[str] = (), timeout_s: float = 300.0) -> Iterator[Targe
             lines.append(line)
             if "genserve ready" in line:
                 break
-            if not line or proc.poll() is not None or time.monotonic() > deadline:
+            # "not ready after": the supervisor goes on trying, but the next line may never come.
+            if (not line or "not ready after" in line or proc.poll() is not None
+                    or time.monotonic() > deadline):
                 raise RuntimeError("genserve did not start:\n" + "".join(lines[-30:]))
         # Keep reading its output so the pipe never fills.
         threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()

@@ -24,6 +24,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 BACKOFF_START_S = 1.0
 BACKOFF_MAX_S = 30.0
 HEALTHY_RUN_S = 60.0          # a child that ran this long restarts with the initial back-off
+# While the service is not ready after the timeout, how long each supervision pass polls it (s).
+LATE_READY_POLL_S = 0.5
 STOP_TIMEOUT_S = 15.0         # after SIGTERM (and the engine's drain grace): then SIGKILL
 
 
@@ -95,10 +97,11 @@ def supervise(children: list[Child], ready: Callable[[float], bool], ready_messa
 
     Args:
         children: the processes, in start order.
-        ready: called once after the start with a timeout in seconds; True once the service
-            answers (then `ready_message` is printed).
-        ready_message: what to print once ready.
-        ready_timeout_s: how long `ready` may wait; after it supervision goes on anyway.
+        ready: called after the start with a timeout in seconds; True once the service answers
+            (then `ready_message` is printed).
+        ready_message: what to print once ready (also when that is only after the timeout).
+        ready_timeout_s: how long `ready` may wait before "not ready after ... still trying" is
+            printed; supervision goes on, and `ready` is polled until the service answers.
     """
     stopping = False
 
@@ -110,11 +113,15 @@ def supervise(children: list[Child], ready: Callable[[float], bool], ready_messa
     signal.signal(signal.SIGTERM, stop)
     for child in children:
         child.start()
-    if ready(ready_timeout_s):
+    announced = ready(ready_timeout_s)
+    if announced:
         print(ready_message, flush=True)
     else:
         print(f"genserve: not ready after {ready_timeout_s:g} s; still trying", flush=True)
     while not stopping:
+        if not announced and ready(LATE_READY_POLL_S):   # ready late: say so, for whoever waits
+            announced = True
+            print(ready_message, flush=True)
         now = time.monotonic()
         for child in children:
             code = child.proc.poll() if child.proc else None

@@ -3,6 +3,7 @@ supervisor hands its flags to the engine child without losing or changing any.""
 
 from __future__ import annotations
 
+import os
 import pathlib
 import subprocess
 import sys
@@ -115,3 +116,30 @@ def test_the_supervisor_imports_no_torch():
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True,
                             timeout=120, check=False)
     assert result.returncode == 0, result.stderr
+
+
+def test_the_supervisor_announces_readiness_that_comes_after_its_timeout(tmp_path):
+    """A service still loading at --ready-timeout-s gets "not ready after ...; still trying", and
+    the ready message when it does answer, so whoever waits for that line is not left waiting."""
+    script = tmp_path / "late.py"
+    script.write_text(
+        "import sys, time\n"
+        "from genserve.deploy.supervisor import Child, supervise\n"
+        "t0 = time.monotonic()\n"
+        "def ready(timeout_s):\n"
+        "    time.sleep(min(timeout_s, 0.1))\n"
+        "    return time.monotonic() - t0 > 1.0\n"
+        "child = Child('sleeper', [sys.executable, '-c', 'import time; time.sleep(60)'], stop_timeout_s=5)\n"
+        "sys.exit(supervise([child], ready, 'READY', ready_timeout_s=0.2))\n")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).resolve().parents[2])})
+    try:
+        lines = []
+        while not lines or lines[-1].strip() != "READY":
+            line = proc.stdout.readline()
+            assert line, lines
+            lines.append(line)
+        assert any("not ready after 0.2 s; still trying" in line for line in lines), lines
+    finally:
+        proc.terminate()
+        assert proc.wait(30) == 0
