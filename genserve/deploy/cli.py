@@ -279,16 +279,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--replicas {args.replicas} needs Envoy to spread requests over the engines; "
                      "drop --no-envoy")
     resolve_ports(args)
-    try:
-        check_ports_free(listeners(args))
-    except ValueError as exc:
-        parser.error(str(exc))
-    except PortInUse as exc:
-        parser.exit(EXIT_PORT_IN_USE, f"genserve {args.command}: error: {exc}\n")
     if args.replicas > 1 and args.threads == 0:
         # Replicas on one machine share its cores: each takes its share, not all of them
         # (threads spinning on a core another replica computes on slow both down).
         args.threads = max(1, len(os.sched_getaffinity(0)) // args.replicas)
+    # The flags first (an invalid engine setting is a 2 whatever listens where), then the ports.
     try:
         drain_timeout_s = args.drain_grace_s + STOP_TIMEOUT_S
         children = [Child("engine" if args.replicas == 1 else f"engine-{i}", engine_argv(args, i),
@@ -296,6 +291,12 @@ def main(argv: list[str] | None = None) -> int:
         children.append(Child("bridge", bridge_argv(args), stage=1))
     except ValueError as exc:
         parser.exit(2, f"genserve {args.command}: error: {exc}\n")
+    try:
+        check_ports_free(listeners(args))
+    except ValueError as exc:
+        parser.error(str(exc))
+    except PortInUse as exc:
+        parser.exit(EXIT_PORT_IN_USE, f"genserve {args.command}: error: {exc}\n")
     if args.no_envoy:
         return supervise(children, lambda timeout_s: wait_ready(args, timeout_s), ready_message(args),
                          args.ready_timeout_s)
