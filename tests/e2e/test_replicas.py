@@ -11,69 +11,23 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import threading
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from tests.e2e.conftest import start_server
+from tests.e2e.fleet import EJECT_WITHIN_S, RESTART_TIMEOUT_S, engine_ports, pid_of, two_engine_fleet, wait_envoy_health
 
 PROMPT = "The capital of France is"
-EJECT_WITHIN_S = 2.0
-RESTART_TIMEOUT_S = 240.0
 
 
 @pytest.fixture(scope="module")
 def fleet():
     """Two engines (small KV pools, so both fit on two cores) behind Envoy, both in rotation."""
-    gen = start_server("--queue-budget-s", "3600", "--drain-grace-s", "2", replicas=2, kv_pool_gib=0.25)
-    server = next(gen)
-    try:
-        for port in engine_ports(server):
-            wait_envoy_health(server, port, healthy=True, timeout_s=RESTART_TIMEOUT_S)
-        yield server
-    finally:
-        next(gen, None)                 # stops the server
-
-
-def engine_ports(server) -> list[int]:
-    return [int(target.rsplit(":", 1)[1]) for target in server.engine_targets]
-
-
-def admin_url(server, timeout_s: float = 10.0) -> str:
-    """Envoy's admin address, from the ready message (its last line may still be on its way)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for line in list(server.output):
-            found = re.search(r"admin (http://127\.0\.0\.1:\d+)", line)
-            if found:
-                return found.group(1)
-        time.sleep(0.05)
-    raise AssertionError("no Envoy admin address in genserve's output")
-
-
-def envoy_health(server, port: int) -> str:
-    """The engines cluster's health flags of the replica on `port` ("healthy", or why not)."""
-    with urllib.request.urlopen(f"{admin_url(server)}/clusters", timeout=2) as reply:
-        text = reply.read().decode()
-    (flags,) = [line.rsplit("::", 1)[1] for line in text.splitlines()
-                if line.startswith(f"engines::127.0.0.1:{port}::health_flags::")]
-    return flags
-
-
-def wait_envoy_health(server, port: int, healthy: bool, timeout_s: float) -> float:
-    """Seconds until Envoy sees the replica on `port` as `healthy` (or not); fails after `timeout_s`."""
-    start = time.monotonic()
-    while (envoy_health(server, port) == "healthy") != healthy:
-        assert time.monotonic() - start < timeout_s, \
-            f"replica :{port} not {'healthy' if healthy else 'ejected'} within {timeout_s} s"
-        time.sleep(0.02)
-    return time.monotonic() - start
+    yield from two_engine_fleet()
 
 
 def replica_values(server, name: str) -> list[float]:
@@ -172,14 +126,6 @@ def test_delete_cancels_the_request_on_whichever_replica_runs_it(fleet):
     assert all(g >= 1 for g in gained), gained        # each replica cancelled the ones it ran
     # An id no replica knows: every replica said NOT_FOUND, so the bridge says 404.
     assert httpx.delete(f"{fleet.base_url}/v1/requests/no-such-request", timeout=10).status_code == 404
-
-
-def pid_of(server, name: str) -> int:
-    """The pid of the supervisor's child `name` as last started (from genserve's output)."""
-    pids = [int(m.group(1)) for line in list(server.output)
-            if (m := re.search(rf"started {name} \(pid (\d+)\)", line))]
-    assert pids, f"no start of {name} in genserve's output"
-    return pids[-1]
 
 
 def test_killed_replica_is_ejected_its_streams_end_with_an_error_and_it_comes_back(fleet):

@@ -23,30 +23,18 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.conftest import start_server
-from tests.e2e.test_replicas import engine_ports, pid_of, wait_envoy_health
+from tests.e2e.fleet import EJECT_WITHIN_S, engine_ports, pid_of, two_engine_fleet, wait_envoy_health
 
 pytestmark = pytest.mark.slow
 
 KEYS = (("key-alice", "alice"), ("key-bob", "bob"))
 CONVERSATIONS = 24
-RESTART_TIMEOUT_S = 240.0
-EJECT_WITHIN_S = 2.0
 
 
 @pytest.fixture(scope="module")
 def fleet():
     """Two engines with small KV pools behind Envoy (prefix affinity on: the default), API keys."""
-    keys = ",".join(f"{k}={v}" for k, v in KEYS)
-    gen = start_server("--queue-budget-s", "3600", "--drain-grace-s", "2", replicas=2, kv_pool_gib=0.25,
-                       env={"GENSERVE_API_KEYS": keys})
-    server = next(gen)
-    try:
-        for port in engine_ports(server):
-            wait_envoy_health(server, port, healthy=True, timeout_s=RESTART_TIMEOUT_S)
-        yield server
-    finally:
-        next(gen, None)
+    yield from two_engine_fleet(env={"GENSERVE_API_KEYS": ",".join(f"{k}={v}" for k, v in KEYS)})
 
 
 def opening(conversation: int) -> list[dict]:
