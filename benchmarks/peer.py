@@ -623,6 +623,7 @@ class RunningPeer:
     pausable: PausableServer | None = None
 
     def idle(self) -> contextlib.AbstractContextManager:
+        """A context manager under which the peer takes no CPU (see the class docstring)."""
         return self.pausable.paused() if self.pausable is not None else contextlib.nullcontext()
 
 
