@@ -71,7 +71,8 @@ import torch
 
 from benchmarks._measure import gemm_gflops, read_gbps
 from benchmarks.vllm_peer import INSTALL_SCRIPT as VLLM_INSTALL_SCRIPT
-from benchmarks.vllm_peer import VLLM, PausableServer, VllmInstall, all_cores, vllm_argv, vllm_env, vllm_server
+from benchmarks.vllm_peer import (VLLM, PausableServer, VllmInstall, all_cores, vllm_argv, vllm_env, vllm_server,
+                                  wait_for_health)
 from genserve.deploy.supervisor import free_port
 
 GENSERVE = "genserve"
@@ -481,22 +482,12 @@ def llama_server(argv: list[str], port: int, timeout_s: float = START_TIMEOUT_S)
     Raises:
         RuntimeError: it exited or did not answer within `timeout_s`.
     """
-    import httpx
 
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, text=True)
         try:
-            deadline = time.monotonic() + timeout_s
-            while True:
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                        break
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    log.seek(0)
-                    tail = "".join(log.readlines()[-30:])
-                    raise RuntimeError(f"llama-server did not start ({' '.join(argv)}):\n{tail}")
-                time.sleep(0.2)
+            wait_for_health(proc, url, log, timeout_s, "llama-server", argv)
             yield url
         finally:
             proc.terminate()

@@ -120,6 +120,30 @@ class PausableServer:
             os.killpg(self.pgid, signal.SIGCONT)
 
 
+def wait_for_health(proc: subprocess.Popen, url: str, log, timeout_s: float, name: str,
+                    argv: Sequence[str]) -> None:
+    """Poll GET `url`/health every 0.5 s until it answers 200.
+
+    Raises:
+        RuntimeError: `proc` exited or `timeout_s` passed first; the message names `name`, the
+            command line and the last 40 lines of `log` (the file `proc` writes its output to).
+    """
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        exited = proc.poll() is not None
+        if exited or time.monotonic() > deadline:
+            why = f"exited with {proc.returncode}" if exited else f"did not answer /health within {timeout_s:g} s"
+            log.seek(0)
+            tail = "".join(log.readlines()[-40:])
+            raise RuntimeError(f"{name} {why} ({' '.join(argv)}):\n{tail}")
+        time.sleep(0.5)
+
+
 @contextlib.contextmanager
 def vllm_server(argv: Sequence[str], env: dict[str, str], port: int,
                 timeout_s: float = START_TIMEOUT_S) -> Iterator[PausableServer]:
@@ -131,29 +155,14 @@ def vllm_server(argv: Sequence[str], env: dict[str, str], port: int,
     Raises:
         RuntimeError: it exited or did not answer within `timeout_s`.
     """
-    import httpx
 
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen(list(argv), stdout=log, stderr=subprocess.STDOUT, text=True, env=env,
                                 start_new_session=True)
 
-        def fail(why: str) -> RuntimeError:
-            log.seek(0)
-            tail = "".join(log.readlines()[-40:])
-            return RuntimeError(f"vllm serve {why} ({' '.join(argv)}):\n{tail}")
-
         try:
-            deadline = time.monotonic() + timeout_s
-            while True:
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                        break
-                if proc.poll() is not None:
-                    raise fail(f"exited with {proc.returncode}")
-                if time.monotonic() > deadline:
-                    raise fail(f"did not answer /health within {timeout_s:g} s")
-                time.sleep(0.5)
+            wait_for_health(proc, url, log, timeout_s, "vllm serve", argv)
             yield PausableServer(url, proc.pid)
         finally:
             with contextlib.suppress(ProcessLookupError):
