@@ -20,6 +20,8 @@
   (`torch.ops.genserve.q4_amx_linear`) or Q8_0 blocks (`q8_amx_linear`), re-grouped at load by
   `engine.model.quant.amx_pack`, decoded to the bf16 engine's values and summed with AMX tiles as
   oneDNN's AMX kernel sums, so with its bits.
+* `engine/kernels/csrc/int8_linear.cpp`: x @ Wᵀ on int8 arithmetic (`torch.ops.genserve.int8_linear`,
+  `engine.model.int8`): per-row quantization, oneDNN's exact int8 sums, fp32 scaling, in one call.
 * `engine/kernels/csrc/decode_layers.cpp`: all blocks of a pure-decode step in one call
   (`torch.ops.genserve.decode_layers`), the same ops in the same order as the Python loop.
 
@@ -58,8 +60,9 @@ log = logging.getLogger(__name__)
 SOURCES = [pathlib.Path(__file__).with_name("csrc") / name
            for name in ("decode_attention.cpp", "prefill_attention.cpp", "layer_ops.cpp",
                         "packed_linear.cpp", "q4_linear.cpp", "amx_linear.cpp",
-                        "decode_layers.cpp")]
-OPS = ("paged_decode", "rms_norm", "add_rms_norm_", "rope_store_kv", "silu_mul", "decode_layers")
+                        "int8_linear.cpp", "decode_layers.cpp")]
+OPS = ("paged_decode", "rms_norm", "add_rms_norm_", "rope_store_kv", "silu_mul", "int8_linear",
+       "decode_layers")
 AVX512_BF16_OPS = ("paged_prefill", "packed_linear", "q4_linear")     # built only where the CPU has AVX512-BF16
 AMX_OPS = ("q4_amx_linear", "q8_amx_linear")   # built only where the compiler targets AMX-BF16
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]

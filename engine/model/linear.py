@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import kernels
+from engine.model.int8 import Int8Weight, int8_linear
 
 
 # Rows up to which `linear` (and the C++ decode loop) runs genserve's `packed_linear`; above,
@@ -54,6 +55,8 @@ class PackedWeight:
         q8: None, or the weight's Q8_0 blocks in `q8_amx_linear`'s layout (uint8 [out, in / 32 ·
             34], `engine.model.quant.amx_pack`): then every product runs
             `torch.ops.genserve.q8_amx_linear`, the bits of the `tile_rows`-row oneDNN calls.
+        i8: None, or the weight quantized to int8 per output row (`engine.model.int8`): then
+            every product runs `int8_linear` (int8 arithmetic, not the bf16 product's bits).
     """
 
     tensor: torch.Tensor
@@ -62,13 +65,16 @@ class PackedWeight:
     tile_rows: int = 0
     q4: torch.Tensor | None = None
     q8: torch.Tensor | None = None
+    i8: Int8Weight | None = None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor,
            packed: PackedWeight | None = None) -> torch.Tensor:
     """`x @ weight.T` whose rows do not depend on how many rows there are.
 
-    With `packed` (`pack_weights`) the product reads the packed copy: from its 8-bit blocks when
+    With `packed` (`pack_weights`) the product reads the packed copy: on int8 arithmetic when it
+    has an int8 copy (`engine.model.int8.int8_linear`, rows still independent of the batch, but
+    not the bf16 product's bits); from its 8-bit blocks when
     it has them (`q8_amx_linear`, oneDNN's AMX bits); up to `packed.max_rows`
     rows from its 4-bit blocks when it has them (`q4_linear`, engine/kernels/csrc/q4_linear.cpp, the
     bits of `packed_linear` with the same chunk, or without a chunk `q4_amx_linear`, the bits of
@@ -90,6 +96,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
     Returns:
         [M, out_features].
     """
+    if packed is not None and packed.i8 is not None:
+        return int8_linear(x, packed.i8)
     if packed is not None and packed.q8 is not None:
         return torch.ops.genserve.q8_amx_linear(x.contiguous(), packed.q8)
     if packed is not None and packed.q4 is not None and x.shape[0] <= packed.max_rows:

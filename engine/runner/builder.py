@@ -6,7 +6,7 @@ import logging
 import os
 import pathlib
 import statistics
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +17,9 @@ from engine.core.cost_model import CostModel
 from engine.core.engine import Engine
 from engine.core.request import Request, SamplingParams
 from engine.model.llama import ModelArgs, Transformer
+from engine.model.int8_weights import attach_int8
 from engine.model.quant import attach_q4
+from engine.runner.int8_calibration import calibration_config, calibration_tokens, run_calibration
 from engine.model.weights import load_gguf, load_safetensors, open_gguf, random_shape, random_weights
 from engine.runner.kv_cache import KVCache, device_pool_size
 from engine.runner.model_runner import ModelRunner
@@ -125,16 +127,22 @@ def load_weights(source: ModelSource, dtype: torch.dtype, device: torch.device
     return args, state, Tokenizer.from_gguf(reader)
 
 
-def attach_weights(weights: str, network: Transformer, source: ModelSource) -> None:
+def attach_weights(weights: str, network: Transformer, source: ModelSource,
+                   tokenizer: Tokenizer | ByteTokenizer | None = None) -> None:
     """Serve `network`'s block matrices as `weights` asks (`EngineConfig.weights`): "q4" from the
-    GGUF's 4-bit blocks (`engine.model.quant.attach_q4`), "bf16" as loaded, "auto" "q4" where it
+    GGUF's 4-bit blocks (`engine.model.quant.attach_q4`), "int8" on int8 arithmetic
+    (`engine.model.int8_weights.attach_int8`, its outlier channels chosen on the fixed text of
+    `engine.runner.int8_calibration` with `tokenizer`, none without), "bf16" as loaded, "auto" "q4" where it
     can run (a GGUF model, bf16 on a CPU with the `q4_linear` kernel, Q4_1 block matrices),
     else "bf16"; the choice is logged.
 
     Raises:
-        ValueError: "q4" where it cannot run (the reason is in the message).
+        ValueError: "q4" or "int8" where it cannot run (the reason is in the message).
     """
     if weights == "bf16":
+        return
+    if weights == "int8":
+        attach_int8(network, None if tokenizer is None else int8_calibration(network, tokenizer))
         return
     if source.kind not in ("embedded", "gguf"):
         if weights == "q4":
@@ -150,6 +158,17 @@ def attach_weights(weights: str, network: Transformer, source: ModelSource) -> N
         if weights == "q4":
             raise
         log.info("weights: bf16 (%s)", exc)
+
+
+def int8_calibration(network: Transformer, tokenizer: Tokenizer | ByteTokenizer
+                     ) -> Callable[[], None]:
+    """The run `engine.model.int8_weights.attach_int8` chooses `network`'s outlier channels from:
+    the fixed text of `engine.runner.int8_calibration`, by `tokenizer`, through a throwaway
+    engine over `network` (freed when the run ends)."""
+    def calibrate() -> None:
+        ids = calibration_tokens(tokenizer.encode_text)
+        run_calibration(engine_from_model(calibration_config(len(ids)), network), ids)
+    return calibrate
 
 
 def build_engine(config: EngineConfig, model: str | pathlib.Path | None = None,
@@ -187,7 +206,7 @@ def build_engine(config: EngineConfig, model: str | pathlib.Path | None = None,
         config.max_context = args.max_context
     network = model_from_weights(args, state, dtype, device)
     state.clear()                      # frees the unfused Q/K/V and gate/up matrices before sizing the pool
-    attach_weights(config.weights, network, source)
+    attach_weights(config.weights, network, source, tokenizer)
     engine = engine_from_model(config, network)
     if calibrate:
         engine.scheduler.cost = measure_costs(engine)

@@ -34,6 +34,8 @@ class DecodeLoop:
             `PackedWeight.max_rows`); above, oneDNN.
         q4: empty, or every block matrix's 4-bit blocks (`PackedWeight.q4`), layer by layer in
             the order wqkv, wo, w13, w2: then the products up to `max_rows` rows run `q4_linear`.
+        i8: empty, or every block matrix's int8 copy (`PackedWeight.i8`: q, scale, outliers,
+            outlier_q), in the same order: then every product runs `int8_linear`.
     """
 
     wqkv: list[torch.Tensor]
@@ -49,19 +51,25 @@ class DecodeLoop:
     k_chunks: list[int]
     max_rows: int = PACKED_LINEAR_MAX_ROWS
     q4: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    i8: list[torch.Tensor] = dataclasses.field(default_factory=list)
 
     @classmethod
     def from_model(cls, model: Transformer) -> DecodeLoop | None:
         """From a packed model (`Transformer.pack`, or `engine.model.quant.attach_q4`); None unless
         every block matrix packed, with no oneDNN calls of fixed size (which the C++ loop does
-        not run) unless its 4-bit blocks run every product."""
+        not run) unless its 4-bit blocks run every product, and with int8 copies
+        (`engine.model.int8`, row scales) on every block matrix or none."""
         layers, args = model.layers, model.args
         packed = [[layer.attention.wqkv_packed for layer in layers],
                   [layer.attention.wo_packed for layer in layers],
                   [layer.feed_forward.w13_packed for layer in layers],
                   [layer.feed_forward.w2_packed for layer in layers]]
-        if any(w is None or (w.tile_rows and not (w.q4 is not None and w.max_rows == ANY_ROWS))
-               for ws in packed for w in ws):
+        with_i8 = [w is not None and w.i8 is not None for ws in packed for w in ws]
+        if any(with_i8):
+            if not all(with_i8) or any(w.i8.block for ws in packed for w in ws):
+                return None         # int8 products (engine.model.int8) for every matrix or none
+        elif any(w is None or (w.tile_rows and not (w.q4 is not None and w.max_rows == ANY_ROWS))
+                 for ws in packed for w in ws):
             return None             # the C++ loop runs no tiled products: the Python loop does
         with_q4 = [w.q4 is not None for ws in packed for w in ws]
         if any(with_q4) and not all(with_q4):
@@ -76,7 +84,10 @@ class DecodeLoop:
                    scale=args.head_dim ** -0.5, k_chunks=chunks,
                    max_rows=min(w.max_rows for ws in packed for w in ws),
                    q4=[ws[i].q4 for i in range(len(layers)) for ws in packed] if all(with_q4)
-                   else [])
+                   else [],
+                   i8=[t for i in range(len(layers)) for ws in packed
+                       for t in (ws[i].i8.q, ws[i].i8.scale, ws[i].i8.outliers, ws[i].i8.outlier_q)]
+                   if all(with_i8) else [])
 
     def run(self, model: Transformer, token_ids: torch.Tensor, positions: torch.Tensor,
             kv_layers: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
@@ -96,4 +107,4 @@ class DecodeLoop:
             h, x, self.wqkv, self.wo, self.w13, self.w2, self.ffn_norm, self.next_norm, self.eps,
             model.rope, positions, kv_layers, meta.slots, meta.decode_blocks.view(meta.num_decode, -1),
             meta.decode_lens, self.n_heads, self.n_kv_heads, self.scale, self.k_chunks,
-            self.max_rows, self.q4)
+            self.max_rows, self.q4, self.i8)

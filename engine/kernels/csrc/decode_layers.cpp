@@ -1,7 +1,8 @@
 // Every block of a pure-decode step in one call: the same ops, in the same order, on the same
 // tensors as `Transformer.forward`'s Python loop with `KernelLayerOps` — the packed matrix
 // products as `linear.linear` runs them (genserve's `q4_linear` over the 4-bit blocks up to
-// `max_rows` rows where the model was loaded with them, else `packed_linear` up to `max_rows`
+// `max_rows` rows where the model was loaded with them, `int8_linear` on every product where it
+// runs on int8 arithmetic, else `packed_linear` up to `max_rows`
 // rows where the weight kind has a k chunk, else oneDNN with a one-row input doubled), `rope_store_kv`,
 // `paged_decode`, `add_rms_norm_`, `silu_mul` — so a row's bits are the ones the Python loop
 // gives (tested), but without ~25 Python calls per layer: at 1 row those cost ≈ 2.5 ms of a 9 ms
@@ -20,10 +21,12 @@
 namespace {
 
 // x [M, in] @ packed weight → [M, out], exactly as `linear.linear` with a packed weight whose
-// k chunk is `k_chunk` (0: none) and whose 4-bit blocks are `q4` (undefined: none; with k
-// chunk 0, the AMX kernel's products).
+// k chunk is `k_chunk` (0: none), whose 4-bit blocks are `q4` (undefined: none; with k
+// chunk 0, the AMX kernel's products) and whose int8 copy is `i8` (null: none; else its q,
+// scale, outliers and outlier_q, `engine.model.int8.Int8Weight`, which then run every product).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& q4,
-                  int64_t k_chunk, int64_t max_rows) {
+                  int64_t k_chunk, int64_t max_rows, const at::Tensor* i8 = nullptr) {
+  if (i8 != nullptr) return genserve::int8_linear(x.contiguous(), i8[0], i8[1], i8[2], i8[3]);
 #ifdef GENSERVE_PACKED_LINEAR
   if (q4.defined() && x.size(0) <= max_rows) {
     if (k_chunk > 0) return genserve::q4_linear(x, q4, k_chunk);
@@ -55,7 +58,7 @@ at::Tensor decode_layers(at::Tensor h, at::Tensor x, at::TensorList wqkv, at::Te
                          const at::Tensor& slots, const at::Tensor& tables,
                          const at::Tensor& lens, int64_t n_heads, int64_t n_kv_heads,
                          double scale, at::IntArrayRef k_chunks, int64_t max_rows,
-                         at::TensorList q4) {
+                         at::TensorList q4, at::TensorList i8) {
   const size_t layers = wqkv.size();
   TORCH_CHECK(wo.size() == layers && w13.size() == layers && w2.size() == layers &&
                   ffn_norm.size() == layers && next_norm.size() == layers &&
@@ -65,23 +68,29 @@ at::Tensor decode_layers(at::Tensor h, at::Tensor x, at::TensorList wqkv, at::Te
   TORCH_CHECK(k_chunks.size() == 4, "one k chunk for each of wqkv, wo, w13, w2");
   TORCH_CHECK(q4.empty() || q4.size() == 4 * layers,
               "q4: none, or the 4-bit blocks of wqkv, wo, w13, w2 of every layer in turn");
+  TORCH_CHECK(i8.empty() || i8.size() == 16 * layers,
+              "i8: none, or q, scale, outliers, outlier_q of wqkv, wo, w13, w2 of every layer");
   // The 4-bit blocks of kind `kind` of layer `i`, or an undefined tensor.
   const auto blocks = [&](size_t i, size_t kind) {
     return q4.empty() ? at::Tensor() : q4[4 * i + kind];
   };
+  // The int8 copy (4 tensors) of kind `kind` of layer `i`, or null.
+  const auto int8 = [&](size_t i, size_t kind) -> const at::Tensor* {
+    return i8.empty() ? nullptr : &i8[16 * i + 4 * kind];
+  };
   const int64_t rows = h.size(0);
   for (size_t i = 0; i < layers; ++i) {
-    const at::Tensor qkv = linear(x, wqkv[i], blocks(i, 0), k_chunks[0], max_rows);
+    const at::Tensor qkv = linear(x, wqkv[i], blocks(i, 0), k_chunks[0], max_rows, int8(i, 0));
     const at::Tensor q = genserve::rope_store_kv(qkv, rope, positions, caches[i], slots, n_heads,
                                                  n_kv_heads);
     const at::Tensor o = genserve::paged_decode(q, caches[i][0], caches[i][1], tables, lens, scale);
     x = genserve::add_rms_norm_(
-        h, linear(o.reshape({rows, -1}), wo[i], blocks(i, 1), k_chunks[1], max_rows),
+        h, linear(o.reshape({rows, -1}), wo[i], blocks(i, 1), k_chunks[1], max_rows, int8(i, 1)),
         ffn_norm[i], eps);
     const at::Tensor act =
-        genserve::silu_mul(linear(x, w13[i], blocks(i, 2), k_chunks[2], max_rows));
-    x = genserve::add_rms_norm_(h, linear(act, w2[i], blocks(i, 3), k_chunks[3], max_rows),
-                                next_norm[i], eps);
+        genserve::silu_mul(linear(x, w13[i], blocks(i, 2), k_chunks[2], max_rows, int8(i, 2)));
+    x = genserve::add_rms_norm_(
+        h, linear(act, w2[i], blocks(i, 3), k_chunks[3], max_rows, int8(i, 3)), next_norm[i], eps);
   }
   return x;
 }
@@ -93,7 +102,7 @@ TORCH_LIBRARY_FRAGMENT(genserve, m) {
         "Tensor[] w2, Tensor[] ffn_norm, Tensor[] next_norm, float eps, Tensor rope, "
         "Tensor positions, Tensor[] caches, Tensor slots, Tensor tables, Tensor lens, "
         "int n_heads, int n_kv_heads, float scale, int[] k_chunks, int max_rows, "
-        "Tensor[] q4) -> Tensor");
+        "Tensor[] q4, Tensor[] i8) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(genserve, CPU, m) { m.impl("decode_layers", &decode_layers); }

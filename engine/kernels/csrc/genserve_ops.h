@@ -22,6 +22,8 @@ at::Tensor rope_store_kv(const at::Tensor& qkv, const at::Tensor& rope, const at
                          at::Tensor cache, const at::Tensor& slots, int64_t n_heads,
                          int64_t n_kv_heads);
 at::Tensor silu_mul(const at::Tensor& gate_up);
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
+                       const at::Tensor& outliers, const at::Tensor& outlier_q);
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define GENSERVE_PACKED_LINEAR 1
