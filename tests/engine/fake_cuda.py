@@ -77,6 +77,7 @@ extern "C" int install_fake_cuda_guard() {
 """
 
 DEVICE = torch.device("cuda", 0)
+H200_CAPABILITY = (9, 0)             # sm_90 (Hopper)
 H200_BYTES = 141 * 10**9            # the H200's memory, decimal bytes
 DESIGN_DEVICE_BYTES = 80 * 10**9    # the design's 80 GB device (docs/design.md)
 
@@ -113,6 +114,20 @@ def install_cuda_guard(build_dir: pathlib.Path) -> str | None:
         return f"building the no-op CUDA device guard failed: {proc.stderr[-500:]}"
     ctypes.CDLL(str(lib)).install_fake_cuda_guard()
     return None
+
+
+def _eager_flex() -> type:
+    from engine.attention.flex import FlexBackend
+
+    class EagerFlex(FlexBackend):
+        """`FlexBackend` running FlexAttention's higher-order op eagerly even on CUDA: its
+        compiled kernel (Inductor, Triton) cannot be built for fake tensors; the eager op reads the
+        same block mask and `mask_mod` and checks the same shapes, dtypes and devices."""
+
+        def __init__(self, compiled: bool) -> None:
+            super().__init__(compiled=False)
+
+    return EagerFlex
 
 
 class FakeCudaGenerator(torch.Generator):
@@ -295,7 +310,21 @@ class FakeCuda:
         return self.device_bytes - self.live_bytes(), self.device_bytes
 
     def __enter__(self) -> "FakeCuda":
+        import engine.attention as attention
         import engine.runner.builder as builder
+        import torch.nn.attention.flex_attention as flex_attention
+        from torch._higher_order_ops.flex_attention import flex_attention as flex_op
+
+        if _Ledger not in flex_op.python_key_table:
+            # A higher-order op needs a rule per dispatch mode: the ledger's lets it through
+            # to the fake mode (which has one) and tracks its output.
+            @flex_op.py_impl(_Ledger)
+            def _flex_through_ledger(mode: _Ledger, *args: Any, **kwargs: Any) -> Any:
+                out = flex_op(*args, **kwargs)
+                for t in out:
+                    if _is_cuda(t):
+                        mode._track(t)
+                return out
         import engine.runner.model_runner as model_runner
 
         stack = contextlib.ExitStack()
@@ -303,9 +332,12 @@ class FakeCuda:
         patch.setattr(torch.cuda, "is_available", lambda: True)
         patch.setattr(torch.cuda, "mem_get_info", self.mem_get_info)
         patch.setattr(torch.cuda, "empty_cache", lambda: None)
+        patch.setattr(torch.cuda, "get_device_capability", lambda device=None: H200_CAPABILITY)
         patch.setattr(builder, "random_weights", self.random_weights)
         patch.setattr(model_runner, "make_generator", self.make_generator)
         patch.setattr(builder, "model_from_weights", _model_on_device)
+        patch.setattr(attention, "FlexBackend", _eager_flex())
+        patch.setattr(flex_attention, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", True)
         stack.enter_context(FakeTensorMode(allow_non_fake_inputs=False))
         stack.enter_context(self.ledger)
         patch.setattr(FakeTensor, "tolist", self._read(FakeTensor.tolist, "tolist"))
