@@ -23,6 +23,7 @@ What it patches, and why (each is a place where the engine asks the device somet
 * `engine.runner.model_runner.make_generator` → `FakeCudaGenerator`, a CPU generator whose
   `.device` says the fake device, seeded as asked; each is recorded (`generators`). Fake random
   ops ignore their generator, so this is where the test sees which seed each request got.
+* `torch.tensor(data, device="cuda")` → `torch.tensor(data).to(device)` (`_tensor_via_host`).
 * pinning (`aten._pin_memory`, which fake mode does not implement) → the tensor itself, marked
   pinned (`aten.is_pinned` answers True for it).
 
@@ -58,6 +59,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -340,8 +342,16 @@ class FakeCuda:
         patch.setattr(flex_attention, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", True)
         stack.enter_context(FakeTensorMode(allow_non_fake_inputs=False))
         stack.enter_context(self.ledger)
+        patch.setattr(torch, "tensor", _tensor_via_host(torch.tensor))
+        # no fake tensor keeps a real constant: under inference mode `Tensor.to` reaches the fake
+        # mode as aten.to, which it would run for real on a one-element constant (CUDA: absent)
+        patch.setattr(fake_tensor, "CONSTANT_NUMEL_LIMIT", 0)
         patch.setattr(FakeTensor, "tolist", self._read(FakeTensor.tolist, "tolist"))
         patch.setattr(FakeTensor, "item", self._read(FakeTensor.item, "item"))
+        # backends are chosen once per process and shape: forget those chosen here on exit
+        # (harness-made, e.g. the eager FlexAttention) and any chosen before
+        attention._choose.cache_clear()
+        stack.callback(attention._choose.cache_clear)
         self._stack = stack
         return self
 
@@ -349,6 +359,17 @@ class FakeCuda:
         assert self._stack is not None
         self._stack.close()
         self._stack = None
+
+
+def _tensor_via_host(tensor: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """`torch.tensor(data, device="cuda")` as the host tensor then `.to(device)`: what CUDA does
+    (a synchronous copy), in steps the fake mode can run (it cannot make a CUDA tensor from
+    Python data directly under inference mode) and the ledger records."""
+    def make(data: Any, *args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        if device is not None and torch.device(device).type == "cuda":
+            return tensor(data, *args, **kwargs).to(device)
+        return tensor(data, *args, device=device, **kwargs)
+    return make
 
 
 def _model_on_device(args: Any, state: dict[str, torch.Tensor], dtype: torch.dtype,
