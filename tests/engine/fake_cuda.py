@@ -195,6 +195,8 @@ class _Ledger(TorchDispatchMode):
             return args[0]
         if func is aten.is_pinned.default:
             return self.is_pinned(args[0])
+        if func is aten.scaled_dot_product_attention.default and _is_cuda(args[0]):
+            return self._sdpa_kernel(*args, **kwargs)
         if func in DTYPE_CHECKED:
             floats = {a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()}
             if len(floats) > 1:
@@ -210,6 +212,31 @@ class _Ledger(TorchDispatchMode):
         for t in (out if isinstance(out, (tuple, list)) else (out,)):
             if _is_cuda(t):
                 self._track(t)
+        return out
+
+    def _sdpa_kernel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+                     is_causal: bool = False, scale: float | None = None,
+                     enable_gqa: bool = False) -> torch.Tensor:
+        """`F.scaled_dot_product_attention` on CUDA as the kernel torch picks on an H200 for
+        these inputs: FlashAttention without a mask, the memory-efficient kernel with one (the
+        choice is C++ CUDA code, absent from a CPU build, where the fake mode would decompose
+        the call into the math path on every new shape). Both have meta kernels; their outputs
+        are tracked. Grouped heads with a mask (no fused kernel takes them) go to the math path."""
+        if attn_mask is None:
+            out = aten._scaled_dot_product_flash_attention.default(
+                q, k, v, dropout_p, is_causal, False, scale=scale)[0]
+        elif enable_gqa and q.shape[-3] != k.shape[-3]:
+            return aten.scaled_dot_product_attention.default(
+                q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+        else:
+            for t in (k, v, attn_mask):
+                if t.dtype != q.dtype:
+                    raise TypeError(f"scaled_dot_product_attention: {t.dtype} beside {q.dtype} queries")
+            bias = attn_mask.expand(*q.shape[:-1], k.shape[-2])
+            out = aten._scaled_dot_product_efficient_attention.default(
+                q, k, v, bias, False, dropout_p, is_causal, scale=scale)[0]
+        self._track(out)
         return out
 
     def is_pinned(self, t: torch.Tensor) -> bool:
