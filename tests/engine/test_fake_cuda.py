@@ -266,8 +266,8 @@ def test_int8_cache_refuses_backends_that_cannot_read_it(monkeypatch):
 
 def test_preemption_and_readmission_on_the_device(monkeypatch):
     """Seven blocks for two 45-token prompts that each grow past three blocks: the newer one is
-    preempted when the older needs its fourth block, re-prefills its prompt and its tokens once
-    the older finishes, and ends with every token it was given."""
+    preempted when the older needs its fourth block, is re-admitted once the older finishes,
+    recomputes its prompt and its tokens, and ends with every token it was given."""
     with FakeCuda() as fake:
         engine = fake_engine(fake, "sdpa", monkeypatch, num_blocks=7, free_margin=0.0,
                              prefix_caching=False)
@@ -280,9 +280,11 @@ def test_preemption_and_readmission_on_the_device(monkeypatch):
     plans = [r.plan for r in script.records if r.plan is not None]
     assert engine.scheduler.stats().num_preemptions == 1
     assert any(p.num_preempted for p in plans)
-    # re-admitted: a prefill of its prompt and the tokens it had, from position 0
-    redo = [s for p in plans for s in p.segments if s.request is second and not s.decode][1:]
-    assert redo and redo[0].start == 0 and sum(s.length for s in redo) > 45
+    # re-admitted: its prompt prefilled again from position 0, without a draw (its next token is
+    # known), then its tokens fed back as decode rows
+    pieces = [(s.start, s.length, s.samples) for p in plans for s in p.segments
+              if s.request is second and not s.decode]
+    assert pieces == [(0, 45, True), (0, 45, False)]
     for r in (first, second):
         assert r.generated == expected_tokens(r), r.request_id
     engine.pool.check_all_free()
@@ -426,35 +428,39 @@ WHOLE_8192 = dict(rows=0, context=0, prompt_tokens=8192, prompt_start=0)
 def test_activation_peak_fits_the_reserve(kv_cache_dtype, monkeypatch):
     """On the design's 80 GB device: weights, the KV pool the builder sizes, and the activation
     peak of (a) 32 decode rows of the design's average request (1,550 tokens) beside a 256-token
-    prompt piece run, (b) the same with 32 rows of 3,520 tokens (the pool nearly full: SDPA's
-    gathered keys grow with the context), (c) a whole 8,192-token prompt in one step (7B's shape
-    with 8,192 positions, 2 blocks: the peak is one block's). Each peak stays under the reserve
-    the builder keeps (`EngineConfig.activation_reserve_bytes`)."""
+    prompt run (four 64-token pieces), (b) then 32 rows of 3,520 tokens beside the same (the pool
+    nearly full: SDPA's gathered keys grow with the context, and the gather buffer grows while
+    its old one is still held), (c) a whole 8,192-token prompt in one step (7B's shape with 8,192
+    positions). Each peak stays under the reserve the builder keeps
+    (`EngineConfig.activation_reserve_bytes`). A block's temporaries are freed before the next
+    block runs, so (b) and (c) run on 7B's shape cut to 2 blocks, after (a) shows that 2 and 32
+    blocks peak alike."""
     rows = {}
     with FakeCuda(device_bytes=80 * GB) as fake:
         runner = seven_b_runner(fake, monkeypatch, kv_cache_dtype=kv_cache_dtype)
         weights = storages_bytes([*runner.model.parameters(), *runner.model.buffers()])
         per_block = runner.kv.layers[0][:, 0].nbytes * 32              # K and V of 32 layers
         assert runner.kv.num_blocks == (80 * GB - weights - RESERVE) // per_block
+        full = step_memory(fake, runner, synthetic_plan(**DECODE_32_PLUS_256))
+        del runner
+    with FakeCuda(device_bytes=80 * GB) as fake:
+        short = seven_b_runner(fake, monkeypatch, layers=2, kv_cache_dtype=kv_cache_dtype,
+                               num_blocks=7200)
         for name, shape in (("decode_32_plus_256", DECODE_32_PLUS_256),
                             ("full_pool_32_plus_256", FULL_POOL_32_PLUS_256)):
-            rows[name] = step_memory(fake, runner, synthetic_plan(**shape))
-        del runner
-    with FakeCuda(device_bytes=80 * GB) as fake:      # the same step, 2 blocks of 32
-        short = seven_b_runner(fake, monkeypatch, layers=2, kv_cache_dtype=kv_cache_dtype, num_blocks=4096)
-        assert step_memory(fake, short, synthetic_plan(**DECODE_32_PLUS_256)).activations == \
-            rows["decode_32_plus_256"].activations
+            rows[name] = step_memory(fake, short, synthetic_plan(**shape))
         del short
+    assert rows["decode_32_plus_256"].activations == full.activations
     with FakeCuda(device_bytes=80 * GB) as fake:
         long = seven_b_runner(fake, monkeypatch, layers=2, max_context=8192,
                               kv_cache_dtype=kv_cache_dtype, num_blocks=520,
                               batching="continuous_unchunked")
         rows["whole_8192"] = step_memory(fake, long, synthetic_plan(**WHOLE_8192))
+    print(f"{kv_cache_dtype}: weights {full.weights / GB:.2f} GB, KV pool {full.kv_pool / GB:.2f} GB "
+          f"({full.kv_blocks} blocks)")
     for name, m in rows.items():                 # the table of docs/gpu.md (pytest -s shows it)
-        print(f"{kv_cache_dtype} {name}: weights {m.weights / GB:.2f} GB, KV pool "
-              f"{m.kv_pool / GB:.2f} GB ({m.kv_blocks} blocks), activation peak "
-              f"{m.activations / GB:.3f} GB")
+        print(f"{kv_cache_dtype} {name}: activation peak {m.activations / GB:.3f} GB")
     # fp16 matrices of 6,738,415,616 parameters, the 65 norm vectors in fp32, the RoPE table
-    assert rows["decode_32_plus_256"].weights == 6_738_415_616 * 2 + 65 * 4096 * 2 + 4096 * 64 * 8
+    assert full.weights == 6_738_415_616 * 2 + 65 * 4096 * 2 + 4096 * 64 * 8
     for name, m in rows.items():
         assert 0 < m.activations < RESERVE, name
