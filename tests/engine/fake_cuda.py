@@ -84,14 +84,14 @@ H200_BYTES = 141 * 10**9            # the H200's memory, decimal bytes
 DESIGN_DEVICE_BYTES = 80 * 10**9    # the design's 80 GB device (docs/design.md)
 
 aten = torch.ops.aten
-DTYPE_CHECKED = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.matmul.default,
+DTYPE_CHECKED = frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default, aten.matmul.default,
                  aten.linear.default, aten._scaled_dot_product_efficient_attention.default,
                  aten._scaled_dot_product_flash_attention.default,
                  aten._scaled_dot_product_cudnn_attention.default,
                  aten._scaled_dot_product_flash_attention_for_cpu.default,
                  aten.scaled_dot_product_attention.default, aten._efficient_attention_forward.default,
                  aten._flash_attention_forward.default, aten.index_copy_.default,
-                 aten.index_copy.default, aten.index_put_.default}
+                 aten.index_copy.default, aten.index_put_.default})
 
 
 def install_cuda_guard(build_dir: pathlib.Path) -> str | None:

@@ -183,7 +183,7 @@ def expected_tokens(req: Request) -> list[int]:
     return [token_for(req, i) for i in range(req.max_tokens)]
 
 
-BACKENDS = ["sdpa", "flex", "xformers"]
+BACKENDS = ("sdpa", "flex", "xformers")
 
 
 @pytest.fixture
