@@ -72,14 +72,15 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     """
     tokens = [0] * len(params)
     greedy, rows = greedy_split(params)
+    greedy_index, drawn_index = split if split is not None else (None, None)
     ids: list[torch.Tensor] = []           # int64 on the device: greedy rows' ids, then drawn rows'
     if greedy:
-        sub = logits if len(greedy) == len(params) else _select(logits, greedy, None if split is None else split[0])
+        sub = logits if len(greedy) == len(params) else _select(logits, greedy, greedy_index)
         # torch.max's indices are argmax's (the first maximum; NaN counts as the maximum) in
         # 0.4x the time on CPU, whose argmax over the last dimension is a scalar loop.
         ids.append(torch.max(sub, dim=-1).indices)
     if rows:
-        ids.append(_draw(logits, params, generators, rows, None if split is None else split[1]))
+        ids.append(_draw(logits, params, generators, rows, drawn_index))
     if ids:
         # the step's one copy of sampled ids back to the host
         for row, token in zip(greedy + rows, (ids[0] if len(ids) == 1 else torch.cat(ids)).tolist()):

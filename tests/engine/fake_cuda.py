@@ -23,14 +23,21 @@ What it patches, and why (each is a place where the engine asks the device somet
 * `engine.runner.model_runner.make_generator` → `FakeCudaGenerator`, a CPU generator whose
   `.device` says the fake device, seeded as asked; each is recorded (`generators`). Fake random
   ops ignore their generator, so this is where the test sees which seed each request got.
-* `torch.tensor(data, device="cuda")` → `torch.tensor(data).to(device)` (`_tensor_via_host`).
+* `torch.cuda.get_device_capability` → (9, 0), the H200's (xformers' operators ask).
+* `engine.runner.builder.model_from_weights` → the network built on the device directly
+  (`_model_on_device`: `Module.to` cannot swap fake parameters the fake mode references weakly).
+* `engine.attention.FlexBackend` → FlexAttention's op run eagerly (`_eager_flex`); the backend
+  choice, cached per process, is forgotten on entry and exit.
+* `torch.tensor(data, device="cuda")` → `torch.tensor(data).to(device)` (`_tensor_via_host`), and
+  no fake tensor keeps a real constant (`CONSTANT_NUMEL_LIMIT` 0).
 * pinning (`aten._pin_memory`, which fake mode does not implement) → the tensor itself, marked
   pinned (`aten.is_pinned` answers True for it).
+* SDPA on CUDA → the fused kernel torch picks for the inputs (`_Ledger._sdpa_kernel`).
 
 Transfers. A `TorchDispatchMode` below the fake mode records every copy between the host and
 the device (`aten.to` / `aten._to_copy` / `aten.copy_` across devices: `Transfer`), and
-`FakeTensor.tolist` / `FakeTensor.item` are wrapped to answer reads of device values, which fake tensors
-cannot give: each read is recorded as a device-to-host transfer and answered by
+`FakeTensor.tolist` / `FakeTensor.item` are wrapped to answer reads of device values, which
+fake tensors cannot give: each read is recorded as a device-to-host transfer and answered by
 `reply(tensor)`, a callback the test sets. The engine's sampled ids come back in one `tolist`, so
 the test chooses which ids the engine receives and checks that they land in the right requests.
 Any other read of a device value (`bool(t)`, `int(t)`, `t.numpy()`) raises, as fake tensors do.

@@ -260,7 +260,8 @@ def test_mixed_decode_and_shared_steps_on_the_device(attention, kv_cache_dtype, 
 
 def test_int8_cache_refuses_backends_that_cannot_read_it(monkeypatch):
     with FakeCuda() as fake:
-        with pytest.raises(ValueError, match="8-bit KV cache runs with the cpu or sdpa attention backend, not .flex."):
+        with pytest.raises(ValueError, match="8-bit KV cache runs with the cpu or sdpa attention "
+                                             "backend, not 'flex'"):
             fake_engine(fake, "flex", monkeypatch, num_blocks=64, kv_cache_dtype="int8")
 
 
