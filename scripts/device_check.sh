@@ -5,8 +5,10 @@
 #
 # Needs Python with torch (CUDA), numpy, safetensors and tokenizers; nothing is downloaded and no
 # model files are read (the model is random-initialised Llama-2-7B in FP16). Writes
-# $OUT/device_check.json (./device_check.json without $OUT). Runs the engine's pytest files on the
-# CUDA device too when pytest is importable. Sized for well under 8 minutes on an H200; stopped at 8.
+# $OUT/device_check.json (./device_check.json without $OUT). When pytest is importable it first
+# runs the fake-device check (tests/engine/test_fake_cuda.py, about a minute, on the CPU), and the
+# engine's pytest files on the CUDA device too. Sized for well under 8 minutes on an H200; the
+# benchmark is stopped at 8.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}"
@@ -20,4 +22,14 @@ if "$PYTHON" -c "import pytest, torch; assert torch.cuda.is_available()" 2>/dev/
 fi
 "$PYTHON" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
 'device', torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)"
+# First the fake-device check (docs/gpu.md, "The CUDA path on a fake device"): the engine's CUDA
+# steps, transfers and memory on fake tensors, no device time. A failure stops here, so the loan
+# is not spent on a path already known to be inconsistent; GENSERVE_SKIP_FAKE_CHECK=1 skips it.
+if [ -z "${GENSERVE_SKIP_FAKE_CHECK:-}" ] && "$PYTHON" -c "import pytest" 2>/dev/null; then
+    echo "fake-device check: tests/engine/test_fake_cuda.py"
+    if ! timeout 300 "$PYTHON" -m pytest -q -p no:cacheprovider tests/engine/test_fake_cuda.py; then
+        echo "fake-device check failed; fix it on the CPU first (GENSERVE_SKIP_FAKE_CHECK=1 skips it)" >&2
+        exit 1
+    fi
+fi
 exec timeout 480 "$PYTHON" -m benchmarks.device "${extra[@]}" "$@"

@@ -35,6 +35,7 @@ KV_QMAX = 127          # largest stored magnitude: q in -127..127
 KV_EXP_BIAS = 127      # stored byte = e + 127 (E8M0)
 KV_EXP_MIN = -120      # smallest e: q · 2^(e − 6) stays an fp32 normal (≥ 2^-126)
 KV_Q_BITS = 6          # q = x · 2^(6 − e): the largest |q| is in 64..127
+DEQUANT_ROWS = 1 << 16  # head vectors dequantized at a time (fp32 temporaries of 32 MB at hd 128)
 
 
 def quantized(dtype: torch.dtype) -> bool:
@@ -90,9 +91,19 @@ def dequantize_kv(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         rows: int8 [..., row_bytes(head_dim)].
         dtype: the model dtype (bf16, fp16 or fp32; each number is exact in bf16 and fp32).
     Returns:
-        [..., head_dim] in `dtype`: q · 2^(e − 6).
+        [..., head_dim] in `dtype`: q · 2^(e − 6), computed in fp32 and rounded once.
+
+    The fp32 products are made `DEQUANT_ROWS` head vectors at a time, so besides the result
+    they take at most 2 × 32 MB: SDPA's decode path dequantizes every gathered key and value of
+    the step at once (32 rows of 3,520 tokens of Llama-2-7B: 7.4 GB of fp32 in one piece, more
+    than the 6 GB activation reserve; docs/gpu.md).
     """
     hd = head_dim_of(rows.shape[-1])
-    q = rows[..., :hd].float().reshape(*rows.shape[:-1], hd // KV_GROUP, KV_GROUP)
-    e = rows[..., hd:].view(torch.uint8).float() - (KV_EXP_BIAS + KV_Q_BITS)
-    return (q * torch.exp2(e)[..., None]).reshape(*rows.shape[:-1], hd).to(dtype)
+    flat = rows.reshape(-1, rows.shape[-1])
+    out = torch.empty(flat.shape[0], hd, dtype=dtype, device=rows.device)
+    for start in range(0, flat.shape[0], DEQUANT_ROWS):
+        part = flat[start:start + DEQUANT_ROWS]
+        q = part[:, :hd].float().view(-1, hd // KV_GROUP, KV_GROUP)
+        e = part[:, hd:].view(torch.uint8).float() - (KV_EXP_BIAS + KV_Q_BITS)
+        out[start:start + DEQUANT_ROWS] = (q * torch.exp2(e)[..., None]).view(-1, hd)
+    return out.view(*rows.shape[:-1], hd)

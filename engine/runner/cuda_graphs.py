@@ -152,20 +152,21 @@ class DecodeGraphs:
         """(rows, blocks per row) of every graph captured so far."""
         return sorted(self._graphs)
 
-    def run(self, bucket: int, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def run(self, bucket: int, inputs: StepInputs) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """Replay (capturing first if new) the graph of a decode-only step.
 
         Args:
-            bucket: from `bucket(plan)`; inputs: the step's (its sample and draw rows are
-                uploaded in the same host-to-device copy as the graph's inputs).
+            bucket: from `bucket(plan)`; inputs: the step's (the integers of its sampling,
+                `inputs.sampling_ints`, are uploaded in the same host-to-device copy as the
+                graph's inputs).
         Returns:
             (hidden [rows, dim] — a view of the graph's output, valid until the next replay —,
-            sample rows int64 on the device, draw rows int64 on the device).
+            `inputs.sampling_ints` as int64 tensors on the device, in order).
         """
         padded = pad_decode_step(bucket, inputs)
         ints = padded.ints()
-        sample_rows, rows = inputs.sample_rows, inputs.draw_rows
-        host = torch.tensor(ints + sample_rows + rows, dtype=torch.long).pin_memory()
+        sampling = inputs.sampling_ints
+        host = torch.tensor(ints + [v for x in sampling for v in x], dtype=torch.long).pin_memory()
         up = host.to(self.device, non_blocking=True)
         fixed = len(ints)
         key = (bucket, padded.blocks_per_row)
@@ -176,8 +177,7 @@ class DecodeGraphs:
         else:
             entry.static.copy_(up[:fixed])
         entry.graph.replay()
-        s = len(sample_rows)
-        return entry.out[:len(inputs.token_ids)], up[fixed:fixed + s], up[fixed + s:]
+        return entry.out[:len(inputs.token_ids)], tuple(up[fixed:].split([len(x) for x in sampling]))
 
     def _capture(self, rows: int, nb: int, first: torch.Tensor) -> _Graph:
         """Warm up on a side stream with `first` (the real step: its K/V writes are the ones the

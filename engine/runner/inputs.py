@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from engine.attention.base import StepLayout
 from engine.core.plan import StepPlan
+from engine.runner.sampler import greedy_split
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +29,8 @@ class StepInputs:
             each).
         draw_rows: [D] for each draw (`StepPlan.draws`, in order), the logits row it samples
             from (n > 1 draws share their prompt's row).
+        greedy_draws / drawn_draws: the draws sampled greedily (temperature 0) and the others,
+            as indices into the D draws (`engine.runner.sampler.greedy_split`).
         layout: the attention layout of the same segments.
     """
 
@@ -35,6 +38,8 @@ class StepInputs:
     positions: list[int]
     sample_rows: list[int]
     draw_rows: list[int]
+    greedy_draws: list[int]
+    drawn_draws: list[int]
     layout: StepLayout
 
     @classmethod
@@ -56,7 +61,15 @@ class StepInputs:
                 sample_rows.append(len(token_ids) - 1)
         layout = StepLayout.from_segments(
             [(s.start, s.length, s.block_table, s.decode) for s in plan.segments], block_size)
-        return cls(token_ids, positions, sample_rows, [row for row, _ in plan.draws], layout)
+        greedy, drawn = greedy_split([req.sampling for _, req in plan.draws])
+        return cls(token_ids, positions, sample_rows, [row for row, _ in plan.draws], greedy,
+                   drawn, layout)
+
+    @property
+    def sampling_ints(self) -> list[list[int]]:
+        """What the logits and sampling stages read, uploaded with the step's other integers:
+        [sample_rows, draw_rows, greedy_draws, drawn_draws]."""
+        return [self.sample_rows, self.draw_rows, self.greedy_draws, self.drawn_draws]
 
     @property
     def decode_only(self) -> bool:

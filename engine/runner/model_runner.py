@@ -11,12 +11,14 @@ and sampling.
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
 
 from engine import kernels as genserve_kernels
 from engine.attention import BACKENDS, AttentionBackend, CpuBackend, choose_backend
+from engine.attention import ENV as ATTENTION_ENV
 from engine.attention.base import GatherBuffer, build_metadata
 from engine.attention.kv_quant import quantized
 from engine.core.outputs import SampledTokens
@@ -97,7 +99,8 @@ class ModelRunner:
         if kernels is None:
             kernels = (model.args.head_dim == 64 and on_cpu and genserve_kernels.available())
         if quantized(kv.layers[0].dtype):
-            attention = attention or ("cpu" if on_cpu else "sdpa")
+            # a backend forced by $GENSERVE_ATTENTION is checked too, not replaced by the default
+            attention = attention or os.environ.get(ATTENTION_ENV) or ("cpu" if on_cpu else "sdpa")
             backend = BACKENDS.get(attention)
             if backend is not None and not backend.int8_kv:
                 readers = " or ".join(n for n, b in BACKENDS.items() if b.int8_kv)
@@ -148,18 +151,19 @@ class ModelRunner:
                 self.kv.copy_block(src, dst)
             graph_rows = self.graphs.bucket(plan) if self.graphs is not None else None
             if graph_rows is None:
-                meta, (token_ids, positions, sample_index, draw_index) = build_metadata(
+                meta, (token_ids, positions, *sampling) = build_metadata(
                     self.attention, inputs.layout, self.model.dtype, self.device,
                     self.kv.num_blocks, self.gather,
-                    (inputs.token_ids, inputs.positions, inputs.sample_rows, inputs.draw_rows))
+                    (inputs.token_ids, inputs.positions, *inputs.sampling_ints))
         with torch.profiler.record_function("genserve.forward"):
             if graph_rows is not None:
-                hidden, sample_index, draw_index = self.graphs.run(graph_rows, inputs)
+                hidden, sampling = self.graphs.run(graph_rows, inputs)
             elif self.decode_loop is not None and inputs.decode_only:
                 # A pure-decode step: the model's block loop, run in C++.
                 hidden = self.decode_loop.run(self.model, token_ids, positions, self.kv.layers, meta)
             else:
                 hidden = self.model(token_ids, positions, self.kv.layers, meta, self.layer_ops)
+        sample_index, draw_index, greedy_index, drawn_index = sampling
         prompt = prompt_logprobs(plan, hidden, self.model.logits) if plan.wants_prompt_logprobs else ()
         if not inputs.sample_rows:
             return SampledTokens([], [], [], time.perf_counter() - t0, prompt)
@@ -179,5 +183,6 @@ class ModelRunner:
             processed = process_logits(logits, requests, copy=keep_raw)
             tokens, logprobs, top = sample(processed, params,
                                            [request_generator(r, self.device) for r in requests],
-                                           raw_logits=logits if processed is not logits else None)
+                                           raw_logits=logits if processed is not logits else None,
+                                           split=(greedy_index, drawn_index))
         return SampledTokens(tokens, logprobs, top, time.perf_counter() - t0, prompt)

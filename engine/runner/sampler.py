@@ -1,7 +1,9 @@
 """Per-row sampling: temperature, top-k, top-p, min-p, one seeded generator per request.
 
 Runs on the logits' device; each request's generator must live there too (`make_generator`).
-The only device-to-host copies are the sampled ids (and the logprobs, for rows that ask).
+The sampled ids come back in one device-to-host copy per step (plus the logprobs, for rows that
+ask, and top-p's flags); with `split` given, choosing the greedy and the drawn rows copies
+nothing to the device.
 """
 
 from __future__ import annotations
@@ -24,8 +26,15 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     return g
 
 
+def greedy_split(params: Sequence[SamplingParams]) -> tuple[list[int], list[int]]:
+    """The rows of `params` sampled greedily (temperature 0) and those drawn, each in order."""
+    greedy = [row for row, p in enumerate(params) if p.temperature == 0.0]
+    return greedy, [row for row, p in enumerate(params) if p.temperature != 0.0]
+
+
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
-           generators: Sequence[torch.Generator], raw_logits: torch.Tensor | None = None
+           generators: Sequence[torch.Generator], raw_logits: torch.Tensor | None = None,
+           split: tuple[torch.Tensor, torch.Tensor] | None = None
            ) -> tuple[list[int], list[float | None], list[list[tuple[int, float]]]]:
     """Draw one token per row.
 
@@ -40,6 +49,9 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
         raw_logits: fp32 [R, vocab], the model's output before the processors, for the
             logprobs; None when they are `logits` (no processor ran, or in place with no row
             asking for logprobs).
+        split: `greedy_split(params)` as two int64 tensors on the logits' device (the caller's
+            upload); None: the rows are selected with host lists, which on a GPU copies each
+            list to the device first.
     Returns:
         (next_token [R] ints, logprob [R] floats or None, top [R] lists of (token id, logprob)).
         The logprobs are under the model's raw distribution, log_softmax(raw_logits), before
@@ -59,16 +71,19 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     cumsum); with top_p 0.9 on SmolLM2's logits ≈ 3.5 ms (`keep_top_p_`; 100 ms with a sort).
     """
     tokens = [0] * len(params)
-    greedy = [row for row, p in enumerate(params) if p.temperature == 0.0]
+    greedy, rows = greedy_split(params)
+    greedy_index, drawn_index = split if split is not None else (None, None)
+    ids: list[torch.Tensor] = []           # int64 on the device: greedy rows' ids, then drawn rows'
     if greedy:
-        sub = logits if len(greedy) == len(params) else logits[greedy]
+        sub = logits if len(greedy) == len(params) else _select(logits, greedy, greedy_index)
         # torch.max's indices are argmax's (the first maximum; NaN counts as the maximum) in
         # 0.4x the time on CPU, whose argmax over the last dimension is a scalar loop.
-        for row, token in zip(greedy, torch.max(sub, dim=-1).indices.tolist()):
-            tokens[row] = token
-    rows = [row for row, p in enumerate(params) if p.temperature != 0.0]
+        ids.append(torch.max(sub, dim=-1).indices)
     if rows:
-        for row, token in zip(rows, _draw(logits, params, generators, rows)):
+        ids.append(_draw(logits, params, generators, rows, drawn_index))
+    if ids:
+        # the step's one copy of sampled ids back to the host
+        for row, token in zip(greedy + rows, (ids[0] if len(ids) == 1 else torch.cat(ids)).tolist()):
             tokens[row] = token
     top: list[list[tuple[int, float]]] = [[] for _ in params]
     asked = [row for row, p in enumerate(params) if p.logprobs]
@@ -130,10 +145,18 @@ def keep_top_p_(w: torch.Tensor, rows: list[int], top_ps: list[float]) -> None:
         k = min(8 * k, vocab)
 
 
+def _select(x: torch.Tensor, rows: list[int], index: torch.Tensor | None) -> torch.Tensor:
+    """x[rows] ([len(rows), ...]), read through `index` (the same rows, int64 on x's device)
+    when given, so no list is copied to the device."""
+    return x[rows] if index is None else x.index_select(0, index)
+
+
 def _draw(logits: torch.Tensor, params: Sequence[SamplingParams],
-          generators: Sequence[torch.Generator], rows: list[int]) -> list[int]:
-    """Inverse-CDF draws for the sampling `rows` of `logits` [R, vocab] (see `sample`)."""
-    x = logits if len(rows) == logits.shape[0] else logits[rows]                # [S, vocab]
+          generators: Sequence[torch.Generator], rows: list[int],
+          index: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse-CDF draws for the sampling `rows` of `logits` [R, vocab] (see `sample`), read
+    through `index` when given (`_select`). Returns the ids, int64 [len(rows)] on the device."""
+    x = logits if len(rows) == logits.shape[0] else _select(logits, rows, index)   # [S, vocab]
     temps = [max(params[r].temperature, 1e-6) for r in rows]
     if any(t != 1.0 for t in temps):
         x = x / torch.tensor(temps, dtype=x.dtype, device=x.device)[:, None]
@@ -174,4 +197,4 @@ def _draw(logits: torch.Tensor, params: Sequence[SamplingParams],
     frac = ((target - before) / mass.gather(1, c[:, None])[:, 0]).clamp_(0.0, 1.0 - 2.0 ** -24)
     inner = chunks[torch.arange(len(rows), device=w.device), c].cumsum(dim=-1)                   # [S, CHUNK]
     j = torch.searchsorted(inner, (frac * inner[:, -1])[:, None], right=True)[:, 0]
-    return (c * CHUNK + j.clamp_(max=CHUNK - 1)).tolist()
+    return c * CHUNK + j.clamp_(max=CHUNK - 1)

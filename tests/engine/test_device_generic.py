@@ -26,10 +26,11 @@ NO_CUDA = "needs a CUDA device (none here): {}"
 
 
 def decode_inputs(tokens: list[int], spans: list, block_size: int = 16) -> StepInputs:
-    """The inputs of a step of these segments (each samples its last token) with these tokens."""
+    """The inputs of a step of these segments (each samples its last token, greedily) with these
+    tokens."""
     rows = list(range(len(tokens)))
     return StepInputs(tokens, [p for start, n, _, _ in spans for p in range(start, start + n)],
-                      rows, rows, StepLayout.from_segments(spans, block_size))
+                      rows, rows, rows, [], StepLayout.from_segments(spans, block_size))
 
 
 def generic_engine(model: Transformer, attention: str | None, num_blocks: int = 256,

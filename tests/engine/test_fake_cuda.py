@@ -1,0 +1,467 @@
+"""The engine's CUDA path on a fake CUDA device (`tests.engine.fake_cuda`): Llama-2-7B's shape in
+fp16, built by the real builder, stepped by the real scheduler and model runner, every op on fake
+tensors (shapes, dtypes and devices checked as on the GPU; no numbers).
+
+Each step is checked for its transfers: one pinned int64 host-to-device copy of the step's
+integers (`engine.attention.base.build_metadata`, every integer of the step in it), and one
+device-to-host copy back, of the sampled ids only. The ids the engine reads back are chosen here
+(`Script`): a fake tensor holds no values, so the harness answers the one `tolist` with the ids
+`token_for` gives each draw, and the test checks each request ends with exactly those ids, forks
+and preempted requests included.
+
+Memory (`test_activation_peak_fits_the_reserve`, docs/gpu.md "Memory on the device") counts
+the bytes of every live fake CUDA tensor by category.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+
+import pytest
+import torch
+
+from engine.attention.base import StepLayout
+from engine.config import EngineConfig
+from engine.core.engine import Engine
+from engine.core.plan import Segment, StepPlan
+from engine.core.request import Request, SamplingParams
+from engine.runner.builder import build_engine
+from engine.runner.cuda_graphs import DecodeGraphs, _Graph, decode_forward, pad_decode_step
+from engine.runner.inputs import StepInputs
+from engine.runner.model_runner import ModelRunner
+from tests.engine.fake_cuda import FakeCuda, Transfer, default_reply, install_cuda_guard
+
+MODEL = "random:llama-2-7b"
+BLOCK = 16
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cuda_guard(tmp_path_factory):
+    why = install_cuda_guard(tmp_path_factory.mktemp("fake-cuda"))
+    if why is not None:
+        pytest.skip(why)
+
+
+def token_for(req: Request, i: int) -> int:
+    """The id the fake device hands back as `req`'s i-th generated token (3..30,002: no special
+    token, inside Llama-2's 32,000)."""
+    return 3 + (zlib.crc32(req.request_id.encode()) + 7919 * i) % 30_000
+
+
+@dataclasses.dataclass
+class StepRecord:
+    """What one checked step ran and moved.
+
+    Attributes:
+        plan: the step; draws: its draws' requests, taken before the step ran (a fork's
+            `plan.draws` changes once it has a token); integers: how many int64 its upload must
+            hold, and the module that uploads them (`step_integers`).
+        transfers: its copies; shared_blocks: blocks referenced by two or more requests after it.
+    """
+
+    plan: StepPlan | None
+    draws: list[Request]
+    integers: tuple[int, str]
+    transfers: list[Transfer]
+    shared_blocks: int
+
+
+class Script:
+    """Steps an engine on the fake device, checks every step's transfers and answers its one
+    read of sampled ids with `token_for` of each draw.
+
+    The sampler returns the greedy draws' ids first, then the drawn (temperature > 0) ones, in
+    one copy (`engine.runner.sampler.sample`); the answer is laid out the same way.
+    """
+
+    def __init__(self, engine: Engine, fake: FakeCuda) -> None:
+        self.engine, self.fake = engine, fake
+        self.records: list[StepRecord] = []
+        self._plan: StepPlan | None = None
+        self._draws: list[Request] = []
+        self._integers = (0, "")
+        runner = engine.executor
+        execute = runner.execute
+
+        def recording(plan: StepPlan):
+            self._plan, self._draws = plan, [r for _, r in plan.draws]
+            self._integers = step_integers(engine, plan)
+            return execute(plan)
+
+        runner.execute = recording
+        fake.reply = self.reply
+
+    def reply(self, t: torch.Tensor):
+        if self._plan is None or t.dtype != torch.int64 or t.dim() != 1:
+            return default_reply(t)              # e.g. the backend probe's difference (.item())
+        draws = self._draws
+        ordered = ([r for r in draws if r.sampling.greedy] + [r for r in draws if not r.sampling.greedy])
+        assert t.numel() == len(ordered), f"read {t.numel()} ids for {len(ordered)} draws"
+        return [token_for(r, len(r.generated)) for r in ordered]
+
+    def step(self) -> StepRecord:
+        mark = len(self.fake.ledger.transfers)
+        self._plan = None
+        self.engine.step()
+        pool = self.engine.pool
+        shared = sum(1 for b in range(pool.num_blocks) if pool.ref_count(b) > 1)
+        record = StepRecord(self._plan, self._draws, self._integers,
+                            self.fake.transfers_since(mark), shared)
+        if record.plan is not None:
+            check_transfers(record)
+        self.records.append(record)
+        return record
+
+    def run(self, max_steps: int = 200) -> list[StepRecord]:
+        for _ in range(max_steps):
+            if not self.engine.scheduler.has_work:
+                return self.records
+            self.step()
+        raise AssertionError(f"still busy after {max_steps} steps")
+
+
+def step_integers(engine: Engine, plan: StepPlan) -> tuple[int, str]:
+    """How many int64 values the step's one upload must carry, and the module that makes it:
+    the attention metadata (slots, decode tables and lengths, pieces' blocks, the backend's own
+    lists), the token ids, positions, rows to sample, rows each draw reads and the sampler's
+    greedy / drawn split (`build_metadata`); or, for a step a CUDA graph replays, the padded
+    graph inputs and the same sampling lists (`DecodeGraphs.run`)."""
+    inputs = StepInputs.from_plan(plan, BLOCK)
+    sampling = sum(len(x) for x in inputs.sampling_ints)
+    graphs = engine.executor.graphs
+    bucket = graphs.bucket(plan) if graphs is not None else None
+    if bucket is not None:
+        return len(pad_decode_step(bucket, inputs).ints()) + sampling, "engine/runner/cuda_graphs.py"
+    layout: StepLayout = inputs.layout
+    backend = engine.executor.attention
+    own = sum(len(x) for x in backend.host_ints(layout))
+    return (len(layout.slots) + len(layout.decode_tables) + len(layout.decode_lens)
+            + len(layout.piece_blocks) + own + len(inputs.token_ids) + len(inputs.positions)
+            + sampling), "engine/attention/base.py"
+
+
+def check_transfers(record: StepRecord) -> None:
+    """One pinned int64 upload holding every integer of the step; the sampler's temperatures
+    (fp32, one per drawn row) at most besides; one read of exactly the sampled ids."""
+    transfers = record.transfers
+    h2d = [t for t in transfers if t.direction == "h2d"]
+    ints = [t for t in h2d if t.dtype == torch.int64]
+    numel, where = record.integers
+    assert [(t.pinned, t.where.split(":")[0], t.numel) for t in ints] == [(True, where, numel)], h2d
+    drawn = sum(1 for r in record.draws if not r.sampling.greedy)
+    others = [t for t in h2d if t.dtype != torch.int64]
+    assert all(t.dtype == torch.float32 and t.numel == drawn and "sampler.py" in t.where
+               for t in others) and len(others) <= 1, others
+    d2h = [t for t in transfers if t.direction == "d2h"]
+    if record.draws:
+        assert [(t.how, t.dtype, t.numel) for t in d2h] == [("tolist", torch.int64, len(record.draws))], d2h
+    else:
+        assert d2h == []
+
+
+def fake_engine(fake: FakeCuda, attention: str, monkeypatch, **config) -> Engine:
+    """`build_engine` on the fake device: random Llama-2-7B in fp16, the given backend."""
+    monkeypatch.setenv("GENSERVE_ATTENTION", attention)
+    cfg = EngineConfig(device="cuda", dtype="float16", num_threads=1, **config)
+    loaded = build_engine(cfg, MODEL, calibrate=False)
+    engine = loaded.engine
+    assert engine.executor.device == torch.device("cuda", 0)
+    assert loaded.args.dim == 4096 and loaded.args.vocab_size == 32_000
+    return engine
+
+
+def request(rid: str, key: str, prompt: list[int], max_tokens: int, **sampling) -> Request:
+    return Request(rid, key, prompt, max_tokens, SamplingParams(ignore_eos=True, **sampling), 0.0, 0.0)
+
+
+def prompt_of(n: int, salt: int) -> list[int]:
+    return [3 + (salt * 131 + 17 * i) % 30_000 for i in range(n)]
+
+
+def expected_tokens(req: Request) -> list[int]:
+    return [token_for(req, i) for i in range(req.max_tokens)]
+
+
+BACKENDS = ("sdpa", "flex", "xformers")
+
+
+@pytest.fixture
+def xformers_cutlass(request, monkeypatch):
+    """For "xformers": its gathered bias through `cutlass.FwOp`, which is PyTorch's own
+    `aten._efficient_attention_forward` (a meta kernel exists). The paged bias's kernels (fa2, fa3:
+    xformers' own CUDA builds; triton split-K: a Triton launch) have none, and split-K refuses
+    genserve's steps anyway (queries > 16 with a causal bias, 16-token pages)."""
+    if request.node.callspec.params.get("attention") != "xformers":
+        yield
+        return
+    fmha = pytest.importorskip("xformers.ops.fmha")
+    import functools
+
+    import xformers.ops.fmha.common as common
+
+    monkeypatch.setattr(common, "_built_with_cuda", True)      # a CPU wheel says it was not
+    monkeypatch.setattr(fmha, "memory_efficient_attention_forward",
+                        functools.partial(fmha.memory_efficient_attention_forward, op=fmha.cutlass.FwOp))
+    yield
+
+
+@pytest.mark.parametrize("attention, kv_cache_dtype",
+                         [(name, "auto") for name in BACKENDS] + [("sdpa", "int8")])
+def test_mixed_decode_and_shared_steps_on_the_device(attention, kv_cache_dtype, monkeypatch,
+                                                     xformers_cutlass):
+    """Mixed steps (decode rows beside prefill pieces at offsets), n = 2 forks sharing their
+    prompt blocks (copy-on-write of the shared partial block), a prefix-cache hit, a 32-row
+    decode-only step, greedy and seeded rows, on each backend, and on the 8-bit KV cache (read
+    by SDPA only)."""
+    with FakeCuda() as fake:
+        engine = fake_engine(fake, attention, monkeypatch, num_blocks=512,
+                             kv_cache_dtype=kv_cache_dtype)
+        want = {"sdpa": "sdpa", "flex": "flex", "xformers": "xformers-gathered"}[attention]
+        assert engine.executor.attention.name == want
+        assert len(engine.executor.model.layers) == len(engine.executor.kv.layers) == 32
+        layer = engine.executor.kv.layers[0]
+        assert (layer.dtype, layer.shape[-1]) == \
+            ((torch.int8, 132) if kv_cache_dtype == "int8" else (torch.float16, 128))
+        script = Script(engine, fake)
+        long = request("long", "a", prompt_of(200, 1), 5, temperature=0.0)
+        forked = request("forked", "a", prompt_of(40, 2), 5, temperature=0.8, seed=7)
+        forked.fork(2, [7, 8])
+        for r in (long, forked):
+            engine.submit(r)
+        script.step()                       # both prompts: four pieces of `long`, one of `forked`
+        assert script.records[-1].shared_blocks == 3          # the forks share the prompt's blocks
+        cached = request("cached", "a", long.prompt_ids[:192] + prompt_of(30, 3), 5, temperature=0.0)
+        engine.submit(cached)
+        script.step()                       # 3 decode rows, `cached` from position 192
+        others = [request(f"u{i}", f"key{i}", prompt_of(8, 10 + i), 2,
+                          **({"temperature": 0.0} if i % 2 else {"temperature": 0.7, "seed": i}))
+                  for i in range(28)]
+        for r in others:
+            engine.submit(r)
+        script.run()
+
+    plans = [r.plan for r in script.records if r.plan is not None]
+    mixed = [p for p in plans if p.num_decode_rows and any(not s.decode and s.start > 0 for s in p.segments)]
+    assert mixed, "no step held decode rows beside a prefill piece at an offset"
+    assert any(p.num_decode_rows == 32 and not p.num_prefill_tokens for p in plans)
+    assert len(plans) <= 8
+    assert any(p.block_copies for p in plans)               # a fork's copy-on-write, on the device
+    assert cached.num_cached == 192 and engine.scheduler.stats().prefix_hit_tokens >= 192
+    children = forked.children
+    for r in [long, forked, cached, *children, *others]:
+        assert r.generated == expected_tokens(r), r.request_id
+    seeds = {id(g): seed for seed, g in fake.generators}       # each on the device, seeded
+    assert [seeds[id(r.generator)] for r in [forked, *children]] == [7, 8]
+    assert all(seeds[id(r.generator)] == r.sampling.seed for r in others)
+    assert all(g.device == torch.device("cuda", 0) for _, g in fake.generators)
+    engine.pool.check_all_free()
+
+
+def test_int8_cache_refuses_backends_that_cannot_read_it(monkeypatch):
+    with FakeCuda() as fake:
+        with pytest.raises(ValueError, match="8-bit KV cache runs with the cpu or sdpa attention "
+                                             "backend, not 'flex'"):
+            fake_engine(fake, "flex", monkeypatch, num_blocks=64, kv_cache_dtype="int8")
+
+
+def test_preemption_and_readmission_on_the_device(monkeypatch):
+    """Seven blocks for two 45-token prompts that each grow past three blocks: the newer one is
+    preempted when the older needs its fourth block, is re-admitted once the older finishes,
+    recomputes its prompt and its tokens, and ends with every token it was given."""
+    with FakeCuda() as fake:
+        engine = fake_engine(fake, "sdpa", monkeypatch, num_blocks=7, free_margin=0.0,
+                             prefix_caching=False)
+        script = Script(engine, fake)
+        first = request("first", "a", prompt_of(45, 1), 6, temperature=0.0)
+        second = request("second", "b", prompt_of(45, 2), 6, temperature=0.9, seed=5)
+        for r in (first, second):
+            engine.submit(r)
+        script.run()
+    plans = [r.plan for r in script.records if r.plan is not None]
+    assert engine.scheduler.stats().num_preemptions == 1
+    assert any(p.num_preempted for p in plans)
+    # re-admitted: its prompt prefilled again from position 0, without a draw (its next token is
+    # known), then its tokens fed back as decode rows
+    pieces = [(s.start, s.length, s.samples) for p in plans for s in p.segments
+              if s.request is second and not s.decode]
+    assert pieces == [(0, 45, True), (0, 45, False)]
+    for r in (first, second):
+        assert r.generated == expected_tokens(r), r.request_id
+    engine.pool.check_all_free()
+
+
+class EagerGraph:
+    """Stands in for a captured `torch.cuda.CUDAGraph` (capture needs a real device): `replay`
+    runs the captured function again, writing into the same output tensor."""
+
+    def __init__(self, run) -> None:
+        self.replay = run
+
+
+def eager_capture(self: DecodeGraphs, rows: int, nb: int, first: torch.Tensor) -> _Graph:
+    """`DecodeGraphs._capture` without CUDA graphs: the warm-up run, then a replay that reruns
+    `decode_forward` on the same static inputs into the same output."""
+    static = first.clone()
+    out = decode_forward(self.model, self.kv, static, rows, nb)
+    return _Graph(EagerGraph(lambda: out.copy_(decode_forward(self.model, self.kv, static, rows, nb))),
+                  static, out)
+
+
+def test_decode_graph_buckets_on_the_device(monkeypatch):
+    """Decode-only steps through `DecodeGraphs` (capture replaced by eager runs): 3 rows replay in
+    the 4-row bucket, 5 in the 8-row one, 2 in the 2-row one, keys padded to 4 blocks; one upload
+    per step, of the padded graph inputs and the sampling lists; mixed steps run eagerly."""
+    monkeypatch.setattr(DecodeGraphs, "_capture", eager_capture)
+    with FakeCuda() as fake:
+        built = fake_engine(fake, "sdpa", monkeypatch, num_blocks=64)
+        old = built.executor
+        runner = ModelRunner(old.model, old.kv, kernels=False, attention="sdpa", cuda_graphs=True)
+        engine = Engine(built.config, runner, 64)
+        script = Script(engine, fake)
+        first = [request(f"g{i}", f"k{i}", prompt_of(20, i), 4, temperature=0.0) for i in range(3)]
+        for r in first:
+            engine.submit(r)
+        script.step()                       # prefill: eager
+        script.step()                       # 3 decode rows: bucket 4
+        later = [request(f"h{i}", f"l{i}", prompt_of(12, 20 + i), 3,
+                         **({"temperature": 0.5, "seed": i} if i else {"temperature": 0.0}))
+                 for i in range(2)]
+        for r in later:
+            engine.submit(r)
+        script.run()
+    assert runner.graphs.captured == [(2, 4), (4, 4), (8, 4)]
+    for rows, nb in runner.graphs.captured:          # tokens, positions, slots, lengths, tables
+        assert runner.graphs._graphs[rows, nb].static.shape == (4 * rows + rows * nb,)
+        assert runner.graphs._graphs[rows, nb].out.shape == (rows, 4096)
+    graph_steps = [r for r in script.records if r.integers[1].endswith("cuda_graphs.py")]
+    assert [len(r.plan.segments) for r in graph_steps] == [3, 5, 2]
+    for r in first + later:
+        assert r.generated == expected_tokens(r), r.request_id
+
+
+def synthetic_plan(rows: int, context: int, prompt_tokens: int, prompt_start: int,
+                   piece: int = 64) -> StepPlan:
+    """A step built by hand (the memory tests need contexts the scheduler would take thousands
+    of fake steps to reach): `rows` greedy decode rows at position `context` − 1, then one
+    request's prompt positions [prompt_start, prompt_start + prompt_tokens) in `piece`-token
+    pieces, the last one sampling; every request on its own consecutive blocks."""
+    segments: list[Segment] = []
+    next_block = 0
+
+    def table(tokens: int) -> tuple[int, ...]:
+        nonlocal next_block
+        blocks = tuple(range(next_block, next_block + -(-tokens // BLOCK)))
+        next_block += len(blocks)
+        return blocks
+
+    for i in range(rows):
+        req = request(f"d{i}", "m", prompt_of(context, i), 1, temperature=0.0)
+        segments.append(Segment(req, context - 1, 1, True, table(context), decode=True))
+    end = prompt_start + prompt_tokens
+    if prompt_tokens:
+        req = request("p", "m", prompt_of(end, 99), 1, temperature=0.0)
+        blocks = table(end)
+        for start in range(prompt_start, end, piece):
+            segments.append(Segment(req, start, min(piece, end - start), start + piece >= end, blocks))
+    return StepPlan(segments)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceMemory:
+    """Bytes of live fake CUDA tensors by category (decimal GB in `describe`).
+
+    Attributes:
+        weights: the network's parameters and buffers (the RoPE table among them).
+        kv_pool: every layer's K/V pool; kv_blocks: its blocks.
+        activations: at the step's peak, everything else live (the step's temporaries, the
+            gather buffer, logits).
+    """
+
+    weights: int
+    kv_pool: int
+    kv_blocks: int
+    activations: int
+
+
+def storages_bytes(tensors) -> int:
+    """Bytes of the distinct storages under `tensors` (a tied matrix counts once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        seen[storage._cdata] = storage.nbytes()
+    return sum(seen.values())
+
+
+def step_memory(fake: FakeCuda, runner: ModelRunner, plan: StepPlan) -> DeviceMemory:
+    """Run `plan` on `runner` and split the peak of live device bytes by category."""
+    weights = storages_bytes([*runner.model.parameters(), *runner.model.buffers()])
+    kv = storages_bytes(runner.kv.layers)
+    fake.reset_peak()
+    runner.execute(plan)
+    return DeviceMemory(weights, kv, runner.kv.num_blocks, fake.peak_bytes - weights - kv)
+
+
+def seven_b_runner(fake: FakeCuda, monkeypatch, layers: int | None = None, max_context: int = 4096,
+                   **config) -> ModelRunner:
+    """The executor of `fake_engine` on the design's device (pool sized from the free memory
+    left after the weights and the reserve), or, with `layers`, of Llama-2-7B's shape cut to that
+    many blocks and given `max_context` positions (weights and pool shrink; a block's
+    temporaries are the same, and are freed before the next block runs)."""
+    if layers is None:
+        return fake_engine(fake, "sdpa", monkeypatch, **config).executor
+    import engine.runner.builder as builder
+    from engine.model.weights import random_shape
+
+    shape = dataclasses.replace(random_shape("llama-2-7b"), n_layers=layers, max_context=max_context)
+    monkeypatch.setattr(builder, "random_shape", lambda name: shape)
+    return fake_engine(fake, "sdpa", monkeypatch, max_context=max_context, **config).executor
+
+
+GB = 10**9
+RESERVE = EngineConfig().activation_reserve_bytes
+DECODE_32_PLUS_256 = dict(rows=32, context=1550, prompt_tokens=256, prompt_start=1024)
+FULL_POOL_32_PLUS_256 = dict(rows=32, context=3520, prompt_tokens=256, prompt_start=1024)
+WHOLE_8192 = dict(rows=0, context=0, prompt_tokens=8192, prompt_start=0)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_activation_peak_fits_the_reserve(kv_cache_dtype, monkeypatch):
+    """On the design's 80 GB device: weights, the KV pool the builder sizes, and the activation
+    peak of (a) 32 decode rows of the design's average request (1,550 tokens) beside a 256-token
+    prompt run (four 64-token pieces), (b) then 32 rows of 3,520 tokens beside the same (the pool
+    nearly full: SDPA's gathered keys grow with the context, and the gather buffer grows while
+    its old one is still held), (c) a whole 8,192-token prompt in one step (7B's shape with 8,192
+    positions). Each peak stays under the reserve the builder keeps
+    (`EngineConfig.activation_reserve_bytes`). A block's temporaries are freed before the next
+    block runs, so (b) and (c) run on 7B's shape cut to 2 blocks, after (a) shows that 2 and 32
+    blocks peak alike."""
+    rows = {}
+    with FakeCuda(device_bytes=80 * GB) as fake:
+        runner = seven_b_runner(fake, monkeypatch, kv_cache_dtype=kv_cache_dtype)
+        weights = storages_bytes([*runner.model.parameters(), *runner.model.buffers()])
+        per_block = runner.kv.layers[0][:, 0].nbytes * 32              # K and V of 32 layers
+        assert runner.kv.num_blocks == (80 * GB - weights - RESERVE) // per_block
+        full = step_memory(fake, runner, synthetic_plan(**DECODE_32_PLUS_256))
+        del runner
+    with FakeCuda(device_bytes=80 * GB) as fake:
+        short = seven_b_runner(fake, monkeypatch, layers=2, kv_cache_dtype=kv_cache_dtype,
+                               num_blocks=7200)
+        for name, shape in (("decode_32_plus_256", DECODE_32_PLUS_256),
+                            ("full_pool_32_plus_256", FULL_POOL_32_PLUS_256)):
+            rows[name] = step_memory(fake, short, synthetic_plan(**shape))
+        del short
+    assert rows["decode_32_plus_256"].activations == full.activations
+    with FakeCuda(device_bytes=80 * GB) as fake:
+        long = seven_b_runner(fake, monkeypatch, layers=2, max_context=8192,
+                              kv_cache_dtype=kv_cache_dtype, num_blocks=520,
+                              batching="continuous_unchunked")
+        rows["whole_8192"] = step_memory(fake, long, synthetic_plan(**WHOLE_8192))
+    print(f"{kv_cache_dtype}: weights {full.weights / GB:.2f} GB, KV pool {full.kv_pool / GB:.2f} GB "
+          f"({full.kv_blocks} blocks)")
+    for name, m in rows.items():                 # the table of docs/gpu.md (pytest -s shows it)
+        print(f"{kv_cache_dtype} {name}: activation peak {m.activations / GB:.3f} GB")
+    # fp16 matrices of 6,738,415,616 parameters, the 65 norm vectors in fp32, the RoPE table
+    assert full.weights == 6_738_415_616 * 2 + 65 * 4096 * 2 + 4096 * 64 * 8
+    for name, m in rows.items():
+        assert 0 < m.activations < RESERVE, name
