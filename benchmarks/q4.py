@@ -42,18 +42,11 @@ from engine.config import EngineConfig
 from engine.core.engine import Engine
 from engine.core.request import Request, SamplingParams
 from engine.model.linear import ANY_ROWS
-from engine.model.llama import Transformer
+from engine.model.llama import Transformer, block_matrices
 from engine.model.quant import attach_q4, bf16_twin
 from engine.model.weights import Q4_1_BLOCK_BYTES, Q8_0_BLOCK_BYTES, load_gguf, open_gguf
 from engine.runner.builder import engine_from_model, model_from_weights, set_threads
 
-
-
-def block_matrices(model: Transformer) -> list[tuple[torch.nn.Module, str]]:
-    """(module, name) of every block matrix: wqkv, wo, w13, w2 of each layer."""
-    return [(m, n) for layer in model.layers
-            for m, n in ((layer.attention, "wqkv"), (layer.attention, "wo"),
-                         (layer.feed_forward, "w13"), (layer.feed_forward, "w2"))]
 
 
 def weight_bytes(model: Transformer, q4: bool) -> int:

@@ -13,19 +13,11 @@ import torch
 
 from engine.model.int8 import int8_exact, quantize_weight
 from engine.model.linear import PackedWeight
-from engine.model.llama import Transformer
+from engine.model.llama import Transformer, block_matrices
 
 log = logging.getLogger(__name__)
 
 OUTLIERS = 16       # input channels per matrix quantized apart (`attach_int8`)
-
-
-def block_matrices(model: Transformer) -> list[tuple[torch.nn.Module, str]]:
-    """(module, name) of every block matrix of an `engine.model.llama.Transformer`: wqkv, wo,
-    w13, w2 of each layer."""
-    return [(m, n) for layer in model.layers
-            for m, n in ((layer.attention, "wqkv"), (layer.attention, "wo"),
-                         (layer.feed_forward, "w13"), (layer.feed_forward, "w2"))]
 
 
 def attach_int8(model: Transformer, calibrate: Callable[[], None] | None = None,

@@ -270,3 +270,11 @@ class Transformer(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Output projection of the rows that sample: [R, dim] → fp32 [R, vocab]."""
         return linear(hidden, self.output, self.output_packed).float()
+
+
+def block_matrices(model: Transformer) -> list[tuple[nn.Module, str]]:
+    """(module, attribute name) of every block matrix of `model`: wqkv, wo, w13, w2 of each layer
+    in turn (each has a `<name>_packed` beside it)."""
+    return [(m, n) for layer in model.layers
+            for m, n in ((layer.attention, "wqkv"), (layer.attention, "wo"),
+                         (layer.feed_forward, "w13"), (layer.feed_forward, "w2"))]
