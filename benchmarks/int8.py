@@ -4,13 +4,18 @@ speed of prefill and of decode steps, and what it costs in quality.
 Run from the repository root::
 
     python -m benchmarks.int8 [--prefill 512] [--rows 1,32] [--steps 30] [--generate 4096]
-                              [--ppl-tokens 4096] [--json PATH]
+                              [--ppl-tokens 4096] [--quality-only] [--json PATH]
 
 Engines over the embedded SmolLM2-135M, from one load of the GGUF:
 
 * ``bf16``: `EngineConfig.weights` "bf16" (the exact products);
 * ``q4``: "q4", the default where it runs: the bf16 products' bits from the 4-bit blocks;
-* ``int8``: "int8" (`engine.model.int8`).
+* ``int8``: "int8" (`engine.model.int8`);
+* two yardsticks for quality, llama.cpp's CPU arithmetic run through the same engine (slow, so
+  not timed): ``int8-q8_0``, its 8-bit product (Q8_0 × Q8_0: weights and activations in blocks
+  of 32, one scale each), and ``q4_1-q8_1``, its product for this 4-bit file, what llama.cpp's
+  server computes by default (Q4_1 × Q8_1: the weights exact, the activations in 8-bit blocks
+  of 32).
 
 Speed (the executor's seconds per step, `Engine.step_listeners`; the engines take turns, so load
 from other processes falls on all alike):
@@ -19,7 +24,8 @@ from other processes falls on all alike):
   engine (the prefix cache off, so every time computes);
 * decode: pure-decode steps at each of ``--rows`` rows (`benchmarks.q4.decode_in_turn`).
 
-Quality, against ``bf16`` (q4 has its bits, so it is not measured again):
+Quality, against ``bf16`` (q4 has its bits, so it is not measured again), for ``int8`` and the
+two yardsticks:
 
 * greedy agreement: prompts cut from the text below; ``bf16`` generates greedily ``--generate``
   tokens in all; ``int8`` is then given each prompt followed by ``bf16``'s answer and asked for
@@ -73,11 +79,12 @@ def build_models(threads: int) -> tuple[dict[str, Transformer], Tokenizer]:
     reader = open_gguf()
     args, state = load_gguf(reader)
     models = {name: model_from_weights(args, state, torch.bfloat16)
-              for name in ("bf16", "q4", "int8", "int8-q8_0")}
+              for name in ("bf16", "q4", "int8", "int8-q8_0", "q4_1-q8_1")}
     attach_q4(models["q4"], reader)
     tokenizer = Tokenizer.from_gguf(reader)
     attach_int8(models["int8"], int8_calibration(models["int8"], tokenizer))
     attach_int8(models["int8-q8_0"], block=Q8_0_BLOCK)
+    attach_int8(models["q4_1-q8_1"], block=Q8_0_BLOCK, exact=True)
     return models, tokenizer
 
 
@@ -205,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="greedy answer tokens compared (in answers of 128)")
     parser.add_argument("--ppl-tokens", type=int, default=4096, help="tokens of perplexity text")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
+    parser.add_argument("--quality-only", action="store_true", help="skip the speed figures")
     parser.add_argument("--json", type=pathlib.Path, default=None, help="write the figures here")
     args = parser.parse_args(argv)
     models, tokenizer = build_models(args.threads)
@@ -212,7 +220,26 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# load average {os.getloadavg()[0]:.2f}, {torch.get_num_threads()} threads, "
           f"{os.cpu_count()} cpus", flush=True)
     result: dict = {"prefill_tokens": args.prefill, "speed": {}, "quality": {}}
-    speed_engines = {name: engines[name] for name in ("bf16", "q4", "int8")}
+    if not args.quality_only:
+        measure_speed({name: engines[name] for name in ("bf16", "q4", "int8")}, args, result)
+    qualities, ref_ppl = quality(engines["bf16"], {name: engines[name] for name in
+                                                   ("int8", "int8-q8_0", "q4_1-q8_1")},
+                                 tokenizer, args.generate, args.ppl_tokens)
+    result["quality"] = {"bf16_perplexity": ref_ppl,
+                         **{name: q.__dict__ for name, q in qualities.items()}}
+    for name, q in qualities.items():
+        print(f"quality {name} vs bf16: teacher-forced greedy agreement {q.agreement:.4f} over "
+              f"{q.answer_tokens} tokens; free-running tokens before the first difference "
+              f"{q.prefix_share:.3f}; perplexity {q.perplexity:.3f} vs bf16 {ref_ppl:.3f} "
+              f"({100 * (q.perplexity / ref_ppl - 1):+.2f} %) over {q.ppl_tokens} tokens",
+              flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def measure_speed(speed_engines: dict[str, Engine], args: argparse.Namespace, result: dict) -> None:
+    """The prefill and decode timings (module docstring) into `result["speed"]`, printed."""
     pre = prefill_times(speed_engines, args.prefill, args.steps)
     result["speed"]["prefill"] = {name: statistics.median(t) for name, t in pre.items()}
     print(f"prefill {args.prefill} tokens, median s: " + ", ".join(
@@ -226,20 +253,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"decode {rows} rows, median ms: " + ", ".join(
             f"{name} {1e3 * s:.2f} ({med['bf16'] / s:.2f}x bf16, {med['q4'] / s:.2f}x q4)"
             for name, s in med.items()), flush=True)
-    qualities, ref_ppl = quality(engines["bf16"], {name: engines[name] for name in
-                                                   ("int8", "int8-q8_0")},
-                                 tokenizer, args.generate, args.ppl_tokens)
-    result["quality"] = {"bf16_perplexity": ref_ppl,
-                         **{name: q.__dict__ for name, q in qualities.items()}}
-    for name, q in qualities.items():
-        print(f"quality {name} vs bf16: teacher-forced greedy agreement {q.agreement:.4f} over "
-              f"{q.answer_tokens} tokens; free-running tokens before the first difference "
-              f"{q.prefix_share:.3f}; perplexity {q.perplexity:.3f} vs bf16 {ref_ppl:.3f} "
-              f"({100 * (q.perplexity / ref_ppl - 1):+.2f} %) over {q.ppl_tokens} tokens",
-              flush=True)
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-    return 0
 
 
 if __name__ == "__main__":

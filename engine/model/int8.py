@@ -56,6 +56,10 @@ class Int8Weight:
             are no outliers: ggml's Q8_0 × Q8_0 product (llama.cpp's 8-bit arithmetic, blocks of
             32), exact sums per block, the blocks' products added in fp32 in k order. Slower
             (one int8 product per block); for comparing quality (benchmarks/int8.py).
+        exact: None, or (with `block`) fp32 [N, K], the weight unrounded: then only the input
+            rows are rounded, per block, and multiplied by it in fp32 (`q` and `scale` are
+            unused): llama.cpp's arithmetic for a file of 4-bit weights (Q4_1 × Q8_1: the
+            weights exact, the activations in 8-bit blocks of 32). For comparing quality only.
     """
 
     q: torch.Tensor
@@ -64,6 +68,7 @@ class Int8Weight:
     outlier_q: torch.Tensor
     observed: torch.Tensor | None = None
     block: int = 0
+    exact: torch.Tensor | None = None
 
 
 def _scales(amax: torch.Tensor) -> torch.Tensor:
@@ -72,13 +77,17 @@ def _scales(amax: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_weight(weight: torch.Tensor, outliers: torch.Tensor | None = None,
-                    observe: bool = False, block: int = 0) -> Int8Weight:
+                    observe: bool = False, block: int = 0, exact: bool = False) -> Int8Weight:
     """`weight` [N, K] (any float dtype) as int8 rows with one fp32 scale each (module
     docstring), the columns `outliers` (int64 [C]) kept apart; with `observe`, an `observed`
     buffer of zeros for calibration; with `block` > 0, one scale per row and block of k instead
-    (`Int8Weight.block`; raises ValueError unless it divides K, or with outliers)."""
+    (`Int8Weight.block`; raises ValueError unless it divides K, or with outliers); with `exact`
+    as well, the weight kept unrounded beside (`Int8Weight.exact`; raises ValueError without
+    `block`)."""
     w = weight.float()
     n, k = w.shape
+    if exact and not block:
+        raise ValueError("an exact weight is only for scale blocks of the input (block > 0)")
     if block:
         if k % block or outliers is not None:
             raise ValueError(f"int8 blocks of {block}: K = {k} must be a multiple, and no outliers")
@@ -92,7 +101,8 @@ def quantize_weight(weight: torch.Tensor, outliers: torch.Tensor | None = None,
     outlier_q = q[:, outliers].t().contiguous()
     q[:, outliers] = 0
     observed = torch.zeros(k) if observe else None
-    return Int8Weight(q.contiguous(), scale.contiguous(), outliers, outlier_q, observed, block)
+    return Int8Weight(q.contiguous(), scale.contiguous(), outliers, outlier_q, observed, block,
+                      w.contiguous() if exact else None)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,6 +119,9 @@ def _blocked_linear(x: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
     b = weight.block
     xq, x_scale = quantize_rows(x.reshape(m * (k // b), b))      # a row per block of each row
     xq, x_scale = xq.view(m, k), x_scale.view(m, k // b)
+    if weight.exact is not None:
+        rounded = (xq.view(m, k // b, b).float() * x_scale[:, :, None]).view(m, k)
+        return rounded @ weight.exact.t()
     acc = torch.zeros(m, weight.q.shape[0])
     for j in range(k // b):
         part = torch._int_mm(xq[:, j * b:(j + 1) * b].contiguous(), weight.q[:, j * b:(j + 1) * b].t())

@@ -21,7 +21,7 @@ OUTLIERS = 16       # input channels per matrix quantized apart (`attach_int8`)
 
 
 def attach_int8(model: Transformer, calibrate: Callable[[], None] | None = None,
-                outliers: int = OUTLIERS, block: int = 0) -> None:
+                outliers: int = OUTLIERS, block: int = 0, exact: bool = False) -> None:
     """Run every block matrix's products on int8 arithmetic (`engine.model.int8.int8_linear`).
 
     Sets `PackedWeight.i8` on each block matrix's packed copy (a model runner made after this
@@ -37,6 +37,8 @@ def attach_int8(model: Transformer, calibrate: Callable[[], None] | None = None,
         calibrate: runs the model once (through an engine) on the calibration text, or None.
         outliers: input channels per matrix to keep apart (≤ the matrix's input size).
         block: 0, or k per scale block (`Int8Weight.block`; then no calibration, no outliers).
+        exact: with `block`, keep the weights unrounded and round only the inputs
+            (`Int8Weight.exact`: llama.cpp's Q4_1 × Q8_1 arithmetic, for comparing quality).
     Raises:
         ValueError: the model is not bf16 on the CPU, or `torch._int_mm` does not give exact sums
             here for one of the shapes (`int8_exact`).
@@ -54,11 +56,12 @@ def attach_int8(model: Transformer, calibrate: Callable[[], None] | None = None,
             weight = getattr(module, name)
             packed = getattr(module, name + "_packed") or PackedWeight(weight, 0)
             setattr(module, name + "_packed", dataclasses.replace(
-                packed, i8=quantize_weight(weight, choose(packed), observe, block)))
+                packed, i8=quantize_weight(weight, choose(packed), observe, block, exact)))
 
     if block:
         attach(lambda packed: None)
-        log.info("weights int8: scale blocks of %d along k (Q8_0 x Q8_0)", block)
+        log.info("weights int8: scale blocks of %d along k (%s)", block,
+                 "activations only, Q4_1 x Q8_1" if exact else "Q8_0 x Q8_0")
         return
     if calibrate is None or outliers == 0:
         attach(lambda packed: None)

@@ -121,6 +121,20 @@ def test_blocks_of_32_scale_each_block_alone():
         quantize_weight(random_weight(64, 100, 8), block=32)
 
 
+def test_exact_weights_round_only_the_input_blocks():
+    weight = random_weight(48, 96, 9)
+    w = quantize_weight(weight, block=32, exact=True)
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(10)).to(torch.bfloat16)
+    blocks = x.float().view(5, 3, 32)
+    scale = blocks.abs().amax(dim=2, keepdim=True) * (1 / QMAX)
+    rounded = (torch.round(blocks * scale.reciprocal()) * scale).view(5, 96)
+    expected = (rounded @ weight.float().t()).to(torch.bfloat16)
+    assert torch.allclose(int8_linear(x, w).float(), expected.float(), rtol=1e-2, atol=1e-3)
+    assert not torch.equal(int8_linear(x, w), (x.float() @ weight.float().t()).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="only for scale blocks"):
+        quantize_weight(weight, exact=True)
+
+
 @pytest.fixture(scope="module")
 def int8_model(gguf_weights, gguf_tokenizer):
     args, state = gguf_weights
