@@ -13,6 +13,7 @@
     GET    /                            -> the web console (playground + live scheduler view)
     GET    /static/...                  -> the console's files (bridge/static/)
     GET    /v1/console/events           -> WatchScheduler (server stream), as SSE
+    GET    /v1/console/replicas         -> each engine replica's prefix-cache and request counters
 
 A request body must be JSON (`application/json`, `+json`, or no content type: 415 otherwise),
 UTF-8 (400) and at most `max_body_bytes` (1 MiB by default: 413), checked before parsing.
@@ -43,7 +44,7 @@ modules listed below it:
     errors.py       the error body, gRPC -> HTTP status, validation errors, exception handlers
     protocol.py     request bodies -> GenerateRequest; response fields both endpoints share
     fields.py       the field policy: every request field honoured, accepted or not supported
-    console.py      the web console's files and snapshot JSON
+    console.py      the web console's files, snapshot JSON and replicas JSON
     metrics.py      the bridge's Prometheus metrics and the engines', for GET /metrics
 """
 
@@ -64,7 +65,7 @@ from opentelemetry import trace
 
 from bridge.chat import chat_completions
 from bridge.completions import completions
-from bridge.console import INDEX_HTML, STATIC_DIR, snapshot_event
+from bridge.console import INDEX_HTML, STATIC_DIR, replicas_event, snapshot_event
 from bridge.errors import ApiError, DEFAULT_RETRY_AFTER_S, add_exception_handlers, from_grpc
 from bridge.metrics import BridgeMetrics
 from bridge.middleware import BodyGuard, MAX_BODY_BYTES, ResponseCounter
@@ -160,6 +161,7 @@ def _add_routes(router: APIRouter) -> None:
     router.add_api_route("/tokenize", tokenize, methods=["POST"], description=no_description)
     router.add_api_route("/detokenize", detokenize, methods=["POST"], description=no_description)
     router.add_api_route("/v1/console/events", console_events, methods=["GET"], description=no_description)
+    router.add_api_route("/v1/console/replicas", console_replicas, methods=["GET"], description=no_description)
     router.add_api_route("/", console_page, methods=["GET"], description=no_description,
                          include_in_schema=False)
 
@@ -279,6 +281,21 @@ async def console_events(request: Request, state: Annotated[BridgeState, Depends
         raise
     return SSEResponse(_snapshot_events(call, first), call=call, write_timeout_s=state.slow_client_timeout_s,
                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def console_replicas(state: Annotated[BridgeState, Depends(bridge_state)]) -> JSONResponse:
+    """GET /v1/console/replicas: `{"replicas": [...]}`, each engine replica's prefix-cache
+    tokens (queried, hit, their ratio), finished requests and running rows, read now from its
+    Prometheus endpoint (`bridge.console.replicas_event`; `[]` without engine metrics URLs).
+
+    Like GET /metrics it takes no API key: it shows only numbers GET /metrics already exposes,
+    summed over their labels. Each call reads every engine's endpoint once, concurrently (at
+    most 2 s each, `bridge.metrics.ENGINE_SCRAPE_TIMEOUT_S`); an engine not reached, or whose
+    answer is not the Prometheus text format, is `up: false` with null numbers (a failed read
+    counts in `genserve_bridge_engine_scrape_errors_total`), never an error status.
+    """
+    return JSONResponse(replicas_event(await state.metrics.scrape_engines()),
+                        headers={"Cache-Control": "no-cache"})
 
 
 async def _snapshot_events(call: grpc.aio.UnaryStreamCall,

@@ -53,11 +53,23 @@ class BridgeMetrics:
         samples)."""
         if not self.engine_metrics_urls:
             return generate_latest(self.registry)
-        async with httpx.AsyncClient(timeout=ENGINE_SCRAPE_TIMEOUT_S) as client:
-            texts = await asyncio.gather(*(self._scrape(client, url) for url in self.engine_metrics_urls))
+        texts = await self.scrape_engines()
         merged = CollectorRegistry()
         merged.register(_MergedCollector(list(self.registry.collect()), texts, label_replicas=len(texts) > 1))
         return generate_latest(merged)
+
+    async def scrape_engines(self) -> list[bytes | None]:
+        """Each engine's exposition, in `engine_metrics_urls` order, read concurrently (at most
+        ENGINE_SCRAPE_TIMEOUT_S seconds each); None where an engine was unreachable or answered
+        an HTTP error (counted in engine_scrape_errors). Empty without URLs.
+
+        Raises:
+            httpx.InvalidURL: a configured URL is malformed (an operator's error, not a request's).
+        """
+        if not self.engine_metrics_urls:
+            return []
+        async with httpx.AsyncClient(timeout=ENGINE_SCRAPE_TIMEOUT_S) as client:
+            return list(await asyncio.gather(*(self._scrape(client, url) for url in self.engine_metrics_urls)))
 
     async def _scrape(self, client: httpx.AsyncClient, url: str) -> bytes | None:
         """One engine's exposition, or None (counted in engine_scrape_errors) when unreachable."""

@@ -3,17 +3,23 @@
 //   POST   /v1/completions (stream)  -> tokens as they arrive
 //   DELETE /v1/requests/{id}         -> the Stop button
 //   GET    /v1/console/events        -> scheduler snapshots (server-sent events)
+//   GET    /v1/console/replicas      -> every replica's prefix-cache and request counters (polled)
 // Both streams are read with fetch(), not EventSource, so that they can carry the API key.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
 const KEY_STORAGE = "genserve.apiKey";
 const RECONNECT_MS = 2000;
+const REPLICAS_POLL_MS = 2000;
+const REPLICAS_WINDOW_MS = 60000;     // the window of the "last 60 s" hit ratio
 
 const state = {
   snapshots: 0,          // snapshots received (tests read it)
   last: null,            // the last snapshot
   live: null,            // AbortController of the live stream
+  replicas: null,        // the last GET /v1/console/replicas answer (tests read it)
+  replicaPolls: [],      // the polls of the last REPLICAS_WINDOW_MS: {t (ms, performance.now()), replicas}
+  replicasPoll: null,    // AbortController of the replicas poll loop
   run: null,             // the playground's running request: {controller, requestId, cancelled}
   tab: null,             // the playground's tab (see TABS)
 };
@@ -71,7 +77,7 @@ function viewOfHash() {
 function showView(name) {
   for (const b of document.querySelectorAll("#views button")) b.classList.toggle("active", b.dataset.view === name);
   for (const v of document.querySelectorAll(".view")) v.classList.toggle("active", v.id === `view-${name}`);
-  if (name === "live") startLive(); else stopLive();
+  if (name === "live") { startLive(); startReplicas(); } else { stopLive(); stopReplicas(); }
 }
 
 // Playground tabs: one per generation endpoint, each with the body it sends and a reader that
@@ -436,6 +442,96 @@ function drawKvMap(kv) {
     ctx.fillStyle = colors[kv.map[i]];
     ctx.fillRect((i % perRow) * cell, Math.floor(i / perRow) * cell, cell - (cell > 3 ? 1 : 0), cell - (cell > 3 ? 1 : 0));
   }
+}
+
+// ---- replicas panel ------------------------------------------------------------------------
+
+// Polls GET /v1/console/replicas every REPLICAS_POLL_MS while the live view is shown. The polls of
+// the last REPLICAS_WINDOW_MS are kept, so each replica's hit ratio over that window comes from the
+// growth of its counters between them; leaving the view drops them.
+async function startReplicas() {
+  if (state.replicasPoll) return;
+  const controller = new AbortController();
+  state.replicasPoll = controller;
+  while (state.replicasPoll === controller) {
+    try {
+      const response = await fetch("/v1/console/replicas", { headers: authHeaders(), signal: controller.signal,
+                                                             cache: "no-store" });
+      if (!response.ok) throw new Error(await errorText(response));
+      const body = await response.json();
+      if (state.replicasPoll !== controller) return;
+      renderReplicas(body.replicas, performance.now());
+      setReplicasStatus("");
+    } catch (err) {
+      if (controller.signal.aborted) return;
+      setReplicasStatus(`${err.message}; retrying`, true);
+    }
+    await new Promise((resolve) => setTimeout(resolve, REPLICAS_POLL_MS));
+  }
+}
+
+function stopReplicas() {
+  if (state.replicasPoll) state.replicasPoll.abort();
+  state.replicasPoll = null;
+  state.replicaPolls = [];
+}
+
+function setReplicasStatus(text, isError = false) {
+  $("replicas-status").textContent = text;
+  $("replicas-status").classList.toggle("error", isError);
+}
+
+// Hit tokens / queried tokens, or null when nothing was queried.
+function hitRatio(hit, queried) {
+  return queried > 0 && hit !== null ? hit / queried : null;
+}
+
+const percent = (r) => (r === null ? "–" : `${(r * 100).toFixed(1)} %`);
+
+// One replica's hit ratio over the kept polls: the hit and queried tokens added between each two
+// of its readable polls in turn (a counter that went down means the engine restarted, and its new
+// value is what was added since), null when nothing was queried in the window.
+function windowRatio(name) {
+  const seen = state.replicaPolls
+    .map((p) => p.replicas.find((r) => r.replica === name))
+    .filter((r) => r && r.prefix_cache_queried_tokens !== null && r.prefix_cache_hit_tokens !== null);
+  let queried = 0, hit = 0;
+  for (let i = 1; i < seen.length; i++) {
+    const a = seen[i - 1], b = seen[i];
+    const restarted = b.prefix_cache_queried_tokens < a.prefix_cache_queried_tokens
+      || b.prefix_cache_hit_tokens < a.prefix_cache_hit_tokens;
+    queried += b.prefix_cache_queried_tokens - (restarted ? 0 : a.prefix_cache_queried_tokens);
+    hit += b.prefix_cache_hit_tokens - (restarted ? 0 : a.prefix_cache_hit_tokens);
+  }
+  return hitRatio(hit, queried);
+}
+
+function renderReplicas(replicas, now) {
+  state.replicas = replicas;
+  state.replicaPolls.push({ t: now, replicas });
+  while (state.replicaPolls.length && state.replicaPolls[0].t < now - REPLICAS_WINDOW_MS) state.replicaPolls.shift();
+  const body = $("live-replicas").tBodies[0];
+  if (!replicas.length) {
+    const row = body.insertRow();
+    body.replaceChildren(row);
+    const cell = row.insertCell();
+    cell.colSpan = 6;
+    cell.textContent = "no engine metrics endpoint configured (the bridge's --engine-metrics-url)";
+    return;
+  }
+  body.replaceChildren(...replicas.map((r) => {
+    const row = document.createElement("tr");
+    row.dataset.replica = r.replica;
+    const show = (v) => (v === null ? "–" : String(v));
+    const cells = [r.replica, r.up ? "up" : "down", show(r.running_rows), show(r.requests_finished),
+                   percent(r.hit_ratio), percent(windowRatio(r.replica))];
+    for (const v of cells) row.insertCell().textContent = v;
+    row.cells[1].classList.toggle("down", !r.up);
+    if (r.prefix_cache_queried_tokens !== null) {
+      row.cells[4].title = `${r.prefix_cache_hit_tokens} of ${r.prefix_cache_queried_tokens} prompt tokens`;
+    }
+    return row;
+  }));
 }
 
 // ---- start ---------------------------------------------------------------------------------

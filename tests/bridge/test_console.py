@@ -1,7 +1,8 @@
-"""The web console through the bridge: the page and its files, and the scheduler snapshot stream
+"""The web console through the bridge: the page and its files, the scheduler snapshot stream
 (GET /v1/console/events) over the real servicer and scheduler (a simulated forward pass, see
 tests/service/harness.py): snapshot fields while requests run, the API key, bad intervals, and
-a client that leaves ending the engine-side stream."""
+a client that leaves ending the engine-side stream; and the replicas' counters (GET
+/v1/console/replicas) read from engine metrics endpoints, a live engine's among them."""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ import json
 
 import httpx
 import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from bridge.app import create_app
-from bridge.console import snapshot_event
+from bridge.console import replicas_event, snapshot_event
 from genserve.v1 import generate_pb2 as pb
 from service.auth import Authenticator
-from tests.service.harness import running_server
+from tests.bridge.test_metrics_replicas import serve_expositions, unreachable_url
+from tests.service.harness import collect, request, running_server
 from tests.uvicorn_app import served
 
 KEYS = {"secret-alice": "alice", "secret-bob": "bob"}
@@ -160,3 +163,96 @@ def test_snapshot_event_maps_every_field():
     assert ev["latency"]["ttft"] == {"count": 2, "p50_ms": 10.0, "p95_ms": 20.0, "max_ms": 20.0}
     assert ev["latency"]["tpot"]["count"] == 0
     assert (ev["rejected_total"], ev["preemptions_total"], ev["finished_total"]) == (4, 1, 9)
+
+
+# ---- GET /v1/console/replicas ----
+
+NO_ENGINE = "127.0.0.1:1"       # the replicas endpoint never calls the gRPC service
+
+
+def replica_exposition(queried: int, hit: int, finished: dict[str, int], rows: int) -> bytes:
+    """An exposition with the engine's families as service/metrics.py declares them (counters
+    with their `_created` samples, the finish-reason label)."""
+    registry = CollectorRegistry()
+    Counter("genserve_prefix_cache_queried_tokens", "Queried.", registry=registry).inc(queried)
+    Counter("genserve_prefix_cache_hit_tokens", "Hit.", registry=registry).inc(hit)
+    by_reason = Counter("genserve_requests_finished", "Finished.", ["finish_reason"], registry=registry)
+    for reason, n in finished.items():
+        by_reason.labels(reason).inc(n)
+    Gauge("genserve_running_rows", "Rows.", registry=registry).set(rows)
+    return generate_latest(registry)
+
+
+async def get_replicas(urls) -> list[dict]:
+    async with served(create_app(NO_ENGINE, engine_metrics_url=urls)) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+            r = await client.get("/v1/console/replicas")
+    assert r.status_code == 200 and r.headers["cache-control"] == "no-cache"
+    return r.json()["replicas"]
+
+
+async def test_replicas_show_each_engine_in_url_order():
+    with serve_expositions(replica_exposition(1000, 250, {"length": 3, "stop": 2}, 1),
+                           replica_exposition(300, 192, {"length": 7}, 4),
+                           replica_exposition(0, 0, {"length": 0}, 0)) as (first, second, idle):
+        got = await get_replicas([first, unreachable_url(), second, idle])
+    assert got == [
+        {"replica": "0", "up": True, "prefix_cache_queried_tokens": 1000, "prefix_cache_hit_tokens": 250,
+         "requests_finished": 5, "running_rows": 1, "hit_ratio": 0.25},
+        {"replica": "1", "up": False, "prefix_cache_queried_tokens": None, "prefix_cache_hit_tokens": None,
+         "requests_finished": None, "running_rows": None, "hit_ratio": None},
+        {"replica": "2", "up": True, "prefix_cache_queried_tokens": 300, "prefix_cache_hit_tokens": 192,
+         "requests_finished": 7, "running_rows": 4, "hit_ratio": 0.64},
+        # Nothing queried yet: no ratio, not 0.
+        {"replica": "3", "up": True, "prefix_cache_queried_tokens": 0, "prefix_cache_hit_tokens": 0,
+         "requests_finished": 0, "running_rows": 0, "hit_ratio": None},
+    ]
+
+
+async def test_replicas_without_engine_metrics_urls_is_an_empty_list():
+    assert await get_replicas(None) == []
+
+
+async def test_replicas_need_no_key_and_count_failed_reads():
+    """Like GET /metrics, the endpoint answers without an API key; a failed read is counted."""
+    app = create_app(NO_ENGINE, engine_metrics_url=[unreachable_url()])
+    async with served(app) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+            r = await client.get("/v1/console/replicas", headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 200 and r.json()["replicas"][0]["up"] is False
+    errors = app.state.bridge.metrics.registry.get_sample_value("genserve_bridge_engine_scrape_errors_total")
+    assert errors == 1
+
+
+def test_replicas_event_survives_bad_expositions():
+    nan = b"# TYPE genserve_prefix_cache_queried_tokens counter\ngenserve_prefix_cache_queried_tokens_total NaN\n" \
+          b"genserve_prefix_cache_hit_tokens_total 3\ngenserve_running_rows +Inf\n"
+    got = replicas_event([b"<html>not metrics</html>", b"\xff\xfe", nan, b""])["replicas"]
+    assert [r["up"] for r in got] == [False, False, True, True]
+    assert all(v is None for r in got[:2] for k, v in r.items() if k not in ("replica", "up"))
+    assert (got[2]["prefix_cache_queried_tokens"], got[2]["prefix_cache_hit_tokens"]) == (None, 3)
+    assert got[2]["running_rows"] is None and got[2]["hit_ratio"] is None
+    # An engine whose endpoint answers without these families: up, numbers unknown.
+    assert got[3] == {"replica": "3", "up": True, "prefix_cache_queried_tokens": None,
+                      "prefix_cache_hit_tokens": None, "requests_finished": None, "running_rows": None,
+                      "hit_ratio": None}
+
+
+async def test_replicas_follow_a_live_engines_prefix_cache():
+    """The real engine's metrics (service/metrics.py over the real scheduler and prefix cache):
+    the same 300-byte prompt twice, the second takes its first 256 tokens (4 whole 64-token
+    prefill pieces) from the cache."""
+    async with running_server() as engine:
+        registry = engine.server.metrics.registry
+        with serve_expositions(lambda: generate_latest(registry)) as urls:
+            before = (await get_replicas(urls))[0]
+            assert before["up"] and before["hit_ratio"] is None and before["requests_finished"] == 0
+            prompt = "".join(chr(97 + i % 26) for i in range(300))
+            for _ in range(2):
+                _, err = await collect(engine.stub.Generate(request(prompt, max_tokens=4)))
+                assert err is None
+            [after] = await get_replicas(urls)
+    assert after["prefix_cache_queried_tokens"] == 600 and after["prefix_cache_hit_tokens"] == 256
+    assert after["hit_ratio"] == round(256 / 600, 4) and after["requests_finished"] == 2
+    assert after["running_rows"] == 0
+    assert registry.get_sample_value("genserve_prefix_cache_hit_tokens_total") == 256

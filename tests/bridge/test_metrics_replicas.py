@@ -4,12 +4,14 @@ metric family once, an unreachable engine left out and counted, and promtool acc
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.server
 import shutil
 import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -36,7 +38,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         pass
 
     def do_GET(self) -> None:
-        body = self.server.body
+        body = self.server.body() if callable(self.server.body) else self.server.body
         self.send_response(200)
         self.send_header("Content-Type", "text/plain; version=0.0.4")
         self.send_header("Content-Length", str(len(body)))
@@ -44,19 +46,29 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.wfile.write(body)
 
 
+@contextlib.contextmanager
+def serve_expositions(*bodies: bytes | Callable[[], bytes]) -> Iterator[list[str]]:
+    """Each body on its own HTTP metrics endpoint (a callable is called per request, e.g. a live
+    registry's `generate_latest`) until the block ends; yields their URLs, in order."""
+    servers = []
+    try:
+        for body in bodies:
+            server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+            server.body = body
+            threading.Thread(target=server.serve_forever, daemon=True).start()
+            servers.append(server)
+        yield [f"http://127.0.0.1:{s.server_address[1]}/metrics" for s in servers]
+    finally:
+        for server in servers:
+            server.shutdown()
+            server.server_close()
+
+
 @pytest.fixture
 def engines():
     """Two metrics endpoints with different values; yields their URLs."""
-    servers = []
-    for body in (engine_exposition(3, 5, [0.05, 0.5]), engine_exposition(7, 2, [2.0])):
-        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-        server.body = body
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        servers.append(server)
-    yield [f"http://127.0.0.1:{s.server_address[1]}/metrics" for s in servers]
-    for server in servers:
-        server.shutdown()
-        server.server_close()
+    with serve_expositions(engine_exposition(3, 5, [0.05, 0.5]), engine_exposition(7, 2, [2.0])) as urls:
+        yield urls
 
 
 def samples(text: str) -> dict[str, float]:
@@ -90,10 +102,15 @@ def test_one_engine_is_passed_through_unlabelled(engines):
     assert "replica" not in text
 
 
-def test_an_unreachable_engine_is_left_out_and_counted(engines):
+def unreachable_url() -> str:
+    """A metrics URL on a localhost port nothing listens on (bound, then closed)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        dead = f"http://127.0.0.1:{s.getsockname()[1]}/metrics"
+        return f"http://127.0.0.1:{s.getsockname()[1]}/metrics"
+
+
+def test_an_unreachable_engine_is_left_out_and_counted(engines):
+    dead = unreachable_url()
     got = samples(asyncio.run(BridgeMetrics([engines[0], dead, engines[1]]).exposition()).decode())
     assert got["genserve_running_rows{replica=0}"] == 3
     assert got["genserve_running_rows{replica=2}"] == 7

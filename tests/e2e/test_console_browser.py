@@ -1,7 +1,8 @@
 """The web console in a real browser (headless Chromium from Debian, driven by selenium through
 Debian's chromium-driver) against a live `genserve serve`: type a prompt, see tokens stream with
 their arrival time and logprob, press Stop and see the request cancelled in /metrics, see the
-live scheduler view follow a load, and see 429s arrive on it with an API key.
+live scheduler view follow a load, see the same long prompt twice raise replica 0's prefix-cache
+hit ratio in the Replicas panel as /metrics counts it, and see 429s arrive on it with an API key.
 
 Skips when Chromium, chromium-driver or selenium is missing (`apt-get install chromium
 chromium-driver`; .ci/run installs them where apt-get works). With GENSERVE_CONSOLE_SCREENSHOTS
@@ -233,6 +234,56 @@ def test_live_view_follows_the_load(browser, server, tmp_path):
     ttft_cells = browser.execute_script(
         "return [...document.querySelectorAll('#live-latency tr[data-key=ttft] td')].map(td => td.textContent)")
     assert ttft_cells[0].endswith(" ms") and int(ttft_cells[3]) >= 6
+
+
+def replica_cells(driver, replica: str) -> list[str]:
+    """The Replicas panel's cells of one replica's row ([] before the row is shown)."""
+    return driver.execute_script(
+        "const row = document.querySelector(`#live-replicas tr[data-replica='${arguments[0]}']`);"
+        "return row ? [...row.cells].map(td => td.textContent) : []", replica)
+
+
+def shown_percent(text: str) -> float:
+    assert text.endswith(" %"), text
+    return float(text.removesuffix(" %"))
+
+
+def test_replicas_panel_shows_the_prefix_cache_hit_ratio(browser, server):
+    """The same prompt of a few hundred tokens twice: the second request takes its first whole
+    prefill pieces from replica 0's cache, and the panel's ratios are /metrics' counters."""
+    hit_name, queried_name = "genserve_prefix_cache_hit_tokens_total", "genserve_prefix_cache_queried_tokens_total"
+    before = server.wait_idle()
+    browser.get(f"{server.base_url}/#live")
+    wait_for(lambda: browser.execute_script("return window.genserveConsole.replicaPolls.length") >= 1, 30,
+             "a first poll of the replicas (the window's start)")
+    window_start = time.monotonic()
+    assert replica_cells(browser, "0")[:2] == ["0", "up"]
+    prompt = " ".join(f"Night {i}: the keeper climbed the tower, trimmed the wick and watched the sea."
+                      for i in range(24))
+    for _ in range(2):
+        r = httpx.post(f"{server.base_url}/v1/completions", timeout=WAIT_S,
+                       json={"prompt": prompt, "max_tokens": 1, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] >= 200
+    after = server.wait_idle()
+    hit, queried = after[hit_name], after[queried_name]
+    added_hit, added_queried = hit - before[hit_name], queried - before[queried_name]
+    assert added_hit >= 64 and added_queried == 2 * r.json()["usage"]["prompt_tokens"], (added_hit, added_queried)
+    finished = sum(v for k, v in after.items() if k.startswith("genserve_requests_finished_total{"))
+    # The panel polls every 2 s: wait for a poll after both requests ended (hits are counted at
+    # admission, the finish after the last token).
+    seen = (hit, queried, finished)
+    wait_for(lambda: (js := browser.execute_script("return window.genserveConsole.replicas")) and (
+        js[0]["prefix_cache_hit_tokens"], js[0]["prefix_cache_queried_tokens"], js[0]["requests_finished"]) == seen,
+        30, f"{seen} (hit, queried, finished) in the Replicas panel")
+    [shown] = browser.execute_script("return window.genserveConsole.replicas")
+    cells = replica_cells(browser, "0")
+    assert shown["up"] and cells[1] == "up"
+    since_start, last_minute = shown_percent(cells[4]), shown_percent(cells[5])
+    assert since_start > 0 and abs(since_start - 100 * hit / queried) <= 0.06, (cells, hit, queried)
+    if time.monotonic() - window_start < 55:     # the first poll is still in the 60 s window
+        assert abs(last_minute - 100 * added_hit / added_queried) <= 0.06, (cells, added_hit, added_queried)
+    assert cells[3] == str(int(shown["requests_finished"]))
 
 
 def test_live_view_with_a_key_shows_429s(browser, keyed_server):
