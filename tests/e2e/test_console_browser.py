@@ -216,7 +216,9 @@ def test_live_view_follows_the_load(browser, server, tmp_path):
     assert busy["recent_steps"] and busy["steps"] > idle["steps"]
     wait_for(lambda: any(s["decode_rows"] >= 4 for s in last_snapshot(browser)["recent_steps"]), 60,
              "a step of at least 4 decode rows in the step chart")
-    browser.set_window_size(1360, 1320)          # the whole view, block map included
+    wait_for(lambda: (js := browser.execute_script("return window.genserveConsole.replicas"))
+             and js[0]["running_rows"], 30, "the replicas panel to show the running rows")
+    browser.set_window_size(1360, 1560)          # the whole view, block map and replicas included
     time.sleep(0.5)
     screenshot(browser, "live", tmp_path)
     browser.set_window_size(1360, 1000)
