@@ -16,6 +16,11 @@ Traces and logs: each Generate call is one span ("genserve.v1.GenerateService/Ge
 of the caller's span when the metadata carries a W3C `traceparent` (the bridge sends one), with
 events queued, admitted, preempted, first_token and finished (`service.tracing` adds the
 scheduler's). Log lines of a call carry its request id; each finished sample logs one line.
+
+Load reports: every Generate answer from a loaded engine ends with this replica's ORCA load report
+(`service.load_report`: utilization, requests/s, free KV blocks, queued device-seconds) in its
+trailing metadata, refusals included (a 429 says most about load), for Envoy's client-side
+weighted round robin.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from genserve.common.telemetry import REQUEST_ID, extract_metadata
 from genserve.v1 import generate_pb2 as pb, generate_pb2_grpc as pb_grpc
 from service.auth import ANONYMOUS, Authenticator
 from service.handoff import LoopHandoff
+from service.load_report import HEADER as LOAD_REPORT_HEADER, Load, LoadReporter
 from service.metrics import EngineMetrics
 from service.stream import SampleStream, TextOptions
 from service.tracing import SpanTracker
@@ -174,6 +180,7 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
         self.engine: Engine | None = None
         self.metrics: EngineMetrics | None = None
         self.snapshots: SnapshotSource | None = None
+        self.load = LoadReporter()     # counts ended requests; writes the ORCA load reports
         self.num_watching = 0          # WatchScheduler streams open now
         # Names this process in scheduler snapshots; the server adds its port once bound.
         self.engine_label = f"{socket.gethostname()} pid {os.getpid()}"
@@ -289,6 +296,7 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
             context.set_trailing_metadata(((INVALID_FIELD_METADATA, "request_id"),))
             await self._reject(context, "400", grpc.StatusCode.INVALID_ARGUMENT, f"request_id: {exc}", span)
         span.add_event("queued")
+        admitted_s = self.load.clock()
 
         self._open.add(buffer)
         self._idle.clear()
@@ -331,10 +339,15 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
             self._open.discard(buffer)
             if not self._open:
                 self._idle.set()
+            self.load.request_ended(self.load.clock() - admitted_s, valid.n)
             if open_samples:
                 # The client went away (disconnect or cancelled call), or the stream failed:
                 # stop spending device time.
                 self.engine.cancel(request_id)
+            else:
+                # Every sample finished: the status (OK) goes out once this generator returns,
+                # with these trailers. (A failed stream's report went out with its abort.)
+                self._add_load_report(context)
 
     @staticmethod
     def _finished(span: trace.Span, request_id: str, msg: pb.Finished) -> None:
@@ -475,16 +488,34 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
                            span: trace.Span | None = None) -> NoReturn:
         await self._reject(context, "503", grpc.StatusCode.UNAVAILABLE, message, span)
 
-    @staticmethod
-    async def _abort(context: grpc.aio.ServicerContext, status: grpc.StatusCode, message: str,
+    async def _abort(self, context: grpc.aio.ServicerContext, status: grpc.StatusCode, message: str,
                      span: trace.Span | None = None) -> NoReturn:
-        """End the call with `status` (raises); UNAVAILABLE carries `retry-after`."""
+        """End the call with `status` (raises); UNAVAILABLE carries `retry-after`. A Generate call
+        (the one kind that passes its `span`) also carries the load report. Trailing metadata set
+        before (`invalid-field`) is kept."""
         if span is not None:
             span.set_attribute("rpc.grpc.status_code", status.value[0])
             span.set_status(Status(StatusCode.ERROR, f"{status.name}: {message}"))
         if status == grpc.StatusCode.UNAVAILABLE:
-            context.set_trailing_metadata((("retry-after", str(RETRY_AFTER_UNAVAILABLE_S)),))
+            context.set_trailing_metadata((*(context.trailing_metadata() or ()),
+                                           ("retry-after", str(RETRY_AFTER_UNAVAILABLE_S))))
+        if span is not None:
+            self._add_load_report(context)
         await context.abort(status, message)
+
+    def _add_load_report(self, context: grpc.aio.ServicerContext) -> None:
+        """Add this engine's load report (`service.load_report`) to the call's trailing metadata,
+        after what is there already; nothing while the engine loads. Takes the engine lock for a
+        moment (`Engine.stats`)."""
+        if self.engine is None:
+            return
+        stats = self.engine.stats()
+        config = self.engine.config
+        load = Load(running_rows=stats.running_rows, max_rows=config.max_rows,
+                    queued_device_s=stats.queued_device_s, queue_budget_s=config.queue_budget_s,
+                    kv_blocks_free=stats.kv_blocks_free, kv_blocks_total=stats.kv_blocks_total)
+        kept = tuple(m for m in (context.trailing_metadata() or ()) if m[0] != LOAD_REPORT_HEADER)
+        context.set_trailing_metadata((*kept, self.load.header(load)))
 
 
 def _latency(summary: LatencySummary) -> pb.LatencySummary:

@@ -343,14 +343,19 @@ function render(s) {
   drawKvMap(s.kv_pool);
 }
 
+// A table body holding one row of `columns` cells that says `text` (an empty list's message).
+function showEmpty(body, columns, text) {
+  const row = body.insertRow();
+  body.replaceChildren(row);
+  const cell = row.insertCell();
+  cell.colSpan = columns;
+  cell.textContent = text;
+}
+
 function renderQueues(queues) {
   const body = $("live-queues").tBodies[0];
   if (!queues.length) {
-    const row = body.insertRow();
-    body.replaceChildren(row);
-    const cell = row.insertCell();
-    cell.colSpan = 3;
-    cell.textContent = "no work";
+    showEmpty(body, 3, "no work");
     return;
   }
   body.replaceChildren(...queues.map((q) => {
@@ -512,11 +517,7 @@ function renderReplicas(replicas, now) {
   while (state.replicaPolls.length && state.replicaPolls[0].t < now - REPLICAS_WINDOW_MS) state.replicaPolls.shift();
   const body = $("live-replicas").tBodies[0];
   if (!replicas.length) {
-    const row = body.insertRow();
-    body.replaceChildren(row);
-    const cell = row.insertCell();
-    cell.colSpan = 6;
-    cell.textContent = "no engine metrics endpoint configured (the bridge's --engine-metrics-url)";
+    showEmpty(body, 6, "no engine metrics endpoint configured (the bridge's --engine-metrics-url)");
     return;
   }
   body.replaceChildren(...replicas.map((r) => {

@@ -45,7 +45,7 @@ ENGINE_HOST = "127.0.0.1"     # engines, the bridge behind Envoy and Envoy's adm
 ENGINE_METRICS_PORT = 9400    # --metrics-port's default here (python -m service: none unless given)
 ENVOY_CONCURRENCY = 1         # Envoy worker threads: loopback traffic needs one; the engines need the cores
 CANCEL_RETRIES = 7            # the chart's envoy.cancel.numRetries, raised for many replicas
-LB_POLICIES = ("LEAST_REQUEST", "ROUND_ROBIN", "RANDOM")
+LB_POLICIES = ("LEAST_REQUEST", "ROUND_ROBIN", "RANDOM", "CLIENT_SIDE_WEIGHTED_ROUND_ROBIN")
 EXIT_PORT_IN_USE = 3          # a port genserve serve would open is taken (as the engine's own exit code)
 
 
@@ -232,7 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="run without Envoy: the bridge on --host:--port calls the one engine directly "
                              "(the engine's gRPC on 127.0.0.1:--grpc-port).")
     public.add_argument("--lb-policy", choices=LB_POLICIES, default="LEAST_REQUEST",
-                        help="how Envoy spreads requests over the engine replicas. Default: %(default)s.")
+                        help="how Envoy spreads the gRPC calls without a prefix routing key (and Cancel) "
+                             "over the engine replicas; CLIENT_SIDE_WEIGHTED_ROUND_ROBIN weighs each "
+                             "replica by the load reports in its answers (requests/s over utilization). "
+                             "Default: %(default)s.")
     public.add_argument("--prefix-affinity", action=argparse.BooleanOptionalAction, default=True,
                         help="route requests that carry a prefix routing key (the bridge sets one on "
                              "each completion; gRPC callers send the x-genserve-prefix-key header) by "

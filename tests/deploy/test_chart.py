@@ -62,6 +62,8 @@ def test_kubernetes_validate_catches_unknown_fields(rendered):
     (["--set-string", "engine.grpcPort=50051"], "/engine/grpcPort"),
     (["--set", "engine.profile=tpu"], "/engine/profile"),
     (["--set", "envoy.engines.lbPolicy=MAGLEV_PLEASE"], "/envoy/engines/lbPolicy"),
+    # protobuf durations in the Envoy config are seconds only
+    (["--set", "envoy.engines.weighted.blackoutPeriod=500ms"], "/envoy/engines/weighted/blackoutPeriod"),
     (["--set", "engine.replica=2"], "additional properties 'replica' not allowed"),
 ])
 def test_schema_rejects_bad_values(override, message):

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from genserve.deploy import cli, envoy
-from tests.deploy.helpers import NAMESPACE, RELEASE, VARIANTS, tool
+from tests.deploy.helpers import NAMESPACE, RELEASE, VARIANTS, helm_template, tool
 
 LOCAL = dict(listen_host="127.0.0.1", listen_port=8000, admin_port=9901,
              bridge=[("127.0.0.1", 8001)], engines=[("127.0.0.1", 50061), ("127.0.0.1", 50062)])
@@ -271,6 +271,65 @@ def test_affinity_cluster_is_the_engines_with_bounded_load_hashing(config):
         assert affinity[key] == engines[key], key
     assert {k: v for k, v in affinity["common_lb_config"].items() if k != "consistent_hashing_lb_config"} \
         == engines["common_lb_config"]
+
+
+WEIGHTED = "CLIENT_SIDE_WEIGHTED_ROUND_ROBIN"
+CSWRR_TYPE = ("type.googleapis.com/envoy.extensions.load_balancing_policies."
+              "client_side_weighted_round_robin.v3.ClientSideWeightedRoundRobin")
+
+
+def weighted_policy(c: dict) -> dict:
+    """The typed config of a cluster's client-side weighted round robin (fails if it has none)."""
+    assert "lb_policy" not in c          # load_balancing_policy replaces it
+    (policy,) = c["load_balancing_policy"]["policies"]
+    extension = policy["typed_extension_config"]
+    assert extension["name"] == "envoy.load_balancing_policies.client_side_weighted_round_robin"
+    return extension["typed_config"]
+
+
+def test_weighted_fallback_is_envoys_client_side_weighted_round_robin():
+    """envoy.engines.lbPolicy CLIENT_SIDE_WEIGHTED_ROUND_ROBIN: the engines cluster weighs the
+    replicas by their load reports with the chart's timing (2 s blackout, weights recomputed every
+    0.5 s, dropped after 60 s without a report); the hashing cluster keeps Maglev; Envoy takes it."""
+    tool("envoy")
+    tool("helm")
+    text = envoy.render_envoy_config(**LOCAL, extra_values={"envoy": {"engines": {"lbPolicy": WEIGHTED}}})
+    envoy.validate_envoy_config(text)
+    config = parse(text)
+    assert weighted_policy(cluster(config, "engines")) == {
+        "@type": CSWRR_TYPE, "blackout_period": "2s", "weight_update_period": "0.5s",
+        "weight_expiration_period": "60s"}
+    assert cluster(config, "engines_affinity")["lb_policy"] == "MAGLEV"
+    assert "load_balancing_policy" not in cluster(config, "engines_affinity")
+    # the rest of the cluster (health checks, ejection, limits) is the least-request one's
+    default = cluster(parse(envoy.render_envoy_config(**LOCAL)), "engines")
+    assert {k: v for k, v in cluster(config, "engines").items() if k != "load_balancing_policy"} == \
+        {k: v for k, v in default.items() if k != "lb_policy"}
+
+
+def test_weighted_fallback_in_the_chart_validates():
+    """The Kubernetes rendering with the weighted fallback and other timing passes Envoy's check."""
+    tool("envoy")
+    proc = helm_template("--set", f"envoy.engines.lbPolicy={WEIGHTED}",
+                         "--set", "envoy.engines.weighted.blackoutPeriod=5s",
+                         "--set", "envoy.engines.weighted.weightUpdatePeriod=1s")
+    assert proc.returncode == 0, proc.stderr
+    (configmap,) = [o for o in yaml.safe_load_all(proc.stdout) if o and o["kind"] == "ConfigMap"
+                    and o["metadata"]["name"].endswith("-envoy")]
+    text = configmap["data"]["envoy.yaml"]
+    envoy.validate_envoy_config(text)
+    policy = weighted_policy(cluster(parse(text), "engines"))
+    assert (policy["blackout_period"], policy["weight_update_period"]) == ("5s", "1s")
+
+
+def test_genserve_serve_lb_policy_can_be_weighted():
+    tool("envoy")
+    tool("helm")
+    args = cli.build_parser().parse_args(
+        ["serve", "--port", "18000", "--grpc-port", "18051", "--bridge-port", "18100",
+         "--envoy-admin-port", "18200", "--replicas", "2", "--lb-policy", WEIGHTED])
+    config = parse(cli.envoy_config(args))
+    assert weighted_policy(cluster(config, "engines"))["@type"] == CSWRR_TYPE
 
 
 def test_affinity_can_be_turned_off():

@@ -3,8 +3,8 @@ engines (grpcio servers with grpc.health.v1 and a scripted GenerateService) and 
 (an HTTP/1.1 server). It checks what the configuration promises: gRPC and REST split on one port,
 a 429 or an UNAVAILABLE retried once on the other replica, Cancel swept across the replicas until
 one knows the request, 429/503 passed through unchanged with
-Retry-After, SSE not buffered, a NOT_SERVING replica out of rotation within 2 s, and Envoy's own
-503s carrying Retry-After.
+Retry-After, SSE not buffered, a NOT_SERVING replica out of rotation within 2 s, Envoy's own
+503s carrying Retry-After, and the weighted fallback weighing replicas by their load reports.
 
 The engines cluster runs ROUND_ROBIN here (a chart value) rather than the default LEAST_REQUEST:
 with two replicas, round robin makes "the retry went to the other replica" deterministic, while
@@ -31,6 +31,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from genserve.deploy import envoy
 from genserve.deploy.supervisor import free_port
 from genserve.v1 import generate_pb2 as pb, generate_pb2_grpc as pb_grpc
+from service.load_report import HEADER as LOAD_REPORT_HEADER, Load, report_text
 from tests.deploy.helpers import tool
 
 SERVICE = "genserve.v1.GenerateService"
@@ -53,6 +54,7 @@ class FakeEngine(pb_grpc.GenerateServiceServicer):
     calls: int = 0
     running: set[str] = field(default_factory=set)   # request ids Cancel finds here
     cancels: int = 0
+    load_report: str | None = None    # an `endpoint-load-metrics` value to end each stream with
 
     def __post_init__(self) -> None:
         self.lock = threading.Lock()
@@ -79,6 +81,8 @@ class FakeEngine(pb_grpc.GenerateServiceServicer):
         if self.mode == "unavailable":
             context.set_trailing_metadata((("retry-after", "2"),))
             context.abort(grpc.StatusCode.UNAVAILABLE, "draining")
+        if self.load_report is not None:      # sent in the trailers, as the engine sends it
+            context.set_trailing_metadata(((LOAD_REPORT_HEADER, self.load_report),))
         yield pb.GenerateResponse(request_id=self.name, started=pb.Started(request_id=self.name))
         for position in range(2):
             yield pb.GenerateResponse(request_id=self.name, token=pb.Token(text="x", position=position))
@@ -170,6 +174,12 @@ class Envoy:
                  if line.startswith(f"{cluster}::127.0.0.1:{port}::health_flags::")]
         assert len(flags) == 1
         return flags[0] == "healthy"
+
+    def host_weight(self, cluster: str, port: int) -> int:
+        """The weight Envoy balances the host on `port` of `cluster` by (admin /clusters)."""
+        (weight,) = [int(line.rsplit("::", 1)[1]) for line in self.admin("/clusters").splitlines()
+                     if line.startswith(f"{cluster}::127.0.0.1:{port}::weight::")]
+        return weight
 
     def wait_health(self, cluster: str, port: int, healthy: bool, timeout_s: float) -> float:
         """Seconds until the host's health is `healthy`; fails the test after `timeout_s`."""
@@ -352,6 +362,42 @@ def test_killed_replica_is_ejected_and_its_requests_retried(tmp_path, stack):
         assert generate(proxy, 10) == ["b"] * 10
         proxy.wait_health("engines", a.port, False, EJECT_WITHIN_S)
         assert time.monotonic() - start < EJECT_WITHIN_S
+    finally:
+        stop(proxy.process)
+        a.server.stop(0)
+        b.server.stop(0)
+
+
+def test_weighted_round_robin_weighs_replicas_by_their_load_reports(tmp_path, stack):
+    """envoy.engines.lbPolicy CLIENT_SIDE_WEIGHTED_ROUND_ROBIN: Envoy reads the engines' ORCA
+    reports (service.load_report's text, in a gRPC stream's trailers), weighs each replica by
+    rps / utilization once it has reported for the blackout period, and sends calls in that
+    proportion. Replica a reports 4 requests/s at utilization 0.5 (its queue at half the 429
+    budget): weight 8; replica b the same rps at 0.125: weight 32, four times a's calls."""
+    _, _, bridge = stack
+    a, b = FakeEngine("a"), FakeEngine("b")
+    a.load_report = report_text(Load(running_rows=2, max_rows=32, queued_device_s=1.0, queue_budget_s=2.0,
+                                     kv_blocks_free=900, kv_blocks_total=1000), rps=4.0)
+    b.load_report = report_text(Load(running_rows=4, max_rows=32, queued_device_s=0.0, queue_budget_s=2.0,
+                                     kv_blocks_free=1000, kv_blocks_total=1000), rps=4.0)
+    proxy = start_envoy(tmp_path, bridge.server_address[1], [a.port, b.port], engine_values={
+        "lbPolicy": "CLIENT_SIDE_WEIGHTED_ROUND_ROBIN",
+        "weighted": {"blackoutPeriod": "1s", "weightUpdatePeriod": "0.1s"}})
+    try:
+        for engine in (a, b):
+            proxy.wait_health("engines", engine.port, True, START_TIMEOUT_S)
+        # No report yet: every replica at weight 1 (plain round robin).
+        assert [proxy.host_weight("engines", e.port) for e in (a, b)] == [1, 1]
+        deadline = time.monotonic() + 10
+        while [proxy.host_weight("engines", e.port) for e in (a, b)] != [8, 32]:
+            assert time.monotonic() < deadline, \
+                [proxy.host_weight("engines", e.port) for e in (a, b)]
+            generate(proxy, 2)                 # keep both replicas reporting
+            time.sleep(0.05)
+        a.calls = b.calls = 0
+        names = generate(proxy, 40)
+        assert (names.count("a"), names.count("b")) == (a.calls, b.calls)
+        assert 7 <= a.calls <= 9, (a.calls, b.calls)          # 40 × 8 / 40, smooth schedule
     finally:
         stop(proxy.process)
         a.server.stop(0)

@@ -1,5 +1,6 @@
 """Two engines behind the real Envoy (`genserve serve --replicas 2`) for the replica and routing
-tests: the fleet's start, its engines' ports, Envoy's view of their health, a child's pid."""
+tests: the fleet's start, its engines' ports, Envoy's view of their health and weights, a child's
+pid."""
 
 from __future__ import annotations
 
@@ -14,10 +15,12 @@ EJECT_WITHIN_S = 2.0          # Envoy's active health check ejects a killed repl
 RESTART_TIMEOUT_S = 240.0     # a restarted engine loads its weights and warms up (loaded cores)
 
 
-def two_engine_fleet(env: dict[str, str] | None = None) -> Iterator:
+def two_engine_fleet(*extra: str, env: dict[str, str] | None = None) -> Iterator:
     """Start two engines with small KV pools (both fit on two cores) behind Envoy, yield the
-    server once Envoy sees both healthy, stop it after. `env`: more environment for the server."""
-    gen = start_server("--queue-budget-s", "3600", "--drain-grace-s", "2", replicas=2, kv_pool_gib=0.25, env=env)
+    server once Envoy sees both healthy, stop it after. `extra`: more `genserve serve` flags;
+    `env`: more environment for the server."""
+    gen = start_server("--queue-budget-s", "3600", "--drain-grace-s", "2", *extra, replicas=2,
+                       kv_pool_gib=0.25, env=env)
     server = next(gen)
     try:
         for port in engine_ports(server):
@@ -61,6 +64,16 @@ def wait_envoy_health(server, port: int, healthy: bool, timeout_s: float) -> flo
             f"replica :{port} not {'healthy' if healthy else 'ejected'} within {timeout_s} s"
         time.sleep(0.02)
     return time.monotonic() - start
+
+
+def host_weight(server, port: int) -> int:
+    """The weight Envoy's engines cluster gives the replica on `port` (1 unless the balancer is
+    weighted round robin and the replica's load reports set another)."""
+    with urllib.request.urlopen(f"{admin_url(server)}/clusters", timeout=2) as reply:
+        text = reply.read().decode()
+    (weight,) = [int(line.rsplit("::", 1)[1]) for line in text.splitlines()
+                 if line.startswith(f"engines::127.0.0.1:{port}::weight::")]
+    return weight
 
 
 def pid_of(server, name: str) -> int:

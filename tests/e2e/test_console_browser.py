@@ -255,6 +255,7 @@ def test_replicas_panel_shows_the_prefix_cache_hit_ratio(browser, server):
     prefill pieces from replica 0's cache, and the panel's ratios are /metrics' counters."""
     hit_name, queried_name = "genserve_prefix_cache_hit_tokens_total", "genserve_prefix_cache_queried_tokens_total"
     before = server.wait_idle()
+    browser.get("about:blank")          # a fresh page: no polls kept from an earlier test's view
     browser.get(f"{server.base_url}/#live")
     wait_for(lambda: browser.execute_script("return window.genserveConsole.replicaPolls.length") >= 1, 30,
              "a first poll of the replicas (the window's start)")

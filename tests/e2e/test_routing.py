@@ -10,6 +10,8 @@ Checked: every turn of a conversation lands on one replica and hits its cache th
 conversations spread over both; the same conversations under another API key are placed
 independently (the key includes the tenant); while one replica runs more streams than the
 bounded load allows, its keys go to the other; a killed replica's keys move to the survivor.
+Calls without a key (cluster "engines", here client-side weighted round robin) follow the load
+reports the engines send with each answer: a replica loaded behind Envoy's back loses them.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ import signal
 import threading
 import time
 
+import grpc
 import httpx
 import pytest
 
-from tests.e2e.fleet import EJECT_WITHIN_S, engine_ports, pid_of, two_engine_fleet, wait_envoy_health
+from genserve.v1 import generate_pb2 as pb, generate_pb2_grpc as pb_grpc
+from tests.e2e.fleet import EJECT_WITHIN_S, engine_ports, host_weight, pid_of, two_engine_fleet, wait_envoy_health
 
 pytestmark = pytest.mark.slow
 
@@ -33,8 +37,11 @@ CONVERSATIONS = 24
 
 @pytest.fixture(scope="module")
 def fleet():
-    """Two engines with small KV pools behind Envoy (prefix affinity on: the default), API keys."""
-    yield from two_engine_fleet(env={"GENSERVE_API_KEYS": ",".join(f"{k}={v}" for k, v in KEYS)})
+    """Two engines with small KV pools behind Envoy (prefix affinity on: the default), API keys;
+    calls without a routing key balanced by the engines' load reports (client-side weighted round
+    robin)."""
+    yield from two_engine_fleet("--lb-policy", "CLIENT_SIDE_WEIGHTED_ROUND_ROBIN",
+                                env={"GENSERVE_API_KEYS": ",".join(f"{k}={v}" for k, v in KEYS)})
 
 
 def opening(conversation: int) -> list[dict]:
@@ -202,6 +209,104 @@ def test_a_busy_replica_sheds_its_new_keys_to_the_other(fleet, alice_homes):
         assert time.monotonic() < deadline, "streams still running"
         time.sleep(0.1)
     assert served_by(fleet, opening(homed[0]))[0] == home
+
+
+def keyless(target: str, max_tokens: int = 2) -> dict[str, str]:
+    """One Generate without the routing key on gRPC `target` (Envoy's listener: route "grpc",
+    cluster "engines"); its trailing metadata."""
+    with grpc.insecure_channel(target) as channel:
+        stub = pb_grpc.GenerateServiceStub(channel)
+        responses = stub.Generate(pb.GenerateRequest(prompt="Count: one, two,", max_tokens=max_tokens,
+                                                     sampling=pb.SamplingParams(temperature=0)),
+                                  metadata=(("authorization", "Bearer key-alice"),), timeout=120)
+        assert list(responses)[-1].HasField("finished")
+        return dict(responses.trailing_metadata())
+
+
+def keyless_served_by(server) -> int:
+    """Run one keyless call alone; the replica that served it."""
+    before = finished(server)
+    keyless(server.grpc_target)
+    deadline = time.monotonic() + 5
+    while True:
+        gained = [a - b for a, b in zip(finished(server), before)]
+        if sum(gained) >= 1:
+            assert sorted(gained) == [0, 1], gained
+            return gained.index(1)
+        assert time.monotonic() < deadline, "no replica counted the request"
+        time.sleep(0.05)
+
+
+class DirectStreams:
+    """`n` long Generate streams sent straight to one engine (not through Envoy, which never sees
+    them: the load of another Envoy pod, or of the hashing cluster), read on their own threads
+    until cancelled."""
+
+    def __init__(self, target: str, n: int) -> None:
+        self.channel = grpc.insecure_channel(target)
+        stub = pb_grpc.GenerateServiceStub(self.channel)
+        request = pb.GenerateRequest(prompt="Tell me a very long story.", max_tokens=1000,
+                                     sampling=pb.SamplingParams(temperature=1, ignore_eos=True))
+        self.calls = [stub.Generate(request, metadata=(("authorization", "Bearer key-bob"),), timeout=600)
+                      for _ in range(n)]
+        self.threads = [threading.Thread(target=self._drain, args=(call,), daemon=True) for call in self.calls]
+        for thread in self.threads:
+            thread.start()
+
+    @staticmethod
+    def _drain(call) -> None:
+        try:
+            for _ in call:
+                pass
+        except grpc.RpcError:
+            pass                                 # cancelled
+
+    def close(self) -> None:
+        for call in self.calls:
+            call.cancel()
+        for thread in self.threads:
+            thread.join(30)
+        self.channel.close()
+
+
+def test_keyless_calls_follow_the_engines_load_reports(fleet):
+    """Every engine answer ends with its ORCA load report; Envoy's engines cluster (client-side
+    weighted round robin) turns the reports into weights; a replica loaded with 8 streams that
+    Envoy does not see reports a quarter of its rows busy, and keyless calls move to the other.
+    (Least request, counting only the streams this Envoy opened in this cluster, would see both
+    replicas idle and split them evenly.)"""
+    ports = engine_ports(fleet)
+    # The report, from a real engine, as Envoy received it (it passes the trailers on).
+    fields = dict(item.split("=", 1) for item in
+                  keyless(fleet.grpc_target)["endpoint-load-metrics"].removeprefix("TEXT ").split(","))
+    assert set(fields) == {"application_utilization", "rps_fractional", "named_metrics.kv_free_blocks",
+                           "named_metrics.queued_device_s"}
+    assert 0 < float(fields["application_utilization"]) <= 1 and float(fields["rps_fractional"]) > 0
+    # Both replicas reporting: their weights leave Envoy's default of 1 after the 2 s blackout.
+    deadline = time.monotonic() + 60
+    while not all(host_weight(fleet, port) > 1 for port in ports):
+        assert time.monotonic() < deadline, [host_weight(fleet, port) for port in ports]
+        keyless(fleet.grpc_target)
+    busy = 0
+    streams = DirectStreams(fleet.engine_targets[busy], 8)
+    try:
+        deadline = time.monotonic() + 60
+        while not running(fleet)[busy] >= 8:
+            assert time.monotonic() < deadline, running(fleet)
+            time.sleep(0.1)
+        # Until the busy replica's next answer reports its rows, its weight is the old one.
+        deadline = time.monotonic() + 60
+        while not host_weight(fleet, ports[busy]) * 4 <= host_weight(fleet, ports[1 - busy]):
+            assert time.monotonic() < deadline, [host_weight(fleet, port) for port in ports]
+            keyless(fleet.grpc_target)
+        where = [keyless_served_by(fleet) for _ in range(20)]
+        assert where.count(busy) <= 4, where
+    finally:
+        streams.close()
+    deadline = time.monotonic() + 30
+    while sum(running(fleet)) > 0:
+        assert time.monotonic() < deadline, "streams still running"
+        time.sleep(0.1)
 
 
 def test_a_killed_replicas_keys_move_to_the_survivor(fleet, alice_homes):

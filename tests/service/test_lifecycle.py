@@ -103,6 +103,9 @@ class FakeContext:
     def set_trailing_metadata(self, metadata) -> None:
         self.trailing = metadata
 
+    def trailing_metadata(self):
+        return self.trailing
+
     async def abort(self, code, details="", trailing_metadata=()):
         self.code, self.details = code, details
         raise _Aborted(details)
