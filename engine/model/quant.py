@@ -347,6 +347,42 @@ def q8_output_weight(packed: PackedWeight, weight: torch.Tensor, blocks: torch.T
     return dataclasses.replace(packed, q8=grouped)
 
 
+def attach_q4q8(model: Transformer, source: str | pathlib.Path | gguf.GGUFReader | None = None
+                ) -> None:
+    """Serve `model`'s block matrices with `torch.ops.genserve.q4q8_linear` over the GGUF's Q4_1
+    blocks (`PackedWeight.q4q8`): the weights exact, each input rounded to 8 bits per row and
+    block of 32 (ggml's Q4_1 x Q8_1). Such a model's decode steps run the Python loop
+    (`engine.runner.decode_loop.DecodeLoop.from_model` declines it).
+
+    Args:
+        model: a bf16 CPU model built from `source` (packed or not).
+        source: the `.gguf` file, a reader, or None for the embedded model.
+    Raises:
+        ValueError: the model is not bf16 on the CPU, the op cannot run here (no AVX512-VNNI),
+            or a block matrix of the file is not Q4_1 or has another row count.
+    """
+    if model.dtype != torch.bfloat16 or model.output.device.type != "cpu":
+        raise ValueError(f"weights 'q4q8' needs a bfloat16 model on the CPU, got {model.dtype} on "
+                         f"{model.output.device.type}")
+    if not kernels.q4q8_linear_available():
+        raise ValueError("weights 'q4q8' needs genserve's q4q8_linear kernel (AVX512-VNNI and g++)")
+    args = model.args
+    fused = fused_block_matrices(load_gguf_q4_1(source), args.n_layers, args.n_heads, args.n_kv_heads)
+    for i, layer in enumerate(model.layers):
+        for module, name in ((layer.attention, "wqkv"), (layer.attention, "wo"),
+                             (layer.feed_forward, "w13"), (layer.feed_forward, "w2")):
+            owner = "attention" if name in ("wqkv", "wo") else "feed_forward"
+            blocks = fused[f"layers.{i}.{owner}.{name}"]
+            weight = getattr(module, name)
+            if blocks.shape[0] != weight.shape[0]:
+                raise ValueError(f"weights 'q4q8': layer {i} {name} has {blocks.shape[0]} rows of "
+                                 f"blocks, the model {weight.shape[0]}")
+            packed = getattr(module, name + "_packed") or PackedWeight(weight, 0)
+            setattr(module, name + "_packed", dataclasses.replace(packed, q4q8=q4q8_pack(blocks)))
+    log.info("weights q4q8: every block matrix as the GGUF's Q4_1 blocks times 8-bit inputs "
+             "(Q4_1 x Q8_1, AVX512-VNNI); output projection unchanged")
+
+
 def describe(packed: PackedWeight) -> str:
     """Which kernel runs a `q4_weight`'s products and whose bits they are, in words."""
     if not packed.k_chunk:

@@ -157,3 +157,34 @@ def test_real_first_layer_blocks(gguf_reader):
         for m in (1, 32):
             x = random_x(m, k, seed=m + 7)
             assert_close_to_reference(torch.ops.genserve.q4q8_linear(x, packed, n), x, w)
+
+
+# ---- the engine with --weights q4q8 ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def q4q8_engine(gguf_weights):
+    from engine.config import EngineConfig
+    from engine.model.quant import attach_q4q8
+    from engine.runner.builder import engine_from_model, model_from_weights
+    args, state = gguf_weights
+    model = model_from_weights(args, state, torch.bfloat16)
+    attach_q4q8(model)
+    return engine_from_model(EngineConfig(num_blocks=1024, prefix_caching=False), model)
+
+
+def test_q4q8_engine_runs_every_block_product_on_the_op(q4q8_engine):
+    from engine.model.llama import block_matrices
+    model = q4q8_engine.executor.model
+    assert all(getattr(m, n + "_packed").q4q8 is not None for m, n in block_matrices(model))
+    assert q4q8_engine.executor.decode_loop is None          # decode runs the Python block loop
+
+
+def test_q4q8_engine_is_batch_invariant_and_answers(q4q8_engine, gguf_tokenizer):
+    from engine.runner.invariance import check_batch_invariance
+    from tests.engine.conftest import generate
+    result = check_batch_invariance(q4q8_engine, batch=12, max_tokens=8, checked=3)
+    assert result.identical, f"rows {result.mismatched} differ at {result.first_difference}"
+    assert result.distinct > 1
+    [answer] = generate(q4q8_engine, [gguf_tokenizer.encode_text("The capital of France is")], 4,
+                        temperature=0.0)
+    assert "Paris" in gguf_tokenizer.decode(answer)
