@@ -4,13 +4,16 @@ speed of prefill and of decode steps, and what it costs in quality.
 Run from the repository root::
 
     python -m benchmarks.int8 [--prefill 512] [--rows 1,32] [--steps 30] [--generate 4096]
-                              [--ppl-tokens 4096] [--quality-only] [--json PATH]
+                              [--ppl-tokens 4096] [--quality-only] [--quality-engines LIST]
+                              [--json PATH]
 
 Engines over the embedded SmolLM2-135M, from one load of the GGUF:
 
 * ``bf16``: `EngineConfig.weights` "bf16" (the exact products);
 * ``q4``: "q4", the default where it runs: the bf16 products' bits from the 4-bit blocks;
 * ``int8``: "int8" (`engine.model.int8`);
+* ``q4q8``: "q4q8" (`engine.model.quant.attach_q4q8`: the Q4_1 blocks exact times inputs rounded
+  to 8 bits per row and block of 32, on the VNNI op; its decode steps run the Python block loop);
 * two yardsticks for quality, llama.cpp's CPU arithmetic run through the same engine (slow, so
   not timed): ``int8-q8_0``, its 8-bit product (Q8_0 × Q8_0: weights and activations in blocks
   of 32, one scale each), and ``q4_1-q8_1``, its product for this 4-bit file, what llama.cpp's
@@ -60,7 +63,7 @@ from engine.core.engine import Engine
 from engine.core.request import Request, SamplingParams
 from engine.model.int8_weights import attach_int8
 from engine.model.llama import Transformer
-from engine.model.quant import attach_q4
+from engine.model.quant import attach_q4, attach_q4q8
 from engine.model.weights import load_gguf, open_gguf
 from engine.runner.builder import engine_from_model, int8_calibration, model_from_weights, set_threads
 from engine.runner.int8_calibration import topics_text
@@ -79,8 +82,9 @@ def build_models(threads: int) -> tuple[dict[str, Transformer], Tokenizer]:
     reader = open_gguf()
     args, state = load_gguf(reader)
     models = {name: model_from_weights(args, state, torch.bfloat16)
-              for name in ("bf16", "q4", "int8", "int8-q8_0", "q4_1-q8_1")}
+              for name in ("bf16", "q4", "int8", "int8-q8_0", "q4_1-q8_1", "q4q8")}
     attach_q4(models["q4"], reader)
+    attach_q4q8(models["q4q8"], reader)
     tokenizer = Tokenizer.from_gguf(reader)
     attach_int8(models["int8"], int8_calibration(models["int8"], tokenizer))
     attach_int8(models["int8-q8_0"], block=Q8_0_BLOCK)
@@ -213,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ppl-tokens", type=int, default=4096, help="tokens of perplexity text")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     parser.add_argument("--quality-only", action="store_true", help="skip the speed figures")
+    parser.add_argument("--quality-engines", default="int8,int8-q8_0,q4_1-q8_1,q4q8",
+                        help="engines whose quality is measured against bf16, comma-separated")
     parser.add_argument("--json", type=pathlib.Path, default=None, help="write the figures here")
     args = parser.parse_args(argv)
     models, tokenizer = build_models(args.threads)
@@ -221,9 +227,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{os.cpu_count()} cpus", flush=True)
     result: dict = {"prefill_tokens": args.prefill, "speed": {}, "quality": {}}
     if not args.quality_only:
-        measure_speed({name: engines[name] for name in ("bf16", "q4", "int8")}, args, result)
+        measure_speed({name: engines[name] for name in ("bf16", "q4", "int8", "q4q8")}, args, result)
     qualities, ref_ppl = quality(engines["bf16"], {name: engines[name] for name in
-                                                   ("int8", "int8-q8_0", "q4_1-q8_1")},
+                                                   args.quality_engines.split(",")},
                                  tokenizer, args.generate, args.ppl_tokens)
     result["quality"] = {"bf16_perplexity": ref_ppl,
                          **{name: q.__dict__ for name, q in qualities.items()}}

@@ -13,7 +13,7 @@ BATCHING_MODES = ("continuous", "continuous_unchunked", "static", "dynamic")
 DTYPES = ("bfloat16", "float32", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 POLICIES = ("fixed", "slo")
-WEIGHTS = ("auto", "bf16", "q4", "int8")
+WEIGHTS = ("auto", "bf16", "q4", "int8", "q4q8")
 KV_CACHE_DTYPES = ("auto", "int8")
 PREFIX_CACHE_SCOPES = ("key", "global")
 
@@ -91,7 +91,10 @@ class EngineConfig:
             bf16 path's; GGUF models on AVX512-BF16 CPUs, bfloat16 only); "auto" (default): "q4"
             where it can run, else "bf16" (faster at 1 and 32 rows: docs/benchmarks/q4.md);
             "int8": every block matrix's product on int8 arithmetic with per-row scales
-            (`engine.model.int8`; CPU only): faster prefill, not the bf16 products' bits.
+            (`engine.model.int8`; CPU only): faster prefill, not the bf16 products' bits;
+            "q4q8": the GGUF's Q4_1 blocks exact, each input rounded to 8 bits per row and block
+            of 32 (llama.cpp's arithmetic for such a file, `engine.model.quant.attach_q4q8`;
+            AVX512-VNNI CPUs): not the bf16 products' bits.
         kv_cache_dtype: how the KV pool stores keys and values (`KV_CACHE_DTYPES`, vLLM's
             `--kv-cache-dtype`): "auto" (default): in the model dtype; "int8": the 8-bit format
             of `engine.attention.kv_quant` (int8 with a power-of-two scale per 32 numbers, OCP MX's

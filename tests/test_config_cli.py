@@ -109,7 +109,7 @@ def test_choices_are_enforced(capsys):
     assert flags["dtype"].choices == DTYPES
     assert flags["batching"].choices == BATCHING_MODES
     assert flags["device"].choices == ("auto", "cpu", "cuda")
-    assert flags["policy"].choices == ("fixed", "slo") and flags["weights"].choices == ("auto", "bf16", "q4", "int8")
+    assert flags["policy"].choices == ("fixed", "slo") and flags["weights"].choices == ("auto", "bf16", "q4", "int8", "q4q8")
     for flag, value in (("--dtype", "float8"), ("--device", "tpu"), ("--policy", "fast")):
         with pytest.raises(SystemExit):
             parse([flag, value])

@@ -22,6 +22,12 @@
   oneDNN's AMX kernel sums, so with its bits.
 * `engine/kernels/csrc/int8_linear.cpp`: x @ Wᵀ on int8 arithmetic (`torch.ops.genserve.int8_linear`,
   `engine.model.int8`): per-row quantization, oneDNN's exact int8 sums, fp32 scaling, in one call.
+* `engine/kernels/csrc/q4q8_linear.cpp`: x @ Wᵀ from W's Q4_1 blocks (re-grouped at load by
+  `engine.model.quant.q4q8_pack`) with x rounded to int8 per row and block of 32 (ggml's Q8_1,
+  fused), on AVX512-VNNI's u8 × s8 sums: llama.cpp's arithmetic, not the bf16 engine's bits;
+  `torch.ops.genserve.q4q8_linear` — the op always exists but raises where the build lacks
+  AVX512-VNNI (or AVX512-BF16); `q4q8_linear_available()` says whether it runs. Not yet used by
+  the engine.
 * `engine/kernels/csrc/decode_layers.cpp`: all blocks of a pure-decode step in one call
   (`torch.ops.genserve.decode_layers`), the same ops in the same order as the Python loop.
 
@@ -60,11 +66,13 @@ log = logging.getLogger(__name__)
 SOURCES = [pathlib.Path(__file__).with_name("csrc") / name
            for name in ("decode_attention.cpp", "prefill_attention.cpp", "layer_ops.cpp",
                         "packed_linear.cpp", "q4_linear.cpp", "amx_linear.cpp",
-                        "int8_linear.cpp", "decode_layers.cpp")]
+                        "int8_linear.cpp", "q4q8_linear.cpp", "decode_layers.cpp")]
 OPS = ("paged_decode", "rms_norm", "add_rms_norm_", "rope_store_kv", "silu_mul", "int8_linear",
        "decode_layers")
 AVX512_BF16_OPS = ("paged_prefill", "packed_linear", "q4_linear")     # built only where the CPU has AVX512-BF16
 AMX_OPS = ("q4_amx_linear", "q8_amx_linear")   # built only where the compiler targets AMX-BF16
+# q4q8_linear is always registered, but raises unless the build targets AVX512-VNNI: see
+# q4q8_linear_available().
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 
 
@@ -183,5 +191,21 @@ def q4_amx_available() -> bool:
                                          torch.zeros(64, 20, dtype=torch.uint8))
     except RuntimeError as exc:
         log.warning("q4_amx_linear unusable (%s); 4-bit products use q4_linear", exc)
+        return False
+    return True
+
+
+@functools.cache
+def q4q8_linear_available() -> bool:
+    """True if the kernels built and `q4q8_linear` runs in this build (the compiler targeted
+    AVX512-VNNI, AVX512-BF16 and AVX512BW; elsewhere the op exists but raises), checked with a
+    1-row product over zero weights."""
+    if not available() or not hasattr(torch.ops.genserve, "q4q8_linear"):
+        return False
+    try:
+        torch.ops.genserve.q4q8_linear(torch.zeros(1, 32, dtype=torch.bfloat16),
+                                       torch.zeros(32, 24, dtype=torch.uint8), 32)
+    except RuntimeError as exc:
+        log.info("q4q8_linear unavailable in this build (%s)", str(exc).splitlines()[0])
         return False
     return True

@@ -55,6 +55,10 @@ class PackedWeight:
         q8: None, or the weight's Q8_0 blocks in `q8_amx_linear`'s layout (uint8 [out, in / 32 ·
             34], `engine.model.quant.amx_pack`): then every product runs
             `torch.ops.genserve.q8_amx_linear`, the bits of the `tile_rows`-row oneDNN calls.
+        q4q8: None, or the weight's Q4_1 blocks in `q4q8_linear`'s layout (uint8, `engine.model.
+            quant.q4q8_pack`): then every product runs `torch.ops.genserve.q4q8_linear` (the
+            4-bit weights exact, the input rounded to 8 bits per row and block of 32: ggml's
+            Q4_1 x Q8_1, not the bf16 product's bits; rows independent of the batch).
         i8: None, or the weight quantized to int8 per output row (`engine.model.int8`): then
             every product runs `int8_linear` (int8 arithmetic, not the bf16 product's bits).
     """
@@ -66,6 +70,7 @@ class PackedWeight:
     q4: torch.Tensor | None = None
     q8: torch.Tensor | None = None
     i8: Int8Weight | None = None
+    q4q8: torch.Tensor | None = None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor,
@@ -96,6 +101,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
     Returns:
         [M, out_features].
     """
+    if packed is not None and packed.q4q8 is not None:
+        return torch.ops.genserve.q4q8_linear(x.contiguous(), packed.q4q8, weight.shape[0])
     if packed is not None and packed.i8 is not None:
         return int8_linear(x, packed.i8)
     if packed is not None and packed.q8 is not None:

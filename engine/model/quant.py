@@ -29,6 +29,11 @@ checked the same way); elsewhere it keeps its bf16 path.
 Memory: the blocks are 0.31× the bf16 matrices (66 MB for SmolLM2-135M's block matrices; the
 output's Q8_0 blocks 0.53×, 30 MB) and come on top of them; the bf16 copies stay for the oneDNN
 products above the row limit and for the checks.
+
+`q4q8_pack`, `q8_1_round`, `q4_1_dequantize` and `q4q8_linear_reference` serve
+`torch.ops.genserve.q4q8_linear` (engine/kernels/csrc/q4q8_linear.cpp: the same Q4_1 blocks times
+activations rounded to int8 per block of 32, llama.cpp's arithmetic on AVX512-VNNI), which the
+engine does not run yet.
 """
 
 from __future__ import annotations
@@ -94,6 +99,95 @@ def q4_pack(blocks: torch.Tensor) -> torch.Tensor:
     q = q.permute(0, 4, 5, 1, 3, 6, 2)                                # [nb, kb, j, g, c, p, half]
     nibbles = (q[..., 0] | (q[..., 1] << 4)).reshape(nb, kb, 16 * 4 * 16)
     return torch.cat([scales, nibbles], dim=-1).reshape(n, row_bytes).contiguous()
+
+
+Q4Q8_PANEL_N = 32   # output columns per parallel panel of `q4q8_linear` (N must be a multiple)
+Q4Q8_BLOCK_BYTES = 24   # bytes per output column and 32 k in `q4q8_pack`'s layout
+
+
+def q4q8_pack(blocks: torch.Tensor) -> torch.Tensor:
+    """Q4_1 blocks in GGUF row order re-grouped into `q4q8_linear`'s layout
+    (engine/kernels/csrc/q4q8_linear.cpp: Q4_1 weights × activations rounded to int8 per block
+    of 32, on AVX512-VNNI).
+
+    The input holds, per weight row, its Q4_1 blocks along k (bytes 0-1 fp16 d, 2-3 fp16 m,
+    4-19: byte i has q[i] in its low nibble and q[i + 16] in its high one; ggml's block_q4_1).
+    The output holds, per group of 16 output columns and block of 32 k (384 bytes): the 16
+    columns' d as fp32 (64 bytes, exact widening), their m as fp32 (64 bytes), then for j = 0..3
+    and each column c 4 bytes: bytes 4j .. 4j + 3 of that column's block nibbles, so byte i of
+    (j, c) holds q[c][4j + i] (low nibble) and q[c][16 + 4j + i] (high nibble). Groups are in
+    column order, blocks in k order within a group.
+
+    Args:
+        blocks: uint8 [N, K / 32 · 20] (`weights.load_gguf_q4_1`), N a multiple of 32.
+    Returns:
+        uint8 [N, K / 32 · 24], contiguous (a new tensor); row g·16 .. g·16 + 15 hold group g.
+    Raises:
+        ValueError: not uint8 2-D with whole blocks, or N not a positive multiple of 32.
+    """
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % Q4_1_BLOCK_BYTES \
+            or blocks.shape[1] == 0:
+        raise ValueError(f"q4q8_pack: expected uint8 [N, K / 32 * {Q4_1_BLOCK_BYTES}] blocks, "
+                         f"got {blocks.dtype} {tuple(blocks.shape)}")
+    n, row_bytes = blocks.shape
+    if n == 0 or n % Q4Q8_PANEL_N:
+        raise ValueError(f"q4q8_pack: N must be a positive multiple of {Q4Q8_PANEL_N}, got {n}")
+    ng, kb = n // 16, row_bytes // Q4_1_BLOCK_BYTES
+    b = blocks.contiguous().view(ng, 16, kb, Q4_1_BLOCK_BYTES)       # [group, col, kb, 20]
+    d = b[..., 0:2].contiguous().view(torch.float16).float()          # [group, col, kb, 1]
+    m = b[..., 2:4].contiguous().view(torch.float16).float()
+    d = d.squeeze(-1).permute(0, 2, 1).contiguous().view(torch.uint8)  # [group, kb, 16 * 4]
+    m = m.squeeze(-1).permute(0, 2, 1).contiguous().view(torch.uint8)
+    nib = b[..., 4:].reshape(ng, 16, kb, 4, 4).permute(0, 2, 3, 1, 4)   # [group, kb, j, col, i]
+    out = torch.cat([d, m, nib.reshape(ng, kb, 256)], dim=-1)          # [group, kb, 384]
+    return out.reshape(n, kb * Q4Q8_BLOCK_BYTES).contiguous()
+
+
+def q8_1_round(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x's rows rounded per block of 32 as `q4q8_linear` rounds them (ggml's Q8_1), in torch ops:
+    scale = fp32(amax · fp32(1/127)) (1 where 0), q = round_half_even(fp32(x · fp32(1 / scale))).
+
+    Args:
+        x: [M, K] (any float dtype; taken as fp32), K a multiple of 32.
+    Returns:
+        (q, scale): q fp32 [M, K] of integers in -127..127, scale fp32 [M, K / 32].
+    """
+    m, k = x.shape
+    xb = x.float().reshape(m, k // QK, QK)
+    inv_qmax = torch.tensor(1.0, dtype=torch.float32) / torch.tensor(127.0, dtype=torch.float32)
+    scale = xb.abs().amax(dim=-1) * inv_qmax
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    inv = torch.ones_like(scale) / scale
+    q = torch.round(xb * inv[..., None])
+    return q.reshape(m, k), scale
+
+
+def q4_1_dequantize(blocks: torch.Tensor) -> torch.Tensor:
+    """Q4_1 blocks uint8 [N, K / 32 · 20] (GGUF row order) as fp64 [N, K]: d · q + m, exact."""
+    n, row_bytes = blocks.shape
+    kb = row_bytes // Q4_1_BLOCK_BYTES
+    b = blocks.contiguous().view(n, kb, Q4_1_BLOCK_BYTES)
+    d = b[..., 0:2].contiguous().view(torch.float16).double()        # [N, kb, 1]
+    mn = b[..., 2:4].contiguous().view(torch.float16).double()
+    qs = b[..., 4:]
+    q = torch.cat([qs & 0xF, qs >> 4], dim=-1).double()               # [N, kb, 32]
+    return (d * q + mn).reshape(n, kb * QK)
+
+
+def q4q8_linear_reference(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """What `q4q8_linear` computes, in torch ops, for tests: the Q4_1 blocks dequantized exactly
+    (d · q + m in fp64), x rounded by `q8_1_round`, the product in fp64.
+
+    Args:
+        x: [M, K]; blocks: uint8 [N, K / 32 · 20] in GGUF row order.
+    Returns:
+        fp64 [M, N] (not rounded to bf16).
+    """
+    kb = blocks.shape[1] // Q4_1_BLOCK_BYTES
+    w = q4_1_dequantize(blocks)
+    xq, scale = q8_1_round(x)
+    xd = (xq.double().reshape(x.shape[0], kb, QK) * scale.double()[..., None]).reshape(x.shape[0], -1)
+    return xd @ w.T
 
 
 def amx_pack(blocks: torch.Tensor, block_bytes: int = Q4_1_BLOCK_BYTES) -> torch.Tensor:
@@ -251,6 +345,42 @@ def q8_output_weight(packed: PackedWeight, weight: torch.Tensor, blocks: torch.T
     if not amx_matches_onednn(weight, packed, grouped, "q8_amx_linear"):
         return packed
     return dataclasses.replace(packed, q8=grouped)
+
+
+def attach_q4q8(model: Transformer, source: str | pathlib.Path | gguf.GGUFReader | None = None
+                ) -> None:
+    """Serve `model`'s block matrices with `torch.ops.genserve.q4q8_linear` over the GGUF's Q4_1
+    blocks (`PackedWeight.q4q8`): the weights exact, each input rounded to 8 bits per row and
+    block of 32 (ggml's Q4_1 x Q8_1). Such a model's decode steps run the Python loop
+    (`engine.runner.decode_loop.DecodeLoop.from_model` declines it).
+
+    Args:
+        model: a bf16 CPU model built from `source` (packed or not).
+        source: the `.gguf` file, a reader, or None for the embedded model.
+    Raises:
+        ValueError: the model is not bf16 on the CPU, the op cannot run here (no AVX512-VNNI),
+            or a block matrix of the file is not Q4_1 or has another row count.
+    """
+    if model.dtype != torch.bfloat16 or model.output.device.type != "cpu":
+        raise ValueError(f"weights 'q4q8' needs a bfloat16 model on the CPU, got {model.dtype} on "
+                         f"{model.output.device.type}")
+    if not kernels.q4q8_linear_available():
+        raise ValueError("weights 'q4q8' needs genserve's q4q8_linear kernel (AVX512-VNNI and g++)")
+    args = model.args
+    fused = fused_block_matrices(load_gguf_q4_1(source), args.n_layers, args.n_heads, args.n_kv_heads)
+    for i, layer in enumerate(model.layers):
+        for module, name in ((layer.attention, "wqkv"), (layer.attention, "wo"),
+                             (layer.feed_forward, "w13"), (layer.feed_forward, "w2")):
+            owner = "attention" if name in ("wqkv", "wo") else "feed_forward"
+            blocks = fused[f"layers.{i}.{owner}.{name}"]
+            weight = getattr(module, name)
+            if blocks.shape[0] != weight.shape[0]:
+                raise ValueError(f"weights 'q4q8': layer {i} {name} has {blocks.shape[0]} rows of "
+                                 f"blocks, the model {weight.shape[0]}")
+            packed = getattr(module, name + "_packed") or PackedWeight(weight, 0)
+            setattr(module, name + "_packed", dataclasses.replace(packed, q4q8=q4q8_pack(blocks)))
+    log.info("weights q4q8: every block matrix as the GGUF's Q4_1 blocks times 8-bit inputs "
+             "(Q4_1 x Q8_1, AVX512-VNNI); output projection unchanged")
 
 
 def describe(packed: PackedWeight) -> str:

@@ -18,7 +18,7 @@ from engine.core.engine import Engine
 from engine.core.request import Request, SamplingParams
 from engine.model.llama import ModelArgs, Transformer
 from engine.model.int8_weights import attach_int8
-from engine.model.quant import attach_q4
+from engine.model.quant import attach_q4, attach_q4q8
 from engine.runner.int8_calibration import calibration_config, calibration_tokens, run_calibration
 from engine.model.weights import load_gguf, load_safetensors, open_gguf, random_shape, random_weights
 from engine.runner.kv_cache import KVCache, device_pool_size
@@ -132,17 +132,23 @@ def attach_weights(weights: str, network: Transformer, source: ModelSource,
     """Serve `network`'s block matrices as `weights` asks (`EngineConfig.weights`): "q4" from the
     GGUF's 4-bit blocks (`engine.model.quant.attach_q4`), "int8" on int8 arithmetic
     (`engine.model.int8_weights.attach_int8`, its outlier channels chosen on the fixed text of
-    `engine.runner.int8_calibration` with `tokenizer`, none without), "bf16" as loaded, "auto" "q4" where it
+    `engine.runner.int8_calibration` with `tokenizer`, none without), "q4q8" on the GGUF's Q4_1
+    blocks times 8-bit inputs (`engine.model.quant.attach_q4q8`), "bf16" as loaded, "auto" "q4" where it
     can run (a GGUF model, bf16 on a CPU with the `q4_linear` kernel, Q4_1 block matrices),
     else "bf16"; the choice is logged.
 
     Raises:
-        ValueError: "q4" or "int8" where it cannot run (the reason is in the message).
+        ValueError: "q4", "int8" or "q4q8" where it cannot run (the reason is in the message).
     """
     if weights == "bf16":
         return
     if weights == "int8":
         attach_int8(network, None if tokenizer is None else int8_calibration(network, tokenizer))
+        return
+    if weights == "q4q8":
+        if source.kind not in ("embedded", "gguf"):
+            raise ValueError(f"--weights q4q8 needs a GGUF model with Q4_1 matrices; --model is {source.kind}")
+        attach_q4q8(network, source.path)
         return
     if source.kind not in ("embedded", "gguf"):
         if weights == "q4":

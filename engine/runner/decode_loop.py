@@ -64,6 +64,8 @@ class DecodeLoop:
                   [layer.attention.wo_packed for layer in layers],
                   [layer.feed_forward.w13_packed for layer in layers],
                   [layer.feed_forward.w2_packed for layer in layers]]
+        if any(w is not None and w.q4q8 is not None for ws in packed for w in ws):
+            return None             # Q4_1 x Q8_1 products (`attach_q4q8`): the Python loop runs them
         with_i8 = [w is not None and w.i8 is not None for ws in packed for w in ws]
         if any(with_i8):
             if not all(with_i8) or any(w.i8.block for ws in packed for w in ws):
