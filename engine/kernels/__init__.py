@@ -26,8 +26,8 @@
   `engine.model.quant.q4q8_pack`) with x rounded to int8 per row and block of 32 (ggml's Q8_1,
   fused), on AVX512-VNNI's u8 × s8 sums: llama.cpp's arithmetic, not the bf16 engine's bits;
   `torch.ops.genserve.q4q8_linear` — the op always exists but raises where the build lacks
-  AVX512-VNNI (or AVX512-BF16); `q4q8_linear_available()` says whether it runs. Not yet used by
-  the engine.
+  AVX512-VNNI (or AVX512-BF16); `q4q8_linear_available()` says whether it runs. `--weights q4q8`
+  (`engine.model.quant.attach_q4q8`) runs every block matrix on it.
 * `engine/kernels/csrc/decode_layers.cpp`: all blocks of a pure-decode step in one call
   (`torch.ops.genserve.decode_layers`), the same ops in the same order as the Python loop.
 
