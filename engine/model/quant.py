@@ -44,9 +44,10 @@ import pathlib
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from engine import kernels
-from engine.model.llama import Transformer, fused_block_matrices
+from engine.model.llama import Transformer, block_matrices, fused_block_matrices
 from engine.model.linear import ANY_ROWS, PACKED_LINEAR_MAX_ROWS, PackedWeight, onednn_tiled, vnni_pack
 from engine.model.weights import (Q4_1_BLOCK_BYTES, Q8_0_BLOCK_BYTES, load_gguf_output_q8_0,
                                   load_gguf_q4_1)
@@ -282,6 +283,30 @@ def bf16_twin(packed: PackedWeight, weight: torch.Tensor) -> PackedWeight:
     return PackedWeight(vnni_pack(weight), packed.k_chunk, ANY_ROWS)
 
 
+def q4_1_block_matrices(model: Transformer, source: str | pathlib.Path | gguf.GGUFReader | None,
+                        mode: str) -> list[tuple[nn.Module, str, torch.Tensor]]:
+    """(module, attribute name, Q4_1 blocks uint8 [out, in / 32 · 20]) of every block matrix of
+    `model` (`engine.model.llama.block_matrices` order), the blocks read from the GGUF `source`
+    (None: the embedded model) and fused as the model fuses its matrices.
+
+    Raises:
+        ValueError: a block matrix of the file is not Q4_1, or its row count is not the model's
+            (the message names `mode`, the weights mode asking).
+    """
+    args = model.args
+    fused = fused_block_matrices(load_gguf_q4_1(source), args.n_layers, args.n_heads, args.n_kv_heads)
+    per_layer = len(block_matrices(model)) // args.n_layers
+    out = []
+    for j, (module, name) in enumerate(block_matrices(model)):
+        owner = "attention" if name in ("wqkv", "wo") else "feed_forward"
+        blocks = fused[f"layers.{j // per_layer}.{owner}.{name}"]
+        if blocks.shape[0] != getattr(module, name).shape[0]:
+            raise ValueError(f"weights '{mode}': layer {j // per_layer} {name} has {blocks.shape[0]} "
+                             f"rows of blocks, the model {getattr(module, name).shape[0]}")
+        out.append((module, name, blocks))
+    return out
+
+
 def attach_q4(model: Transformer, source: str | pathlib.Path | gguf.GGUFReader | None = None
               ) -> None:
     """Serve `model`'s block matrices from the 4-bit blocks of the GGUF it was loaded from.
@@ -303,26 +328,13 @@ def attach_q4(model: Transformer, source: str | pathlib.Path | gguf.GGUFReader |
     if not kernels.q4_linear_available():
         raise ValueError("weights 'q4' needs genserve's q4_linear kernel, built only for CPUs "
                          "with AVX512-BF16 (and g++); use weights 'bf16'")
-    args = model.args
-    fused = fused_block_matrices(load_gguf_q4_1(source), args.n_layers, args.n_heads, args.n_kv_heads)
+    if any(getattr(module, name + "_packed") is None for module, name in block_matrices(model)):
+        raise ValueError("weights 'q4': the model has no packed bf16 copies (Transformer.pack found none)")
     amx_checked: dict[tuple[int, int], bool] = {}
-    for i, layer in enumerate(model.layers):
-        for module, name in ((layer.attention, "wqkv"), (layer.attention, "wo"),
-                             (layer.feed_forward, "w13"), (layer.feed_forward, "w2")):
-            packed = getattr(module, name + "_packed")
-            if packed is None:
-                raise ValueError("weights 'q4': the model has no packed bf16 copies "
-                                 "(Transformer.pack found none)")
-            owner = "attention" if name in ("wqkv", "wo") else "feed_forward"
-            blocks = fused[f"layers.{i}.{owner}.{name}"]
-            if blocks.shape[0] != getattr(module, name).shape[0]:
-                raise ValueError(f"weights 'q4': layer {i} {name} has {blocks.shape[0]} rows of "
-                                 f"blocks, the model {getattr(module, name).shape[0]}")
-            setattr(module, name + "_packed",
-                    q4_weight(packed, getattr(module, name), blocks, amx_checked))
-    kinds = {describe(getattr(m, n + "_packed")) for layer in model.layers
-             for m, n in ((layer.attention, "wqkv"), (layer.attention, "wo"),
-                          (layer.feed_forward, "w13"), (layer.feed_forward, "w2"))}
+    for module, name, blocks in q4_1_block_matrices(model, source, "q4"):
+        setattr(module, name + "_packed",
+                q4_weight(getattr(module, name + "_packed"), getattr(module, name), blocks, amx_checked))
+    kinds = {describe(getattr(m, n + "_packed")) for m, n in block_matrices(model)}
     log.info("weights q4: %s", "; ".join(sorted(kinds)))
     output = load_gguf_output_q8_0(source)
     if output is not None and model.output_packed is not None:
@@ -366,19 +378,9 @@ def attach_q4q8(model: Transformer, source: str | pathlib.Path | gguf.GGUFReader
                          f"{model.output.device.type}")
     if not kernels.q4q8_linear_available():
         raise ValueError("weights 'q4q8' needs genserve's q4q8_linear kernel (AVX512-VNNI and g++)")
-    args = model.args
-    fused = fused_block_matrices(load_gguf_q4_1(source), args.n_layers, args.n_heads, args.n_kv_heads)
-    for i, layer in enumerate(model.layers):
-        for module, name in ((layer.attention, "wqkv"), (layer.attention, "wo"),
-                             (layer.feed_forward, "w13"), (layer.feed_forward, "w2")):
-            owner = "attention" if name in ("wqkv", "wo") else "feed_forward"
-            blocks = fused[f"layers.{i}.{owner}.{name}"]
-            weight = getattr(module, name)
-            if blocks.shape[0] != weight.shape[0]:
-                raise ValueError(f"weights 'q4q8': layer {i} {name} has {blocks.shape[0]} rows of "
-                                 f"blocks, the model {weight.shape[0]}")
-            packed = getattr(module, name + "_packed") or PackedWeight(weight, 0)
-            setattr(module, name + "_packed", dataclasses.replace(packed, q4q8=q4q8_pack(blocks)))
+    for module, name, blocks in q4_1_block_matrices(model, source, "q4q8"):
+        packed = getattr(module, name + "_packed") or PackedWeight(getattr(module, name), 0)
+        setattr(module, name + "_packed", dataclasses.replace(packed, q4q8=q4q8_pack(blocks)))
     log.info("weights q4q8: every block matrix as the GGUF's Q4_1 blocks times 8-bit inputs "
              "(Q4_1 x Q8_1, AVX512-VNNI); output projection unchanged")
 
