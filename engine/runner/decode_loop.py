@@ -36,6 +36,9 @@ class DecodeLoop:
             the order wqkv, wo, w13, w2: then the products up to `max_rows` rows run `q4_linear`.
         i8: empty, or every block matrix's int8 copy (`PackedWeight.i8`: q, scale, outliers,
             outlier_q), in the same order: then every product runs `int8_linear`.
+        q4q8: empty, or every block matrix's Q4_1 blocks in `q4q8_linear`'s layout
+            (`PackedWeight.q4q8`, `engine.model.quant.attach_q4q8`), in the same order: then
+            every product runs `q4q8_linear` (llama.cpp's Q4_1 x Q8_1 arithmetic).
     """
 
     wqkv: list[torch.Tensor]
@@ -52,20 +55,26 @@ class DecodeLoop:
     max_rows: int = PACKED_LINEAR_MAX_ROWS
     q4: list[torch.Tensor] = dataclasses.field(default_factory=list)
     i8: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    q4q8: list[torch.Tensor] = dataclasses.field(default_factory=list)
 
     @classmethod
     def from_model(cls, model: Transformer) -> DecodeLoop | None:
         """From a packed model (`Transformer.pack`, or `engine.model.quant.attach_q4`); None unless
         every block matrix packed, with no oneDNN calls of fixed size (which the C++ loop does
-        not run) unless its 4-bit blocks run every product, and with int8 copies
-        (`engine.model.int8`, row scales) on every block matrix or none."""
-        layers, args = model.layers, model.args
+        not run) unless its 4-bit blocks run every product, with int8 copies
+        (`engine.model.int8`, row scales) on every block matrix or none, and with Q4_1 blocks
+        for `q4q8_linear` (`attach_q4q8`) on every block matrix or none."""
+        layers = model.layers
         packed = [[layer.attention.wqkv_packed for layer in layers],
                   [layer.attention.wo_packed for layer in layers],
                   [layer.feed_forward.w13_packed for layer in layers],
                   [layer.feed_forward.w2_packed for layer in layers]]
-        if any(w is not None and w.q4q8 is not None for ws in packed for w in ws):
-            return None             # Q4_1 x Q8_1 products (`attach_q4q8`): the Python loop runs them
+        with_q4q8 = [w is not None and w.q4q8 is not None for ws in packed for w in ws]
+        if any(with_q4q8):
+            if not all(with_q4q8):
+                return None         # the C++ loop takes Q4_1 x Q8_1 products for every matrix or none
+            return cls.from_weights(model, packed, k_chunks=[0, 0, 0, 0], max_rows=0,
+                                    q4q8=[ws[i].q4q8 for i in range(len(layers)) for ws in packed])
         with_i8 = [w is not None and w.i8 is not None for ws in packed for w in ws]
         if any(with_i8):
             if not all(with_i8) or any(w.i8.block for ws in packed for w in ws):
@@ -76,20 +85,26 @@ class DecodeLoop:
         with_q4 = [w.q4 is not None for ws in packed for w in ws]
         if any(with_q4) and not all(with_q4):
             return None             # the C++ loop takes 4-bit blocks for every matrix or none
-        wqkv, wo, w13, w2 = ([w.tensor for w in ws] for ws in packed)
         # One k chunk per kind: oneDNN's chunk follows the shape, which the layers share.
         chunks = [ws[0].k_chunk if len({w.k_chunk for w in ws}) == 1 else 0 for ws in packed]
+        return cls.from_weights(
+            model, packed, k_chunks=chunks, max_rows=min(w.max_rows for ws in packed for w in ws),
+            q4=[ws[i].q4 for i in range(len(layers)) for ws in packed] if all(with_q4) else [],
+            i8=[t for i in range(len(layers)) for ws in packed
+                for t in (ws[i].i8.q, ws[i].i8.scale, ws[i].i8.outliers, ws[i].i8.outlier_q)]
+            if all(with_i8) else [])
+
+    @classmethod
+    def from_weights(cls, model: Transformer, packed: list[list], **products) -> DecodeLoop:
+        """The loop over `model`'s norms and shape with `packed` (per kind wqkv, wo, w13, w2, the
+        layers' `PackedWeight`s) and `products` (the fields saying which kernel runs them)."""
+        layers, args = model.layers, model.args
+        wqkv, wo, w13, w2 = ([w.tensor for w in ws] for ws in packed)
         next_norm = [layer.attention_norm.weight for layer in layers[1:]] + [model.norm.weight]
         return cls(wqkv, wo, w13, w2,
                    ffn_norm=[layer.ffn_norm.weight for layer in layers], next_norm=next_norm,
                    eps=args.norm_eps, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads,
-                   scale=args.head_dim ** -0.5, k_chunks=chunks,
-                   max_rows=min(w.max_rows for ws in packed for w in ws),
-                   q4=[ws[i].q4 for i in range(len(layers)) for ws in packed] if all(with_q4)
-                   else [],
-                   i8=[t for i in range(len(layers)) for ws in packed
-                       for t in (ws[i].i8.q, ws[i].i8.scale, ws[i].i8.outliers, ws[i].i8.outlier_q)]
-                   if all(with_i8) else [])
+                   scale=args.head_dim ** -0.5, **products)
 
     def run(self, model: Transformer, token_ids: torch.Tensor, positions: torch.Tensor,
             kv_layers: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
@@ -109,4 +124,4 @@ class DecodeLoop:
             h, x, self.wqkv, self.wo, self.w13, self.w2, self.ffn_norm, self.next_norm, self.eps,
             model.rope, positions, kv_layers, meta.slots, meta.decode_blocks.view(meta.num_decode, -1),
             meta.decode_lens, self.n_heads, self.n_kv_heads, self.scale, self.k_chunks,
-            self.max_rows, self.q4, self.i8)
+            self.max_rows, self.q4, self.i8, self.q4q8)

@@ -176,7 +176,23 @@ def test_q4q8_engine_runs_every_block_product_on_the_op(q4q8_engine):
     from engine.model.llama import block_matrices
     model = q4q8_engine.executor.model
     assert all(getattr(m, n + "_packed").q4q8 is not None for m, n in block_matrices(model))
-    assert q4q8_engine.executor.decode_loop is None          # decode runs the Python block loop
+    loop = q4q8_engine.executor.decode_loop                  # decode runs the C++ block loop
+    assert loop is not None and len(loop.q4q8) == 4 * len(model.layers)
+    assert not loop.q4 and not loop.i8
+
+
+def test_q4q8_decode_loop_gives_the_python_loops_tokens(q4q8_engine, gguf_tokenizer):
+    from tests.engine.conftest import generate
+    from tests.engine.test_model import mixed_prompts
+    runner = q4q8_engine.executor
+    prompts = mixed_prompts(gguf_tokenizer)
+    with_loop = generate(q4q8_engine, prompts, 12, temperature=0.0)
+    loop, runner.decode_loop = runner.decode_loop, None      # the Python block loop
+    try:
+        assert generate(q4q8_engine, prompts, 12, temperature=0.0) == with_loop
+    finally:
+        runner.decode_loop = loop
+    assert len({tuple(t) for t in with_loop}) > len(prompts) // 2
 
 
 def test_q4q8_engine_is_batch_invariant_and_answers(q4q8_engine, gguf_tokenizer):

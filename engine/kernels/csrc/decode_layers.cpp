@@ -1,6 +1,7 @@
 // Every block of a pure-decode step in one call: the same ops, in the same order, on the same
 // tensors as `Transformer.forward`'s Python loop with `KernelLayerOps` — the packed matrix
-// products as `linear.linear` runs them (genserve's `q4_linear` over the 4-bit blocks up to
+// products as `linear.linear` runs them (`q4q8_linear` on every product where the model was
+// loaded with its Q4_1 blocks for llama.cpp's arithmetic, genserve's `q4_linear` over the 4-bit blocks up to
 // `max_rows` rows where the model was loaded with them, `int8_linear` on every product where it
 // runs on int8 arithmetic, else `packed_linear` up to `max_rows`
 // rows where the weight kind has a k chunk, else oneDNN with a one-row input doubled), `rope_store_kv`,
@@ -23,9 +24,13 @@ namespace {
 // x [M, in] @ packed weight → [M, out], exactly as `linear.linear` with a packed weight whose
 // k chunk is `k_chunk` (0: none), whose 4-bit blocks are `q4` (undefined: none; with k
 // chunk 0, the AMX kernel's products) and whose int8 copy is `i8` (null: none; else its q,
-// scale, outliers and outlier_q, `engine.model.int8.Int8Weight`, which then run every product).
+// scale, outliers and outlier_q, `engine.model.int8.Int8Weight`, which then run every product)
+// and whose Q4_1 blocks in `q4q8_linear`'s layout are `q4q8` (undefined: none; else they run
+// every product).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& q4,
-                  int64_t k_chunk, int64_t max_rows, const at::Tensor* i8 = nullptr) {
+                  int64_t k_chunk, int64_t max_rows, const at::Tensor* i8,
+                  const at::Tensor& q4q8) {
+  if (q4q8.defined()) return genserve::q4q8_linear(x.contiguous(), q4q8, q4q8.size(0));
   if (i8 != nullptr) return genserve::int8_linear(x.contiguous(), i8[0], i8[1], i8[2], i8[3]);
 #ifdef GENSERVE_PACKED_LINEAR
   if (q4.defined() && x.size(0) <= max_rows) {
@@ -58,7 +63,7 @@ at::Tensor decode_layers(at::Tensor h, at::Tensor x, at::TensorList wqkv, at::Te
                          const at::Tensor& slots, const at::Tensor& tables,
                          const at::Tensor& lens, int64_t n_heads, int64_t n_kv_heads,
                          double scale, at::IntArrayRef k_chunks, int64_t max_rows,
-                         at::TensorList q4, at::TensorList i8) {
+                         at::TensorList q4, at::TensorList i8, at::TensorList q4q8) {
   const size_t layers = wqkv.size();
   TORCH_CHECK(wo.size() == layers && w13.size() == layers && w2.size() == layers &&
                   ffn_norm.size() == layers && next_norm.size() == layers &&
@@ -70,6 +75,12 @@ at::Tensor decode_layers(at::Tensor h, at::Tensor x, at::TensorList wqkv, at::Te
               "q4: none, or the 4-bit blocks of wqkv, wo, w13, w2 of every layer in turn");
   TORCH_CHECK(i8.empty() || i8.size() == 16 * layers,
               "i8: none, or q, scale, outliers, outlier_q of wqkv, wo, w13, w2 of every layer");
+  TORCH_CHECK(q4q8.empty() || q4q8.size() == 4 * layers,
+              "q4q8: none, or the Q4_1 blocks of wqkv, wo, w13, w2 of every layer in turn");
+  // The Q4_1 blocks for `q4q8_linear` of kind `kind` of layer `i`, or an undefined tensor.
+  const auto q4_1 = [&](size_t i, size_t kind) {
+    return q4q8.empty() ? at::Tensor() : q4q8[4 * i + kind];
+  };
   // The 4-bit blocks of kind `kind` of layer `i`, or an undefined tensor.
   const auto blocks = [&](size_t i, size_t kind) {
     return q4.empty() ? at::Tensor() : q4[4 * i + kind];
@@ -80,17 +91,19 @@ at::Tensor decode_layers(at::Tensor h, at::Tensor x, at::TensorList wqkv, at::Te
   };
   const int64_t rows = h.size(0);
   for (size_t i = 0; i < layers; ++i) {
-    const at::Tensor qkv = linear(x, wqkv[i], blocks(i, 0), k_chunks[0], max_rows, int8(i, 0));
+    const at::Tensor qkv =
+        linear(x, wqkv[i], blocks(i, 0), k_chunks[0], max_rows, int8(i, 0), q4_1(i, 0));
     const at::Tensor q = genserve::rope_store_kv(qkv, rope, positions, caches[i], slots, n_heads,
                                                  n_kv_heads);
     const at::Tensor o = genserve::paged_decode(q, caches[i][0], caches[i][1], tables, lens, scale);
-    x = genserve::add_rms_norm_(
-        h, linear(o.reshape({rows, -1}), wo[i], blocks(i, 1), k_chunks[1], max_rows, int8(i, 1)),
-        ffn_norm[i], eps);
-    const at::Tensor act =
-        genserve::silu_mul(linear(x, w13[i], blocks(i, 2), k_chunks[2], max_rows, int8(i, 2)));
-    x = genserve::add_rms_norm_(
-        h, linear(act, w2[i], blocks(i, 3), k_chunks[3], max_rows, int8(i, 3)), next_norm[i], eps);
+    const at::Tensor attn_out = linear(o.reshape({rows, -1}), wo[i], blocks(i, 1), k_chunks[1],
+                                       max_rows, int8(i, 1), q4_1(i, 1));
+    x = genserve::add_rms_norm_(h, attn_out, ffn_norm[i], eps);
+    const at::Tensor act = genserve::silu_mul(
+        linear(x, w13[i], blocks(i, 2), k_chunks[2], max_rows, int8(i, 2), q4_1(i, 2)));
+    const at::Tensor ffn_out =
+        linear(act, w2[i], blocks(i, 3), k_chunks[3], max_rows, int8(i, 3), q4_1(i, 3));
+    x = genserve::add_rms_norm_(h, ffn_out, next_norm[i], eps);
   }
   return x;
 }
@@ -102,7 +115,7 @@ TORCH_LIBRARY_FRAGMENT(genserve, m) {
         "Tensor[] w2, Tensor[] ffn_norm, Tensor[] next_norm, float eps, Tensor rope, "
         "Tensor positions, Tensor[] caches, Tensor slots, Tensor tables, Tensor lens, "
         "int n_heads, int n_kv_heads, float scale, int[] k_chunks, int max_rows, "
-        "Tensor[] q4, Tensor[] i8) -> Tensor");
+        "Tensor[] q4, Tensor[] i8, Tensor[] q4q8) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(genserve, CPU, m) { m.impl("decode_layers", &decode_layers); }

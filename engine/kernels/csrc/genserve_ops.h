@@ -24,6 +24,8 @@ at::Tensor rope_store_kv(const at::Tensor& qkv, const at::Tensor& rope, const at
 at::Tensor silu_mul(const at::Tensor& gate_up);
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
                        const at::Tensor& outliers, const at::Tensor& outlier_q);
+// Always defined; raises where the build does not target AVX512-VNNI (q4q8_linear.cpp).
+at::Tensor q4q8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n);
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define GENSERVE_PACKED_LINEAR 1
