@@ -207,6 +207,22 @@ def quality(reference: Engine, engines: dict[str, Engine], tokenizer: Tokenizer,
     return out, perplexity(reference, windows, "ppl-ref")[0]
 
 
+def host_description() -> str:
+    """This CPU's model name and which of the products' instruction sets it has (AMX, AVX512-VNNI,
+    AVX512-BF16), from /proc/cpuinfo: the figures differ between such hosts."""
+    try:
+        info = pathlib.Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown CPU"
+    lines = info.splitlines()
+    name = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")),
+                "unknown CPU")
+    flags = set(next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), []))
+    sets = [label for flag, label in (("amx_int8", "AMX"), ("avx512_vnni", "AVX512-VNNI"),
+                                      ("avx512_bf16", "AVX512-BF16")) if flag in flags]
+    return f"{name}; {', '.join(sets) or 'no AMX, AVX512-VNNI or AVX512-BF16'}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--prefill", type=int, default=512, help="prompt tokens of the prefill step")
@@ -225,7 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     engines = make_engines(models, args.prefill)
     print(f"# load average {os.getloadavg()[0]:.2f}, {torch.get_num_threads()} threads, "
           f"{os.cpu_count()} cpus", flush=True)
-    result: dict = {"prefill_tokens": args.prefill, "speed": {}, "quality": {}}
+    result: dict = {"prefill_tokens": args.prefill, "host": host_description(), "speed": {},
+                    "quality": {}}
+    print(f"# host: {result['host']}", flush=True)
     if not args.quality_only:
         measure_speed({name: engines[name] for name in ("bf16", "q4", "int8", "q4q8")}, args, result)
     qualities, ref_ppl = quality(engines["bf16"], {name: engines[name] for name in

@@ -88,8 +88,10 @@ class EngineConfig:
         weights: how the block matrices are read (`WEIGHTS`): "bf16": dequantized to bf16 at
             load; "q4": the GGUF's 4-bit Q4_1 blocks as they are, 3.2x fewer bytes per product,
             with the bits of genserve's bf16 products (`engine.model.quant` says where those are the
-            bf16 path's; GGUF models on AVX512-BF16 CPUs, bfloat16 only); "auto" (default): "q4"
-            where it can run, else "bf16" (faster at 1 and 32 rows: docs/benchmarks/q4.md);
+            bf16 path's; GGUF models on AVX512-BF16 CPUs, bfloat16 only); "auto" (default): for a
+            GGUF on the CPU in bf16, "q4q8" on CPUs with AVX512-VNNI and no AMX, "q4" on CPUs
+            with AMX or AVX512-BF16 alone, else "bf16": the fastest of them measured on each kind
+            of CPU (docs/benchmarks/int8.md; `engine.runner.builder.auto_weights`);
             "int8": every block matrix's product on int8 arithmetic with per-row scales
             (`engine.model.int8`; CPU only): faster prefill, not the bf16 products' bits;
             "q4q8": the GGUF's Q4_1 blocks exact, each input rounded to 8 bits per row and block

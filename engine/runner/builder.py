@@ -127,41 +127,64 @@ def load_weights(source: ModelSource, dtype: torch.dtype, device: torch.device
     return args, state, Tokenizer.from_gguf(reader)
 
 
+def auto_weights(network: Transformer, source: ModelSource) -> tuple[str, str]:
+    """What `EngineConfig.weights` "auto" serves `network` with, and why (for the log).
+
+    "q4q8" (llama.cpp's Q4_1 x Q8_1 arithmetic on AVX512-VNNI) where the CPU has AVX512-VNNI and
+    no AMX: there it prefills and runs 32-row steps faster than "q4" at +0.09 % perplexity
+    against the exact bf16 products, within llama.cpp's own +0.11 % for this file
+    (docs/benchmarks/int8.md). "q4" (the GGUF's 4-bit blocks with the bf16 products' bits) where
+    AMX is usable: there `q4_amx_linear` is the faster of the two, and exact. "bf16" for a model
+    that is not a GGUF, not bf16 on a CPU, or where neither kernel runs.
+
+    Returns:
+        (weights, reason): weights one of "q4q8", "q4", "bf16"; reason in words.
+    """
+    if source.kind not in ("embedded", "gguf"):
+        return "bf16", f"--model is {source.kind}, not a GGUF with 4-bit blocks"
+    if not (network.dtype == torch.bfloat16 and network.output.device.type == "cpu"):
+        return "bf16", "4-bit products need a bf16 model on the CPU"
+    if kernels.q4_amx_available():
+        return "q4", "AMX: q4_amx_linear, the bf16 products' bits"
+    if kernels.q4q8_linear_available():
+        return "q4q8", "AVX512-VNNI without AMX: Q4_1 x Q8_1, llama.cpp's arithmetic"
+    if kernels.q4_linear_available():
+        return "q4", "AVX512-BF16: q4_linear, the bf16 products' bits"
+    return "bf16", "no 4-bit kernel in this build"
+
+
 def attach_weights(weights: str, network: Transformer, source: ModelSource,
                    tokenizer: Tokenizer | ByteTokenizer | None = None) -> None:
     """Serve `network`'s block matrices as `weights` asks (`EngineConfig.weights`): "q4" from the
     GGUF's 4-bit blocks (`engine.model.quant.attach_q4`), "int8" on int8 arithmetic
     (`engine.model.int8_weights.attach_int8`, its outlier channels chosen on the fixed text of
     `engine.runner.int8_calibration` with `tokenizer`, none without), "q4q8" on the GGUF's Q4_1
-    blocks times 8-bit inputs (`engine.model.quant.attach_q4q8`), "bf16" as loaded, "auto" "q4" where it
-    can run (a GGUF model, bf16 on a CPU with the `q4_linear` kernel, Q4_1 block matrices),
-    else "bf16"; the choice is logged.
+    blocks times 8-bit inputs (`engine.model.quant.attach_q4q8`), "bf16" as loaded, "auto" as
+    `auto_weights` chooses (falling back to "bf16" if the file's matrices are not Q4_1); the
+    choice is logged.
 
     Raises:
         ValueError: "q4", "int8" or "q4q8" where it cannot run (the reason is in the message).
     """
+    explicit = weights != "auto"
+    if weights == "auto":
+        weights, reason = auto_weights(network, source)
+        log.info("weights auto: %s (%s)", weights, reason)
     if weights == "bf16":
         return
     if weights == "int8":
         attach_int8(network, None if tokenizer is None else int8_calibration(network, tokenizer))
         return
-    if weights == "q4q8":
-        if source.kind not in ("embedded", "gguf"):
-            raise ValueError(f"--weights q4q8 needs a GGUF model with Q4_1 matrices; --model is {source.kind}")
-        attach_q4q8(network, source.path)
-        return
     if source.kind not in ("embedded", "gguf"):
-        if weights == "q4":
-            raise ValueError(f"--weights q4 needs a GGUF model with Q4_1 matrices; --model is {source.kind}")
-        return
-    if weights == "auto" and not (network.dtype == torch.bfloat16 and network.output.device.type == "cpu"
-                                  and kernels.q4_linear_available()):
-        log.info("weights: bf16 (4-bit products need a bf16 CPU model and the q4_linear kernel)")
-        return
+        raise ValueError(f"--weights {weights} needs a GGUF model with Q4_1 matrices; "
+                         f"--model is {source.kind}")
     try:
-        attach_q4(network, source.path)
+        if weights == "q4q8":
+            attach_q4q8(network, source.path)
+        else:
+            attach_q4(network, source.path)
     except ValueError as exc:
-        if weights == "q4":
+        if explicit:
             raise
         log.info("weights: bf16 (%s)", exc)
 

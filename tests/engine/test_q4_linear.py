@@ -302,17 +302,43 @@ def test_config_and_builder_reject_q4_where_it_cannot_run():
 
 
 def test_auto_serves_the_4_bit_blocks_where_they_can_run_and_bf16_elsewhere(q4_model):
-    def q4_matrices(loaded) -> int:
-        return sum(getattr(module, name + "_packed").q4 is not None
+    def matrices(loaded, kind: str) -> int:
+        """Block matrices whose `PackedWeight` has `kind` ("q4" or "q4q8") blocks."""
+        return sum(getattr(getattr(module, name + "_packed"), kind) is not None
                    for layer in loaded.engine.executor.model.layers
                    for module, name in ((layer.attention, "wqkv"), (layer.attention, "wo"),
                                         (layer.feed_forward, "w13"), (layer.feed_forward, "w2")))
 
     assert EngineConfig().weights == "auto"
     layers = q4_model.args.n_layers
+    # this host's choice (the rule itself: test_auto_weights_follows_the_cpu)
+    kind = "q4q8" if genserve_kernels.q4q8_linear_available() and not genserve_kernels.q4_amx_available() \
+        else "q4"
     auto = build_engine(EngineConfig(num_blocks=64, device="cpu"), calibrate=False)
-    assert q4_matrices(auto) == 4 * layers                 # the embedded Q4_1 GGUF: every block matrix
+    assert matrices(auto, kind) == 4 * layers            # the embedded Q4_1 GGUF: every block matrix
     bf16 = build_engine(EngineConfig(num_blocks=64, device="cpu", weights="bf16"), calibrate=False)
-    assert q4_matrices(bf16) == 0
+    assert matrices(bf16, "q4") == matrices(bf16, "q4q8") == 0
     random = build_engine(EngineConfig(num_blocks=64, device="cpu"), model="random:tiny", calibrate=False)
-    assert q4_matrices(random) == 0                        # no GGUF blocks to read: bf16, no error
+    assert matrices(random, "q4") == matrices(random, "q4q8") == 0   # no GGUF blocks: bf16, no error
+
+
+@pytest.mark.parametrize("amx, vnni, bf16, kind, expected", [
+    (True, True, True, "embedded", "q4"),       # AMX: q4_amx_linear, exact and the faster there
+    (False, True, True, "gguf", "q4q8"),        # AVX512-VNNI without AMX: llama.cpp's arithmetic
+    (False, False, True, "embedded", "q4"),     # AVX512-BF16 alone: q4_linear
+    (False, False, False, "embedded", "bf16"),  # no 4-bit kernel
+    (False, True, True, "random", "bf16"),      # not a GGUF: no blocks to read
+])
+def test_auto_weights_follows_the_cpu(monkeypatch, amx, vnni, bf16, kind, expected):
+    import types
+
+    from engine.runner import builder
+    monkeypatch.setattr(builder.kernels, "q4_amx_available", lambda: amx)
+    monkeypatch.setattr(builder.kernels, "q4q8_linear_available", lambda: vnni)
+    monkeypatch.setattr(builder.kernels, "q4_linear_available", lambda: bf16)
+    network = types.SimpleNamespace(dtype=torch.bfloat16,
+                                    output=types.SimpleNamespace(device=torch.device("cpu")))
+    weights, reason = builder.auto_weights(network, types.SimpleNamespace(kind=kind))
+    assert weights == expected and reason
+    network.dtype = torch.float32                    # 4-bit products need a bf16 model
+    assert builder.auto_weights(network, types.SimpleNamespace(kind=kind))[0] == "bf16"
