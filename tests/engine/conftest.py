@@ -57,6 +57,20 @@ def generate(engine: Engine, prompts: list[list[int]], max_tokens: int, **sampli
     return [list(r.generated) for r in reqs]
 
 
+def check_decode_loop_matches_python_loop(engine: Engine, prompts: list[list[int]]) -> None:
+    """Greedy answers (12 tokens) of `prompts` with the runner's C++ decode loop equal those of the
+    Python block loop (the loop set aside for the second run), and differ between prompts."""
+    runner = engine.executor
+    assert runner.decode_loop is not None
+    with_loop = generate(engine, prompts, 12, temperature=0.0)
+    loop, runner.decode_loop = runner.decode_loop, None        # the Python block loop
+    try:
+        assert generate(engine, prompts, 12, temperature=0.0) == with_loop
+    finally:
+        runner.decode_loop = loop
+    assert len({tuple(t) for t in with_loop}) > len(prompts) // 2
+
+
 def check_preemption_keeps_tokens(engine: Engine, gguf_weights, prompts: list[list[int]],
                                   settings: list[dict] | None = None, **config) -> None:
     """Run six requests (greedy and seeded top-p, 40 tokens each, or each with its own sampling

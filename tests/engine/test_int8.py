@@ -176,16 +176,9 @@ def test_int8_model_runs_every_block_product_on_int8(int8_model):
 
 
 def test_int8_decode_loop_gives_the_python_loops_tokens(int8_engine, gguf_tokenizer):
-    runner = int8_engine.executor
-    assert runner.decode_loop is not None and runner.decode_loop.i8      # the C++ decode loop
-    prompts = mixed_prompts(gguf_tokenizer)
-    with_loop = generate(int8_engine, prompts, 12, temperature=0.0)
-    loop, runner.decode_loop = runner.decode_loop, None                  # the Python block loop
-    try:
-        assert generate(int8_engine, prompts, 12, temperature=0.0) == with_loop
-    finally:
-        runner.decode_loop = loop
-    assert len({tuple(t) for t in with_loop}) > len(prompts) // 2
+    from tests.engine.conftest import check_decode_loop_matches_python_loop
+    assert int8_engine.executor.decode_loop.i8                          # the C++ loop runs int8
+    check_decode_loop_matches_python_loop(int8_engine, mixed_prompts(gguf_tokenizer))
 
 
 def test_int8_engine_is_batch_invariant(int8_engine):

@@ -182,17 +182,10 @@ def test_q4q8_engine_runs_every_block_product_on_the_op(q4q8_engine):
 
 
 def test_q4q8_decode_loop_gives_the_python_loops_tokens(q4q8_engine, gguf_tokenizer):
-    from tests.engine.conftest import generate
+    from tests.engine.conftest import check_decode_loop_matches_python_loop
     from tests.engine.test_model import mixed_prompts
-    runner = q4q8_engine.executor
-    prompts = mixed_prompts(gguf_tokenizer)
-    with_loop = generate(q4q8_engine, prompts, 12, temperature=0.0)
-    loop, runner.decode_loop = runner.decode_loop, None      # the Python block loop
-    try:
-        assert generate(q4q8_engine, prompts, 12, temperature=0.0) == with_loop
-    finally:
-        runner.decode_loop = loop
-    assert len({tuple(t) for t in with_loop}) > len(prompts) // 2
+    assert q4q8_engine.executor.decode_loop.q4q8                        # the C++ loop runs q4q8
+    check_decode_loop_matches_python_loop(q4q8_engine, mixed_prompts(gguf_tokenizer))
 
 
 def test_q4q8_engine_is_batch_invariant_and_answers(q4q8_engine, gguf_tokenizer):
