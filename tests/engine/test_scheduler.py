@@ -52,6 +52,28 @@ def test_short_prompt_of_a_light_key_prefills_before_a_heavy_keys_long_prompt():
     assert b_tokens == 100 and a_tokens == 128    # b's whole prompt, a fills the rest of 256
 
 
+def test_one_keys_prompts_prefill_shortest_remaining_first():
+    """Within one key, the step's prefill goes to the prompt with the fewest tokens left: a
+    started prompt finishes before a newer one of the same length starts, and a short newcomer
+    goes before a long prompt's rest."""
+    engine, _ = sim_engine(prefill_token_budget_few_rows=256)   # a 256-token budget at any row count
+    first = make_request(512, 5)
+    engine.submit(first)
+    engine.step()                                    # 256 of its 512 tokens
+    second, short = make_request(512, 5), make_request(64, 5)
+    engine.submit(second)
+    engine.submit(short)
+    plans = []
+    engine.step_listeners.append(lambda plan, events, s: plans.append(plan))
+    engine.step()
+    tokens = {id(r): sum(g.length for g in plans[0].segments if g.request is r and not g.decode)
+              for r in (first, second, short)}
+    # short (64 left), then first (256 left) up to the budget; second (512 left) waits
+    assert (tokens[id(short)], tokens[id(first)], tokens[id(second)]) == (64, 192, 0)
+    engine.step()
+    assert first.num_computed == first.num_prompt          # first's prompt done before second's
+
+
 def test_over_cap_key_is_preempted_when_another_key_waits_for_room():
     engine, _ = sim_engine(max_rows=12, queue_budget_s=100.0)
     for _ in range(12):

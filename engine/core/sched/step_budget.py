@@ -163,7 +163,7 @@ class TimeBudget:
 class FixedBudget:
     """The design's fixed caps: `max_rows` rows; `prefill_token_budget` prompt tokens a step,
     `prefill_token_budget_few_rows` with at most `few_rows` decode rows, or whole prompts when
-    prefill is not chunked. Prompts of equally served keys go least-done first.
+    prefill is not chunked. Prompts of equally served keys go shortest remaining prefill first.
 
     Args:
         config: the engine's dials.
@@ -188,8 +188,13 @@ class FixedBudget:
         return rows_with(running, req) <= self.config.max_rows
 
     def prefill_tiebreak(self, req: Request) -> float:
-        """Prompt tokens computed: the least-done prompt first."""
-        return req.num_computed
+        """Prompt tokens still to prefill: the nearest-done prompt first (shortest remaining
+        prefill first, the order that minimizes mean completion time on one server; Schrage
+        1968). A short prompt is not stuck behind a long one, and a started prompt finishes
+        before a newer one of its length starts, where least-done-first shared every step among
+        all waiting prompts and moved every first token late. Admission's queue budget bounds
+        how long a long prompt can be passed over."""
+        return req.num_prompt - req.num_computed
 
     def for_step(self, plan: StepPlan, now: float, cost: CostModel) -> TokenBudget:
         """`prefill_token_budget_few_rows` tokens with at most `few_rows` decode rows in `plan`,
