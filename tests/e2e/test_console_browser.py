@@ -206,7 +206,9 @@ def test_live_view_follows_the_load(browser, server, tmp_path):
     assert idle["running_rows"] == 0 and by_id(browser, "live-rows").text == f"0 / {idle['max_rows']}"
     finished_before = idle["finished_total"]
     done: list[int] = []
-    load = threading.Thread(target=_load, args=(server.base_url, 6, 48, done), daemon=True)
+    # 6 streams of 400 tokens: long enough on a fast host (≈ 10 ms a step) that the load is still
+    # running when the replicas panel's 2 s poll comes round; 48 tokens could end before it.
+    load = threading.Thread(target=_load, args=(server.base_url, 6, 400, done), daemon=True)
     load.start()
     busy = wait_for(lambda: (s := last_snapshot(browser)) and s["running_rows"] >= 4 and s["decode_rows"] >= 4
                     and s, what="at least 4 rows decoding in the live view")
