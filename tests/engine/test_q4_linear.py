@@ -20,7 +20,7 @@ from engine.runner.decode_loop import DecodeLoop
 from engine.model.llama import fused_block_matrices
 from engine.model.quant import amx_pack, attach_q4, bf16_twin, q4_pack
 from engine.model.weights import Q4_1_BLOCK_BYTES, Q8_0_BLOCK_BYTES, load_gguf_q4_1
-from engine.runner.builder import build_engine, engine_from_model, model_from_weights
+from engine.runner.builder import auto_weights, build_engine, engine_from_model, model_from_weights
 from engine.runner.invariance import check_batch_invariance
 from tests.engine.conftest import generate
 from tests.engine.test_model import mixed_prompts
@@ -311,10 +311,9 @@ def test_auto_serves_the_4_bit_blocks_where_they_can_run_and_bf16_elsewhere(q4_m
 
     assert EngineConfig().weights == "auto"
     layers = q4_model.args.n_layers
-    # this host's choice (the rule itself: test_auto_weights_follows_the_cpu)
-    kind = "q4q8" if genserve_kernels.q4q8_linear_available() and not genserve_kernels.q4_amx_available() \
-        else "q4"
     auto = build_engine(EngineConfig(num_blocks=64, device="cpu"), calibrate=False)
+    # this host's choice (the rule itself: test_auto_weights_follows_the_cpu)
+    kind, _ = auto_weights(auto.engine.executor.model, auto.source)
     assert matrices(auto, kind) == 4 * layers            # the embedded Q4_1 GGUF: every block matrix
     bf16 = build_engine(EngineConfig(num_blocks=64, device="cpu", weights="bf16"), calibrate=False)
     assert matrices(bf16, "q4") == matrices(bf16, "q4q8") == 0
