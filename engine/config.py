@@ -12,7 +12,6 @@ from dataclasses import dataclass
 BATCHING_MODES = ("continuous", "continuous_unchunked", "static", "dynamic")
 DTYPES = ("bfloat16", "float32", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-POLICIES = ("fixed", "slo")
 WEIGHTS = ("auto", "bf16", "q4", "int8", "q4q8")
 KV_CACHE_DTYPES = ("auto", "int8")
 PREFIX_CACHE_SCOPES = ("key", "global")
@@ -61,19 +60,13 @@ class EngineConfig:
             activations, bytes (6 GB, the design's reserve); the KV pool takes the free memory
             left after the weights and this reserve, unless `num_blocks` is given. Not used on CPU,
             where `kv_pool_bytes` sizes the pool.
-        policy: how each step is sized (`POLICIES`): "fixed" (default): at most `max_rows` rows and
-            `prefill_token_budget` prompt tokens (`prefill_token_budget_few_rows` with few rows), the design's
-            caps; "slo": as many rows and prefill pieces as the cost model predicts fit in the
-            TPOT and gap targets (with `batching` "continuous"; the other modes keep the caps).
-        tpot_target_ms: the TPOT target, ms (70, the design's); "slo" keeps every decoding row's
-            time per output token within it.
-        gap_target_ms: the longest gap between two tokens of a stream, ms (100); "slo" never
-            predicts a step longer than it.
-        slo_prefill_share: under "slo", the least share of `tpot_target_ms` the decoding rows must
-            leave free for prefill pieces when a row joins (0.2; more when the rows' steady-state
-            prefill needs more, see `SloBudget.decode_rows_fit`; the simulator's sweep of it is in
-            docs/benchmarks/README.md).
-        slo_row_limit: under "slo", the most rows in one step whatever the model predicts (256).
+        tpot_target_ms: the TPOT target, ms (70, the design's). A step carries prefill beyond the
+            design's token caps while the cost model predicts it within what its decoding rows
+            can spare: each row's mean time per output token stays within this target
+            (`engine.core.sched.step_budget.StepBudget`).
+        gap_target_ms: the longest gap between two tokens of a stream that prefill beyond the
+            token caps may cause, ms (GAP). The caps alone may make longer steps on a host slower
+            than the cost model's targets.
         prefix_caching: reuse the K/V blocks of a prompt prefix an earlier request computed
             (on by default, as in vLLM): full prompt blocks stay cached after their request ends
             and are taken back least recently used only when the pool needs them; reuse is in
@@ -126,11 +119,8 @@ class EngineConfig:
     dynamic_window_s: float = 0.010
     device: str = "auto"
     activation_reserve_bytes: int = 6 * 10**9
-    policy: str = "fixed"
     tpot_target_ms: float = 70.0
     gap_target_ms: float = 100.0
-    slo_prefill_share: float = 0.2
-    slo_row_limit: int = 256
     prefix_caching: bool = True
     prefix_cache_scope: str = "key"
     weights: str = "auto"
@@ -168,15 +158,9 @@ class EngineConfig:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.activation_reserve_bytes < 0:
             raise ValueError(f"activation_reserve_bytes must be >= 0, got {self.activation_reserve_bytes}")
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if not (self.tpot_target_ms > 0 and self.gap_target_ms >= self.tpot_target_ms):
             raise ValueError(f"tpot_target_ms must be > 0 and gap_target_ms >= it, got "
                              f"{self.tpot_target_ms} and {self.gap_target_ms}")
-        if not 0.0 <= self.slo_prefill_share < 1.0:
-            raise ValueError(f"slo_prefill_share must be in [0, 1), got {self.slo_prefill_share}")
-        if not 1 <= self.slo_row_limit <= 4096:
-            raise ValueError(f"slo_row_limit must be in 1..4096, got {self.slo_row_limit}")
         if self.weights not in WEIGHTS:
             raise ValueError(f"weights must be one of {WEIGHTS}, got {self.weights!r}")
         if self.prefix_cache_scope not in PREFIX_CACHE_SCOPES:

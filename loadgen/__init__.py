@@ -10,5 +10,6 @@
 * `loadgen.calibrate`: `python -m loadgen.calibrate --out docs/benchmarks`, the simulator fitted to
   this machine and checked against the live server.
 * `loadgen.live_policies`: `python -m loadgen.live_policies --out docs/benchmarks/live_policies`, the
-  fixed and SLO-driven step policies on the live server in one run, with the simulator's error.
+  step policy's token caps alone ("caps") and its default (the caps plus the TPOT slack spent on
+  prefill) on the live server in one run, with the simulator's error.
 """

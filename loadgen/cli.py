@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from engine.config import BATCHING_MODES, POLICIES
+from engine.config import BATCHING_MODES, EngineConfig
 from loadgen import stats as st
 from loadgen.workload import (
     DEFAULT_API_KEY, MAX_REQUESTS, LengthMix, WorkItem, arrival_times, load_trace, retime, save_trace,
@@ -144,7 +144,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
     config = design_config(num_blocks=args.num_blocks, block_size=args.block_size, max_rows=args.max_rows,
                            prefill_token_budget=args.prefill_token_budget, queue_budget_s=args.queue_budget_s,
                            per_key_rows=args.per_key_rows, batching=args.batching,
-                           dynamic_window_s=args.dynamic_window_ms / 1000.0, policy=args.policy,
+                           dynamic_window_s=args.dynamic_window_ms / 1000.0,
                            tpot_target_ms=args.tpot_target_ms, gap_target_ms=args.gap_target_ms)
     runs, records, workloads = [], {}, {}
     for rate in args.rate or [None]:
@@ -252,11 +252,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     e.add_argument("--batching", choices=list(BATCHING_MODES), default="continuous",
                    help="batch formation (EngineConfig.batching)")
     e.add_argument("--dynamic-window-ms", type=float, default=10.0, help="dynamic batching window, ms")
-    e.add_argument("--policy", choices=list(POLICIES), default="fixed",
-                   help="how each step is sized (EngineConfig.policy): the fixed caps or the SLO targets")
-    e.add_argument("--tpot-target-ms", type=float, default=70.0, help="the SLO policy's TPOT target, ms")
-    e.add_argument("--gap-target-ms", type=float, default=100.0,
-                   help="the SLO policy's longest-gap target, ms")
+    e.add_argument("--tpot-target-ms", type=float, default=EngineConfig().tpot_target_ms,
+                   help="the TPOT target that sizes prefill beyond the token caps (EngineConfig), ms")
+    e.add_argument("--gap-target-ms", type=float, default=EngineConfig().gap_target_ms,
+                   help="the longest gap that prefill beyond the token caps may cause (EngineConfig), ms")
     e.add_argument("--time-limit", type=float, default=None, help="stop at this virtual time, s")
     e.add_argument("--write-steps", action="store_true", help="also write steps-<rate>.csv to --out")
     _common(s)

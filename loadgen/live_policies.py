@@ -1,4 +1,5 @@
-"""Both step policies on the live server, in one run, with the simulator's error for each, one command:
+"""Two configurations of the step policy on the live server, in one run, with the simulator's error
+for each, one command:
 
     .venv/bin/python -m loadgen.live_policies --out docs/benchmarks/live_policies
 
@@ -7,15 +8,20 @@
    load a fitted model with `--cost-model`.
 2. **SLOs** for this machine from the design's ratios (`calibrate.cpu_slo_ms`): TTFT and TPOT; the
    longest-gap target is TPOT × 100 / 70 (the design scale's 100 ms against its 70 ms).
-3. **Live**: for each policy in turn, start `genserve serve` (REST+SSE, queue budget 60 s as in the
+3. **Live**: for each configuration in turn, start `genserve serve` (REST+SSE, queue budget 60 s as in the
    recorded live goodput, so nothing is refused), warm it up (the engine refits its cost model from
    its own steps every 256 steps), send the same open-loop workloads (the design mix scaled by
    `--scale`, Poisson, seed 0) at each rate, read the engine's predicted-vs-measured step-time
-   histogram, stop it. Under "slo" the engine targets `--target-fraction` of the client-side TPOT and
-   gap targets, leaving the rest to the request path (bridge, SSE, client) that shares the cores.
-4. **Simulate** the same items under each policy with the fitted model plus the two live-path terms
-   `loadgen.calibrate` uses (a time added to every step and a request-path delay), both fitted on the
-   fixed policy's lowest rate; report simulated / live − 1 for TTFT and TPOT p50 / p95 and goodput.
+   histogram, stop it. The configurations (`StepBudget`, `engine.core.sched.step_budget`):
+   - "caps": `--tpot-target-ms 1 --gap-target-ms 1`: no step is predicted within 1 ms, so the
+     design's token caps alone size each step's prefill;
+   - "default": the caps plus the prefill the engine's TPOT and gap targets leave room for, the
+     targets at `--target-fraction` of the client-side TPOT and gap targets, leaving the rest to the
+     request path (bridge, SSE, client) that shares the cores.
+4. **Simulate** the same items under each configuration with the fitted model plus the two live-path
+   terms `loadgen.calibrate` uses (a time added to every step and a request-path delay), both fitted on
+   "caps" at the lowest rate (on the first configuration run when "caps" is not); report
+   simulated / live − 1 for TTFT and TPOT p50 / p95 and goodput.
 
 Writes `results.json` and `summary.md` under `--out`. Goodput is the highest rate at which ≥ 95 %
 of requests meet TTFT and TPOT, every lower rate too; *+ gap* also asks the run's p99 longest gap to
@@ -39,18 +45,29 @@ from typing import Any
 from loadgen import stats as st
 from loadgen.workload import LengthMix, WorkItem, arrival_times, synthetic_workload
 
-POLICIES = ("fixed", "slo")
+POLICIES = ("caps", "default")      # configurations of the one step policy (`_targets`)
 DEFAULT_RATES = (2.0, 3.0, 4.0, 5.0, 6.0)
 GAP_OVER_TPOT = 100.0 / 70.0          # the design scale's gap target over its TPOT target
 QUEUE_BUDGET_S = 60.0
 WARMUP_S = 20.0
 
 
-def _slo_args(policy: str, tpot_ms: float, gap_ms: float, fraction: float) -> list[str]:
-    if policy == "fixed":
-        return ["--policy", "fixed"]
-    return ["--policy", "slo", "--tpot-target-ms", f"{tpot_ms * fraction:.2f}",
-            "--gap-target-ms", f"{gap_ms * fraction:.2f}"]
+def _targets(policy: str, tpot_ms: float, gap_ms: float, fraction: float) -> tuple[float, float]:
+    """The engine's (tpot_target_ms, gap_target_ms) under configuration `policy` of `POLICIES`:
+    1 ms each for "caps" (the time budget then adds nothing to the token caps); for "default",
+    `fraction` of the client-side targets `tpot_ms` and `gap_ms`, to 0.01 ms."""
+    if policy == "caps":
+        return 1.0, 1.0
+    if policy == "default":
+        return round(tpot_ms * fraction, 2), round(gap_ms * fraction, 2)
+    raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+
+
+def _target_args(policy: str, tpot_ms: float, gap_ms: float, fraction: float) -> list[str]:
+    """`genserve serve` flags of configuration `policy` (the targets of `_targets`)."""
+    tpot, gap = _targets(policy, tpot_ms, gap_ms, fraction)
+    text = lambda x: f"{x:.2f}".rstrip("0").rstrip(".")  # noqa: E731
+    return ["--tpot-target-ms", text(tpot), "--gap-target-ms", text(gap)]
 
 
 def _ratio(metrics: dict[str, float]) -> dict[str, float | None]:
@@ -138,21 +155,23 @@ def gap_goodput(runs: Sequence[dict[str, Any]], gap_ms: float) -> float | None:
 
 
 def markdown(res: dict[str, Any]) -> str:
-    """summary.md: the command, the SLOs, goodput per policy, the simulator's error, every run."""
+    """summary.md: the command, the SLOs, goodput per configuration, the simulator's error, every run."""
     s, _f, _pct = res["summary"], st._f, st._pct
     slo = s["slo"]
     source = ("given on the command line" if slo.get("given")
               else "scaled from the design's ratios with this run's fitted step times")
-    L = ["# Both step policies on the live server (this machine)", "",
+    L = ["# The step policy's configurations on the live server (this machine)", "",
          f"Regenerate (≈ {s['expected_minutes']:.0f} minutes on a quiet machine; it starts and stops its own "
          "`genserve serve` on free localhost ports):", "", "```", s["command"], "```", "",
          f"Last run {s['date']} on {res['machine']['cpus']} CPU(s), {s['wall_s'] / 60:.1f} minutes. Workload: the "
          f"design's length mix scaled by {s['scale']:g}, Poisson arrivals for {s['duration_s']:g} s per rate, seed "
          f"{s['seed']}, REST+SSE through the bridge, queue budget {QUEUE_BUDGET_S:g} s (no 429s).", "",
          f"SLOs {source}: TTFT ≤ {slo['ttft_ms']:.0f} ms, "
-         f"TPOT ≤ {slo['tpot_ms']:.0f} ms, p99 longest gap ≤ {slo['gap_ms']:.0f} ms. The SLO policy's engine "
-         f"targets {100 * s['target_fraction']:.0f} % of the TPOT and gap targets.", "",
-         "| policy | goodput | goodput + gap | sim goodput | " + " | ".join(f"SLO met at {r:g}" for r in s["rates"])
+         f"TPOT ≤ {slo['tpot_ms']:.0f} ms, p99 longest gap ≤ {slo['gap_ms']:.0f} ms. Configurations: *caps*, "
+         "the design's token caps alone (engine targets of 1 ms, within which no step is predicted); "
+         "*default*, the caps plus the prefill the engine's TPOT and gap targets leave room for, the targets "
+         f"at {100 * s['target_fraction']:.0f} % of the SLOs' TPOT and gap.", "",
+         "| configuration | goodput | goodput + gap | sim goodput | " + " | ".join(f"SLO met at {r:g}" for r in s["rates"])
          + " | measured / predicted step (mean) |", "|---|---:|---:|---:|" + "---:|" * len(s["rates"]) + "---|"]
     for p in s["policies"]:
         g = res["policies"][p]
@@ -162,9 +181,9 @@ def markdown(res: dict[str, Any]) -> str:
                  + " / ".join(_f(g["ratio"].get(f"{r:g}", {}).get("mean"), 2) for r in s["rates"]) + " |")
     lp = s["live_path"]
     L += ["", f"Simulator: the fitted cost model plus every step + {lp['step_overhead_ms']:.2f} ms and "
-              f"{lp['submit_delay_ms']:.1f} ms of request path, both fitted on the fixed policy at "
+              f"{lp['submit_delay_ms']:.1f} ms of request path, both fitted on {lp['fit_policy']} at "
               f"{lp['fit_rate']:g} requests/s. Error = simulated / live − 1.", "",
-          "| policy | rate | metric | live | sim | error |", "|---|---:|---|---:|---:|---:|"]
+          "| configuration | rate | metric | live | sim | error |", "|---|---:|---|---:|---:|---:|"]
     for row in s["errors"]:
         e = "–" if row["error"] is None else f"{100 * row['error']:+.1f} %"
         L.append(f"| {row['policy']} | {row['rate']:g} | {row['metric']} | {_f(row['live_ms'], 1)} ms "
@@ -173,7 +192,7 @@ def markdown(res: dict[str, Any]) -> str:
         err = res["policies"][p]["max_abs_error"]
         L.append("")
         L.append(f"Largest |error|, {p}: {'–' if err is None else f'{100 * err:.1f} %'}.")
-    L += ["", "| policy | rate | side | done / sent | req/s | out tok/s | TTFT p50 / p95 / p99 (ms) "
+    L += ["", "| configuration | rate | side | done / sent | req/s | out tok/s | TTFT p50 / p95 / p99 (ms) "
               "| TPOT p50 / p95 / p99 (ms) | max gap p50 / p95 / p99 (ms) | SLO met |",
           "|---|---:|---|---:|---:|---:|---|---|---|---:|"]
     for p in s["policies"]:
@@ -198,9 +217,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rates", default=",".join(f"{r:g}" for r in DEFAULT_RATES), help="requests/s, comma separated")
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per rate")
     parser.add_argument("--scale", type=float, default=0.064, help="length mix scale (0.064: prompts 16..512)")
-    parser.add_argument("--policies", default=",".join(POLICIES), help="fixed, slo or both, comma separated")
+    parser.add_argument("--policies", default=",".join(POLICIES),
+                        help="configurations of the step policy: caps, default or both, comma separated")
     parser.add_argument("--target-fraction", type=float, default=0.9,
-                        help="the SLO policy's engine targets this share of the client-side TPOT and gap targets")
+                        help="the default configuration's engine targets this share of the client-side TPOT "
+                             "and gap targets")
     parser.add_argument("--cost-model", type=pathlib.Path, default=None,
                         help="a fitted model (calibrate's cost_model_cpu.json) instead of measuring one now")
     parser.add_argument("--reps", type=int, default=3, help="repeats per grid point when measuring")
@@ -239,15 +260,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     slo = (ttft_ms, tpot_ms)
     workloads = {r: synthetic_workload(arrival_times(r, duration_s=args.duration, seed=args.seed), mix, seed=args.seed)
                  for r in rates}
-    live = {p: run_live(p, workloads, _slo_args(p, tpot_ms, gap_ms, args.target_fraction), seed=args.seed,
+    live = {p: run_live(p, workloads, _target_args(p, tpot_ms, gap_ms, args.target_fraction), seed=args.seed,
                         scale=args.scale, progress=args.progress) for p in policies}
     num_blocks = facts.get("num_blocks") or EngineConfig().num_blocks or 5825
-    configs = {p: design_config(num_blocks=num_blocks, queue_budget_s=QUEUE_BUDGET_S,
-                                **({} if p == "fixed" else {"policy": "slo",
-                                                            "tpot_target_ms": tpot_ms * args.target_fraction,
-                                                            "gap_target_ms": gap_ms * args.target_fraction}))
-               for p in policies}
-    fit_policy = policies[0]
+    configs = {}
+    for p in policies:
+        tpot_target, gap_target = _targets(p, tpot_ms, gap_ms, args.target_fraction)
+        configs[p] = design_config(num_blocks=num_blocks, queue_budget_s=QUEUE_BUDGET_S,
+                                   tpot_target_ms=tpot_target, gap_target_ms=gap_target)
+    fit_policy = "caps" if "caps" in policies else policies[0]
     low = min(rates)
     overhead_ms, delay_ms = fit_live_path(workloads[low], live[fit_policy]["records"][low], fields, facts,
                                           configs[fit_policy], slo)

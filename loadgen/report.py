@@ -65,16 +65,17 @@ FAIR_SHORT = (100, 20)           # key B: prompt tokens, answer tokens, one per 
 FAIR_RETRIES = 100
 # Our extra target: the longest gap between two tokens (≈ 3 reference steps of 65.6 ms).
 STALL_TARGET_MS = 200.0
-# How each step is sized: the design's fixed caps, SLO-driven steps, and a vLLM-default-like
-# policy (max_num_batched_tokens 2,048, max_num_seqs 256). Each is EngineConfig overrides.
-POLICIES = {"fixed": (),
-            "slo": (("policy", "slo"),),
+# How each step is sized: configurations of the one step policy (`StepBudget`), each EngineConfig
+# overrides. "caps": the design's token caps alone (no step is predicted within 1 ms targets, so
+# the time budget adds nothing); "default": the caps plus the TPOT target's slack spent on
+# prefill; "vllm": vLLM-default-like caps (max_num_batched_tokens 2,048, max_num_seqs 256).
+POLICIES = {"caps": (("tpot_target_ms", 1.0), ("gap_target_ms", 1.0)),
+            "default": (),
             "vllm": (("max_rows", 256), ("prefill_token_budget", 2048), ("prefill_token_budget_few_rows", 2048))}
-POLICY_LABELS = {"fixed": "fixed caps: 32 rows, 256-token chunk (design)",
-                 "slo": "SLO-driven steps (TPOT 70 ms, gap 100 ms)",
+POLICY_LABELS = {"caps": "token caps alone: 32 rows, 256-token chunk (design)",
+                 "default": "caps + TPOT slack on prefill (default: TPOT 70 ms, gap 100 ms)",
                  "vllm": "vLLM-default-like: 256 rows, 2,048-token chunk"}
 GAP_P99_TARGET_MS = 100.0        # p99 of each request's longest gap between two tokens
-SLO_SHARES = (0.1, 0.37)         # other values of slo_prefill_share (the default is the config's)
 BUSY_RATE, BUSY_MINUTE = 2.0, 5  # the plot of step times: this rate, this virtual minute
 
 
@@ -178,8 +179,6 @@ def plan(rates: Sequence[float] = RATES, minutes: float = 10.0, rows: Sequence[i
             for k in (0, FAIR_RETRIES)]
     pts += [Point("disconnect", DISCONNECT_RATE, (), minutes, seed, disconnect=DISCONNECT_FRACTION)]
     pts += [Point("policy", r, (("label", name),) + ov, minutes, seed) for name, ov in POLICIES.items() for r in rates]
-    pts += [Point("slo_share", r, (("policy", "slo"), ("slo_prefill_share", x)), minutes, seed)
-            for x in SLO_SHARES for r in rates]
     return pts
 
 
@@ -250,10 +249,7 @@ def analyse(results: Sequence[dict[str, Any]], rates: Sequence[float]) -> dict[s
     for name in POLICIES:
         runs = _group(results, "policy", label=name)
         policies[name] = _policy_summary(runs, top)
-    shares = {}
-    for x in SLO_SHARES:
-        shares[str(x)] = _policy_summary(_group(results, "slo_share", slo_prefill_share=x), top)
-    return {"modes": modes, "policies": policies, "slo_shares": shares,
+    return {"modes": modes, "policies": policies,
             "design_goodput_rps": st.goodput((r["rate"], r["slo"]["attainment"]) for r in design) if design else None,
             "sweep": sweep, "sweep_best": best, "fairness": fair,
             "disconnect": disc[0]["disconnect"] if disc else None,
@@ -262,7 +258,7 @@ def analyse(results: Sequence[dict[str, Any]], rates: Sequence[float]) -> dict[s
 
 
 def _policy_summary(runs, top: float) -> dict[str, Any]:
-    """Goodput of one policy's runs, with and without the p99 longest-gap target, and its numbers
+    """Goodput of one configuration's runs, with and without the p99 longest-gap target, and its numbers
     at the highest rate."""
     gap_ok = {r["rate"]: (r["max_gap_ms"]["p99"] or 0.0) <= GAP_P99_TARGET_MS for r in runs}
     sat = next((r for r in runs if r["rate"] == top), None)
@@ -278,7 +274,7 @@ def _policy_summary(runs, top: float) -> dict[str, Any]:
 def busy_minute(rate: float = BUSY_RATE, minute: int = BUSY_MINUTE, minutes: float = 10.0,
                 seed: int = 0) -> dict[str, list[tuple[float, float, int]]]:
     """(start s, step ms, decode rows) of every step in virtual minute `minute` of a run at `rate`,
-    per policy (the same trace for each)."""
+    per configuration of `POLICIES` (the same trace for each)."""
     from engine.core.sim_executor import SimExecutor
     from loadgen.sim import design_config, simulate
 
@@ -293,15 +289,15 @@ def busy_minute(rate: float = BUSY_RATE, minute: int = BUSY_MINUTE, minutes: flo
 
 def plot_busy_minute(steps: dict[str, list[tuple[float, float, int]]], out: pathlib.Path,
                      rate: float = BUSY_RATE, minute: int = BUSY_MINUTE) -> str:
-    """policy_steps.png: step time and decode rows per step of each policy over one minute."""
+    """policy_steps.png: step time and decode rows per step of each configuration over one minute."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 1, figsize=(11, 6.4), sharex=True)
-    colors = {"fixed": "tab:orange", "slo": "tab:blue", "vllm": "tab:green"}
-    for name in ("vllm", "fixed", "slo"):                   # the SLO policy drawn last, on top
+    colors = {"caps": "tab:orange", "default": "tab:blue", "vllm": "tab:green"}
+    for name in ("vllm", "caps", "default"):               # the default drawn last, on top
         color, pts = colors[name], steps[name]
         t = [p[0] - minute * 60.0 for p in pts]
         axes[0].plot(t, [p[1] for p in pts], lw=0.7, color=color, label=POLICY_LABELS[name])
@@ -415,32 +411,42 @@ def _rps(x):
 
 
 def _policy_section(results, summary, meta) -> list[str]:
-    """Section 4: how each step is sized, three policies on the same trace."""
+    """Section 4: how each step is sized, three configurations of the step policy on the same trace."""
     from engine.config import EngineConfig
 
     rates = meta["rates"]
-    share = EngineConfig().slo_prefill_share
+    cfg = EngineConfig()
+    tpot, gap = cfg.tpot_target_ms, cfg.gap_target_ms
     pol = summary["policies"]
-    L = ["", "## 4. How each step is sized: fixed caps, SLO-driven steps, a vLLM-like budget", "",
+    L = ["", "## 4. How each step is sized: the design's caps, the caps plus the TPOT slack, a vLLM-like budget", "",
          "Same trace, same 2 s admission budget, same SLOs (TTFT ≤ 3 s, TPOT ≤ 70 ms), plus a target on the "
          f"run: the p99 of each request's longest gap between two tokens ≤ **{GAP_P99_TARGET_MS:g} ms**. "
          "*Goodput + gap* is the highest rate at which ≥ 95 % meet TTFT and TPOT and the run meets the gap "
          "target, every lower rate too.", "",
-         "- **Fixed caps** (`--policy fixed`, the design): at most 32 rows and 256 prompt tokens per step "
-         "(1,024 while ≤ 4 rows decode).",
-         "- **SLO-driven** (`--policy slo`): the scheduler predicts each step's time with the cost model "
-         "(rows, their contexts, prefill pieces). A request joins while the decode step of every running row "
-         "plus its own, and the prefill those rows bring in steady state (an average prompt's prefill over an "
-         f"average answer's steps per row, at least a {share:g} share), stay within the TPOT target, and while "
-         "that decode step leaves one 64-token prefill piece within the gap target; prefill pieces "
-         "join the step while it is predicted to end within the least of each sampling row's limits: its gap "
-         "target (100 ms after its last token) and the time that keeps its mean time per output token within "
-         "70 ms, never less than 70 ms. Memory (5 % margin), per-key caps, fair queueing and the 64-token "
-         "prefill grid are unchanged.",
-         "- **vLLM-default-like**: fixed caps of 256 rows and 2,048 prompt tokens per step (vLLM's "
-         "`max_num_seqs` and `max_num_batched_tokens`; vLLM also counts decode tokens in the 2,048, a "
-         "difference of at most the rows).", "",
-         "| policy | goodput | goodput + gap | " + " | ".join(f"SLO met at {r:g}" for r in rates)
+         "genserve has one step policy (`engine.core.sched.step_budget.StepBudget`): at most `max_rows` rows; "
+         "a step's prefill pieces join while its prompt tokens stay within the design's token caps (the floor: "
+         f"{cfg.prefill_token_budget:,} tokens, {cfg.prefill_token_budget_few_rows:,} while ≤ {cfg.few_rows} rows "
+         "decode), or while the cost model (rows, their contexts, prefill pieces) predicts the step within the "
+         "time its sampling rows can spare: for each row the least of its gap target (`--gap-target-ms`, after "
+         "its last token) and the time that keeps its mean time per output token within the TPOT target "
+         "(`--tpot-target-ms`), never less than the TPOT target, never more than the gap target. Rows that "
+         "decode faster than the target bank the difference, and the bank is spent on prefill. At equal "
+         "service of their keys the prompt with the fewest tokens left to prefill goes first. Memory (5 % "
+         "margin), per-key caps, fair queueing and the 64-token prefill grid are the same in all three "
+         "configurations:", "",
+         "- **Caps alone** (`--tpot-target-ms 1 --gap-target-ms 1`, the design's caps): no step is predicted "
+         f"within 1 ms, so the time budget adds nothing: at most {cfg.max_rows} rows and "
+         f"{cfg.prefill_token_budget:,} prompt tokens per step ({cfg.prefill_token_budget_few_rows:,} while "
+         f"≤ {cfg.few_rows} rows decode).",
+         f"- **Default** (no flags: TPOT target {tpot:g} ms, gap target {gap:g} ms): the same caps, plus the "
+         "prefill the targets leave room for: a step of 32 decode rows, 40 ms in the design's costs, may "
+         f"carry ≈ {(tpot - 40) / 0.1:,.0f} prompt tokens ({tpot - 40:g} ms), up to ≈ {(gap - 40) / 0.1:,.0f} "
+         f"({gap - 40:g} ms) when its rows have banked time, where the caps allow {cfg.prefill_token_budget:,}.",
+         "- **vLLM-default-like**: caps of 256 rows and 2,048 prompt tokens per step (vLLM's `max_num_seqs` "
+         "and `max_num_batched_tokens`; vLLM also counts decode tokens in the 2,048, a difference of at most "
+         f"the rows), default targets; a 2,048-token step is predicted beyond the {gap:g} ms gap target, so "
+         "its time budget adds nothing either.", "",
+         "| configuration | goodput | goodput + gap | " + " | ".join(f"SLO met at {r:g}" for r in rates)
          + " | max gap p99 at " + " / ".join(f"{r:g}" for r in rates) + " (ms) | req/s at "
          + f"{max(rates):g} | out tok/s at {max(rates):g} |",
          "|---|---:|---:|" + "---:|" * len(rates) + "---|---:|---:|"]
@@ -451,22 +457,13 @@ def _policy_section(results, summary, meta) -> list[str]:
                  + " | ".join(_pct(r["slo"]["attainment"]) for r in runs) + " | "
                  + " / ".join(_f(r["max_gap_ms"]["p99"]) for r in runs)
                  + f" | {_f(p['throughput_rps_at_top'], 2)} | {_f(p['output_tokens_per_s_at_top'])} |")
-    L += ["", "![step time and rows per step of each policy over a busy minute](policy_steps.png)", "",
+    L += ["", "![step time and rows per step of each configuration over a busy minute](policy_steps.png)", "",
           f"The plot: every step of virtual minute {meta['busy_minute']}–{meta['busy_minute'] + 1} of the "
           f"{meta['busy_rate']:g} "
-          "requests/s run, per policy (same trace).", "",
-          f"The SLO policy's prefill share (`--slo-prefill-share`, default {share:g}), other values on the same "
-          "trace:", "",
-          "| prefill share | goodput | goodput + gap | " + " | ".join(f"SLO met at {r:g}" for r in rates) + " |",
-          "|---:|---:|---:|" + "---:|" * len(rates)]
-    rows = [(share, pol["slo"])] + [(float(x), summary["slo_shares"][str(x)]) for x in SLO_SHARES]
-    for x, p in sorted(rows, key=lambda t: t[0]):
-        L.append(f"| {x:g}{' (default)' if x == share else ''} | {_rps(p['goodput_rps'])} "
-                 f"| {_rps(p['goodput_with_gap_rps'])} | "
-                 + " | ".join(_pct(p["attainment"].get(f"{r:g}")) for r in rates) + " |")
+          "requests/s run, per configuration (same trace)."]
     live = meta.get("live_policies")
-    L += ["", "Both policies on the live server of this machine, in one run, with the simulator's error for the "
-              "SLO policy: `python -m loadgen.live_policies --out docs/benchmarks/live_policies` "
+    L += ["", "Caps alone and the default on the live server of this machine, in one run, with the simulator's "
+              "error for each: `python -m loadgen.live_policies --out docs/benchmarks/live_policies` "
               + (f"([live_policies/summary.md](live_policies/summary.md), run {live['date']}). At this machine's "
                  f"scaled SLOs (TTFT ≤ {live['slo']['ttft_ms']:.0f} ms, TPOT ≤ {live['slo']['tpot_ms']:.0f} ms) "
                  f"and {', '.join(f'{r:g}' for r in live['rates'])} requests/s, live goodput "
@@ -475,7 +472,7 @@ def _policy_section(results, summary, meta) -> list[str]:
                  + f"; with the run's p99 longest gap within {live['slo']['gap_ms']:.0f} ms as well, "
                  + ", ".join(f"{p} {_rps(g)}" for p, g in live["goodput_gap"].items()) + "."
                  if live else "(not run yet on a quiet machine).")]
-    L += ["", "All runs of the three policies:", ""]
+    L += ["", "All runs of the three configurations:", ""]
     L += _run_table([r for name in POLICIES for r in _group(results, "policy", label=name)],
                     lambda r: r["point"]["overrides"]["label"])
     return L

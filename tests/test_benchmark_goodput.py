@@ -77,8 +77,8 @@ def test_compare_takes_each_servers_best_rate_and_the_rates_both_serve():
     assert c["best"] == {GENSERVE: 2.4, VLLM: 1.6}
     assert c["ratio"] == pytest.approx(1.5)
     assert c["ttft_p95_where_both_serve"] == {1.0: (300, 250)}
-    table["genserve --policy slo"] = {1.0: row(1.0, 1.0, 200), 2.0: row(3.2, 0.99, 400)}
-    c2 = compare(table, VLLM, "genserve --policy slo")
+    table["genserve --gap-target-ms 200"] = {1.0: row(1.0, 1.0, 200), 2.0: row(3.2, 0.99, 400)}
+    c2 = compare(table, VLLM, "genserve --gap-target-ms 200")
     assert c2["ratio"] == pytest.approx(2.0) and c2["ttft_p95_where_both_serve"] == {1.0: (200, 250)}
 
 
@@ -103,7 +103,7 @@ def test_page_from_the_saved_json():
 
 def test_variant_labels():
     assert goodput.variant_labels([""]) == [GENSERVE]
-    assert goodput.variant_labels(["", "--policy slo"]) == [GENSERVE, "genserve --policy slo"]
+    assert goodput.variant_labels(["", "--gap-target-ms 200"]) == [GENSERVE, "genserve --gap-target-ms 200"]
 
 
 @pytest.mark.parametrize("argv, needle", [

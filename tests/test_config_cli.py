@@ -25,8 +25,8 @@ NON_DEFAULT = EngineConfig(
     kv_pool_bytes=3 * GIB + 12_345, num_blocks=100, free_margin=0.1, per_key_rows=4,
     queue_budget_s=3.5, output_token_weight=6.25, default_deadline_s=60.0, dtype="float32",
     num_threads=3, batching="dynamic", dynamic_window_s=0.02, device="cpu",
-    activation_reserve_bytes=2_500_000_000, policy="slo", tpot_target_ms=50.0, gap_target_ms=80.0,
-    slo_prefill_share=0.3, slo_row_limit=128, prefix_caching=False, prefix_cache_scope="global", weights="q4",
+    activation_reserve_bytes=2_500_000_000, tpot_target_ms=50.0, gap_target_ms=80.0,
+    prefix_caching=False, prefix_cache_scope="global", weights="q4",
     kv_cache_dtype="int8")
 
 
@@ -109,8 +109,8 @@ def test_choices_are_enforced(capsys):
     assert flags["dtype"].choices == DTYPES
     assert flags["batching"].choices == BATCHING_MODES
     assert flags["device"].choices == ("auto", "cpu", "cuda")
-    assert flags["policy"].choices == ("fixed", "slo") and flags["weights"].choices == ("auto", "bf16", "q4", "int8", "q4q8")
-    for flag, value in (("--dtype", "float8"), ("--device", "tpu"), ("--policy", "fast")):
+    assert flags["weights"].choices == ("auto", "bf16", "q4", "int8", "q4q8")
+    for flag, value in (("--dtype", "float8"), ("--device", "tpu"), ("--weights", "fp4")):
         with pytest.raises(SystemExit):
             parse([flag, value])
         assert "invalid choice" in capsys.readouterr().err

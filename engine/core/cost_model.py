@@ -1,6 +1,6 @@
 """The step-time model: what one step costs the device, from its rows, their contexts and its prompt.
 
-One formula serves the scheduler (the SLO policy sizes each step with it; admission control
+One formula serves the scheduler (a step's prefill beyond the design's caps is sized with it; admission control
 estimates queued device-seconds with it) and the simulator (`SimExecutor` advances its virtual
 clock by it). Step time in milliseconds of a step with B decode rows and C prefill tokens:
 

@@ -43,7 +43,7 @@ class Engine:
         executor: `ModelRunner` or `SimExecutor`.
         num_blocks: blocks of the pool, as many as the executor's KV cache holds; None:
             `config.num_blocks`.
-        cost_model: the per-token costs admission control and the SLO policy predict steps with
+        cost_model: the per-token costs admission control and the step budget predict steps with
             (None: the design's, `CostModel()`); the scheduler owns it from here on.
         clock: seconds, monotonic (tests pass a fake one).
     Raises:

@@ -9,6 +9,10 @@ from engine.core.engine import Engine
 from engine.core.request import Request, SamplingParams
 from engine.core.sim_executor import SimExecutor
 
+CAPS_ONLY = {"tpot_target_ms": 1.0, "gap_target_ms": 1.0}
+"""Targets no step is predicted within: prefill beyond the design's token caps never fits, so the
+caps alone size each step's prefill (`StepBudget`)."""
+
 
 class FakeClock:
     """A settable clock in seconds."""

@@ -13,7 +13,7 @@ import math
 import pytest
 
 from engine.config import EngineConfig
-from tests.engine.sim import make_request, sim_engine
+from tests.engine.sim import CAPS_ONLY, make_request, sim_engine
 
 
 def _record(engine):
@@ -44,7 +44,8 @@ def test_continuous_admits_a_newcomer_into_a_running_batch():
 def test_continuous_unchunked_prefills_a_long_prompt_in_one_step_beside_decoding_rows():
     plans_by_mode = {}
     for mode in ("continuous", "continuous_unchunked"):
-        engine, _ = sim_engine(max_rows=8, few_rows=0, batching=mode)   # chunk 256 at any row count
+        # chunk 256 at any row count, nothing beyond it
+        engine, _ = sim_engine(max_rows=8, few_rows=0, batching=mode, **CAPS_ONLY)
         engine.submit(make_request(10, 50))
         engine.step()
         engine.submit(make_request(3000, 5))

@@ -6,11 +6,12 @@ import pytest
 
 from engine.core.outputs import FinishReason
 from engine.core.sched.admission import AdmissionRejected
-from tests.engine.sim import make_request, sim_engine
+from tests.engine.sim import CAPS_ONLY, make_request, sim_engine
 
 
 def test_long_prompt_is_chunked_while_other_rows_decode():
-    engine, _ = sim_engine(prefill_token_budget_few_rows=256)   # a 256-token budget at any row count
+    # a 256-token budget at any row count, nothing beyond it
+    engine, _ = sim_engine(prefill_token_budget_few_rows=256, **CAPS_ONLY)
     ev_short, ev_long = [], []
     engine.submit(make_request(10, 50, events=ev_short))
     engine.step()                                   # short prompt prefilled, first token
@@ -40,7 +41,7 @@ def test_prefill_budget_rises_when_few_rows_decode():
 
 
 def test_short_prompt_of_a_light_key_prefills_before_a_heavy_keys_long_prompt():
-    engine, _ = sim_engine(prefill_token_budget_few_rows=256)
+    engine, _ = sim_engine(prefill_token_budget_few_rows=256, **CAPS_ONLY)
     engine.submit(make_request(4000, 5, api_key="a"))
     engine.step()
     engine.submit(make_request(100, 5, api_key="b"))
@@ -56,7 +57,8 @@ def test_one_keys_prompts_prefill_shortest_remaining_first():
     """Within one key, the step's prefill goes to the prompt with the fewest tokens left: a
     started prompt finishes before a newer one of the same length starts, and a short newcomer
     goes before a long prompt's rest."""
-    engine, _ = sim_engine(prefill_token_budget_few_rows=256)   # a 256-token budget at any row count
+    # a 256-token budget at any row count, nothing beyond it
+    engine, _ = sim_engine(prefill_token_budget_few_rows=256, **CAPS_ONLY)
     first = make_request(512, 5)
     engine.submit(first)
     engine.step()                                    # 256 of its 512 tokens

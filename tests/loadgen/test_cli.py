@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 from concurrent import futures
 
@@ -95,12 +96,24 @@ def test_sim_takes_a_batching_mode_and_a_measured_cost_model(tmp_path):
     assert first["queue_s"] == pytest.approx(0.05)
 
 
-def test_sim_takes_the_slo_policy_and_its_targets(tmp_path):
-    out = tmp_path / "sim"
-    assert main(["sim", "--rate", "4", "--num-requests", "40", "--scale", "0.2", "--policy", "slo",
-                 "--tpot-target-ms", "60", "--gap-target-ms", "80", "--out", str(out), "--no-progress"]) == 0
-    rep = _check_outputs(out, [4.0])
-    assert "policy='slo'" in rep["config"]["engine"] and "tpot_target_ms=60.0" in rep["config"]["engine"]
-    # Every step is sized within the 80 ms gap target, and each stream's mean within 60 ms.
-    assert rep["runs"][0]["max_gap_ms"]["p99"] <= 80.0 + 1e-6
-    assert rep["runs"][0]["tpot_ms"]["p99"] <= 60.0 + 1e-6
+def test_sim_takes_the_step_targets(tmp_path):
+    runs = {}
+    for tpot, gap in (("60", "80"), ("1", "1")):
+        out = tmp_path / f"sim-{tpot}"
+        assert main(["sim", "--rate", "2", "--num-requests", "60", "--scale", "0.5", "--tpot-target-ms", tpot,
+                     "--gap-target-ms", gap, "--out", str(out), "--no-progress", "--write-steps"]) == 0
+        rep = _check_outputs(out, [2.0])
+        assert f"tpot_target_ms={tpot}.0, gap_target_ms={gap}.0" in rep["config"]["engine"]
+        steps = list(csv.DictReader((out / "steps-2.0.csv").open()))
+        # Steps carrying more prompt tokens than the design's caps (256; 1,024 with ≤ 4 decode rows).
+        beyond = [float(s["step_s"]) * 1000.0 for s in steps
+                  if int(s["num_prefill_tokens"]) > (1024 if int(s["num_decode_rows"]) <= 4 else 256)]
+        runs[tpot] = rep["runs"][0], beyond
+    (slack, beyond), (caps, none) = runs["60"], runs["1"]
+    # 1 ms targets: the caps alone. 60 / 80 ms: prefill beyond the caps, each such step within the
+    # 80 ms gap target, which brings first tokens sooner on the same trace.
+    assert none == [] and beyond and max(beyond) <= 80.0 + 1e-6
+    assert slack["ttft_ms"]["p50"] < caps["ttft_ms"]["p50"]
+    # The slack spent on prefill leaves every stream's mean time per token within 60 ms.
+    assert slack["tpot_ms"]["p99"] <= 60.0
+

@@ -30,7 +30,24 @@ def test_gap_goodput_needs_the_gap_target_at_every_lower_rate():
     assert lp.gap_goodput(runs, 30.0) is None
 
 
-def test_the_slo_server_gets_a_share_of_the_client_side_targets():
-    assert lp._slo_args("fixed", 36.0, 51.4, 0.9) == ["--policy", "fixed"]
-    assert lp._slo_args("slo", 36.0, 51.4, 0.9) == ["--policy", "slo", "--tpot-target-ms", "32.40",
-                                                    "--gap-target-ms", "46.26"]
+def test_caps_get_1_ms_targets_and_the_default_a_share_of_the_client_side_targets():
+    assert lp.POLICIES == ("caps", "default")
+    assert lp._target_args("caps", 36.0, 51.4, 0.9) == ["--tpot-target-ms", "1", "--gap-target-ms", "1"]
+    assert lp._target_args("default", 36.0, 51.4, 0.9) == ["--tpot-target-ms", "32.4", "--gap-target-ms", "46.26"]
+    # The simulator's engine gets the same targets as the live server's flags.
+    assert lp._targets("caps", 36.0, 51.4, 0.9) == (1.0, 1.0)
+    assert lp._targets("default", 36.0, 51.4, 0.9) == (32.4, 46.26)
+    with pytest.raises(ValueError):
+        lp._targets("slo", 36.0, 51.4, 0.9)
+
+
+def test_the_server_flags_parse_to_the_simulated_targets():
+    import argparse
+
+    from engine.config_cli import add_engine_config_args, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_config_args(parser)
+    for policy in lp.POLICIES:
+        cfg = engine_config_from_args(parser.parse_args(lp._target_args(policy, 36.0, 51.4, 0.9)))
+        assert (cfg.tpot_target_ms, cfg.gap_target_ms) == lp._targets(policy, 36.0, 51.4, 0.9)

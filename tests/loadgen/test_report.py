@@ -12,9 +12,12 @@ def test_plan_covers_modes_sweep_and_scenarios():
     groups = [p.group for p in pts]
     assert groups.count("modes") == 4 * 5 and groups.count("sweep") == 3 * 3 * 5
     assert groups.count("fairness") == 2 and groups.count("disconnect") == 1
-    assert groups.count("policy") == 3 * 5 and groups.count("slo_share") == len(report.SLO_SHARES) * 5
-    labels = {p.config["label"] for p in pts if p.group == "policy"}
-    assert labels == {"fixed", "slo", "vllm"}
+    assert groups.count("policy") == 3 * 5 and set(groups) == {"modes", "sweep", "fairness", "disconnect", "policy"}
+    configs = {p.config["label"]: p.config for p in pts if p.group == "policy"}
+    assert set(configs) == {"caps", "default", "vllm"}
+    # "caps": targets of 1 ms, within which no step is predicted; "default": the engine's own targets.
+    assert (configs["caps"]["tpot_target_ms"], configs["caps"]["gap_target_ms"]) == (1.0, 1.0)
+    assert configs["default"] == {"label": "default"}
     assert all(p.minutes == 10.0 for p in pts)
     modes = {p.config["batching"] for p in pts if p.group == "modes"}
     assert modes == {"static", "dynamic", "continuous_unchunked", "continuous"}
@@ -43,16 +46,21 @@ def test_tiny_report_writes_tables_plots_and_json(tmp_path):
     assert summary["fairness"]["429_final"]["B"]["sent"] == 20
     assert summary["disconnect"]["num_disconnected"] > 0
     assert summary["disconnect"]["kv_blocks_free_end"] == 7152
-    # 2 rates × (4 modes + 2 sweep settings + 3 policies + 2 prefill shares) + 2 fairness + 1 disconnect
-    assert len(res["runs"]) == res["meta"]["num_runs"] == 25
+    # 2 rates × (4 modes + 2 sweep settings + 3 step configurations) + 2 fairness + 1 disconnect
+    assert len(res["runs"]) == res["meta"]["num_runs"] == 21
     pol = summary["policies"]
-    assert set(pol) == {"fixed", "slo", "vllm"}
-    # The SLO policy keeps every request's longest gap within 100 ms; the vLLM-like 2,048-token
-    # steps do not (25 + 204.8 ms with one row decoding).
-    assert max(pol["slo"]["gap_p99_ms"].values()) <= 100.0 + 1e-6
+    assert set(pol) == {"caps", "default", "vllm"}
+    # The TPOT slack spent on prefill brings first tokens sooner than the caps alone, at every rate
+    # of the same trace; the vLLM-like 2,048-token steps (25 + 204.8 ms with one row decoding) put
+    # every run's p99 longest gap over 100 ms.
+    ttft = {(r["point"]["overrides"]["label"], r["rate"]): r["ttft_ms"]["p50"]
+            for r in res["runs"] if r["point"]["group"] == "policy"}
+    assert all(ttft["default", rate] < ttft["caps", rate] for rate in (1.0, 1.5))
     assert min(pol["vllm"]["gap_p99_ms"].values()) > 100.0
     md = (out / "README.md").read_text()
     for heading in ("## 1. Scheduler modes", "## 3. Row cap", "## 4. How each step is sized", "## 5. Fairness",
-                    "## 6. Cancellation", "![step time and rows per step of each policy over a busy minute]",
-                    "TTFT ≤ **3 s**", "![throughput against p95 TPOT](sweep_tpot.png)"):
+                    "## 6. Cancellation", "![step time and rows per step of each configuration over a busy minute]",
+                    "TTFT ≤ **3 s**", "![throughput against p95 TPOT](sweep_tpot.png)",
+                    "`--tpot-target-ms 1 --gap-target-ms 1`"):
         assert heading in md
+    assert "--policy" not in md

@@ -92,16 +92,13 @@ class AdmissionControl:
         would admit waits for nothing and counts nothing: a free row and its prompt's blocks plus
         the free margin, or room the join makes by preempting a key over `per_key_rows`. From the
         first one that does not fit on, everything waits (join never skips ahead) and counts its
-        estimate, up to `req`. `rows` is `max_rows` under the fixed policy and `full_rows` under
-        "slo". Under static and dynamic batching all queued work and `req`'s count.
+        estimate, up to `req`. Under static and dynamic batching all queued work and `req`'s count.
 
         Where it differs from the join's own check (`Scheduler._fits`), on purpose: it sorts by
         (over the cap, served, `req` last among equals, arrival), not `next_candidate`'s (served,
         rows, head's arrival) per key; it counts a prompt's whole blocks, with no credit for
-        cached prefix blocks; it keeps the margin even when nothing runs; room made by
-        preemption leaves the preempted key's rows and blocks in its tally; and under "slo" it
-        caps the rows at `full_rows` (average contexts) instead of checking the running rows' own
-        contexts against `slo_row_limit` and the targets.
+        cached prefix blocks; it keeps the margin even when nothing runs; and room made by
+        preemption leaves the preempted key's rows and blocks in its tally.
         """
         cfg = self.config
         rows_of = {k: u.running_rows for k, u in queue.usage.items() if u.running_rows}

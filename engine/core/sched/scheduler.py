@@ -24,7 +24,8 @@ so its cache — and its later tokens — are bit-identical to a run without pre
 * `fair_queue.FairQueue`: the waiting requests per API key, the keys' usage accounts, which
   request joins next;
 * `admission.AdmissionControl`: the queue budget (429);
-* `step_budget`: `FixedBudget` or `SloBudget`, the rows that fit and each step's prefill budget;
+* `step_budget.StepBudget`: the rows that fit, each step's prefill budget (the design's token
+  caps, and beyond them the time the TPOT and gap targets leave) and the order prompts fill it;
 * `batching`: when requests may join (continuous, static, dynamic) and whether prompts are cut;
 * `engine.core.kv_cache_manager.KVCacheManager`: what a request takes from the prefix cache and
   what it offers back.
@@ -46,7 +47,7 @@ from engine.core.request import Request, RequestState
 from engine.core.sched.admission import AdmissionControl, AdmissionRejected
 from engine.core.sched.batching import batching_for
 from engine.core.sched.fair_queue import FairQueue, KeyUsage
-from engine.core.sched.step_budget import PieceFit, RequestAverages, step_budget_for
+from engine.core.sched.step_budget import PieceFit, RequestAverages, StepBudget
 
 # AdmissionRejected lives in admission.py; it stays importable from here for older callers.
 __all__ = ["AdmissionRejected", "Scheduler", "SchedulerStats"]
@@ -76,8 +77,8 @@ class Scheduler:
     Args:
         config: the engine's dials (row cap, prefill budget, margins, fairness weights, budget).
         pool: the block pool whose free list bounds admission.
-        cost: per-token device costs for admission control, the queue estimate and the SLO
-            policy (None: the design's, `CostModel()`). May be replaced later (`cost = ...`).
+        cost: per-token device costs for admission control, the queue estimate and the step's
+            prefill budget (None: the design's, `CostModel()`). May be replaced later (`cost = ...`).
 
     Attributes:
         running: running requests (samples included), in admission order: oldest first.
@@ -100,7 +101,7 @@ class Scheduler:
         self.averages = RequestAverages()
         self.margin_blocks = math.ceil(config.free_margin * pool.num_blocks)
         self.batching = batching_for(config)
-        self.budget = step_budget_for(config, self.batching.chunked_prefill)
+        self.budget = StepBudget(config, self.batching.chunked_prefill)
         self.admission = AdmissionControl(config, pool, self.margin_blocks,
                                           self.batching.joins_between_steps)
         self.num_preemptions = 0
@@ -130,7 +131,7 @@ class Scheduler:
         for child in req.children:
             child.arrival_s, child.deadline_s = req.arrival_s, req.deadline_s
         if self.queue.depth:
-            rows = self.budget.queue_rows(self.cost, self.averages)
+            rows = self.budget.queue_rows()
             self.admission.check(req, self.queue, self.running, rows)
         req.state = RequestState.QUEUED
         self.queue.enqueue(req)
@@ -146,10 +147,9 @@ class Scheduler:
             r.cancel_requested = True
 
     def full_rows(self) -> int:
-        """Rows of a full step, for the device-time estimates of admission control: 32 under the
-        fixed policy, the most rows the SLO targets allow at the average context under "slo"
-        (`FixedBudget.full_rows`, `SloBudget.full_rows`)."""
-        return self.budget.full_rows(self.cost, self.averages)
+        """Rows of a full step, for the device-time estimates of admission control
+        (`StepBudget.full_rows`)."""
+        return self.budget.full_rows()
 
     def join_wait_s(self, now: float) -> float:
         """Seconds until the batching mode lets queued requests join (rows and blocks
@@ -340,7 +340,7 @@ class Scheduler:
         """Rows and blocks allow `req` now: the step budget's rows (`StepBudget.rows_fit`), and
         free blocks, less those reserved for running prefills, cover its prompt plus the margin
         (without the margin when nothing runs)."""
-        if not self.budget.rows_fit(self.running, req, self.cost, self.averages):
+        if not self.budget.rows_fit(self.running, req):
             return False
         hits = self.kv_cache.get_computed_blocks(req, self.config.prefill_piece)
         # Cached blocks another request holds cost no free block; unused cached ones are
@@ -365,14 +365,13 @@ class Scheduler:
     # -- build --------------------------------------------------------------------------------
     def _build(self, plan: StepPlan, now: float) -> None:
         """Build: one token per decoding row, then prefill pieces within the step's budget
-        (`StepBudget.for_step`: tokens under the fixed policy, predicted time under "slo"; none
-        unless prefill is chunked: whole prompts in one step).
+        (`StepBudget.for_step`: the design's prompt tokens, and more while the step's predicted time
+        stays within what its rows can spare; whole prompts when prefill is not chunked).
 
         Prefill goes to the least-served key first (at a tie, as the budget orders prompts:
         `prefill_tiebreak`), several requests share a step, and each request is cut on the
         `prefill_piece` grid: the budget decides how many pieces run, never where a prompt is
-        cut. A piece that does not fit moves on to the next request, or ends the step's prefill
-        when the budget says so (`PieceFit`).
+        cut. A piece that does not fit moves on to the next request (`PieceFit`).
         """
         for req in list(self.running):
             if req.is_prefilling or req not in self.running:
@@ -390,15 +389,13 @@ class Scheduler:
             pos = req.num_computed
             while pos < req.num_prompt and req in self.running:
                 length = min(req.num_prompt - pos, piece - pos % piece)
-                fit = budget.check(pos, length)
-                if fit is PieceFit.STEP_FULL:
-                    return
-                if fit is PieceFit.NEXT_REQUEST or not self._reserve(req, pos, pos + length, plan):
+                if (budget.check(pos, length) is PieceFit.NEXT_REQUEST
+                        or not self._reserve(req, pos, pos + length, plan)):
                     break
                 plan.segments.append(Segment(req, pos, length, pos + length == req.num_tokens,
                                              tuple(self.pool.table(req.request_id))))
+                budget.spend(pos, length)
                 pos += length
-                budget.spend(length)
 
     def _reserve(self, req: Request, pos: int, num_tokens: int, plan: StepPlan) -> bool:
         """Give `req` blocks for `num_tokens` positions (writing from `pos`), preempting newer
