@@ -65,8 +65,9 @@ class EngineConfig:
             can spare: each row's mean time per output token stays within this target
             (`engine.core.sched.step_budget.StepBudget`).
         gap_target_ms: the longest gap between two tokens of a stream that prefill beyond the
-            token caps may cause, ms (GAP). The caps alone may make longer steps on a host slower
-            than the cost model's targets.
+            token caps may cause, ms (150: under the Helm chart's alert on a p99 longest gap of
+            200 ms, with room for the cost model's error). The caps alone may make longer steps
+            on a host slower than the cost model's targets.
         prefix_caching: reuse the K/V blocks of a prompt prefix an earlier request computed
             (on by default, as in vLLM): full prompt blocks stay cached after their request ends
             and are taken back least recently used only when the pool needs them; reuse is in
@@ -120,7 +121,7 @@ class EngineConfig:
     device: str = "auto"
     activation_reserve_bytes: int = 6 * 10**9
     tpot_target_ms: float = 70.0
-    gap_target_ms: float = 100.0
+    gap_target_ms: float = 150.0
     prefix_caching: bool = True
     prefix_cache_scope: str = "key"
     weights: str = "auto"

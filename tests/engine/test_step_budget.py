@@ -62,9 +62,9 @@ def test_prefill_beyond_the_caps_fills_the_time_the_row_can_spare():
 
 
 def test_steps_stretch_to_the_gap_target_when_the_row_has_banked_time():
-    # 20 decode steps of 25 ms against a 70 ms pace: 900 ms banked, so the 100 ms gap target
+    # 20 decode steps of 25 ms against a 70 ms pace: 900 ms banked, so a 100 ms gap target
     # limits: 25 ms + 11 pieces (70.4 ms); a 12th would make 101.8.
-    engine, plan = _step_after_first_token(20)
+    engine, plan = _step_after_first_token(20, gap_target_ms=100.0)
     assert [g.length for g in plan.segments if not g.decode] == [64] * 11
     assert _ms(engine, plan) == pytest.approx(95.4)
     # A longer gap target lets the same step take more of the bank: 25 + 0.1 x 1,472 = 172.2 ms.
