@@ -20,8 +20,9 @@ class CpuBackend:
     """Attention on the CPU: `paged_sdpa.attend` with genserve's kernels or with torch SDPA.
 
     Args:
-        kernels: genserve's CPU kernels run the decode rows and, where the CPU has AVX512-BF16,
-            the bf16 prefill pieces (name "cpu-kernels"); else torch SDPA ("cpu-sdpa").
+        kernels: genserve's CPU kernels run the decode rows and, where the CPU has AVX512-BF16
+            and no usable AMX, the bf16 prefill pieces (name "cpu-kernels"; with AMX torch's
+            flash attention runs them); else torch SDPA ("cpu-sdpa").
     """
 
     int8_kv: ClassVar[bool] = True          # the kernels read the 8-bit rows; SDPA dequantizes

@@ -169,6 +169,16 @@ def prefill_kernel_available() -> bool:
 
 
 @functools.cache
+def prefill_kernel_preferred() -> bool:
+    """True where prefill pieces should run `paged_prefill` rather than torch's flash attention:
+    the kernel is built (`prefill_kernel_available`) and AMX is not usable (`q4_amx_available`).
+    Where AMX is usable, torch's CPU flash kernel (its products through oneDNN's brgemm, on the
+    AMX tiles) was the faster, 2.2-2.4x per 64-query piece over 512-2,048 keys; without AMX the
+    AVX512-BF16 kernel was 4-7x faster than it (docs/benchmarks/kernels.md)."""
+    return prefill_kernel_available() and not q4_amx_available()
+
+
+@functools.cache
 def packed_linear_available() -> bool:
     """True if the kernels built and this CPU's build includes `packed_linear` (AVX512-BF16)."""
     return available() and hasattr(torch.ops.genserve, "packed_linear")

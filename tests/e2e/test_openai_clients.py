@@ -103,13 +103,20 @@ def test_chat_field_walk_on_the_real_template(server):
 
 
 def test_chat_without_max_tokens_runs_to_its_natural_end(server):
+    """No max_tokens: the answer runs past 16 tokens (no small default cut it) and ends by itself.
+    The prompt is a closed list the greedy answer ends after, "The months of the year are: January,
+    ..., December." (32 tokens), the same under the exact bf16 products, llama.cpp's Q4_1 x Q8_1, and
+    with `paged_prefill` or torch's flash kernel for prefill attention; its one near tie (" April"
+    against " May") leaves the list closed either way. "List the days of the week, one per line."
+    ended after 61 tokens with `paged_prefill` but repeated "Sunday, Sunday" to the 1,000-token
+    default with the flash kernel (AMX hosts)."""
     r = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=300, json={
-        "messages": [{"role": "user", "content": "List the days of the week, one per line."}],
+        "messages": [{"role": "user", "content": "List the months of the year."}],
         "temperature": 0, "max_tokens": None})
     body = r.json()
     assert body["choices"][0]["finish_reason"] == "stop", body
     assert body["usage"]["completion_tokens"] > 16
-    assert "Sunday" in body["choices"][0]["message"]["content"]
+    assert "December" in body["choices"][0]["message"]["content"]
 
 
 def test_logprob_bytes_of_characters_split_across_tokens(server, openai_client):

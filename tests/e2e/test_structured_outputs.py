@@ -103,7 +103,20 @@ def test_two_hundred_sampled_outputs_all_validate(server):
 
 
 def test_json_object_mode_regex_and_choice_on_both_endpoints(server):
-    r = _chat(server, temperature=1.0, seed=1, n=4, max_tokens=120, response_format={"type": "json_object"})
+    """json_object mode on a request whose answer is a short object, so that samples close it
+    ("Describe a fictional person" rambles: at seed 1 one sample in four closed its object within
+    120 tokens with `paged_prefill` and none with torch's flash kernel for prefill). Greedy, the
+    answer is the object asked for (every token's margin >= 0.875 nats under the exact bf16
+    products, Q4_1 x Q8_1, `paged_prefill` and the flash kernel); sampled, every sample is an
+    object or, cut at max_tokens, starts one."""
+    ann = [{"role": "user", "content": 'Reply with a JSON object with the keys "name" and "age" '
+                                       'for a person called Ann who is 30.'}]
+    r = _chat(server, messages=ann, temperature=0, max_tokens=120, response_format={"type": "json_object"})
+    assert r.status_code == 200, r.text
+    [c] = r.json()["choices"]
+    assert c["finish_reason"] == "stop" and json.loads(c["message"]["content"]) == {"name": "Ann", "age": 30}, c
+    r = _chat(server, messages=ann, temperature=1.0, seed=1, n=4, max_tokens=120,
+              response_format={"type": "json_object"})
     assert r.status_code == 200, r.text
     choices = r.json()["choices"]
     for c in choices:          # an object without a schema may run to max_tokens ("length")

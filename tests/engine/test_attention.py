@@ -123,3 +123,24 @@ def test_prefill_pieces_match_dense_attention_and_sdpa(kernels, start, length):
     sdpa = (prefill_attention(q, cache, meta.pieces[0]).float() - want).abs().max().item()
     assert err < 2e-2 and err <= 1.5 * sdpa + 1e-3, (err, sdpa)
 
+
+@pytest.mark.parametrize("preferred", [True, False])
+def test_prefill_pieces_run_the_kernel_only_where_it_is_preferred(monkeypatch, preferred):
+    """With the kernels, a piece runs `paged_prefill` where `prefill_kernel_preferred` (no usable
+    AMX) and torch's flash attention elsewhere: the output is bit for bit the chosen path's."""
+    from engine import kernels as genserve_kernels
+    if not genserve_kernels.prefill_kernel_available():
+        pytest.skip("paged_prefill is built only where the CPU has AVX512-BF16")
+    monkeypatch.setattr(genserve_kernels, "prefill_kernel_preferred", lambda: preferred)
+    g = torch.Generator().manual_seed(11)
+    cache = torch.randn(2, 40, BS, KVH, HD, generator=g).bfloat16()
+    start, length = 192, 64
+    table = torch.randperm(40, generator=g)[:-(-(start + length) // BS)].tolist()
+    meta = step_metadata([(start, length, table, False)], BS, torch.bfloat16, True)
+    q = torch.randn(length, H, HD, generator=g).bfloat16()
+    out = meta.backend.attend(q, cache, meta)
+    piece = meta.pieces[0]
+    kernel = torch.ops.genserve.paged_prefill(q, cache[0], cache[1], piece.blocks, start, HD ** -0.5)
+    sdpa = prefill_attention(q, cache, piece)
+    assert not torch.equal(kernel, sdpa)          # the two paths round differently: the test can tell
+    assert torch.equal(out, kernel if preferred else sdpa)
