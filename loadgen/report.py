@@ -73,7 +73,7 @@ POLICIES = {"caps": (("tpot_target_ms", 1.0), ("gap_target_ms", 1.0)),
             "default": (),
             "vllm": (("max_rows", 256), ("prefill_token_budget", 2048), ("prefill_token_budget_few_rows", 2048))}
 POLICY_LABELS = {"caps": "token caps alone: 32 rows, 256-token chunk (design)",
-                 "default": "caps + TPOT slack on prefill (default: TPOT 70 ms, gap 100 ms)",
+                 "default": "caps + TPOT slack on prefill (default: TPOT 70 ms, gap 150 ms)",
                  "vllm": "vLLM-default-like: 256 rows, 2,048-token chunk"}
 GAP_P99_TARGET_MS = 100.0        # p99 of each request's longest gap between two tokens
 BUSY_RATE, BUSY_MINUTE = 2.0, 5  # the plot of step times: this rate, this virtual minute
@@ -467,6 +467,9 @@ def _policy_section(results, summary, meta) -> list[str]:
               + (f"([live_policies/summary.md](live_policies/summary.md), run {live['date']}). At this machine's "
                  f"scaled SLOs (TTFT ≤ {live['slo']['ttft_ms']:.0f} ms, TPOT ≤ {live['slo']['tpot_ms']:.0f} ms) "
                  f"and {', '.join(f'{r:g}' for r in live['rates'])} requests/s, live goodput "
+                 + ("" if set(live["goodput"]) <= set(POLICIES) else
+                    "(that run is from before the two step policies became one, and compared them: \"fixed\" "
+                    "was the caps alone, \"slo\" also sized the rows from the cost model) ")
                  + ", ".join(f"{p} {_rps(g)} (simulated {_rps(live['sim_goodput'][p])}, largest percentile "
                              f"error {_pct(live['error'][p])})" for p, g in live["goodput"].items())
                  + f"; with the run's p99 longest gap within {live['slo']['gap_ms']:.0f} ms as well, "
