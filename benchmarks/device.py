@@ -164,10 +164,12 @@ def sync(device: torch.device) -> None:
 
 
 def engine_over(executor: SyncedExecutor, num_blocks: int, block_size: int, **dials: Any) -> Engine:
-    """A fresh engine (scheduler, pool) over a shared executor; admission never refuses, and no
-    prefix caching unless `dials` turn it on."""
+    """A fresh engine (scheduler, pool) over a shared executor; admission never refuses, no
+    prefix caching, and a step's prefill is the token caps alone (TPOT and gap targets of 1 ms,
+    which no step is predicted within: nothing beyond the caps joins), so a chunk measured is the
+    chunk asked for; `dials` override any of these."""
     settings = dict(num_blocks=num_blocks, block_size=block_size, queue_budget_s=1e9,
-                    device=executor.device.type, prefix_caching=False)
+                    device=executor.device.type, prefix_caching=False, tpot_target_ms=1.0, gap_target_ms=1.0)
     return Engine(EngineConfig(**{**settings, **dials}), executor)
 
 

@@ -66,6 +66,16 @@ def wait_envoy_health(server, port: int, healthy: bool, timeout_s: float) -> flo
     return time.monotonic() - start
 
 
+def active_requests(server, cluster: str) -> list[int]:
+    """Requests Envoy has in flight to each host of `cluster` (its admin /clusters `rq_active`)."""
+    with urllib.request.urlopen(f"{admin_url(server)}/clusters", timeout=2) as reply:
+        text = reply.read().decode()
+    counts = [int(line.rsplit("::", 1)[1]) for line in text.splitlines()
+              if line.startswith(f"{cluster}::") and "::rq_active::" in line]
+    assert counts, f"no host of cluster {cluster} in Envoy's /clusters"
+    return counts
+
+
 def host_weight(server, port: int) -> int:
     """The weight Envoy's engines cluster gives the replica on `port` (1 unless the balancer is
     weighted round robin and the replica's load reports set another)."""

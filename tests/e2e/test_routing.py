@@ -27,7 +27,8 @@ import httpx
 import pytest
 
 from genserve.v1 import generate_pb2 as pb, generate_pb2_grpc as pb_grpc
-from tests.e2e.fleet import EJECT_WITHIN_S, engine_ports, host_weight, pid_of, two_engine_fleet, wait_envoy_health
+from tests.e2e.fleet import (EJECT_WITHIN_S, active_requests, engine_ports, host_weight, pid_of, two_engine_fleet,
+                             wait_envoy_health)
 
 pytestmark = pytest.mark.slow
 
@@ -75,7 +76,14 @@ def chat(server, messages: list[dict], key: str = "key-alice", max_tokens: int =
 
 
 def served_by(server, messages: list[dict], key: str = "key-alice") -> tuple[int, str]:
-    """Run one chat completion alone; (the replica that served it, its answer)."""
+    """Run one chat completion alone; (the replica that served it, its answer). Alone in Envoy
+    too: it waits until Envoy has closed the previous call's stream, which bounded load would
+    otherwise count against that replica (one active request is over 125 % of a mean of 0.5)
+    and send the key to the other."""
+    deadline = time.monotonic() + 5
+    while any(active_requests(server, "engines_affinity")):
+        assert time.monotonic() < deadline, "Envoy still has a call in flight"
+        time.sleep(0.02)
     before = finished(server)
     answer = chat(server, messages, key)
     deadline = time.monotonic() + 5
