@@ -348,10 +348,13 @@ class Bench:
         self._ids = 0
 
     def engine(self, **overrides) -> Engine:
-        """A fresh engine (own scheduler and pool) over the shared executor and KV cache."""
+        """A fresh engine (own scheduler and pool) over the shared executor and KV cache; a
+        step's prefill is the token caps alone (TPOT and gap targets of 1 ms, which no step is
+        predicted within), so a chunk measured is the chunk asked for."""
         kv = self.executor.kv
         settings = dict(num_blocks=kv.num_blocks, block_size=kv.block_size, dtype="bfloat16",
-                        queue_budget_s=1e9, default_deadline_s=1e9, prefix_caching=False)
+                        queue_budget_s=1e9, default_deadline_s=1e9, prefix_caching=False,
+                        tpot_target_ms=1.0, gap_target_ms=1.0)
         return Engine(EngineConfig(**{**settings, **overrides}), self.executor)
 
     def prompts(self, n: int, length: int) -> list[list[int]]:
