@@ -47,7 +47,7 @@ from engine.core.request import Request, RequestState
 from engine.core.sched.admission import AdmissionControl, AdmissionRejected
 from engine.core.sched.batching import batching_for
 from engine.core.sched.fair_queue import FairQueue, KeyUsage
-from engine.core.sched.step_budget import PieceFit, RequestAverages, StepBudget
+from engine.core.sched.step_budget import RequestAverages, StepBudget
 
 # AdmissionRejected lives in admission.py; it stays importable from here for older callers.
 __all__ = ["AdmissionRejected", "Scheduler", "SchedulerStats"]
@@ -371,7 +371,7 @@ class Scheduler:
         Prefill goes to the least-served key first (at a tie, as the budget orders prompts:
         `prefill_tiebreak`), several requests share a step, and each request is cut on the
         `prefill_piece` grid: the budget decides how many pieces run, never where a prompt is
-        cut. A piece that does not fit moves on to the next request (`PieceFit`).
+        cut. A piece that does not fit moves on to the next request (`PaceBudget.fits`).
         """
         for req in list(self.running):
             if req.is_prefilling or req not in self.running:
@@ -381,16 +381,17 @@ class Scheduler:
             samples = req.num_computed + 1 == req.num_tokens
             plan.segments.append(Segment(req, req.num_computed, 1, samples,
                                          tuple(self.pool.table(req.request_id)), decode=True))
-        budget = self.budget.for_step(plan, now, self.cost)
-        piece = self.config.prefill_piece
         prefilling = sorted((r for r in self.running if r.is_prefilling),
                             key=lambda r: (self.queue.served(r.api_key), self.budget.prefill_tiebreak(r)))
+        if not prefilling:
+            return
+        budget = self.budget.for_step(plan, now, self.cost)
+        piece = self.config.prefill_piece
         for req in prefilling:
             pos = req.num_computed
             while pos < req.num_prompt and req in self.running:
                 length = min(req.num_prompt - pos, piece - pos % piece)
-                if (budget.check(pos, length) is PieceFit.NEXT_REQUEST
-                        or not self._reserve(req, pos, pos + length, plan)):
+                if not budget.fits(pos, length) or not self._reserve(req, pos, pos + length, plan):
                     break
                 plan.segments.append(Segment(req, pos, length, pos + length == req.num_tokens,
                                              tuple(self.pool.table(req.request_id))))

@@ -17,24 +17,22 @@ One policy (`StepBudget`), the design's caps with the TPOT target's slack spent 
 With prefill not chunked (`batching` other than "continuous") a step takes whole prompts and
 the token and time budgets do not apply. Either way the budget decides how many pieces run,
 never where a prompt is cut: the scheduler cuts every prompt on the `prefill_piece` grid and
-asks, piece by piece, whether the next one still fits (`PrefillBudget`). Pure arithmetic over
+asks, piece by piece, whether the next one still fits (`PaceBudget.fits`). Pure arithmetic over
 the cost model: no clock (time is an argument), no tensors.
 """
 
 from __future__ import annotations
 
-import enum
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 from engine.config import EngineConfig
 from engine.core.cost_model import CostModel, StepFeatures
 from engine.core.plan import StepPlan
 from engine.core.request import Request
 
-__all__ = ["PaceBudget", "PieceFit", "PrefillBudget", "RequestAverages", "StepBudget", "WholePrompts"]
+__all__ = ["PaceBudget", "RequestAverages", "StepBudget"]
 
 
 @dataclass(slots=True)
@@ -67,64 +65,32 @@ def rows_with(running: Sequence[Request], req: Request) -> int:
     return len(running) + pending_forks + req.n
 
 
-class PieceFit(enum.Enum):
-    """Whether the next prefill piece fits the step (`PrefillBudget.check`)."""
-
-    FITS = "fits"
-    """Reserve its blocks and add it."""
-    NEXT_REQUEST = "next request"
-    """Not this request's piece; another request's may still fit."""
-
-
-class PrefillBudget(Protocol):
-    """One step's prefill budget, consumed piece by piece while the step is built."""
-
-    def check(self, start: int, length: int) -> PieceFit:
-        """Whether the piece [start, start + length) of a prompt fits what is left."""
-        ...
-
-    def spend(self, start: int, length: int) -> None:
-        """Count the piece [start, start + length), which was added to the step."""
-        ...
-
-
-class WholePrompts:
-    """The budget of a step whose prompts are not chunked: every piece fits."""
-
-    def check(self, start: int, length: int) -> PieceFit:
-        """Always FITS."""
-        return PieceFit.FITS
-
-    def spend(self, start: int, length: int) -> None:
-        """Nothing to count."""
-
-
 class PaceBudget:
-    """A step's prefill budget: a piece fits while the step's prompt tokens stay within
-    `floor_tokens`, or while the cost model predicts the step with it within `limit_ms`.
+    """A step's prefill budget, consumed piece by piece while the step is built: a piece fits
+    while the step's prompt tokens stay within `floor_tokens`, or while the cost model predicts
+    the step with it within `limit_ms`.
 
     Args:
-        floor_tokens: prompt tokens the step may carry whatever the prediction.
+        floor_tokens: prompt tokens the step may carry whatever the prediction (`math.inf`:
+            whole prompts, prefill not chunked).
         features: the step so far (its decode rows), for the prediction.
         limit_ms: the longest the step may be predicted to take, ms.
         cost: the cost model that predicts it.
     """
 
-    def __init__(self, floor_tokens: int, features: StepFeatures, limit_ms: float, cost: CostModel) -> None:
+    def __init__(self, floor_tokens: float, features: StepFeatures, limit_ms: float, cost: CostModel) -> None:
         self.floor_tokens = floor_tokens
         self.features = features
         self.limit_ms = limit_ms
         self.cost = cost
 
-    def check(self, start: int, length: int) -> PieceFit:
-        """FITS when the step's prompt tokens with this piece stay within `floor_tokens`, or the
-        step with it is predicted within `limit_ms`; else NEXT_REQUEST (a shorter piece, the
-        tail of another prompt, may still fit)."""
+    def fits(self, start: int, length: int) -> bool:
+        """Whether the piece [start, start + length) of a prompt fits: the step's prompt tokens
+        with it stay within `floor_tokens`, or the step with it is predicted within `limit_ms`.
+        When it does not, a shorter piece (another prompt's tail) still may."""
         if self.features.prefill_tokens + length <= self.floor_tokens:
-            return PieceFit.FITS
-        if self.cost.step_ms(self.features.with_piece(start, length)) <= self.limit_ms:
-            return PieceFit.FITS
-        return PieceFit.NEXT_REQUEST
+            return True
+        return self.cost.step_ms(self.features.with_piece(start, length)) <= self.limit_ms
 
     def spend(self, start: int, length: int) -> None:
         """Add the piece to the step's features."""
@@ -176,12 +142,12 @@ class StepBudget:
         cfg = self.config
         return cfg.prefill_token_budget_few_rows if plan.num_decode_rows <= cfg.few_rows else cfg.prefill_token_budget
 
-    def for_step(self, plan: StepPlan, now: float, cost: CostModel) -> PrefillBudget:
+    def for_step(self, plan: StepPlan, now: float, cost: CostModel) -> PaceBudget:
         """The prefill budget of `plan` once its decode rows are in it (`now`: seconds, the
-        scheduler's clock): `PaceBudget` of `floor_tokens` and `step_limit_ms`, or
-        `WholePrompts` when prefill is not chunked."""
+        scheduler's clock): `floor_tokens` and `step_limit_ms`; whole prompts when prefill is
+        not chunked."""
         if not self.chunked_prefill:
-            return WholePrompts()
+            return PaceBudget(math.inf, plan.features(), math.inf, cost)
         return PaceBudget(self.floor_tokens(plan), plan.features(), self.step_limit_ms(plan, now), cost)
 
     def step_limit_ms(self, plan: StepPlan, now: float) -> float:
