@@ -56,7 +56,7 @@ from typing import Any
 
 import torch
 
-from engine.config import EngineConfig
+from engine.config import CAPS_ALONE, EngineConfig
 from engine.core.cost_model import fit_step_model
 from engine.core.engine import Engine
 from engine.core.request import Request, SamplingParams
@@ -169,7 +169,7 @@ def engine_over(executor: SyncedExecutor, num_blocks: int, block_size: int, **di
     which no step is predicted within: nothing beyond the caps joins), so a chunk measured is the
     chunk asked for; `dials` override any of these."""
     settings = dict(num_blocks=num_blocks, block_size=block_size, queue_budget_s=1e9,
-                    device=executor.device.type, prefix_caching=False, tpot_target_ms=1.0, gap_target_ms=1.0)
+                    device=executor.device.type, prefix_caching=False, **dict(CAPS_ALONE))
     return Engine(EngineConfig(**{**settings, **dials}), executor)
 
 

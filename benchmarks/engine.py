@@ -97,7 +97,7 @@ from benchmarks import decode_attention as attention_bench
 from benchmarks._measure import copy_gbps, gemm_gflops, read_gbps
 from engine import kernels
 from engine.attention.paged_sdpa import attend, decode_attention
-from engine.config import EngineConfig
+from engine.config import CAPS_ALONE, EngineConfig
 from engine.core.engine import Engine
 from engine.core.plan import StepPlan
 from engine.core.request import Request, SamplingParams
@@ -354,7 +354,7 @@ class Bench:
         kv = self.executor.kv
         settings = dict(num_blocks=kv.num_blocks, block_size=kv.block_size, dtype="bfloat16",
                         queue_budget_s=1e9, default_deadline_s=1e9, prefix_caching=False,
-                        tpot_target_ms=1.0, gap_target_ms=1.0)
+                        **dict(CAPS_ALONE))
         return Engine(EngineConfig(**{**settings, **overrides}), self.executor)
 
     def prompts(self, n: int, length: int) -> list[list[int]]:

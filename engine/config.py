@@ -15,6 +15,11 @@ DEVICES = ("auto", "cpu", "cuda")
 WEIGHTS = ("auto", "bf16", "q4", "int8", "q4q8")
 KV_CACHE_DTYPES = ("auto", "int8")
 PREFIX_CACHE_SCOPES = ("key", "global")
+CAPS_ALONE = (("tpot_target_ms", 1.0), ("gap_target_ms", 1.0))
+"""`EngineConfig` overrides under which the design's token caps alone size each step's prefill:
+TPOT and gap targets of 1 ms, within which no step is predicted, so nothing beyond the caps joins
+(`engine.core.sched.step_budget`). The serve flags: `--tpot-target-ms 1 --gap-target-ms 1`.
+Benchmarks use it to measure the chunk they ask for; the policy comparisons use it as the baseline."""
 
 
 @dataclass(slots=True)

@@ -42,6 +42,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from engine.config import CAPS_ALONE
 from loadgen import stats as st
 from loadgen.workload import LengthMix, WorkItem, arrival_times, synthetic_workload
 
@@ -57,7 +58,8 @@ def _targets(policy: str, tpot_ms: float, gap_ms: float, fraction: float) -> tup
     1 ms each for "caps" (the time budget then adds nothing to the token caps); for "default",
     `fraction` of the client-side targets `tpot_ms` and `gap_ms`, to 0.01 ms."""
     if policy == "caps":
-        return 1.0, 1.0
+        targets = dict(CAPS_ALONE)
+        return targets["tpot_target_ms"], targets["gap_target_ms"]
     if policy == "default":
         return round(tpot_ms * fraction, 2), round(gap_ms * fraction, 2)
     raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")

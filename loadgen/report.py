@@ -45,6 +45,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from engine.config import CAPS_ALONE
 from loadgen import stats as st
 from loadgen.workload import LengthMix, WorkItem, arrival_times, retime, synthetic_workload, with_disconnects
 
@@ -69,7 +70,7 @@ STALL_TARGET_MS = 200.0
 # overrides. "caps": the design's token caps alone (no step is predicted within 1 ms targets, so
 # the time budget adds nothing); "default": the caps plus the TPOT target's slack spent on
 # prefill; "vllm": vLLM-default-like caps (max_num_batched_tokens 2,048, max_num_seqs 256).
-POLICIES = {"caps": (("tpot_target_ms", 1.0), ("gap_target_ms", 1.0)),
+POLICIES = {"caps": CAPS_ALONE,
             "default": (),
             "vllm": (("max_rows", 256), ("prefill_token_budget", 2048), ("prefill_token_budget_few_rows", 2048))}
 POLICY_LABELS = {"caps": "token caps alone: 32 rows, 256-token chunk (design)",

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import itertools
 
-from engine.config import EngineConfig
+from engine.config import CAPS_ALONE, EngineConfig
 from engine.core.engine import Engine
 from engine.core.request import Request, SamplingParams
 from engine.core.sim_executor import SimExecutor
 
-CAPS_ONLY = {"tpot_target_ms": 1.0, "gap_target_ms": 1.0}
-"""Targets no step is predicted within: prefill beyond the design's token caps never fits, so the
-caps alone size each step's prefill (`StepBudget`)."""
+CAPS_ONLY = dict(CAPS_ALONE)
+"""`engine.config.CAPS_ALONE` as keyword arguments: the design's token caps alone size each
+step's prefill (`StepBudget`)."""
 
 
 class FakeClock:
