@@ -175,7 +175,7 @@ def measure(read_gbps: float, rows: int = 32, context: int = 1500, repeats: int 
     Returns:
         {"4k": ..., "thp": ... (where the kernel's THP mode is not "never"), "4k_baseline",
         "thp_baseline" (with a baseline), "4k_int8", "thp_int8" (genserve's op over pools in
-        the 8-bit format)}: `AttentionResult` each.
+        the 8-bit format, which its AVX512-BF16 build alone reads)}: `AttentionResult` each.
 
     Raises:
         RuntimeError: genserve's kernels are not available (`engine.kernels.available()`).
@@ -188,7 +188,7 @@ def measure(read_gbps: float, rows: int = 32, context: int = 1500, repeats: int 
     ops = [("", torch.ops.genserve.paged_decode)] + ([("_baseline", baseline)] if baseline else [])
     results = {}
     for name, huge in layouts:
-        for eight_bit in (False, True):
+        for eight_bit in (False, True) if kernels.prefill_kernel_available() else (False,):
             total = kv_bytes(rows, context, eight_bit)
             floor_s = total / (read_gbps * 1e9)
             before = huge_page_bytes() / 1e6

@@ -1,6 +1,6 @@
 """The model's matrix products: oneDNN's packed weights, genserve's `packed_linear` for few rows,
 oneDNN in fixed-size calls or genserve's own weight layout where oneDNN's rows depend on the row
-count.
+count, and fp32 copies of the bf16 weights on CPUs without bf16 arithmetic (AVX2 only).
 
 Every path a model is packed for gives a row the same bits whatever else is in the batch (see
 `pack_weights`); which path runs is chosen at load, by checks and by measurement
@@ -10,6 +10,7 @@ genserve's `q4_linear` over them where it would run `packed_linear`, with the sa
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,8 @@ import torch.nn.functional as F
 
 from engine import kernels
 from engine.model.int8 import Int8Weight, int8_linear
+
+log = logging.getLogger(__name__)
 
 
 # Rows up to which `linear` (and the C++ decode loop) runs genserve's `packed_linear`; above,
@@ -28,6 +31,15 @@ ANY_ROWS = 1 << 62
 # Rows of every oneDNN call where oneDNN's rows depend on the row count (`PackedWeight.tile_rows`):
 # chosen by measurement on such a host (docs/benchmarks/linear.md).
 TILE_ROWS = 32
+# Row counts of the fp32 calls `fp32_linear` may make (CPUs without bf16 arithmetic): a product of
+# M rows is one call of the smallest kept count >= M, or calls of the largest. Which are kept is
+# probed per shape at load (`_fp32_copy`); 1-3 rows are not candidates, since the BLAS takes a
+# matrix-vector kernel there whose sums round differently.
+FP32_CALL_ROWS = (4, 8, 16, 32, 64, 128, 256)
+# Output columns per fp32 call for a wide matrix (the LM head, 49,152 columns): the BLAS packs the
+# whole weight on every call, and 1,024-column slices ran 1.2-1.5x faster at 4-32 rows, with the
+# same bits (each output's sum runs over k alone). Measured in docs/benchmarks/linear.md.
+FP32_OUT_CHUNK = 1024
 
 
 @dataclass(frozen=True)
@@ -61,6 +73,11 @@ class PackedWeight:
             Q4_1 x Q8_1, not the bf16 product's bits; rows independent of the batch).
         i8: None, or the weight quantized to int8 per output row (`engine.model.int8`): then
             every product runs `int8_linear` (int8 arithmetic, not the bf16 product's bits).
+        f32: None, or the weight as fp32 [out, in] (exact: every bf16 is an fp32), on CPUs whose
+            oneDNN has no bf16 kernel (no AVX512-BF16, AMX or AVX-NE-CONVERT): then every product
+            runs `fp32_linear` in calls of `call_rows` rows, the input widened to fp32 and the
+            sums rounded to bf16 once at the end (`tensor` is then the bf16 weight itself).
+        call_rows: the row counts `fp32_linear` makes its calls with (ascending; `_fp32_copy`).
     """
 
     tensor: torch.Tensor
@@ -71,6 +88,8 @@ class PackedWeight:
     q8: torch.Tensor | None = None
     i8: Int8Weight | None = None
     q4q8: torch.Tensor | None = None
+    f32: torch.Tensor | None = None
+    call_rows: tuple[int, ...] = ()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor,
@@ -83,7 +102,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
     it has them (`q8_amx_linear`, oneDNN's AMX bits); up to `packed.max_rows`
     rows from its 4-bit blocks when it has them (`q4_linear`, engine/kernels/csrc/q4_linear.cpp, the
     bits of `packed_linear` with the same chunk, or without a chunk `q4_amx_linear`, the bits of
-    the `tile_rows`-row oneDNN calls); else in `tile_rows`-row oneDNN
+    the `tile_rows`-row oneDNN calls); else from its fp32 copy when it has one (`fp32_linear`,
+    CPUs without bf16 arithmetic); else in `tile_rows`-row oneDNN
     calls when the copy says so (`onednn_tiled`); otherwise for up to `packed.max_rows` rows,
     when the weight has a `k_chunk`, through genserve's
     `packed_linear` (engine/kernels/csrc/packed_linear.cpp), else through oneDNN. The two give the same
@@ -111,6 +131,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
         if packed.k_chunk:
             return torch.ops.genserve.q4_linear(x.contiguous(), packed.q4, packed.k_chunk)
         return torch.ops.genserve.q4_amx_linear(x.contiguous(), packed.q4)
+    if packed is not None and packed.f32 is not None:
+        return fp32_linear(x, packed.f32, packed.call_rows)
     if packed is not None and packed.tile_rows:
         return onednn_tiled(x, packed.tensor, packed.tile_rows)
     if packed is not None and packed.k_chunk and x.shape[0] <= packed.max_rows:
@@ -216,8 +238,10 @@ def pack_weights(weights: list[torch.Tensor]) -> list[PackedWeight | None]:
     calls of exactly TILE_ROWS rows (`onednn_tiled`), so each row always meets the same kernel.
     Otherwise, when `packed_linear` is built and every matrix fits its blocks (bf16, N a multiple
     of 64, K of 32), genserve packs them itself (`vnni_pack`) and `packed_linear` runs every
-    product, one chain over all of k, each row alone. Otherwise oneDNN's copies where
-    `pack_weight` gave one, else None (`F.linear`). Which is faster where, and why this order:
+    product, one chain over all of k, each row alone. Otherwise, on a CPU without bf16
+    arithmetic (`bf16_arithmetic`: AVX2 alone, where oneDNN packs nothing), fp32 copies for
+    `fp32_linear` (4 · out · in bytes more). Otherwise oneDNN's copies where `pack_weight` gave
+    one, else None (`F.linear`). Which is faster where, and why this order:
     docs/benchmarks/linear.md. Costs one more copy of each weight (2 · out · in bytes).
     """
     k_chunks: dict[tuple[int, int], int] = {}         # one probe per shape
@@ -232,7 +256,77 @@ def pack_weights(weights: list[torch.Tensor]) -> list[PackedWeight | None]:
         and w.shape[1] % 32 == 0 for w in weights)
     if own_layout:
         return [PackedWeight(vnni_pack(w), w.shape[1], ANY_ROWS) for w in weights]
+    if all(p is None for p in onednn) and not bf16_arithmetic():
+        call_rows: dict[tuple[int, int], tuple[int, ...]] = {}    # one probe per shape
+        widened = [_fp32_copy(w, call_rows) for w in weights]
+        if all(p is not None for p in widened):
+            log.info("matrix products: fp32 copies of the bf16 weights (this CPU has no bf16 "
+                     "arithmetic; calls of %s rows)", "/".join(map(str, widened[0].call_rows)))
+            return widened
     return onednn
+
+
+def bf16_arithmetic() -> bool:
+    """Whether this CPU computes bf16 products natively: oneDNN packs bf16 weights only where it
+    has AVX512 (BW, VL, DQ: AVX512-BF16 or its emulation), AMX or AVX-NE-CONVERT; elsewhere (AVX2
+    alone) torch's bf16 `F.linear` converts on every call and runs 4-9x slower than fp32
+    (docs/benchmarks/linear.md)."""
+    caps = torch.backends.cpu.get_cpu_capability()
+    return caps not in ("DEFAULT", "AVX2", "NO AVX") or torch.cpu._is_avx512_bf16_supported()
+
+
+def fp32_linear(x: torch.Tensor, weight32: torch.Tensor, call_rows: tuple[int, ...]) -> torch.Tensor:
+    """x [M, in] (bf16) @ Wᵀ with W's fp32 copy `weight32` [out, in]: x widened to fp32 (exact),
+    summed in fp32 by torch's BLAS in calls of exactly one of `call_rows` rows (the input padded
+    with zero rows: the smallest count >= M, or calls of the largest; a matrix of more than
+    4 · `FP32_OUT_CHUNK` outputs in slices of that many), the result rounded to x's dtype [M, out]. Every call count was probed to give a row the same bits at any position
+    (`_fp32_copy`), so a row's result does not depend on M or its neighbours."""
+    m = x.shape[0]
+    wide = x.float()
+    largest = call_rows[-1]
+    rows = next((r for r in call_rows if r >= m), largest)
+    pad = -m % rows
+    if pad:
+        wide = F.pad(wide, (0, 0, 0, pad))
+    if wide.shape[0] == rows:
+        return _fp32_call(wide, weight32)[:m].to(x.dtype)
+    return torch.cat([_fp32_call(tile, weight32) for tile in wide.split(rows)])[:m].to(x.dtype)
+
+
+def _fp32_call(x: torch.Tensor, weight32: torch.Tensor) -> torch.Tensor:
+    """One fp32 product x [M, in] @ weight32ᵀ, [M, out] fp32: a matrix of more than
+    4 · `FP32_OUT_CHUNK` outputs in slices of that many outputs, else one `F.linear`."""
+    if weight32.shape[0] > 4 * FP32_OUT_CHUNK:
+        return torch.cat([F.linear(x, part) for part in weight32.split(FP32_OUT_CHUNK)], 1)
+    return F.linear(x, weight32)
+
+
+def _fp32_copy(weight: torch.Tensor, call_rows: dict[tuple[int, int], tuple[int, ...]]
+               ) -> PackedWeight | None:
+    """`weight` (bf16, CPU) with its fp32 copy for `fp32_linear`, or None if no call count of
+    `FP32_CALL_ROWS` passes the probe. The counts are probed once per shape (`call_rows`, shape →
+    counts, filled in here; the BLAS picks its kernel by shape, not values): on random rows, a call
+    of each count must give every row the bits of the largest count's call on the same rows, with
+    the rows at shifted positions too. Costs 4 · out · in bytes."""
+    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+        return None
+    wide = weight.float()
+    shape = (weight.shape[0], weight.shape[1])
+    if shape not in call_rows:
+        gen = torch.Generator().manual_seed(3)
+        largest = FP32_CALL_ROWS[-1]
+        probe = torch.randn(largest, weight.shape[1], generator=gen).to(torch.bfloat16).float()
+        want = _fp32_call(probe, wide)
+        kept = []
+        for rows in FP32_CALL_ROWS:
+            shifts = range(0, rows, max(1, rows // 8))
+            if all(torch.equal(_fp32_call(probe[:rows].roll(s, 0), wide), want[:rows].roll(s, 0))
+                   for s in shifts):
+                kept.append(rows)
+        call_rows[shape] = tuple(kept)
+    if not call_rows[shape] or call_rows[shape][-1] != FP32_CALL_ROWS[-1]:
+        return None
+    return PackedWeight(weight, 0, 0, f32=wide, call_rows=call_rows[shape])
 
 
 def _onednn_tiles(weight: torch.Tensor) -> PackedWeight | None:

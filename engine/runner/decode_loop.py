@@ -60,8 +60,8 @@ class DecodeLoop:
     @classmethod
     def from_model(cls, model: Transformer) -> DecodeLoop | None:
         """From a packed model (`Transformer.pack`, or `engine.model.quant.attach_q4`); None unless
-        every block matrix packed, with no oneDNN calls of fixed size (which the C++ loop does
-        not run) unless its 4-bit blocks run every product, with int8 copies
+        every block matrix packed, with no oneDNN calls of fixed size and no fp32 copies (which
+        the C++ loop does not run) unless its 4-bit blocks run every product, with int8 copies
         (`engine.model.int8`, row scales) on every block matrix or none, and with Q4_1 blocks
         for `q4q8_linear` (`attach_q4q8`) on every block matrix or none."""
         layers = model.layers
@@ -79,9 +79,10 @@ class DecodeLoop:
         if any(with_i8):
             if not all(with_i8) or any(w.i8.block for ws in packed for w in ws):
                 return None         # int8 products (engine.model.int8) for every matrix or none
-        elif any(w is None or (w.tile_rows and not (w.q4 is not None and w.max_rows == ANY_ROWS))
+        elif any(w is None or w.f32 is not None
+                 or (w.tile_rows and not (w.q4 is not None and w.max_rows == ANY_ROWS))
                  for ws in packed for w in ws):
-            return None             # the C++ loop runs no tiled products: the Python loop does
+            return None             # the C++ loop runs no tiled or fp32 products: the Python loop does
         with_q4 = [w.q4 is not None for ws in packed for w in ws]
         if any(with_q4) and not all(with_q4):
             return None             # the C++ loop takes 4-bit blocks for every matrix or none

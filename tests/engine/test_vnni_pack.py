@@ -12,6 +12,9 @@ from engine.model import linear as lin
 
 needs_packed_linear = pytest.mark.skipif(not kernels.packed_linear_available(),
                                          reason="packed_linear needs an AVX512-BF16 CPU and g++")
+needs_onednn_bf16 = pytest.mark.skipif(not lin.bf16_arithmetic(),
+                                       reason="oneDNN packs bf16 weights only with AVX512, AMX or "
+                                              "AVX-NE-CONVERT; this CPU has none (fp32 copies there)")
 
 
 def _weights(*shapes: tuple[int, int]) -> list[torch.Tensor]:
@@ -43,6 +46,7 @@ def test_own_layout_products_are_exact_and_batch_invariant(shape):
     assert torch.equal(torch.cat(parts), y)
 
 
+@needs_onednn_bf16
 @pytest.mark.parametrize("shape", [(1536, 576), (576, 1536)])
 def test_tiled_products_are_batch_invariant(shape):
     (w,) = _weights(shape)
@@ -57,6 +61,7 @@ def test_tiled_products_are_batch_invariant(shape):
     assert torch.equal(torch.cat(parts), y)
 
 
+@needs_onednn_bf16
 def test_pack_weights_takes_oneDNN_tiles_for_the_whole_model_when_oneDNN_is_not_exact(monkeypatch):
     weights = _weights((192, 64), (64, 192))
     # oneDNN's copy of the second matrix fails the row-count check: every matrix is tiled
@@ -84,3 +89,36 @@ def test_pack_weights_falls_back_to_the_own_layout_for_the_whole_model(monkeypat
 def test_pack_weights_leaves_fp32_to_f_linear():
     (w,) = _weights((192, 64))
     assert lin.pack_weights([w.float()]) == [None]
+
+
+@pytest.mark.parametrize("shape", [(1536, 576), (576, 1536), (5120, 64)])
+def test_fp32_products_are_close_to_exact_and_batch_invariant(shape):
+    """The fp32 copies (`fp32_linear`, CPUs without bf16 arithmetic; the products themselves run on
+    any CPU): one rounding of an fp32 sum, and a row's bits whatever the batch, including the
+    1-3 rows the BLAS would run as matrix-vector products and a matrix sliced by its outputs."""
+    (w,) = _weights(shape)
+    packed = lin._fp32_copy(w, {})
+    if packed is None:
+        pytest.skip("no fp32 call size passed the row-position probe on this CPU's BLAS")
+    assert packed.f32.dtype == torch.float32 and torch.equal(packed.f32.to(torch.bfloat16), w)
+    assert packed.call_rows[-1] == lin.FP32_CALL_ROWS[-1] and 1 not in packed.call_rows
+    x = torch.randn(600, shape[1], generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    y = lin.linear(x, w, packed)
+    ref = x.float() @ w.float().T
+    assert y.dtype == torch.bfloat16 and torch.allclose(y.float(), ref, rtol=2 ** -8, atol=1e-4)
+    parts = [lin.linear(x[a:b], w, packed) for a, b in ((0, 1), (1, 3), (3, 10), (10, 33), (33, 300), (300, 600))]
+    assert torch.equal(torch.cat(parts), y)
+    for i in (0, 7, 299, 599):
+        assert torch.equal(lin.linear(x[i:i + 1], w, packed)[0], y[i])
+
+
+def test_pack_weights_takes_fp32_copies_where_the_cpu_has_no_bf16_arithmetic(monkeypatch):
+    weights = _weights((192, 64), (64, 192))
+    monkeypatch.setattr(lin, "pack_weight", lambda w, k=None: None)    # oneDNN cannot pack bf16
+    monkeypatch.setattr(lin, "_onednn_tiles", lambda w: None)
+    monkeypatch.setattr(kernels, "packed_linear_available", lambda: False)
+    monkeypatch.setattr(lin, "bf16_arithmetic", lambda: False)
+    packed = lin.pack_weights(weights)
+    assert all(p is not None and p.f32 is not None and p.call_rows for p in packed)
+    monkeypatch.setattr(lin, "bf16_arithmetic", lambda: True)          # never where oneDNN has bf16
+    assert lin.pack_weights(weights) == [None, None]
