@@ -279,7 +279,8 @@ def fp32_linear(x: torch.Tensor, weight32: torch.Tensor, call_rows: tuple[int, .
     """x [M, in] (bf16) @ Wᵀ with W's fp32 copy `weight32` [out, in]: x widened to fp32 (exact),
     summed in fp32 by torch's BLAS in calls of exactly one of `call_rows` rows (the input padded
     with zero rows: the smallest count >= M, or calls of the largest; a matrix of more than
-    4 · `FP32_OUT_CHUNK` outputs in slices of that many), the result rounded to x's dtype [M, out]. Every call count was probed to give a row the same bits at any position
+    4 · `FP32_OUT_CHUNK` outputs in slices of that many), the result rounded to x's dtype
+    [M, out]. Every call count was probed to give a row the same bits at any position
     (`_fp32_copy`), so a row's result does not depend on M or its neighbours."""
     m = x.shape[0]
     wide = x.float()
