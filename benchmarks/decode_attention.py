@@ -188,7 +188,7 @@ def measure(read_gbps: float, rows: int = 32, context: int = 1500, repeats: int 
     ops = [("", torch.ops.genserve.paged_decode)] + ([("_baseline", baseline)] if baseline else [])
     results = {}
     for name, huge in layouts:
-        for eight_bit in (False, True) if kernels.prefill_kernel_available() else (False,):
+        for eight_bit in (False, True) if kernels.int8_kv_decode_available() else (False,):
             total = kv_bytes(rows, context, eight_bit)
             floor_s = total / (read_gbps * 1e9)
             before = huge_page_bytes() / 1e6

@@ -45,7 +45,7 @@ def test_benchmark_reports_each_layout(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
     layouts = {"4k"} | ({"thp"} if bench.thp_mode() not in ("never", "") else set())
-    eight_bit = {f"{layout}_int8" for layout in layouts} if kernels.prefill_kernel_available() else set()
+    eight_bit = {f"{layout}_int8" for layout in layouts} if kernels.int8_kv_decode_available() else set()
     assert set(report["results"]) == layouts | eight_bit
     for name, r in report["results"].items():
         assert r["kv_bytes"] == bench.kv_bytes(2, 40, eight_bit=name.endswith("_int8"))

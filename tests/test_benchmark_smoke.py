@@ -41,8 +41,7 @@ EXPECTED_KEYS = (
     + [f"attention.rows32.{k}" for k in ("short_step_ms", "long_step_ms", "long_over_short")]
     + [f"attention.decode_{layout}.{k}" for layout in ("4k", "4k_int8")
        for k in ("ms", "kv_bytes", "gbps", "over_floor", "of_long_step")
-       # the decode kernel reads the 8-bit format in its AVX512-BF16 build only
-       if layout == "4k" or kernels.prefill_kernel_available()]
+       if layout == "4k" or kernels.int8_kv_decode_available()]
     + [f"structured.rows32.{k}" for k in ("free_step_ms", "constrained16_step_ms", "constrained_over_free")]
     + [f"structured.{k}" for k in ("compile_first_ms", "compile_second_ms", "mask_us_per_row",
                                    "mask_wait_ms_per_step", "mask_apply_ms_per_step")]

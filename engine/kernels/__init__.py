@@ -169,6 +169,14 @@ def prefill_kernel_available() -> bool:
 
 
 @functools.cache
+def int8_kv_decode_available() -> bool:
+    """True if the kernels built and `paged_decode` reads KV pools in the 8-bit format
+    (`engine.attention.kv_quant`): its AVX512-BF16 build only, the build that has `paged_prefill`.
+    Elsewhere the engine reads such pools through SDPA."""
+    return prefill_kernel_available()
+
+
+@functools.cache
 def prefill_kernel_preferred() -> bool:
     """True where prefill pieces should run `paged_prefill` rather than torch's flash attention:
     the kernel is built (`prefill_kernel_available`) and AMX is not usable (`q4_amx_available`).

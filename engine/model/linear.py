@@ -256,6 +256,7 @@ def pack_weights(weights: list[torch.Tensor]) -> list[PackedWeight | None]:
         and w.shape[1] % 32 == 0 for w in weights)
     if own_layout:
         return [PackedWeight(vnni_pack(w), w.shape[1], ANY_ROWS) for w in weights]
+    # torch reports AVX2 for a CPU with AVX-NE-CONVERT too, where oneDNN does pack bf16
     if all(p is None for p in onednn) and not bf16_arithmetic():
         call_rows: dict[tuple[int, int], tuple[int, ...]] = {}    # one probe per shape
         widened = [_fp32_copy(w, call_rows) for w in weights]

@@ -110,7 +110,7 @@ class ModelRunner:
                 raise ValueError("CUDA graphs are not captured for the 8-bit KV cache")
             # genserve's decode kernel reads the 8-bit rows with bf16 queries on AVX512-BF16
             kernels = (kernels and model.dtype == torch.bfloat16
-                       and genserve_kernels.prefill_kernel_available())
+                       and genserve_kernels.int8_kv_decode_available())
         self._preferred = attention
         self.kernels = kernels
         self.graphs = DecodeGraphs(model, kv) if cuda_graphs else None

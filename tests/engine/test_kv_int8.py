@@ -20,6 +20,8 @@ from tests.engine.test_model import mixed_prompts
 
 BS, KVH, HD, GROUP = 16, 3, 64, 3          # SmolLM2's shape: 9 query heads over 3 KV heads
 H = KVH * GROUP
+NO_INT8_DECODE_KERNEL = ("the decode kernel reads 8-bit pools in its AVX512-BF16 build only (not "
+                         "built here); the engine then runs SDPA over them")
 ROW = HD + 2                               # 64 int8 + two exponent bytes
 
 
@@ -96,9 +98,8 @@ def test_decode_reads_int8_rows_as_the_bf16_cache_of_their_numbers(path, monkeyp
     the CPU has AMX) and with its vdpbf16ps ones, on both sides of the kernel's work split: a
     short row alone (one KV head per work item), a row of two context chunks, and batches."""
     kernels = path != "torch"
-    if kernels and not genserve_kernels.prefill_kernel_available():
-        pytest.skip("the decode kernel reads 8-bit pools in its AVX512-BF16 build only (not built "
-                    "here); the engine then runs SDPA over them")
+    if kernels and not genserve_kernels.int8_kv_decode_available():
+        pytest.skip(NO_INT8_DECODE_KERNEL)
     monkeypatch.setenv("GENSERVE_DECODE_AMX", "0" if path == "kernels-vdpbf16ps" else "1")
     cache8 = random_int8_cache(200, seed=4)
     cache16 = dequantize_kv(cache8, torch.bfloat16)
@@ -127,9 +128,8 @@ def test_prefill_pieces_read_int8_rows_as_the_bf16_cache_of_their_numbers(kernel
 
 
 def test_decode_row_bits_do_not_depend_on_the_batch(kernels):
-    if kernels and not genserve_kernels.prefill_kernel_available():
-        pytest.skip("the decode kernel reads 8-bit pools in its AVX512-BF16 build only (not built "
-                    "here); the engine then runs SDPA over them")
+    if kernels and not genserve_kernels.int8_kv_decode_available():
+        pytest.skip(NO_INT8_DECODE_KERNEL)
     cache8 = random_int8_cache(320, seed=8)
     contexts = [5, 17, 64, 65, 100, 300, 513, 700, 1100, 1500]
     tables = contexts_and_tables(contexts)
