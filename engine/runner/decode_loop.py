@@ -23,7 +23,8 @@ class DecodeLoop:
     no prefill piece in the step) beside its other fast path, the CUDA graphs.
 
     Attributes:
-        wqkv, wo, w13, w2: per layer, the oneDNN packed matrices (`PackedWeight.tensor`).
+        wqkv, wo, w13, w2: per layer, the packed matrices (`PackedWeight.tensor`: oneDNN's, or
+            `fma_linear`'s bf16 panels [out / 16, in, 16]).
         ffn_norm: per layer, fp32 [dim] weights of the FFN norm; next_norm: of the norm after the
             layer (the next layer's attention norm, the final norm after the last).
         eps: RMSNorm epsilon of every norm.
@@ -61,7 +62,8 @@ class DecodeLoop:
     def from_model(cls, model: Transformer) -> DecodeLoop | None:
         """From a packed model (`Transformer.pack`, or `engine.model.quant.attach_q4`); None unless
         every block matrix packed, with no oneDNN calls of fixed size and no fp32 copies (which
-        the C++ loop does not run) unless its 4-bit blocks run every product, with int8 copies
+        the C++ loop does not run) unless its 4-bit blocks run every product (`fma_linear`'s
+        panels it runs: the C++ `linear` tells them by their 3 dimensions), with int8 copies
         (`engine.model.int8`, row scales) on every block matrix or none, and with Q4_1 blocks
         for `q4q8_linear` (`attach_q4q8`) on every block matrix or none."""
         layers = model.layers

@@ -14,7 +14,7 @@ needs_packed_linear = pytest.mark.skipif(not kernels.packed_linear_available(),
                                          reason="packed_linear needs an AVX512-BF16 CPU and g++")
 needs_onednn_bf16 = pytest.mark.skipif(not lin.bf16_arithmetic(),
                                        reason="oneDNN packs bf16 weights only with AVX512, AMX or "
-                                              "AVX-NE-CONVERT; this CPU has none (fp32 copies there)")
+                                              "AVX-NE-CONVERT; this CPU has none (fma_linear there)")
 
 
 def _weights(*shapes: tuple[int, int]) -> list[torch.Tensor]:
@@ -113,10 +113,13 @@ def test_fp32_products_are_close_to_exact_and_batch_invariant(shape):
 
 
 def test_pack_weights_takes_fp32_copies_where_the_cpu_has_no_bf16_arithmetic(monkeypatch):
+    """Without bf16 arithmetic and without genserve's `fma_linear` (kernels not built): fp32 copies.
+    Where `fma_linear` is built, tests/engine/test_fma_linear.py checks that it is taken."""
     weights = _weights((192, 64), (64, 192))
     monkeypatch.setattr(lin, "pack_weight", lambda w, k=None: None)    # oneDNN cannot pack bf16
     monkeypatch.setattr(lin, "_onednn_tiles", lambda w: None)
     monkeypatch.setattr(kernels, "packed_linear_available", lambda: False)
+    monkeypatch.setattr(kernels, "fma_linear_available", lambda: False)
     monkeypatch.setattr(lin, "bf16_arithmetic", lambda: False)
     packed = lin.pack_weights(weights)
     assert all(p is not None and p.f32 is not None and p.call_rows for p in packed)

@@ -1,7 +1,8 @@
 // Every block of a pure-decode step in one call: the same ops, in the same order, on the same
 // tensors as `Transformer.forward`'s Python loop with `KernelLayerOps` — the packed matrix
 // products as `linear.linear` runs them (`q4q8_linear` on every product where the model was
-// loaded with its Q4_1 blocks for llama.cpp's arithmetic, genserve's `q4_linear` over the 4-bit blocks up to
+// loaded with its Q4_1 blocks for llama.cpp's arithmetic, `fma_linear` on every product where
+// the weights are in its panels (CPUs without bf16 arithmetic), genserve's `q4_linear` over the 4-bit blocks up to
 // `max_rows` rows where the model was loaded with them, `int8_linear` on every product where it
 // runs on int8 arithmetic, else `packed_linear` up to `max_rows`
 // rows where the weight kind has a k chunk, else oneDNN with a one-row input doubled), `rope_store_kv`,
@@ -26,12 +27,15 @@ namespace {
 // chunk 0, the AMX kernel's products) and whose int8 copy is `i8` (null: none; else its q,
 // scale, outliers and outlier_q, `engine.model.int8.Int8Weight`, which then run every product)
 // and whose Q4_1 blocks in `q4q8_linear`'s layout are `q4q8` (undefined: none; else they run
-// every product).
+// every product). A 3-D `packed` is `fma_linear`'s bf16 panels, which run every other product.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& q4,
                   int64_t k_chunk, int64_t max_rows, const at::Tensor* i8,
                   const at::Tensor& q4q8) {
   if (q4q8.defined()) return genserve::q4q8_linear(x.contiguous(), q4q8, q4q8.size(0));
   if (i8 != nullptr) return genserve::int8_linear(x.contiguous(), i8[0], i8[1], i8[2], i8[3]);
+#ifdef GENSERVE_FMA_LINEAR
+  if (packed.dim() == 3) return genserve::fma_linear(x, packed);   // `panel_pack`'s panels
+#endif
 #ifdef GENSERVE_PACKED_LINEAR
   if (q4.defined() && x.size(0) <= max_rows) {
     if (k_chunk > 0) return genserve::q4_linear(x, q4, k_chunk);

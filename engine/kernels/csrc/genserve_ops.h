@@ -27,6 +27,12 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
 // Always defined; raises where the build does not target AVX512-VNNI (q4q8_linear.cpp).
 at::Tensor q4q8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n);
 
+#if defined(__AVX2__) && defined(__FMA__)
+#define GENSERVE_FMA_LINEAR 1
+// x [M, K] bf16 @ W^T with W in 16-column panels [N/16, K, 16] bf16 (fma_linear.cpp).
+at::Tensor fma_linear(const at::Tensor& x, const at::Tensor& panels);
+#endif
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define GENSERVE_PACKED_LINEAR 1
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t k_chunk);
