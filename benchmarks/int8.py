@@ -58,6 +58,7 @@ from dataclasses import dataclass
 import torch
 
 from benchmarks.q4 import decode_in_turn
+from engine import kernels
 from engine.config import EngineConfig
 from engine.core.engine import Engine
 from engine.core.request import Request, SamplingParams
@@ -76,14 +77,17 @@ ANSWER_TOKENS = 128  # tokens each greedy-agreement prompt generates
 
 
 def build_models(threads: int) -> tuple[dict[str, Transformer], Tokenizer]:
-    """The three engines' models (module docstring) from one load of the embedded GGUF, and its
-    tokenizer."""
+    """The engines' models (module docstring) from one load of the embedded GGUF, and its
+    tokenizer; no ``q4`` where its kernel does not run (CPUs with AVX2 alone)."""
     set_threads(EngineConfig(num_threads=threads))
     reader = open_gguf()
     args, state = load_gguf(reader)
-    models = {name: model_from_weights(args, state, torch.bfloat16)
-              for name in ("bf16", "q4", "int8", "int8-q8_0", "q4_1-q8_1", "q4q8")}
-    attach_q4(models["q4"], reader)
+    names = ["bf16", "q4", "int8", "int8-q8_0", "q4_1-q8_1", "q4q8"]
+    if not kernels.q4_linear_available():
+        names.remove("q4")
+    models = {name: model_from_weights(args, state, torch.bfloat16) for name in names}
+    if "q4" in models:
+        attach_q4(models["q4"], reader)
     attach_q4q8(models["q4q8"], reader)
     tokenizer = Tokenizer.from_gguf(reader)
     attach_int8(models["int8"], int8_calibration(models["int8"], tokenizer))
@@ -245,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
                     "quality": {}}
     print(f"# host: {result['host']}", flush=True)
     if not args.quality_only:
-        measure_speed({name: engines[name] for name in ("bf16", "q4", "int8", "q4q8")}, args, result)
+        measure_speed({name: engines[name] for name in ("bf16", "q4", "int8", "q4q8")
+                       if name in engines}, args, result)
     qualities, ref_ppl = quality(engines["bf16"], {name: engines[name] for name in
                                                    args.quality_engines.split(",")},
                                  tokenizer, args.generate, args.ppl_tokens)

@@ -88,14 +88,14 @@ class EngineConfig:
             load; "q4": the GGUF's 4-bit Q4_1 blocks as they are, 3.2x fewer bytes per product,
             with the bits of genserve's bf16 products (`engine.model.quant` says where those are the
             bf16 path's; GGUF models on AVX512-BF16 CPUs, bfloat16 only); "auto" (default): for a
-            GGUF on the CPU in bf16, "q4q8" on CPUs with AVX512-VNNI and no AMX, "q4" on CPUs
-            with AMX or AVX512-BF16 alone, else "bf16": the fastest of them measured on each kind
+            GGUF on the CPU in bf16, "q4q8" on CPUs with AVX512-VNNI and no AMX or with AVX2
+            alone, "q4" on CPUs with AMX or AVX512-BF16 alone, else "bf16": the fastest of them measured on each kind
             of CPU (docs/benchmarks/int8.md; `engine.runner.builder.auto_weights`);
             "int8": every block matrix's product on int8 arithmetic with per-row scales
             (`engine.model.int8`; CPU only): faster prefill, not the bf16 products' bits;
             "q4q8": the GGUF's Q4_1 blocks exact, each input rounded to 8 bits per row and block
             of 32 (llama.cpp's arithmetic for such a file, `engine.model.quant.attach_q4q8`;
-            AVX512-VNNI CPUs): not the bf16 products' bits.
+            CPUs with AVX512-VNNI or AVX2): not the bf16 products' bits.
         kv_cache_dtype: how the KV pool stores keys and values (`KV_CACHE_DTYPES`, vLLM's
             `--kv-cache-dtype`): "auto" (default): in the model dtype; "int8": the 8-bit format
             of `engine.attention.kv_quant` (int8 with a power-of-two scale per 32 numbers, OCP MX's

@@ -24,9 +24,10 @@
   `engine.model.int8`): per-row quantization, oneDNN's exact int8 sums, fp32 scaling, in one call.
 * `engine/kernels/csrc/q4q8_linear.cpp`: x @ Wᵀ from W's Q4_1 blocks (re-grouped at load by
   `engine.model.quant.q4q8_pack`) with x rounded to int8 per row and block of 32 (ggml's Q8_1,
-  fused), on AVX512-VNNI's u8 × s8 sums: llama.cpp's arithmetic, not the bf16 engine's bits;
-  `torch.ops.genserve.q4q8_linear` — the op always exists but raises where the build lacks
-  AVX512-VNNI (or AVX512-BF16); `q4q8_linear_available()` says whether it runs. `--weights q4q8`
+  fused), on exact u8 × s8 integer sums (AVX512-VNNI's vpdpbusd, or AVX2's vpmaddubsw and
+  vpmaddwd, the same bits): llama.cpp's arithmetic, not the bf16 engine's bits;
+  `torch.ops.genserve.q4q8_linear` — the op always exists but raises where the build targets
+  neither; `q4q8_linear_available()` says whether it runs. `--weights q4q8`
   (`engine.model.quant.attach_q4q8`) runs every block matrix on it.
 * `engine/kernels/csrc/fma_linear.cpp`: x @ Wᵀ with the bf16 weights in 16-column panels widened to
   fp32 in registers, one fp32 FMA chain over k per output (`torch.ops.genserve.fma_linear`): the
@@ -227,8 +228,8 @@ def q4_amx_available() -> bool:
 @functools.cache
 def q4q8_linear_available() -> bool:
     """True if the kernels built and `q4q8_linear` runs in this build (the compiler targeted
-    AVX512-VNNI, AVX512-BF16 and AVX512BW; elsewhere the op exists but raises), checked with a
-    1-row product over zero weights."""
+    AVX512-VNNI, AVX512-BF16 and AVX512BW, or AVX2 and FMA; elsewhere the op exists but raises),
+    checked with a 1-row product over zero weights."""
     if not available() or not hasattr(torch.ops.genserve, "q4q8_linear"):
         return False
     try:

@@ -32,8 +32,8 @@ products above the row limit and for the checks.
 
 `q4q8_pack`, `q8_1_round`, `q4_1_dequantize` and `q4q8_linear_reference` serve
 `torch.ops.genserve.q4q8_linear` (engine/kernels/csrc/q4q8_linear.cpp: the same Q4_1 blocks times
-activations rounded to int8 per block of 32, llama.cpp's arithmetic on AVX512-VNNI), which the
-engine does not run yet.
+activations rounded to int8 per block of 32, llama.cpp's arithmetic, on AVX512-VNNI or AVX2),
+which `attach_q4q8` gives the model.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ Q4Q8_BLOCK_BYTES = 24   # bytes per output column and 32 k in `q4q8_pack`'s layo
 def q4q8_pack(blocks: torch.Tensor) -> torch.Tensor:
     """Q4_1 blocks in GGUF row order re-grouped into `q4q8_linear`'s layout
     (engine/kernels/csrc/q4q8_linear.cpp: Q4_1 weights × activations rounded to int8 per block
-    of 32, on AVX512-VNNI).
+    of 32, on AVX512-VNNI or AVX2).
 
     The input holds, per weight row, its Q4_1 blocks along k (bytes 0-1 fp16 d, 2-3 fp16 m,
     4-19: byte i has q[i] in its low nibble and q[i + 16] in its high one; ggml's block_q4_1).
@@ -363,26 +363,27 @@ def attach_q4q8(model: Transformer, source: str | pathlib.Path | gguf.GGUFReader
                 ) -> None:
     """Serve `model`'s block matrices with `torch.ops.genserve.q4q8_linear` over the GGUF's Q4_1
     blocks (`PackedWeight.q4q8`): the weights exact, each input rounded to 8 bits per row and
-    block of 32 (ggml's Q4_1 x Q8_1). Such a model's decode steps run the Python loop
-    (`engine.runner.decode_loop.DecodeLoop.from_model` declines it).
+    block of 32 (ggml's Q4_1 x Q8_1). The C++ decode loop runs them too
+    (`engine.runner.decode_loop.DecodeLoop.from_model` passes the blocks on).
 
     Args:
         model: a bf16 CPU model built from `source` (packed or not).
         source: the `.gguf` file, a reader, or None for the embedded model.
     Raises:
-        ValueError: the model is not bf16 on the CPU, the op cannot run here (no AVX512-VNNI),
+        ValueError: the model is not bf16 on the CPU, the op cannot run here (neither
+            AVX512-VNNI nor AVX2),
             or a block matrix of the file is not Q4_1 or has another row count.
     """
     if model.dtype != torch.bfloat16 or model.output.device.type != "cpu":
         raise ValueError(f"weights 'q4q8' needs a bfloat16 model on the CPU, got {model.dtype} on "
                          f"{model.output.device.type}")
     if not kernels.q4q8_linear_available():
-        raise ValueError("weights 'q4q8' needs genserve's q4q8_linear kernel (AVX512-VNNI and g++)")
+        raise ValueError("weights 'q4q8' needs genserve's q4q8_linear kernel (AVX512-VNNI or AVX2, and g++)")
     for module, name, blocks in q4_1_block_matrices(model, source, "q4q8"):
         packed = getattr(module, name + "_packed") or PackedWeight(getattr(module, name), 0)
         setattr(module, name + "_packed", dataclasses.replace(packed, q4q8=q4q8_pack(blocks)))
     log.info("weights q4q8: every block matrix as the GGUF's Q4_1 blocks times 8-bit inputs "
-             "(Q4_1 x Q8_1, AVX512-VNNI); output projection unchanged")
+             "(Q4_1 x Q8_1); output projection unchanged")
 
 
 def describe(packed: PackedWeight) -> str:

@@ -130,8 +130,8 @@ def load_weights(source: ModelSource, dtype: torch.dtype, device: torch.device
 def auto_weights(network: Transformer, source: ModelSource) -> tuple[str, str]:
     """What `EngineConfig.weights` "auto" serves `network` with, and why (for the log).
 
-    "q4q8" (llama.cpp's Q4_1 x Q8_1 arithmetic on AVX512-VNNI) where the CPU has AVX512-VNNI and
-    no AMX: there it prefills and runs 32-row steps faster than "q4" at +0.09 % perplexity
+    "q4q8" (llama.cpp's Q4_1 x Q8_1 arithmetic) where the CPU has AVX512-VNNI and no AMX, or
+    AVX2 alone: there it prefills and runs 32-row steps faster than "q4" at +0.09 % perplexity
     against the exact bf16 products, within llama.cpp's own +0.11 % for this file
     (docs/benchmarks/int8.md). "q4" (the GGUF's 4-bit blocks with the bf16 products' bits) where
     AMX is usable: there `q4_amx_linear` is the faster of the two, and exact. "bf16" for a model
@@ -147,7 +147,7 @@ def auto_weights(network: Transformer, source: ModelSource) -> tuple[str, str]:
     if kernels.q4_amx_available():
         return "q4", "AMX: q4_amx_linear, the bf16 products' bits"
     if kernels.q4q8_linear_available():
-        return "q4q8", "AVX512-VNNI without AMX: Q4_1 x Q8_1, llama.cpp's arithmetic"
+        return "q4q8", "AVX512-VNNI or AVX2 without AMX: Q4_1 x Q8_1, llama.cpp's arithmetic"
     if kernels.q4_linear_available():
         return "q4", "AVX512-BF16: q4_linear, the bf16 products' bits"
     return "bf16", "no 4-bit kernel in this build"

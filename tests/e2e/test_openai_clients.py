@@ -24,8 +24,9 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")     # no network: 
 MODEL = "SmolLM2-135M-Instruct"
 # The chat question: "Answer in one word." gives the greedy first token a wide margin (-1.2 against
 # -2.8 for the next), so the answer is "The capital of France is Paris." under both the exact bf16
-# products and llama.cpp's Q4_1 x Q8_1 (the default where AVX512-VNNI has no AMX); the bare question's
-# first token is a near tie the two arithmetics break differently (-1.9 against -2.1).
+# products and llama.cpp's Q4_1 x Q8_1 (the default where the CPU has AVX512-VNNI or AVX2 and no
+# AMX); the bare question's first token is a near tie the two arithmetics break differently (-1.9
+# against -2.1).
 QUESTION = "What is the capital of France? Answer in one word."
 REQUESTS = Path(__file__).parent / "client_requests"
 

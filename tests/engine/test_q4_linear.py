@@ -324,6 +324,7 @@ def test_auto_serves_the_4_bit_blocks_where_they_can_run_and_bf16_elsewhere(q4_m
 @pytest.mark.parametrize("amx, vnni, bf16, kind, expected", [
     (True, True, True, "embedded", "q4"),       # AMX: q4_amx_linear, exact and the faster there
     (False, True, True, "gguf", "q4q8"),        # AVX512-VNNI without AMX: llama.cpp's arithmetic
+    (False, True, False, "embedded", "q4q8"),   # AVX2 alone: the same op on vpmaddubsw
     (False, False, True, "embedded", "q4"),     # AVX512-BF16 alone: q4_linear
     (False, False, False, "embedded", "bf16"),  # no 4-bit kernel
     (False, True, True, "random", "bf16"),      # not a GGUF: no blocks to read

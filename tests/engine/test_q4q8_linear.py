@@ -1,5 +1,6 @@
 """`torch.ops.genserve.q4q8_linear` (engine/kernels/csrc/q4q8_linear.cpp): Q4_1 weights × bf16
-activations rounded to int8 per row and block of 32 (ggml's Q8_1), on AVX512-VNNI. Against a
+activations rounded to int8 per row and block of 32 (ggml's Q8_1), on AVX512-VNNI or AVX2
+(whichever this host's build has; both run the same operations in the same order). Against a
 reference in torch ops (the blocks dequantized exactly, x rounded the same way, the product in
 fp64) on random blocks at SmolLM2's shapes and on the embedded model's real first-layer blocks;
 a row's bits do not depend on the batch; zero rows and blocks give zeros; bad shapes raise."""
@@ -20,7 +21,8 @@ ROWS = (1, 3, 32, 100)
 @pytest.fixture(scope="module", autouse=True)
 def vnni():
     if not genserve_kernels.q4q8_linear_available():
-        pytest.skip("q4q8_linear runs only where the kernels build for AVX512-VNNI and AVX512-BF16")
+        pytest.skip("q4q8_linear runs only where the kernels build for AVX512-VNNI and "
+                    "AVX512-BF16, or for AVX2 and FMA")
 
 
 def random_blocks(n: int, k: int, seed: int = 0) -> torch.Tensor:

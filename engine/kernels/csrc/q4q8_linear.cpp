@@ -1,11 +1,13 @@
 // y = x @ W^T with W in the GGUF's 4-bit Q4_1 blocks (w = d * q + m, q in 0..15, 32 weights of one
 // row along k per block, d and m fp16) and x rounded to int8 per row and block of 32 (ggml's
-// Q8_1), the products on AVX512-VNNI's vpdpbusd (u8 nibbles x s8 activations, exact int32 sums).
-// Not the bf16 engine's arithmetic (that is q4_linear.cpp): llama.cpp's default arithmetic on a
-// Q4_1 file. Prototype and measurements: benchmarks/q4q8_vnni_proto/.
+// Q8_1), the products as exact integer sums of u8 nibbles x s8 activations: on AVX512-VNNI's
+// vpdpbusd, or, on CPUs with AVX2 alone, on vpmaddubsw (u8 x s8 pairs summed to int16) and
+// vpmaddwd (int16 pairs summed to int32). Not the bf16 engine's arithmetic (that is
+// q4_linear.cpp): llama.cpp's default arithmetic on a Q4_1 file. Prototype and measurements:
+// benchmarks/q4q8_vnni_proto/.
 //
 // Activation rounding, fused, once per call into a scratch buffer, per row r and block b of 32 k
-// (every step an IEEE operation with its rounding fixed by the intrinsic, so -ffast-math cannot
+// (every step one IEEE operation whose rounding the intrinsic fixes, so -ffast-math cannot
 // change it):
 //
 //   amax       = max |x[r, 32b .. 32b + 31]|                      (x bf16, widened exactly)
@@ -19,6 +21,10 @@
 //   acc += fp32(Σ_k q[n,k] · xq[r,k]) * scale[r,b] * d[n,b]       (exact int32 sum; vfmadd)
 //   acc += m[n,b] * xsum[r,b]                                     (vfmadd)
 //
+// Both builds run these operations in this order (the integer sums are exact in any order), so
+// an AVX2 host and an AVX512-VNNI host give the same bits (bf16 rounding: vcvtneps2bf16 there,
+// c10::BFloat16's round-to-nearest-even here, which differ only on fp32 subnormals and NaN).
+//
 // Layout (`engine.model.quant.q4q8_pack`), 384 bytes per 16 output columns x 32 k:
 //
 //   [N/16 groups][K/32 blocks]{ d[16] fp32, m[16] fp32, nib[4 j][16 columns c][4 bytes i] }
@@ -26,7 +32,10 @@
 // where byte i of (j, c) holds q[c][k = 4j + i] in its low nibble and q[c][k = 16 + 4j + i] in
 // its high one (which is byte 4j + i of the GGUF block's nibbles). vpdpbusd multiplies each of
 // the 16 lanes' 4 bytes with the same 4 bytes of x broadcast, so the low nibbles pair with
-// x[4j .. 4j + 3] and the high nibbles with x[16 + 4j .. 16 + 4j + 3].
+// x[4j .. 4j + 3] and the high nibbles with x[16 + 4j .. 16 + 4j + 3]. On AVX2 a ymm holds 8 of
+// the 16 columns' 4 bytes; vpmaddubsw sums them in pairs (|q·x + q·x| <= 2 · 15 · 127 = 3,810),
+// the 8 such sums of a block (4 j, low and high) are added in int16 (<= 30,480 < 2^15: exact),
+// and vpmaddwd against ones adds each column's 2 int16 lanes into its int32 sum.
 //
 // Work: panels of 32 columns (2 groups) split across threads (at::parallel_for); within a panel,
 // tiles of 4 rows. A row's operations and their order are the same in every tile position and
@@ -39,6 +48,13 @@
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define GENSERVE_Q4Q8_LINEAR 1
+#define GENSERVE_Q4Q8_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define GENSERVE_Q4Q8_LINEAR 1
+#define GENSERVE_Q4Q8_AVX2 1
+#endif
+
+#ifdef GENSERVE_Q4Q8_LINEAR
 #include <immintrin.h>
 
 #include <algorithm>
@@ -53,8 +69,10 @@ constexpr int64_t PANEL_N = 32;                  // columns per parallel panel (
 constexpr int64_t GROUP_BYTES = 64 + 64 + 256;   // d[16] f32, m[16] f32, 4 x 64 nibble bytes
 
 #ifdef GENSERVE_Q4Q8_LINEAR
-
 constexpr int RN = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+#endif
+
+#ifdef GENSERVE_Q4Q8_AVX512
 
 // Row `in` (bf16 bits, k values) rounded per block of 32 into xq, scale and xsum (see above).
 void quantize_row(const uint16_t* in, int64_t k, int8_t* xq, float* scale, float* xsum) {
@@ -138,7 +156,122 @@ void panel_rows(const int8_t* X, const float* XS, const float* XSUM, const uint8
                           (__m256i)_mm512_cvtneps_pbh(acc[r][g]));
 }
 
-#endif  // GENSERVE_Q4Q8_LINEAR
+#elif defined(GENSERVE_Q4Q8_AVX2)
+
+// 8 bf16 (bits) widened exactly to fp32.
+inline __m256 widen8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+
+// The same rounding as the AVX512 build's `quantize_row` (see the top of the file): the scalar
+// steps on SSE intrinsics (one IEEE operation each), the per-element ones on ymm.
+void quantize_row(const uint16_t* in, int64_t k, int8_t* xq, float* scale, float* xsum) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  // bytes 0-3 of each 128-bit half of vpacksswb's result, in k order (see below)
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t b = 0; b < k / QK; ++b) {
+    const uint16_t* p = in + b * QK;
+    __m256 v[4];
+    for (int i = 0; i < 4; ++i) v[i] = widen8(p + 8 * i);
+    const __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                   _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+    __m128 s = _mm_mul_ss(m4, _mm_set_ss(1.0f / 127.0f));
+    if (_mm_cvtss_f32(s) == 0.0f) s = _mm_set_ss(1.0f);
+    const __m256 inv = _mm256_set1_ps(_mm_cvtss_f32(_mm_div_ss(_mm_set_ss(1.0f), s)));
+    __m256i q[4];
+    for (int i = 0; i < 4; ++i)
+      q[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], inv), RN));
+    // vpackssdw / vpacksswb interleave the 128-bit halves: the bytes come out as 4-byte groups
+    // q0[0..3] q1[0..3] q2[0..3] q3[0..3] | q0[4..7] q1[4..7] ...; `order` puts them back.
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]),
+                                              _mm256_packs_epi32(q[2], q[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + b * QK),
+                        _mm256_permutevar8x32_epi32(packed, order));
+    const __m256i t = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4E));
+    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xB1));
+    scale[b] = _mm_cvtss_f32(s);
+    xsum[b] = _mm_cvtss_f32(_mm_mul_ss(s, _mm_set_ss(static_cast<float>(_mm_cvtsi128_si32(t4)))));
+  }
+}
+
+// ROWS rows from r0 times one group of 16 columns (at `group`, its kb_count blocks) -> y (bf16).
+template <int ROWS>
+void group_rows(const int8_t* X, const float* XS, const float* XSUM, const uint8_t* group,
+                int64_t k, int64_t r0, c10::BFloat16* Y, int64_t n, int64_t col0) {
+  const int64_t kb_count = k / QK;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[ROWS][2];
+  for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < kb_count; ++b) {
+    const uint8_t* blk = group + b * GROUP_BYTES;
+    __m256i iacc[ROWS][2];                      // int16 pair sums, per column 2 lanes
+    for (int r = 0; r < ROWS; ++r) iacc[r][0] = iacc[r][1] = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {
+      __m256i wl[2], wh[2];
+      for (int h = 0; h < 2; ++h) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 64 * j + 32 * h));
+        wl[h] = _mm256_and_si256(v, low);
+        wh[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      }
+      for (int r = 0; r < ROWS; ++r) {
+        const int8_t* xr = X + (r0 + r) * k + b * QK;
+        const __m256i xl = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xr + 4 * j));
+        const __m256i xh = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xr + 16 + 4 * j));
+        for (int h = 0; h < 2; ++h)
+          iacc[r][h] = _mm256_add_epi16(iacc[r][h], _mm256_add_epi16(_mm256_maddubs_epi16(wl[h], xl),
+                                                                     _mm256_maddubs_epi16(wh[h], xh)));
+      }
+      // Integer adds may be regrouped at will, and GCC then computed all 64 products of a
+      // block before adding any, spilling them to the stack (2x slower): the empty asm pins
+      // each accumulator in a register after every j.
+      for (int r = 0; r < ROWS; ++r)
+        for (int h = 0; h < 2; ++h) asm("" : "+x"(iacc[r][h]));
+    }
+    for (int r = 0; r < ROWS; ++r) {
+      const __m256 s = _mm256_set1_ps(XS[(r0 + r) * kb_count + b]);
+      const __m256 sm = _mm256_set1_ps(XSUM[(r0 + r) * kb_count + b]);
+      for (int h = 0; h < 2; ++h) {
+        const __m256 isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(iacc[r][h], ones));
+        const __m256 d = _mm256_loadu_ps(reinterpret_cast<const float*>(blk) + 8 * h);
+        const __m256 m = _mm256_loadu_ps(reinterpret_cast<const float*>(blk + 64) + 8 * h);
+        acc[r][h] = _mm256_fmadd_ps(_mm256_mul_ps(isum, s), d, acc[r][h]);
+        acc[r][h] = _mm256_fmadd_ps(m, sm, acc[r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) {
+    alignas(32) float out[16];
+    _mm256_store_ps(out, acc[r][0]);
+    _mm256_store_ps(out + 8, acc[r][1]);
+    c10::BFloat16* y = Y + (r0 + r) * n + col0;
+    for (int c = 0; c < 16; ++c) y[c] = c10::BFloat16(out[c]);
+  }
+}
+
+// Rows r0 .. r0 + rows - 1 (rows <= 4) times one panel of 32 columns -> y (bf16).
+void panel_rows(const int8_t* X, const float* XS, const float* XSUM, const uint8_t* panel,
+                int64_t k, int64_t r0, int rows, c10::BFloat16* Y, int64_t n, int64_t col0) {
+  const int64_t group_bytes = (k / QK) * GROUP_BYTES;
+  for (int g = 0; g < PANEL_N / GROUP_N; ++g) {
+    const uint8_t* group = panel + g * group_bytes;
+    const int64_t c0 = col0 + g * GROUP_N;
+    switch (rows) {
+      case 4: group_rows<4>(X, XS, XSUM, group, k, r0, Y, n, c0); break;
+      case 3: group_rows<3>(X, XS, XSUM, group, k, r0, Y, n, c0); break;
+      case 2: group_rows<2>(X, XS, XSUM, group, k, r0, Y, n, c0); break;
+      default: group_rows<1>(X, XS, XSUM, group, k, r0, Y, n, c0); break;
+    }
+  }
+}
+
+#endif  // GENSERVE_Q4Q8_AVX512 / GENSERVE_Q4Q8_AVX2
 
 }  // namespace
 
@@ -147,8 +280,8 @@ namespace genserve {
 // x: bf16 [M, K] contiguous, K % 32 == 0; packed: uint8 [N, K / 32 * 24] contiguous, W's Q4_1
 // blocks in the layout above (`engine.model.quant.q4q8_pack`); n: N, a multiple of 32. Returns
 // bf16 [M, N]. Raises (RuntimeError) on another dtype or shape, and on a build whose compiler
-// did not target AVX512-VNNI, AVX512-BF16 and AVX512BW (`engine.kernels.q4q8_linear_available()`
-// says whether this build has it).
+// targeted neither AVX512-VNNI with AVX512-BF16 and AVX512BW nor AVX2 with FMA
+// (`engine.kernels.q4q8_linear_available()` says whether this build has it).
 at::Tensor q4q8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
               "q4q8_linear: x must be a contiguous bf16 [M, K] tensor");
@@ -187,9 +320,9 @@ at::Tensor q4q8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n)
   return y;
 #else
   (void)m;
-  TORCH_CHECK(false, "q4q8_linear: this build of genserve's kernels has no AVX512-VNNI product "
-              "(it needs a compiler targeting AVX512-VNNI, AVX512-BF16 and AVX512BW; "
-              "engine.kernels.q4q8_linear_available() is False here)");
+  TORCH_CHECK(false, "q4q8_linear: this build of genserve's kernels has no int8 product "
+              "(it needs a compiler targeting AVX512-VNNI, AVX512-BF16 and AVX512BW, or AVX2 "
+              "and FMA; engine.kernels.q4q8_linear_available() is False here)");
   return at::Tensor();
 #endif
 }
