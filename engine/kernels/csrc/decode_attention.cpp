@@ -8,15 +8,17 @@
 //
 // A KV head's `group` query heads share its keys and values (GQA): they are computed together,
 // so each key and value is read once per row. Scores, softmax and the P·V accumulation are fp32.
-// Two loops: bf16 on CPUs with AVX512-BF16 (the serving case) runs the one-pass kernel further
-// down (AMX tiles for the scores where the CPU and OS have them); other dtypes and CPUs run
-// `decode_kernel`, work item = (row, KV head), two passes over the keys' scores. Every loop's
+// Three loops: bf16 on CPUs with AVX512-BF16 (the serving case) runs the one-pass kernel further
+// down (AMX tiles for the scores where the CPU and OS have them); bf16 on CPUs with AVX2 alone
+// runs `decode_kernel_avx2`; other dtypes and CPUs run `decode_kernel`. The last two: work item
+// = (row, KV head), two passes over the keys' scores. Every loop's
 // order is fixed by the row's own context length, so a row gives the same bits whatever else is in
 // the batch (batch invariance).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "avx2_math.h"
 #include "avx512_math.h"
 #include "bf16.h"
 #include "genserve_ops.h"
@@ -112,6 +114,119 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_pool, const at::Tens
     }
   });
 }
+
+#if defined(__AVX2__) && defined(__FMA__) && !(defined(__AVX512BF16__) && defined(__AVX512BW__))
+#define GENSERVE_DECODE_AVX2 1
+
+// `decode_kernel` for bf16 pools on CPUs with AVX2 alone, its loops on ymm: a score is 8 FMAs in
+// two chains over the widened key, summed across lanes in a fixed order (`hsum256_ps`); the
+// softmax's exp is `exp256_ps` over 8 scores at a time (the generic loop calls libm's expf once
+// per score); P·V runs in two halves of 32 dimensions, each G x 4 accumulators in registers
+// across the whole context. Every order is fixed by the row's own context length, so a row's
+// bits do not depend on the batch.
+template <int G>
+void decode_kernel_avx2(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                        const at::Tensor& tables, const at::Tensor& lens, at::Tensor& out,
+                        double scale) {
+  using genserve::exp256_ps;
+  using genserve::hsum256_ps;
+  using genserve::load_bf16x8;
+  constexpr int D = 64;                                   // head_dim (checked by the caller)
+  const int64_t heads = q.size(1);
+  const int64_t block = k_pool.size(1), kv_heads = k_pool.size(2), table_width = tables.size(1);
+  const int64_t block_stride = block * kv_heads * D, token_stride = kv_heads * D;
+  const auto* qd = q.data_ptr<c10::BFloat16>();
+  const auto* kd = k_pool.data_ptr<c10::BFloat16>();
+  const auto* vd = v_pool.data_ptr<c10::BFloat16>();
+  const int64_t* td = tables.data_ptr<int64_t>();
+  const int64_t* ld = lens.data_ptr<int64_t>();
+  c10::BFloat16* od = out.data_ptr<c10::BFloat16>();
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, q.size(0) * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    alignas(32) float qf[G][D];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / kv_heads, h = item % kv_heads, len = ld[b];
+      const int64_t padded = (len + 7) / 8 * 8;           // scores of G heads, 8-aligned rows
+      const int64_t* table = td + b * table_width;
+      scores.assign(G * padded, -std::numeric_limits<float>::max());
+      for (int g = 0; g < G; ++g)
+        for (int d = 0; d < D; ++d)
+          qf[g][d] = to_float(qd[(b * heads + h * G + g) * D + d]) * fscale;
+      // Walks the row's context in position order through its block table, calling visit(j,
+      // the token's head vector from `offset` on) for each token j. The next block's rows are
+      // prefetched while this block's are visited: blocks lie anywhere in the pool, and the
+      // hardware prefetcher loses the stride at every jump.
+      auto each_token = [&](const c10::BFloat16* pool, int64_t offset, auto&& visit) {
+        for (int64_t start = 0; start < len; start += block) {
+          const c10::BFloat16* base = pool + table[start / block] * block_stride + h * D + offset;
+          const int64_t n = std::min(block, len - start);
+          if (start + block < len) {
+            const char* next = reinterpret_cast<const char*>(
+                pool + table[start / block + 1] * block_stride + h * D + offset);
+            const int64_t m = std::min(block, len - start - block);
+            for (int64_t t = 0; t < m; ++t) {
+              _mm_prefetch(next + t * token_stride * 2, _MM_HINT_T0);
+              _mm_prefetch(next + t * token_stride * 2 + 64, _MM_HINT_T0);
+            }
+          }
+          for (int64_t t = 0; t < n; ++t) visit(start + t, base + t * token_stride);
+        }
+      };
+      each_token(kd, 0, [&](int64_t j, const c10::BFloat16* row) {
+        __m256 k[8];
+        for (int c = 0; c < 8; ++c) k[c] = load_bf16x8(row + 8 * c);
+        for (int g = 0; g < G; ++g) {
+          __m256 a0 = _mm256_mul_ps(_mm256_load_ps(qf[g]), k[0]);
+          __m256 a1 = _mm256_mul_ps(_mm256_load_ps(qf[g] + 8), k[1]);
+          for (int c = 2; c < 8; c += 2) {
+            a0 = _mm256_fmadd_ps(_mm256_load_ps(qf[g] + 8 * c), k[c], a0);
+            a1 = _mm256_fmadd_ps(_mm256_load_ps(qf[g] + 8 * c + 8), k[c + 1], a1);
+          }
+          scores[g * padded + j] = hsum256_ps(_mm256_add_ps(a0, a1));
+        }
+      });
+      float inv_sum[G];
+      for (int g = 0; g < G; ++g) {
+        float* sg = scores.data() + g * padded;
+        __m256 mv = _mm256_loadu_ps(sg);
+        for (int64_t j = 8; j < padded; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(sg + j));
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, mv);
+        const __m256 mx = _mm256_set1_ps(*std::max_element(lanes, lanes + 8));
+        __m256 sum = _mm256_setzero_ps();
+        for (int64_t j = 0; j < padded; j += 8) {      // the padding's exp is 0
+          const __m256 e = exp256_ps(_mm256_sub_ps(_mm256_loadu_ps(sg + j), mx));
+          _mm256_storeu_ps(sg + j, e);
+          sum = _mm256_add_ps(sum, e);
+        }
+        inv_sum[g] = 1.f / hsum256_ps(sum);
+      }
+      for (int half = 0; half < 2; ++half) {
+        __m256 acc[G][4];
+        for (int g = 0; g < G; ++g)
+          for (int c = 0; c < 4; ++c) acc[g][c] = _mm256_setzero_ps();
+        each_token(vd, 32 * half, [&](int64_t j, const c10::BFloat16* row) {
+          __m256 v[4];
+          for (int c = 0; c < 4; ++c) v[c] = load_bf16x8(row + 8 * c);
+          for (int g = 0; g < G; ++g) {
+            const __m256 pr = _mm256_broadcast_ss(&scores[g * padded + j]);
+            for (int c = 0; c < 4; ++c) acc[g][c] = _mm256_fmadd_ps(pr, v[c], acc[g][c]);
+          }
+        });
+        for (int g = 0; g < G; ++g) {
+          alignas(32) float o[32];
+          const __m256 inv = _mm256_set1_ps(inv_sum[g]);
+          for (int c = 0; c < 4; ++c) _mm256_store_ps(o + 8 * c, _mm256_mul_ps(acc[g][c], inv));
+          c10::BFloat16* dst = od + (b * heads + h * G + g) * D + 32 * half;
+          for (int d = 0; d < 32; ++d) dst[d] = static_cast<c10::BFloat16>(o[d]);
+        }
+      }
+    }
+  });
+}
+#endif  // AVX2 without AVX512-BF16
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 // The bf16 kernel for CPUs with AVX512-BF16, with AMX-BF16 where the compiler targets it and the
@@ -563,6 +678,18 @@ void dispatch_group(const at::Tensor& q, const at::Tensor& k_pool, const at::Ten
       case 3: return decode_bf16<3>(q, k_pool, v_pool, tables, lens, out, scale);
       case 4: return decode_bf16<4>(q, k_pool, v_pool, tables, lens, out, scale);
       case 8: return decode_bf16<8>(q, k_pool, v_pool, tables, lens, out, scale);
+      default: TORCH_CHECK(false, "query heads per KV head must be 1, 2, 3, 4 or 8");
+    }
+  }
+#endif
+#ifdef GENSERVE_DECODE_AVX2
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    switch (q.size(1) / k_pool.size(2)) {
+      case 1: return decode_kernel_avx2<1>(q, k_pool, v_pool, tables, lens, out, scale);
+      case 2: return decode_kernel_avx2<2>(q, k_pool, v_pool, tables, lens, out, scale);
+      case 3: return decode_kernel_avx2<3>(q, k_pool, v_pool, tables, lens, out, scale);
+      case 4: return decode_kernel_avx2<4>(q, k_pool, v_pool, tables, lens, out, scale);
+      case 8: return decode_kernel_avx2<8>(q, k_pool, v_pool, tables, lens, out, scale);
       default: TORCH_CHECK(false, "query heads per KV head must be 1, 2, 3, 4 or 8");
     }
   }
