@@ -667,41 +667,34 @@ void decode_bf16(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor
 }
 #endif  // __AVX512BF16__ && __AVX512BW__
 
+// Calls run(std::integral_constant<int, G>{}) for G = the query heads per KV head, one of the
+// group sizes the kernels are instantiated for (1, 2, 3, 4, 8); raises (RuntimeError) otherwise.
+template <class Run>
+void with_group(int64_t group, Run&& run) {
+  switch (group) {
+    case 1: return run(std::integral_constant<int, 1>{});
+    case 2: return run(std::integral_constant<int, 2>{});
+    case 3: return run(std::integral_constant<int, 3>{});
+    case 4: return run(std::integral_constant<int, 4>{});
+    case 8: return run(std::integral_constant<int, 8>{});
+    default: TORCH_CHECK(false, "query heads per KV head must be 1, 2, 3, 4 or 8");
+  }
+}
+
 template <typename T>
 void dispatch_group(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                     const at::Tensor& tables, const at::Tensor& lens, at::Tensor& out, double scale) {
+  with_group(q.size(1) / k_pool.size(2), [&](auto group) {
+    constexpr int G = decltype(group)::value;
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    switch (q.size(1) / k_pool.size(2)) {
-      case 1: return decode_bf16<1>(q, k_pool, v_pool, tables, lens, out, scale);
-      case 2: return decode_bf16<2>(q, k_pool, v_pool, tables, lens, out, scale);
-      case 3: return decode_bf16<3>(q, k_pool, v_pool, tables, lens, out, scale);
-      case 4: return decode_bf16<4>(q, k_pool, v_pool, tables, lens, out, scale);
-      case 8: return decode_bf16<8>(q, k_pool, v_pool, tables, lens, out, scale);
-      default: TORCH_CHECK(false, "query heads per KV head must be 1, 2, 3, 4 or 8");
-    }
-  }
+    if constexpr (std::is_same_v<T, c10::BFloat16>)
+      return decode_bf16<G>(q, k_pool, v_pool, tables, lens, out, scale);
+#elif defined(GENSERVE_DECODE_AVX2)
+    if constexpr (std::is_same_v<T, c10::BFloat16>)
+      return decode_kernel_avx2<G>(q, k_pool, v_pool, tables, lens, out, scale);
 #endif
-#ifdef GENSERVE_DECODE_AVX2
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    switch (q.size(1) / k_pool.size(2)) {
-      case 1: return decode_kernel_avx2<1>(q, k_pool, v_pool, tables, lens, out, scale);
-      case 2: return decode_kernel_avx2<2>(q, k_pool, v_pool, tables, lens, out, scale);
-      case 3: return decode_kernel_avx2<3>(q, k_pool, v_pool, tables, lens, out, scale);
-      case 4: return decode_kernel_avx2<4>(q, k_pool, v_pool, tables, lens, out, scale);
-      case 8: return decode_kernel_avx2<8>(q, k_pool, v_pool, tables, lens, out, scale);
-      default: TORCH_CHECK(false, "query heads per KV head must be 1, 2, 3, 4 or 8");
-    }
-  }
-#endif
-  switch (q.size(1) / k_pool.size(2)) {
-    case 1: return decode_kernel<T, 1>(q, k_pool, v_pool, tables, lens, out, scale);
-    case 2: return decode_kernel<T, 2>(q, k_pool, v_pool, tables, lens, out, scale);
-    case 3: return decode_kernel<T, 3>(q, k_pool, v_pool, tables, lens, out, scale);
-    case 4: return decode_kernel<T, 4>(q, k_pool, v_pool, tables, lens, out, scale);
-    case 8: return decode_kernel<T, 8>(q, k_pool, v_pool, tables, lens, out, scale);
-    default: TORCH_CHECK(false, "query heads per KV head must be 1, 2, 3, 4 or 8");
-  }
+    return decode_kernel<T, G>(q, k_pool, v_pool, tables, lens, out, scale);
+  });
 }
 
 }  // namespace
