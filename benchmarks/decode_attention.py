@@ -56,7 +56,7 @@ from engine.runner.kv_cache import zeroed_pool
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16    # SmolLM2-135M, the engine's blocks
 SPARE_BLOCKS = 64
-CSRC = pathlib.Path(__file__).resolve().parent.parent / "engine" / "csrc"
+CSRC = pathlib.Path(__file__).resolve().parent.parent / "engine" / "kernels" / "csrc"
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,7 +33,9 @@ products above the row limit and for the checks.
 `q4q8_pack`, `q8_1_round`, `q4_1_dequantize` and `q4q8_linear_reference` serve
 `torch.ops.genserve.q4q8_linear` (engine/kernels/csrc/q4q8_linear.cpp: the same Q4_1 blocks times
 activations rounded to int8 per block of 32, llama.cpp's arithmetic, on AVX512-VNNI or AVX2),
-which `attach_q4q8` gives the model.
+which `attach_q4q8` gives the model; on CPUs without bf16 arithmetic it also gives the output
+projection its Q8_0 blocks for `torch.ops.genserve.q8q8_linear` (`q8q8_pack`, the same file:
+llama.cpp's Q8_0 × Q8_0), so `--weights q4q8` there is llama.cpp's arithmetic for every product.
 """
 
 from __future__ import annotations
@@ -144,6 +146,53 @@ def q4q8_pack(blocks: torch.Tensor) -> torch.Tensor:
     return out.reshape(n, kb * Q4Q8_BLOCK_BYTES).contiguous()
 
 
+Q8Q8_BLOCK_BYTES = 36   # bytes per output column and 32 k in `q8q8_pack`'s layout
+
+
+def q8q8_pack(blocks: torch.Tensor) -> torch.Tensor:
+    """Q8_0 blocks in GGUF row order re-grouped into `q8q8_linear`'s layout
+    (engine/kernels/csrc/q4q8_linear.cpp: Q8_0 weights × activations rounded to int8 per block
+    of 32, llama.cpp's Q8_0 × Q8_0 product).
+
+    The input holds, per weight row, its Q8_0 blocks along k (bytes 0-1 fp16 d, 2-33 the int8
+    q[0..31]; ggml's block_q8_0). The output holds, per group of 16 output columns and block of
+    32 k (576 bytes): the 16 columns' d as fp32 (64 bytes, exact widening), then for j = 0..7 and
+    each column c the 4 bytes q[c][4j .. 4j + 3]. Groups are in column order, blocks in k order
+    within a group.
+
+    Args:
+        blocks: uint8 [N, K / 32 · 34] (`weights.load_gguf_output_q8_0`), N a multiple of 32.
+    Returns:
+        uint8 [N, K / 32 · 36], contiguous (a new tensor); row g·16 .. g·16 + 15 hold group g.
+    Raises:
+        ValueError: not uint8 2-D with whole blocks, or N not a positive multiple of 32.
+    """
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % Q8_0_BLOCK_BYTES \
+            or blocks.shape[1] == 0:
+        raise ValueError(f"q8q8_pack: expected uint8 [N, K / 32 * {Q8_0_BLOCK_BYTES}] blocks, "
+                         f"got {blocks.dtype} {tuple(blocks.shape)}")
+    n, row_bytes = blocks.shape
+    if n == 0 or n % Q4Q8_PANEL_N:
+        raise ValueError(f"q8q8_pack: N must be a positive multiple of {Q4Q8_PANEL_N}, got {n}")
+    ng, kb = n // 16, row_bytes // Q8_0_BLOCK_BYTES
+    b = blocks.contiguous().view(ng, 16, kb, Q8_0_BLOCK_BYTES)       # [group, col, kb, 34]
+    d = b[..., 0:2].contiguous().view(torch.float16).float()          # [group, col, kb, 1]
+    d = d.squeeze(-1).permute(0, 2, 1).contiguous().view(torch.uint8)  # [group, kb, 16 * 4]
+    q = b[..., 2:].reshape(ng, 16, kb, 8, 4).permute(0, 2, 3, 1, 4)   # [group, kb, j, col, i]
+    out = torch.cat([d, q.reshape(ng, kb, 512)], dim=-1)               # [group, kb, 576]
+    return out.reshape(n, kb * Q8Q8_BLOCK_BYTES).contiguous()
+
+
+def q8_0_dequantize(blocks: torch.Tensor) -> torch.Tensor:
+    """Q8_0 blocks uint8 [N, K / 32 · 34] (GGUF row order) as fp64 [N, K]: d · q, exact."""
+    n, row_bytes = blocks.shape
+    kb = row_bytes // Q8_0_BLOCK_BYTES
+    b = blocks.contiguous().view(n, kb, Q8_0_BLOCK_BYTES)
+    d = b[..., 0:2].contiguous().view(torch.float16).double()        # [N, kb, 1]
+    q = b[..., 2:].contiguous().view(torch.int8).double()            # [N, kb, 32]
+    return (d * q).reshape(n, kb * QK)
+
+
 def q8_1_round(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x's rows rounded per block of 32 as `q4q8_linear` rounds them (ggml's Q8_1), in torch ops:
     scale = fp32(amax · fp32(1/127)) (1 where 0), q = round_half_even(fp32(x · fp32(1 / scale))).
@@ -189,6 +238,21 @@ def q4q8_linear_reference(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor
     xq, scale = q8_1_round(x)
     xd = (xq.double().reshape(x.shape[0], kb, QK) * scale.double()[..., None]).reshape(x.shape[0], -1)
     return xd @ w.T
+
+
+def q8q8_linear_reference(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """What `q8q8_linear` computes, in torch ops, for tests: the Q8_0 blocks dequantized exactly
+    (d · q in fp64), x rounded by `q8_1_round`, the product in fp64.
+
+    Args:
+        x: [M, K]; blocks: uint8 [N, K / 32 · 34] in GGUF row order.
+    Returns:
+        fp64 [M, N] (not rounded to bf16).
+    """
+    kb = blocks.shape[1] // Q8_0_BLOCK_BYTES
+    xq, scale = q8_1_round(x)
+    xd = (xq.double().reshape(x.shape[0], kb, QK) * scale.double()[..., None]).reshape(x.shape[0], -1)
+    return xd @ q8_0_dequantize(blocks).T
 
 
 def amx_pack(blocks: torch.Tensor, block_bytes: int = Q4_1_BLOCK_BYTES) -> torch.Tensor:
@@ -366,6 +430,12 @@ def attach_q4q8(model: Transformer, source: str | pathlib.Path | gguf.GGUFReader
     block of 32 (ggml's Q4_1 x Q8_1). The C++ decode loop runs them too
     (`engine.runner.decode_loop.DecodeLoop.from_model` passes the blocks on).
 
+    Where the output projection's product is the fp32 one (`PackedWeight.fma` or `.f32`: CPUs
+    without bf16 arithmetic) and the file stores it as Q8_0, it runs `q8q8_linear` over those
+    blocks (`PackedWeight.q8q8`): llama.cpp's Q8_0 x Q8_0, half the bytes of the bf16 panels.
+    Where the CPU has bf16 arithmetic the output keeps its bf16 product (the int8 product on
+    AVX2 instructions is not faster than bf16 arithmetic there; not measured).
+
     Args:
         model: a bf16 CPU model built from `source` (packed or not).
         source: the `.gguf` file, a reader, or None for the embedded model.
@@ -382,8 +452,16 @@ def attach_q4q8(model: Transformer, source: str | pathlib.Path | gguf.GGUFReader
     for module, name, blocks in q4_1_block_matrices(model, source, "q4q8"):
         packed = getattr(module, name + "_packed") or PackedWeight(getattr(module, name), 0)
         setattr(module, name + "_packed", dataclasses.replace(packed, q4q8=q4q8_pack(blocks)))
+    output = load_gguf_output_q8_0(source)
+    packed = model.output_packed
+    on_fp32 = packed is not None and (packed.fma or packed.f32 is not None)
+    if output is not None and on_fp32 and output.shape[0] % Q4Q8_PANEL_N == 0:
+        model.output_packed = dataclasses.replace(packed, q8q8=q8q8_pack(output))
     log.info("weights q4q8: every block matrix as the GGUF's Q4_1 blocks times 8-bit inputs "
-             "(Q4_1 x Q8_1); output projection unchanged")
+             "(Q4_1 x Q8_1); output projection %s",
+             "as its Q8_0 blocks times 8-bit inputs (Q8_0 x Q8_0)"
+             if model.output_packed is not None and model.output_packed.q8q8 is not None
+             else "unchanged")
 
 
 def describe(packed: PackedWeight) -> str:

@@ -4,7 +4,8 @@
 // vpdpbusd, or, on CPUs with AVX2 alone, on vpmaddubsw (u8 x s8 pairs summed to int16) and
 // vpmaddwd (int16 pairs summed to int32). Not the bf16 engine's arithmetic (that is
 // q4_linear.cpp): llama.cpp's default arithmetic on a Q4_1 file. Prototype and measurements:
-// benchmarks/q4q8_vnni_proto/.
+// benchmarks/q4q8_vnni_proto/. Also `q8q8_linear`: Q8_0 weights times the same 8-bit rows
+// (llama.cpp's Q8_0 x Q8_0, the file's output projection), further below.
 //
 // Activation rounding, fused, once per call into a scratch buffer, per row r and block b of 32 k
 // (every step one IEEE operation whose rounding the intrinsic fixes, so -ffast-math cannot
@@ -67,6 +68,8 @@ constexpr int64_t QK = 32;                       // weights per Q4_1 block (alon
 constexpr int64_t GROUP_N = 16;                  // output columns per packed group
 constexpr int64_t PANEL_N = 32;                  // columns per parallel panel (2 groups)
 constexpr int64_t GROUP_BYTES = 64 + 64 + 256;   // d[16] f32, m[16] f32, 4 x 64 nibble bytes
+constexpr int64_t Q8_GROUP_BYTES = 64 + 512;     // Q8_0 weights: d[16] f32, 8 x 64 int8 bytes
+constexpr int64_t Q8_GROUP_BYTES_PER_COLUMN = Q8_GROUP_BYTES / GROUP_N;   // 36
 
 #ifdef GENSERVE_Q4Q8_LINEAR
 constexpr int RN = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
@@ -273,9 +276,142 @@ void panel_rows(const int8_t* X, const float* XS, const float* XSUM, const uint8
 
 #endif  // GENSERVE_Q4Q8_AVX512 / GENSERVE_Q4Q8_AVX2
 
+#ifdef GENSERVE_Q4Q8_LINEAR
+
+// Q8_0 weights (ggml's block_q8_0: fp16 d, 32 int8 q; w = d * q) times the same 8-bit rows:
+// `q8q8_linear`, llama.cpp's Q8_0 x Q8_0 product (the rows' xsum is not needed). AVX2 in both
+// builds (an AVX512 CPU has AVX2 too), so every host gives the same bits.
+//
+// Per output column n, row r and block b (fp32 accumulation in block order, one rounding):
+//
+//   acc += fp32(Σ_k q[n,k] · xq[r,k]) * scale[r,b] * d[n,b]        (exact int32 sum; vfmadd)
+//
+// Both operands are signed, and vpmaddubsw takes one unsigned: as in ggml's AVX2 dot product,
+// |q| goes in as the unsigned operand and xq with q's sign (vpsignb) as the signed one, which
+// gives the same products; a pair's sum is at most 2 * 128 * 127 = 32,512 < 2^15 (exact), but two
+// pairs may not be, so each vpmaddubsw result is widened at once (vpmaddwd against ones).
+//
+// Layout (`engine.model.quant.q8q8_pack`), 576 bytes per 16 output columns x 32 k:
+//
+//   [N/16 groups][K/32 blocks]{ d[16] fp32, q[8 j][16 columns c][4 bytes i] }
+//
+// where byte i of (j, c) is q[c][4j + i]. Work as `q4q8_linear`'s: panels of 32 columns across
+// threads; within a group, tiles of up to 4 rows times 8 columns (one ymm of fp32 each).
+template <int ROWS>
+void q8_half_rows(const int8_t* X, const float* XS, const uint8_t* group, int64_t k, int64_t r0,
+                  int h, c10::BFloat16* Y, int64_t n, int64_t col0) {
+  const int64_t kb_count = k / QK;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[ROWS];
+  for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < kb_count; ++b) {
+    const uint8_t* blk = group + b * Q8_GROUP_BYTES;
+    __m256i iacc[ROWS];
+    for (int r = 0; r < ROWS; ++r) iacc[r] = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 + 64 * j + 32 * h));
+      const __m256i aw = _mm256_abs_epi8(w);
+      for (int r = 0; r < ROWS; ++r) {
+        const int8_t* xr = X + (r0 + r) * k + b * QK;
+        const __m256i xb = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xr + 4 * j));
+        const __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xb, w));
+        iacc[r] = _mm256_add_epi32(iacc[r], _mm256_madd_epi16(p, ones));
+      }
+    }
+    const __m256 d = _mm256_loadu_ps(reinterpret_cast<const float*>(blk) + 8 * h);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m256 s = _mm256_set1_ps(XS[(r0 + r) * kb_count + b]);
+      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(iacc[r]), s), d, acc[r]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) {
+    alignas(32) float out[8];
+    _mm256_store_ps(out, acc[r]);
+    c10::BFloat16* y = Y + (r0 + r) * n + col0 + 8 * h;
+    for (int c = 0; c < 8; ++c) y[c] = c10::BFloat16(out[c]);
+  }
+}
+
+// Rows r0 .. r0 + rows - 1 (rows <= 4) times one panel of 32 Q8_0 columns -> y (bf16).
+void q8_panel_rows(const int8_t* X, const float* XS, const uint8_t* panel, int64_t k, int64_t r0,
+                   int rows, c10::BFloat16* Y, int64_t n, int64_t col0) {
+  const int64_t group_bytes = (k / QK) * Q8_GROUP_BYTES;
+  for (int g = 0; g < PANEL_N / GROUP_N; ++g)
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* group = panel + g * group_bytes;
+      const int64_t c0 = col0 + g * GROUP_N;
+      switch (rows) {
+        case 4: q8_half_rows<4>(X, XS, group, k, r0, h, Y, n, c0); break;
+        case 3: q8_half_rows<3>(X, XS, group, k, r0, h, Y, n, c0); break;
+        case 2: q8_half_rows<2>(X, XS, group, k, r0, h, Y, n, c0); break;
+        default: q8_half_rows<1>(X, XS, group, k, r0, h, Y, n, c0); break;
+      }
+    }
+}
+
+#endif  // GENSERVE_Q4Q8_LINEAR
+
 }  // namespace
 
 namespace genserve {
+
+namespace {
+
+// Checks shared by both ops: x bf16 [M, K] contiguous, K a positive multiple of 32; packed uint8
+// [n, K / 32 * col_bytes] contiguous; n a positive multiple of 32.
+void check_operands(const char* op, const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                    int64_t col_bytes) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
+              op, ": x must be a contiguous bf16 [M, K] tensor");
+  TORCH_CHECK(packed.dim() == 2 && packed.is_contiguous() && packed.scalar_type() == at::kByte &&
+                  packed.size(1) % col_bytes == 0,
+              op, ": packed must be a contiguous uint8 [N, K / 32 * ", col_bytes, "] tensor");
+  const int64_t k = x.size(1);
+  TORCH_CHECK(k % QK == 0 && k > 0, op, ": K must be a positive multiple of ", QK, ", got ", k);
+  TORCH_CHECK(n > 0 && n % PANEL_N == 0, op, ": N must be a positive multiple of ", PANEL_N,
+              ", got ", n);
+  TORCH_CHECK(packed.size(0) == n, op, ": packed has ", packed.size(0), " rows, n = ", n);
+  TORCH_CHECK(packed.size(1) / col_bytes * QK == k, op, ": x has K = ", k, ", the weight ",
+              packed.size(1) / col_bytes * QK);
+#ifndef GENSERVE_Q4Q8_LINEAR
+  TORCH_CHECK(false, op, ": this build of genserve's kernels has no int8 product (it needs a "
+              "compiler targeting AVX512-VNNI, AVX512-BF16 and AVX512BW, or AVX2 and FMA; "
+              "engine.kernels.q4q8_linear_available() is False here)");
+#endif
+}
+
+#ifdef GENSERVE_Q4Q8_LINEAR
+// x's rows rounded to 8 bits per block of 32 (the top of the file), once per call.
+struct RoundedRows {
+  std::vector<int8_t> xq;        // [M, K]
+  std::vector<float> scale;      // [M, K / 32]
+  std::vector<float> xsum;       // [M, K / 32]
+
+  explicit RoundedRows(const at::Tensor& x)
+      : xq(x.numel()), scale(x.numel() / QK), xsum(x.numel() / QK) {
+    const int64_t m = x.size(0), k = x.size(1), kb_count = k / QK;
+    const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
+    at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        quantize_row(xp + r * k, k, xq.data() + r * k, scale.data() + r * kb_count,
+                     xsum.data() + r * kb_count);
+    });
+  }
+};
+
+// Calls panel(p, r0, rows) for every panel of 32 columns (split across threads) and row tile of
+// up to 4 rows.
+template <typename Panel>
+void for_panels(int64_t m, int64_t n, const Panel& panel) {
+  at::parallel_for(0, n / PANEL_N, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t r0 = 0; r0 < m; r0 += 4)
+        panel(p, r0, static_cast<int>(std::min<int64_t>(4, m - r0)));
+  });
+}
+#endif
+
+}  // namespace
 
 // x: bf16 [M, K] contiguous, K % 32 == 0; packed: uint8 [N, K / 32 * 24] contiguous, W's Q4_1
 // blocks in the layout above (`engine.model.quant.q4q8_pack`); n: N, a multiple of 32. Returns
@@ -283,53 +419,51 @@ namespace genserve {
 // targeted neither AVX512-VNNI with AVX512-BF16 and AVX512BW nor AVX2 with FMA
 // (`engine.kernels.q4q8_linear_available()` says whether this build has it).
 at::Tensor q4q8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
-              "q4q8_linear: x must be a contiguous bf16 [M, K] tensor");
-  TORCH_CHECK(packed.dim() == 2 && packed.is_contiguous() && packed.scalar_type() == at::kByte &&
-                  packed.size(1) % (GROUP_BYTES / GROUP_N) == 0,
-              "q4q8_linear: packed must be a contiguous uint8 [N, K / 32 * 24] tensor");
-  const int64_t m = x.size(0), k = x.size(1);
-  TORCH_CHECK(k % QK == 0 && k > 0, "q4q8_linear: K must be a positive multiple of ", QK,
-              ", got ", k);
-  TORCH_CHECK(n > 0 && n % PANEL_N == 0, "q4q8_linear: N must be a positive multiple of ",
-              PANEL_N, ", got ", n);
-  TORCH_CHECK(packed.size(0) == n, "q4q8_linear: packed has ", packed.size(0), " rows, n = ", n);
-  TORCH_CHECK(packed.size(1) / (GROUP_BYTES / GROUP_N) * QK == k, "q4q8_linear: x has K = ", k,
-              ", the weight ", packed.size(1) / (GROUP_BYTES / GROUP_N) * QK);
+  check_operands("q4q8_linear", x, packed, n, GROUP_BYTES / GROUP_N);
+  at::Tensor y = at::empty({x.size(0), n}, x.options());
 #ifdef GENSERVE_Q4Q8_LINEAR
-  at::Tensor y = at::empty({m, n}, x.options());
-  if (m == 0) return y;
-  const int64_t kb_count = k / QK;
-  std::vector<int8_t> xq(m * k);
-  std::vector<float> xs(m * kb_count), xsum(m * kb_count);
-  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
-  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r)
-      quantize_row(xp + r * k, k, xq.data() + r * k, xs.data() + r * kb_count,
-                   xsum.data() + r * kb_count);
-  });
+  if (x.size(0) == 0) return y;
+  const int64_t k = x.size(1);
+  const RoundedRows rows(x);
   const uint8_t* w = packed.data_ptr<uint8_t>();
   c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
-  const int64_t panel_bytes = (PANEL_N / GROUP_N) * kb_count * GROUP_BYTES;
-  at::parallel_for(0, n / PANEL_N, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p)
-      for (int64_t r0 = 0; r0 < m; r0 += 4)
-        panel_rows(xq.data(), xs.data(), xsum.data(), w + p * panel_bytes, k, r0,
-                   static_cast<int>(std::min<int64_t>(4, m - r0)), yp, n, p * PANEL_N);
+  const int64_t panel_bytes = (PANEL_N / GROUP_N) * (k / QK) * GROUP_BYTES;
+  for_panels(x.size(0), n, [&](int64_t p, int64_t r0, int count) {
+    panel_rows(rows.xq.data(), rows.scale.data(), rows.xsum.data(), w + p * panel_bytes, k, r0,
+               count, yp, n, p * PANEL_N);
   });
-  return y;
-#else
-  (void)m;
-  TORCH_CHECK(false, "q4q8_linear: this build of genserve's kernels has no int8 product "
-              "(it needs a compiler targeting AVX512-VNNI, AVX512-BF16 and AVX512BW, or AVX2 "
-              "and FMA; engine.kernels.q4q8_linear_available() is False here)");
-  return at::Tensor();
 #endif
+  return y;
+}
+
+// x: bf16 [M, K] contiguous, K % 32 == 0; packed: uint8 [N, K / 32 * 36] contiguous, W's Q8_0
+// blocks in `q8q8_linear`'s layout (`engine.model.quant.q8q8_pack`); n: N, a multiple of 32.
+// Returns bf16 [M, N]: llama.cpp's Q8_0 x Q8_0 product (above). Raises as `q4q8_linear`.
+at::Tensor q8q8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
+  check_operands("q8q8_linear", x, packed, n, Q8_GROUP_BYTES_PER_COLUMN);
+  at::Tensor y = at::empty({x.size(0), n}, x.options());
+#ifdef GENSERVE_Q4Q8_LINEAR
+  if (x.size(0) == 0) return y;
+  const int64_t k = x.size(1);
+  const RoundedRows rows(x);
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
+  const int64_t panel_bytes = (PANEL_N / GROUP_N) * (k / QK) * Q8_GROUP_BYTES;
+  for_panels(x.size(0), n, [&](int64_t p, int64_t r0, int count) {
+    q8_panel_rows(rows.xq.data(), rows.scale.data(), w + p * panel_bytes, k, r0, count, yp, n,
+                  p * PANEL_N);
+  });
+#endif
+  return y;
 }
 
 }  // namespace genserve
 
 TORCH_LIBRARY_FRAGMENT(genserve, m) {
   m.def("q4q8_linear(Tensor x, Tensor packed, int n) -> Tensor");
+  m.def("q8q8_linear(Tensor x, Tensor packed, int n) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(genserve, CPU, m) { m.impl("q4q8_linear", &genserve::q4q8_linear); }
+TORCH_LIBRARY_IMPL(genserve, CPU, m) {
+  m.impl("q4q8_linear", &genserve::q4q8_linear);
+  m.impl("q8q8_linear", &genserve::q8q8_linear);
+}

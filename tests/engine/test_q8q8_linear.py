@@ -1,0 +1,152 @@
+"""`torch.ops.genserve.q8q8_linear` (engine/kernels/csrc/q4q8_linear.cpp): Q8_0 weights × bf16
+activations rounded to int8 per row and block of 32, llama.cpp's Q8_0 × Q8_0 product, which
+`--weights q4q8` runs for the output projection on CPUs without bf16 arithmetic. Against a
+reference in torch ops (the blocks dequantized exactly, x rounded as `q4q8_linear` rounds it, the
+product in fp64) on random blocks, on blocks holding -128 (the one value whose magnitude is not
+an int8) and on the embedded model's real output blocks; a row's bits do not depend on the batch;
+bad shapes raise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import kernels as genserve_kernels
+from engine.model.quant import q8_0_dequantize, q8_1_round, q8q8_linear_reference, q8q8_pack
+from engine.model.weights import Q8_0_BLOCK_BYTES, load_gguf_output_q8_0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    if not genserve_kernels.q4q8_linear_available():
+        pytest.skip("q8q8_linear runs only where the kernels build for AVX512-VNNI and "
+                    "AVX512-BF16, or for AVX2 and FMA")
+
+
+def random_blocks(n: int, k: int, seed: int = 0, low: int = -127) -> torch.Tensor:
+    """Random Q8_0 blocks [n, k / 32 · 34]: d in a GGUF's range, q uniform in low..127."""
+    g = torch.Generator().manual_seed(seed)
+    kb = k // 32
+    d = (torch.rand(n, kb, generator=g) * 0.004 + 0.0005).half()
+    q = torch.randint(low, 128, (n, kb, 32), generator=g, dtype=torch.int8)
+    return torch.cat([d.view(torch.uint8).view(n, kb, 2), q.view(torch.uint8)],
+                     dim=-1).reshape(n, kb * Q8_0_BLOCK_BYTES).contiguous()
+
+
+def random_x(m: int, k: int, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(m, k, generator=g) * 2).to(torch.bfloat16)
+
+
+def assert_close_to_reference(y: torch.Tensor, x: torch.Tensor, blocks: torch.Tensor) -> None:
+    """y (bf16) is the reference rounded once to bf16, up to the fp32 accumulation's error:
+    |y - ref| ≤ 2^-8 |ref| + 1e-5 · Σ|terms|, and nearly every output is the reference exactly."""
+    ref = q8q8_linear_reference(x, blocks)
+    xq, scale = q8_1_round(x)
+    xd = (xq.double().view(x.shape[0], -1, 32) * scale.double()[..., None]).view(x.shape[0], -1)
+    mag = xd.abs() @ q8_0_dequantize(blocks).abs().T
+    err = (y.double() - ref).abs()
+    bound = ref.abs() * 2.0 ** -8 + mag * 1e-5
+    assert bool((err <= bound).all()), f"max err/bound {(err / bound).max().item():.3g}"
+    assert (y == ref.to(torch.bfloat16)).double().mean().item() > 0.99
+
+
+def test_pack_layout():
+    blocks = random_blocks(32, 64, seed=9)
+    packed = q8q8_pack(blocks).view(2, 2, 576)          # [group, kb, 576]
+    b = blocks.view(32, 2, 34)
+    for g, kb in ((0, 0), (1, 1), (0, 1)):
+        blk = packed[g, kb]
+        d = b[16 * g:16 * g + 16, kb, 0:2].contiguous().view(torch.float16).float().flatten()
+        assert torch.equal(blk[:64].view(torch.float32), d)
+        for j in range(8):
+            for c in range(16):
+                assert torch.equal(blk[64 + 64 * j + 4 * c:64 + 64 * j + 4 * c + 4],
+                                   b[16 * g + c, kb, 2 + 4 * j:2 + 4 * j + 4])
+
+
+@pytest.mark.parametrize("n,k", [(576, 576), (1536, 576), (576, 1536)])
+def test_matches_reference(n, k):
+    blocks = random_blocks(n, k)
+    packed = q8q8_pack(blocks)
+    assert packed.shape == (n, k // 32 * 36) and packed.dtype == torch.uint8
+    for m in (1, 3, 4, 32, 37):
+        x = random_x(m, k, seed=m)
+        y = torch.ops.genserve.q8q8_linear(x, packed, n)
+        assert y.shape == (m, n) and y.dtype == torch.bfloat16
+        assert_close_to_reference(y, x, blocks)
+
+
+def test_weights_of_minus_128():
+    # -128 has no int8 magnitude: |q| enters vpmaddubsw as the unsigned byte 128
+    n, k = 64, 256
+    blocks = random_blocks(n, k, seed=3, low=-128)
+    blocks.view(n, k // 32, 34)[:, :, 2:] = torch.tensor(-128, dtype=torch.int8).view(torch.uint8)
+    x = random_x(5, k, seed=4)
+    x[0, :32] = 7.0               # a block of x rounding every element to 127: the largest pair
+    assert_close_to_reference(torch.ops.genserve.q8q8_linear(x, q8q8_pack(blocks), n), x, blocks)
+
+
+def test_rows_do_not_depend_on_the_batch():
+    n, k = 1536, 576
+    packed = q8q8_pack(random_blocks(n, k, seed=2))
+    x = random_x(64, k, seed=3)
+    alone = torch.cat([torch.ops.genserve.q8q8_linear(x[i:i + 1].contiguous(), packed, n)
+                       for i in range(64)])
+    for size in (2, 7, 64):
+        batched = torch.cat([torch.ops.genserve.q8q8_linear(x[i:i + size].contiguous(), packed, n)
+                             for i in range(0, 64, size)])
+        assert torch.equal(batched, alone), f"batches of {size}"
+
+
+def test_bad_shapes_raise():
+    blocks = random_blocks(64, 64)
+    packed = q8q8_pack(blocks)
+    x = random_x(2, 64)
+    op = torch.ops.genserve.q8q8_linear
+    with pytest.raises(RuntimeError, match="K = 96"):
+        op(random_x(2, 96), packed, 64)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        op(random_x(2, 40), packed, 64)
+    with pytest.raises(RuntimeError, match="rows"):
+        op(x, packed, 32)
+    with pytest.raises(RuntimeError, match="bf16"):
+        op(x.float(), packed, 64)
+    with pytest.raises(RuntimeError, match="uint8"):
+        op(x, packed.view(torch.int8), 64)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        q8q8_pack(blocks[:48])
+    with pytest.raises(ValueError, match="uint8"):
+        q8q8_pack(blocks[:, :30])
+    assert op(torch.zeros(0, 64, dtype=torch.bfloat16), packed, 64).shape == (0, 64)
+
+
+def test_real_output_blocks(gguf_reader):
+    blocks = load_gguf_output_q8_0(gguf_reader)
+    assert blocks is not None                   # the embedded file's output is Q8_0
+    part = blocks[:2048].contiguous()           # 2,048 of the 49,152 vocabulary rows
+    k = part.shape[1] // Q8_0_BLOCK_BYTES * 32
+    for m in (1, 32):
+        x = random_x(m, k, seed=m + 7)
+        assert_close_to_reference(torch.ops.genserve.q8q8_linear(x, q8q8_pack(part), 2048), x, part)
+
+
+def test_q4q8_takes_the_q8_0_output_where_products_run_in_fp32(gguf_weights):
+    # attach_q4q8 gives the output projection its Q8_0 blocks exactly where the model's own
+    # output product is the fp32 one (CPUs without bf16 arithmetic), and the logits follow them
+    from engine.model.quant import attach_q4q8
+    from engine.runner.builder import model_from_weights
+    args, state = gguf_weights
+    model = model_from_weights(args, state, torch.bfloat16)
+    before = model.output_packed
+    attach_q4q8(model)
+    on_fp32 = before is not None and (before.fma or before.f32 is not None)
+    assert (model.output_packed.q8q8 is not None) == on_fp32
+    if on_fp32:
+        from engine.model.linear import linear
+        hidden = random_x(3, args.dim, seed=11)
+        logits = linear(hidden, model.output, model.output_packed)
+        blocks = load_gguf_output_q8_0(None)
+        assert torch.equal(logits, torch.ops.genserve.q8q8_linear(hidden, q8q8_pack(blocks),
+                                                                  args.vocab_size))
+        assert_close_to_reference(logits[:, :2048].contiguous(), hidden, blocks[:2048])
