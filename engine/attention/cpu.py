@@ -21,13 +21,14 @@ class CpuBackend:
 
     Args:
         kernels: genserve's CPU kernels run the decode rows and, where the CPU has AVX512-BF16
-            and no usable AMX, the bf16 prefill pieces (name "cpu-kernels"; with AMX torch's
-            flash attention runs them); else torch SDPA ("cpu-sdpa").
+            or AVX2 + FMA and no usable AMX, the bf16 prefill pieces of head_dim 64 (name
+            "cpu-kernels"; with AMX torch's flash attention runs them); else torch SDPA
+            ("cpu-sdpa").
     """
 
     int8_kv: ClassVar[bool] = True          # the kernels read the 8-bit rows; SDPA dequantizes
     cuda_graphs: ClassVar[bool] = False
-    prefill_masks = True                    # SDPA's prefill, and the kernels' without AVX512-BF16
+    prefill_masks = True                    # SDPA's prefill: pieces the kernel does not run (AMX, fp32)
 
     def __init__(self, kernels: bool) -> None:
         self.kernels = kernels

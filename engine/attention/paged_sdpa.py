@@ -18,8 +18,8 @@ accumulation, no [queries × keys] matrix in memory):
   runner's `GatherBuffer` (`AttentionMetadata.gather`).
 * prefill pieces (at most `prefill_piece` tokens of one request) in one call per piece, over the
   piece's exact context, with `enable_gqa` (K/V not repeated) and a causal additive mask
-  (genserve's `paged_prefill` kernel instead, with kernels, bf16, head_dim 64 and AVX512-BF16,
-  where AMX is not usable: `engine.kernels.prefill_kernel_preferred`).
+  (genserve's `paged_prefill` kernel instead, with kernels, bf16, head_dim 64 and a build for
+  AVX512-BF16 or AVX2 + FMA, where AMX is not usable: `engine.kernels.prefill_kernel_preferred`).
 
 Both are exact with respect to batching on CPU — a request's output does not depend on which
 other requests share the step (the batch-invariance test, docs/design.md): both kernels work per
@@ -119,7 +119,7 @@ def attend(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
             dequantized blocks of its context (`dequantized_context`).
         meta: this step's decode rows and prefill pieces.
         kernels: genserve's CPU kernels run the decode rows (and, for bf16 with head_dim 64 on
-            AVX512-BF16 without usable AMX, the prefill pieces).
+            AVX512-BF16 or AVX2 + FMA CPUs without usable AMX, the prefill pieces).
     Returns:
         [T, n_heads, head_dim] attention output, dtype of q.
     """

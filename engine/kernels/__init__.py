@@ -2,8 +2,9 @@
 
 * `engine/kernels/csrc/decode_attention.cpp`: paged decode attention, `torch.ops.genserve.paged_decode`.
 * `engine/kernels/csrc/prefill_attention.cpp`: causal prefill attention of one piece over its paged
-  context, `torch.ops.genserve.paged_prefill` — only where the compiler targets AVX512-BF16 (bf16,
-  head_dim 64); `prefill_kernel_available()` says whether this build has it.
+  context, `torch.ops.genserve.paged_prefill` (bf16, head_dim 64) — where the compiler targets
+  AVX512-BF16 (vdpbf16ps) or, without it, AVX2 and FMA (fp32 FMAs); `prefill_kernel_available()`
+  says whether this build has it.
 * `engine/kernels/csrc/layer_ops.cpp`: the fused per-token steps of a block — `rms_norm`,
   `add_rms_norm_` (residual add + norm), `rope_store_kv` (RoPE on Q and K, K and V written to
   their cache slots) and `silu_mul` — used through `engine.model.layer_ops.KernelLayerOps`.
@@ -76,7 +77,8 @@ SOURCES = [pathlib.Path(__file__).with_name("csrc") / name
                         "int8_linear.cpp", "q4q8_linear.cpp", "fma_linear.cpp", "decode_layers.cpp")]
 OPS = ("paged_decode", "rms_norm", "add_rms_norm_", "rope_store_kv", "silu_mul", "int8_linear",
        "decode_layers")
-AVX512_BF16_OPS = ("paged_prefill", "packed_linear", "q4_linear")     # built only where the CPU has AVX512-BF16
+AVX512_BF16_OPS = ("packed_linear", "q4_linear")     # built only where the CPU has AVX512-BF16
+PREFILL_OPS = ("paged_prefill",)   # built where the compiler targets AVX512-BF16, or AVX2 and FMA
 AMX_OPS = ("q4_amx_linear", "q8_amx_linear")   # built only where the compiler targets AMX-BF16
 FMA_OPS = ("fma_linear",)      # built only where the compiler targets AVX2 and FMA
 # q4q8_linear is always registered, but raises unless the build targets AVX512-VNNI: see
@@ -161,7 +163,7 @@ def available() -> bool:
         with build_lock(directory):
             cpp_extension.load(name=name, sources=[str(src) for src in SOURCES], extra_cflags=CFLAGS,
                                build_directory=str(directory), is_python_module=False, verbose=False)
-        built = [op for op in (*OPS, *AVX512_BF16_OPS, *AMX_OPS, *FMA_OPS) if hasattr(torch.ops.genserve, op)]
+        built = [op for op in (*OPS, *AVX512_BF16_OPS, *PREFILL_OPS, *AMX_OPS, *FMA_OPS) if hasattr(torch.ops.genserve, op)]
         log.info("genserve kernels ready: torch.ops.genserve.%s", ", ".join(built))
         return all(hasattr(torch.ops.genserve, op) for op in OPS)
     except Exception as exc:        # noqa: BLE001 — any build failure means: use the fallback
@@ -172,16 +174,30 @@ def available() -> bool:
 
 @functools.cache
 def prefill_kernel_available() -> bool:
-    """True if the kernels built and this CPU's build includes `paged_prefill` (AVX512-BF16)."""
+    """True if the kernels built and this CPU's build includes `paged_prefill` (the compiler
+    targets AVX512-BF16, or AVX2 and FMA)."""
     return available() and hasattr(torch.ops.genserve, "paged_prefill")
 
 
 @functools.cache
 def int8_kv_decode_available() -> bool:
     """True if the kernels built and `paged_decode` reads KV pools in the 8-bit format
-    (`engine.attention.kv_quant`): its AVX512-BF16 build only, the build that has `paged_prefill`.
-    Elsewhere the engine reads such pools through SDPA."""
-    return prefill_kernel_available()
+    (`engine.attention.kv_quant`): its AVX512-BF16 build only (elsewhere the op raises for them),
+    checked with one bf16 row over one zero block of 8-bit rows. Elsewhere the engine reads such
+    pools through SDPA."""
+    if not available():
+        return False
+    from engine.attention.kv_quant import row_bytes
+
+    pool = torch.zeros(1, 16, 1, row_bytes(64), dtype=torch.int8)
+    try:
+        torch.ops.genserve.paged_decode(torch.zeros(1, 1, 64, dtype=torch.bfloat16), pool, pool,
+                                        torch.zeros(1, 1, dtype=torch.long),
+                                        torch.ones(1, dtype=torch.long), 0.125)
+    except RuntimeError as exc:
+        log.info("paged_decode reads no 8-bit KV pools in this build (%s)", str(exc).splitlines()[0])
+        return False
+    return True
 
 
 @functools.cache
@@ -190,7 +206,8 @@ def prefill_kernel_preferred() -> bool:
     the kernel is built (`prefill_kernel_available`) and AMX is not usable (`q4_amx_available`).
     Where AMX is usable, torch's CPU flash kernel (its products through oneDNN's brgemm, on the
     AMX tiles) was the faster, 2.2-2.4x per 64-query piece over 512-2,048 keys; without AMX the
-    AVX512-BF16 kernel was 4-7x faster than it (docs/benchmarks/kernels.md)."""
+    AVX512-BF16 kernel was 4-7x faster than it, and on an AVX2-only CPU the AVX2 build 1.5-2.6x
+    (docs/benchmarks/kernels.md)."""
     return prefill_kernel_available() and not q4_amx_available()
 
 

@@ -130,7 +130,7 @@ def test_prefill_pieces_run_the_kernel_only_where_it_is_preferred(monkeypatch, p
     AMX) and torch's flash attention elsewhere: the output is bit for bit the chosen path's."""
     from engine import kernels as genserve_kernels
     if not genserve_kernels.prefill_kernel_available():
-        pytest.skip("paged_prefill is built only where the CPU has AVX512-BF16")
+        pytest.skip("paged_prefill is built only where the CPU has AVX512-BF16, or AVX2 and FMA")
     monkeypatch.setattr(genserve_kernels, "prefill_kernel_preferred", lambda: preferred)
     g = torch.Generator().manual_seed(11)
     cache = torch.randn(2, 40, BS, KVH, HD, generator=g).bfloat16()

@@ -1,29 +1,59 @@
-// Causal prefill attention of one piece over its paged context, bf16, head_dim 64, on CPUs with
-// AVX512-BF16 (vdpbf16ps): flash-attention style (Dao et al. 2022) online softmax in fp32.
+// Causal prefill attention of one piece over its paged context, bf16, head_dim 64:
+// flash-attention style (Dao et al. 2022) online softmax in fp32.
 //
 //   out[t, h, :] = softmax_j(q[t, h] · k[j] * scale) · v[j],   j <= start + t
 //
-// Work item = (KV head, tile of 16 query positions): the tile's 16 · G query rows (its G = heads
-// per KV head, GQA) sit in the lanes of G zmm registers, so one key is broadcast against all of
-// them and the row max / sum of the softmax are lane-wise (no horizontal reductions):
+// Two builds of the same op, whichever the compiler targets:
 //
-//   S[j][r] = Σ_p (q[r][2p], q[r][2p+1]) · (k[j][2p], k[j][2p+1])       Q packed once per tile
-//   O[d][r] += Σ_jp (P[2jp][r], P[2jp+1][r]) · (v[2jp][d], v[2jp+1][d])   V packed once per piece
+// * AVX512-BF16 (vdpbf16ps). Work item = (KV head, tile of 16 query positions): the tile's 16 · G
+//   query rows (its G = heads per KV head, GQA) sit in the lanes of G zmm registers, so one key is
+//   broadcast against all of them and the row max / sum of the softmax are lane-wise (no
+//   horizontal reductions):
 //
-// Keys go 64 at a time: scores, causal mask (-inf past the row's position), new running max,
-// P = exp(S - max) (probabilities rounded to bf16 for P·V, as torch's flash kernel does), O and
-// the running sum rescaled, P·V accumulated in fp32. Blocks past a tile's last position are
-// skipped. Every loop runs in an order fixed by the piece alone, so the result never depends on
-// other requests in the step. Built only where the compiler targets AVX512-BF16; elsewhere the
-// op is absent and attention uses torch's SDPA.
+//     S[j][r] = Σ_p (q[r][2p], q[r][2p+1]) · (k[j][2p], k[j][2p+1])       Q packed once per tile
+//     O[d][r] += Σ_jp (P[2jp][r], P[2jp+1][r]) · (v[2jp][d], v[2jp+1][d])   V packed once per piece
+//
+//   Keys go 64 at a time: scores, causal mask (-inf past the row's position), new running max,
+//   P = exp(S - max) (probabilities rounded to bf16 for P·V, as torch's flash kernel does), O and
+//   the running sum rescaled, P·V accumulated in fp32. Blocks past a tile's last position are
+//   skipped.
+//
+// * AVX2 + FMA without AVX512-BF16. The same design on 8-lane ymm registers in fp32: work item =
+//   (KV head, tile of 8 query positions), the tile's 8 · G rows in the lanes of G ymm registers
+//   (Q widened to fp32 and pre-scaled once per tile); the piece's context K and V are widened once
+//   per piece into fp32 scratch [kv_heads, context + 8, D] (read there in position order, no
+//   block table), so a key element is one broadcast against G registers of rows:
+//
+//     S[j][r] = Σ_d (q[r][d] · scale) · k[j][d]          fp32 FMAs, a few keys per register block
+//     O[d][r] += Σ_j P[j][r] · v[j][d]                   fp32 FMAs, P in fp32
+//
+//   Keys go 64 at a time, the last block cut at the tile's last position (past it only the rest
+//   of a register block of keys is computed, masked): scores, causal mask, running max,
+//   P = exp(S - max), running sum and O rescaled by exp(old max - new max) (on the load of O for
+//   P·V), P·V accumulated in fp32. Widening K and V once per piece measured faster than widening
+//   each 64-key block per tile (docs/benchmarks/kernels.md).
+//
+// Every loop runs in an order fixed by the piece alone, so the result never depends on other
+// requests in the step or on the thread count. Built only where the compiler targets one of the
+// two; elsewhere the op is absent and attention uses torch's SDPA.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "avx2_math.h"
 #include "avx512_math.h"
+#include "bf16.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define GENSERVE_PREFILL_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define GENSERVE_PREFILL_AVX2 1
+#endif
 
+#if defined(GENSERVE_PREFILL_AVX512) || defined(GENSERVE_PREFILL_AVX2)
+
+#include <algorithm>
+#include <cfloat>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -31,14 +61,16 @@
 
 namespace {
 
+constexpr int D = 64;        // head_dim
+constexpr int KB = 64;       // keys per softmax block
+
+#if defined(GENSERVE_PREFILL_AVX512)
+
 using genserve::exp_ps;
 using genserve::interleave_bf16;
 
-constexpr int D = 64;        // head_dim
 constexpr int P = D / 2;     // bf16 pairs per head vector
 constexpr int TQ = 16;       // query positions per tile
-constexpr int KB = 64;       // keys per softmax block
-
 
 struct Piece {
   const uint32_t* q;         // [q_len, heads, P] bf16 pairs
@@ -185,23 +217,10 @@ void run(const Piece& pc) {
   });
 }
 
-at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
-                         const at::Tensor& table, int64_t start, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 4 && v_pool.sizes() == k_pool.sizes(),
-              "q [T, H, D], pools [blocks, block, kv_heads, D]");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_pool.scalar_type() == at::kBFloat16 &&
-                  v_pool.scalar_type() == at::kBFloat16, "bf16 only");
-  TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous() &&
-                  table.is_contiguous() && table.scalar_type() == at::kLong, "contiguous inputs");
-  TORCH_CHECK(q.size(2) == D && k_pool.size(3) == D && q.size(1) % k_pool.size(2) == 0,
-              "head_dim 64 and whole GQA groups");
+at::Tensor prefill(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                   const int64_t* tb, int64_t start, double scale) {
   const int64_t q_len = q.size(0), kv_heads = k_pool.size(2), block = k_pool.size(1);
   const int64_t len = start + q_len, len_pad = (len + KB - 1) / KB * KB;
-  TORCH_CHECK(start >= 0 && table.numel() * block >= len, "block table of ", table.numel(),
-              " blocks cannot hold ", len, " tokens");
-  const int64_t* tb = table.data_ptr<int64_t>();
-  for (int64_t i = 0; i < (len + block - 1) / block; ++i)
-    TORCH_CHECK(tb[i] >= 0 && tb[i] < k_pool.size(0), "block ", tb[i], " outside the pool");
   // V as pairs of consecutive keys, [kv_heads, len_pad / 2, D] (zeros past the context).
   at::Tensor vpk = at::empty({kv_heads, len_pad / 2, D}, q.options().dtype(at::kInt));
   uint32_t* vp = reinterpret_cast<uint32_t*>(vpk.data_ptr<int32_t>());
@@ -233,6 +252,223 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_pool, const at
   }
   return out;
 }
+#else  // GENSERVE_PREFILL_AVX2
+
+using genserve::exp256_ps;
+using genserve::load_bf16x8;
+using genserve::to_float;
+
+constexpr int TQ = 8;        // query positions per tile: one per lane of a ymm
+constexpr int KPAD = 8;      // zero keys past the context in the fp32 scratch (a register block's tail)
+
+struct Piece {
+  const c10::BFloat16* q;    // [q_len, heads, D]
+  const float* kf;           // [kv_heads, len_pad, D] keys in fp32, zeros past the context
+  const float* vf;           // [kv_heads, len_pad, D] values likewise
+  c10::BFloat16* out;        // [q_len, heads, D]
+  int64_t q_len, start, heads, kv_heads, len_pad;
+  float scale;
+};
+
+// Register blocking for G ymm registers of rows (16 ymm registers): KC keys' scores at a time
+// (KC · G accumulators) and DC head dimensions of O at a time (DC · G accumulators).
+template <int G> constexpr int score_keys() { return G == 1 ? 8 : G == 2 ? 6 : G == 3 ? 4 : G == 4 ? 3 : 1; }
+template <int G> constexpr int pv_dims() { return G == 1 ? 8 : G <= 3 ? 4 : G == 4 ? 2 : 1; }
+
+// x, kept in a register: GCC otherwise folds the loads of the G row vectors into every FMA that
+// uses them (G loads per broadcast key element instead of G per head dimension), and Zen 3's two
+// 256-bit loads per cycle, not its two FMA pipes, then bound the inner loops.
+inline __m256 in_register(__m256 x) {
+  asm("" : "+x"(x));
+  return x;
+}
+
+template <int G>
+void tile(const Piece& pc, int64_t h, int64_t t0) {
+  constexpr int R = TQ * G;                            // rows: position-major, r = t · G + g
+  constexpr int KC = score_keys<G>(), DC = pv_dims<G>();
+  static_assert(KC <= KPAD && D % DC == 0, "register blocks");
+  alignas(32) float qf[D][R];                          // Q · scale, transposed
+  alignas(32) float s[KB + KPAD][R];                   // scores, then probabilities
+  alignas(32) float o[D][R];
+  alignas(32) float corr[R];
+  const int64_t rows_valid = std::min<int64_t>(TQ, pc.q_len - t0) * G;
+  for (int r = 0; r < R; ++r) {
+    const c10::BFloat16* src = pc.q + ((t0 + r / G) * pc.heads + h * G + r % G) * D;
+    for (int d = 0; d < D; ++d) qf[d][r] = r < rows_valid ? to_float(src[d]) * pc.scale : 0.f;
+  }
+  __m256i qpos[G];                                     // each row's query position
+  for (int v = 0; v < G; ++v) {
+    alignas(32) int32_t pos[8];
+    for (int i = 0; i < 8; ++i)
+      pos[i] = static_cast<int32_t>(pc.start + t0 + std::min<int64_t>((v * 8 + i) / G, TQ - 1));
+    qpos[v] = _mm256_load_si256(reinterpret_cast<const __m256i*>(pos));
+  }
+  // A finite "minus infinity" (-ffast-math assumes no infinities): its exp, and exp(it - max),
+  // are exactly 0, and every row sees key 0 in the first block, so the max is finite after it.
+  const __m256 lowest = _mm256_set1_ps(-FLT_MAX);
+  __m256 m[G], l[G];
+  for (int v = 0; v < G; ++v) {
+    m[v] = lowest;
+    l[v] = _mm256_setzero_ps();
+  }
+  std::memset(o, 0, sizeof o);
+  const int64_t kend = pc.start + t0 + rows_valid / G;          // keys [0, kend) are needed
+  const int64_t first_pos = pc.start + t0;                      // keys past it are masked
+  const float* kh = pc.kf + h * pc.len_pad * D;
+  const float* vh = pc.vf + h * pc.len_pad * D;
+  for (int64_t kb = 0; kb < kend; kb += KB) {
+    const int nk = static_cast<int>(std::min<int64_t>(KB, kend - kb));
+    // S = (Q · scale) · Kᵀ for keys [kb, kb + nk), KC keys at a time held in registers (the last
+    // block's tail reads the following keys or the zero padding; they are masked below).
+    for (int k0 = 0; k0 < nk; k0 += KC) {
+      const float* kr = kh + (kb + k0) * D;
+      __m256 acc[KC][G];
+      for (int k = 0; k < KC; ++k)
+        for (int v = 0; v < G; ++v) acc[k][v] = _mm256_setzero_ps();
+      for (int d = 0; d < D; ++d) {
+        __m256 qv[G];
+        for (int v = 0; v < G; ++v) qv[v] = in_register(_mm256_load_ps(&qf[d][v * 8]));
+        for (int k = 0; k < KC; ++k) {
+          const __m256 b = _mm256_broadcast_ss(kr + k * D + d);
+          for (int v = 0; v < G; ++v) acc[k][v] = _mm256_fmadd_ps(qv[v], b, acc[k][v]);
+        }
+      }
+      for (int k = 0; k < KC; ++k)
+        for (int v = 0; v < G; ++v) _mm256_store_ps(&s[k0 + k][v * 8], acc[k][v]);
+    }
+    // Causal mask (only where a key lies past a row's position), running max.
+    __m256 mnew[G];
+    for (int v = 0; v < G; ++v) mnew[v] = m[v];
+    const bool diagonal = kb + nk - 1 > first_pos;
+    for (int k = 0; k < nk; ++k) {
+      const __m256i j = _mm256_set1_epi32(static_cast<int32_t>(kb + k));
+      for (int v = 0; v < G; ++v) {
+        __m256 x = _mm256_load_ps(&s[k][v * 8]);
+        if (diagonal) {
+          x = _mm256_blendv_ps(x, lowest, _mm256_castsi256_ps(_mm256_cmpgt_epi32(j, qpos[v])));
+          _mm256_store_ps(&s[k][v * 8], x);
+        }
+        mnew[v] = _mm256_max_ps(mnew[v], x);
+      }
+    }
+    // P = exp(S - max), running sum rescaled by exp(old max - new max) (O is, on its load below).
+    for (int v = 0; v < G; ++v) {
+      const __m256 c = exp256_ps(_mm256_sub_ps(m[v], mnew[v]));
+      _mm256_store_ps(&corr[v * 8], c);
+      l[v] = _mm256_mul_ps(l[v], c);
+      m[v] = mnew[v];
+    }
+    for (int k = 0; k < nk; ++k)
+      for (int v = 0; v < G; ++v) {
+        const __m256 p = exp256_ps(_mm256_sub_ps(_mm256_load_ps(&s[k][v * 8]), m[v]));
+        l[v] = _mm256_add_ps(l[v], p);
+        _mm256_store_ps(&s[k][v * 8], p);
+      }
+    // O = O · corr + P · V, DC head dimensions at a time held in registers.
+    for (int d0 = 0; d0 < D; d0 += DC) {
+      __m256 acc[DC][G];
+      for (int dd = 0; dd < DC; ++dd)
+        for (int v = 0; v < G; ++v)
+          acc[dd][v] = _mm256_mul_ps(_mm256_load_ps(&o[d0 + dd][v * 8]), _mm256_load_ps(&corr[v * 8]));
+      const float* vr = vh + kb * D + d0;
+      for (int j = 0; j < nk; ++j, vr += D) {
+        __m256 pv[G];
+        for (int v = 0; v < G; ++v) pv[v] = in_register(_mm256_load_ps(&s[j][v * 8]));
+        for (int dd = 0; dd < DC; ++dd) {
+          const __m256 b = _mm256_broadcast_ss(vr + dd);
+          for (int v = 0; v < G; ++v) acc[dd][v] = _mm256_fmadd_ps(pv[v], b, acc[dd][v]);
+        }
+      }
+      for (int dd = 0; dd < DC; ++dd)
+        for (int v = 0; v < G; ++v) _mm256_store_ps(&o[d0 + dd][v * 8], acc[dd][v]);
+    }
+  }
+  alignas(32) float inv_l[R];
+  for (int v = 0; v < G; ++v) _mm256_store_ps(&inv_l[v * 8], _mm256_div_ps(_mm256_set1_ps(1.f), l[v]));
+  for (int r = 0; r < rows_valid; ++r) {
+    c10::BFloat16* dst = pc.out + ((t0 + r / G) * pc.heads + h * G + r % G) * D;
+    for (int d = 0; d < D; ++d) dst[d] = static_cast<c10::BFloat16>(o[d][r] * inv_l[r]);
+  }
+}
+
+template <int G>
+void run(const Piece& pc) {
+  const int64_t tiles = (pc.q_len + TQ - 1) / TQ;
+  // Later tiles see more keys (causal): order each head's tiles 0, T-1, 1, T-2, ... so the
+  // contiguous ranges at::parallel_for hands each thread carry about equal work. Items are
+  // head-major, so a thread's tiles share one or two heads' keys and values in its caches.
+  std::vector<int64_t> order;
+  for (int64_t a = 0, b = tiles - 1; a <= b; ++a, --b) {
+    order.push_back(a);
+    if (a != b) order.push_back(b);
+  }
+  at::parallel_for(0, tiles * pc.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item)
+      tile<G>(pc, item / tiles, order[item % tiles] * TQ);
+  });
+}
+
+at::Tensor prefill(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                   const int64_t* tb, int64_t start, double scale) {
+  const int64_t q_len = q.size(0), kv_heads = k_pool.size(2), block = k_pool.size(1);
+  const int64_t len = start + q_len, len_pad = len + KPAD;
+  // K and V widened to fp32 in position order, [2, kv_heads, len_pad, D] (zeros past the context).
+  at::Tensor kv = at::empty({2, kv_heads, len_pad, D}, q.options().dtype(at::kFloat));
+  float* kvf = kv.data_ptr<float>();
+  const c10::BFloat16* pools[2] = {k_pool.data_ptr<c10::BFloat16>(), v_pool.data_ptr<c10::BFloat16>()};
+  at::parallel_for(0, 2 * kv_heads * len_pad, 64, [&](int64_t b, int64_t e) {
+    for (int64_t item = b; item < e; ++item) {
+      const int64_t which = item / (kv_heads * len_pad), h = item / len_pad % kv_heads,
+                    j = item % len_pad;
+      float* dst = kvf + item * D;
+      if (j < len) {
+        const c10::BFloat16* src = pools[which] + ((tb[j / block] * block + j % block) * kv_heads + h) * D;
+        for (int c = 0; c < D / 8; ++c) _mm256_storeu_ps(dst + 8 * c, load_bf16x8(src + 8 * c));
+      } else {
+        std::memset(dst, 0, D * sizeof(float));
+      }
+    }
+  });
+  at::Tensor out = at::empty_like(q);
+  const Piece pc{q.data_ptr<c10::BFloat16>(), kvf, kvf + kv_heads * len_pad * D,
+                 out.data_ptr<c10::BFloat16>(), q_len, start, q.size(1), kv_heads, len_pad,
+                 static_cast<float>(scale)};
+  switch (q.size(1) / kv_heads) {
+    case 1: run<1>(pc); break;
+    case 2: run<2>(pc); break;
+    case 3: run<3>(pc); break;
+    case 4: run<4>(pc); break;
+    case 8: run<8>(pc); break;
+    default: TORCH_CHECK(false, "query heads per KV head must be 1, 2, 3, 4 or 8");
+  }
+  return out;
+}
+
+#endif  // GENSERVE_PREFILL_AVX512 / GENSERVE_PREFILL_AVX2
+
+// The op: arguments checked once for both builds, then `prefill` of the build the compiler targets.
+// q [T, H, D] bf16, pools [blocks, block, kv_heads, D] bf16, table int64 [>= ceil((start + T) /
+// block)] of pool blocks in position order, `start` = the piece's first position; returns
+// [T, H, D] bf16.
+at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                         const at::Tensor& table, int64_t start, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 4 && v_pool.sizes() == k_pool.sizes(),
+              "q [T, H, D], pools [blocks, block, kv_heads, D]");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_pool.scalar_type() == at::kBFloat16 &&
+                  v_pool.scalar_type() == at::kBFloat16, "bf16 only");
+  TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous() &&
+                  table.is_contiguous() && table.scalar_type() == at::kLong, "contiguous inputs");
+  TORCH_CHECK(q.size(2) == D && k_pool.size(3) == D && q.size(1) % k_pool.size(2) == 0,
+              "head_dim 64 and whole GQA groups");
+  const int64_t block = k_pool.size(1), len = start + q.size(0);
+  TORCH_CHECK(start >= 0 && table.numel() * block >= len, "block table of ", table.numel(),
+              " blocks cannot hold ", len, " tokens");
+  const int64_t* tb = table.data_ptr<int64_t>();
+  for (int64_t i = 0; i < (len + block - 1) / block; ++i)
+    TORCH_CHECK(tb[i] >= 0 && tb[i] < k_pool.size(0), "block ", tb[i], " outside the pool");
+  return prefill(q, k_pool, v_pool, tb, start, scale);
+}
 
 }  // namespace
 
@@ -243,4 +479,4 @@ TORCH_LIBRARY_FRAGMENT(genserve, m) {
 
 TORCH_LIBRARY_IMPL(genserve, CPU, m) { m.impl("paged_prefill", &paged_prefill); }
 
-#endif  // __AVX512BF16__ && __AVX512BW__
+#endif  // GENSERVE_PREFILL_AVX512 || GENSERVE_PREFILL_AVX2
