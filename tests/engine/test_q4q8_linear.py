@@ -41,14 +41,16 @@ def random_x(m: int, k: int, seed: int = 1) -> torch.Tensor:
     return (torch.randn(m, k, generator=g) * 2).to(torch.bfloat16)
 
 
-def assert_close_to_reference(y: torch.Tensor, x: torch.Tensor, blocks: torch.Tensor) -> None:
-    """y (bf16) is the reference rounded once to bf16, up to the fp32 accumulation's error:
-    |y - ref| ≤ 2^-8 |ref| (bf16's half ulp, with room) + 1e-5 · Σ|terms| of the output."""
-    ref = q4q8_linear_reference(x, blocks)
+def assert_close_to_reference(y: torch.Tensor, x: torch.Tensor, blocks: torch.Tensor,
+                              reference=q4q8_linear_reference, dequantize=q4_1_dequantize) -> None:
+    """y (bf16) is `reference(x, blocks)` rounded once to bf16, up to the fp32 accumulation's
+    error: |y - ref| ≤ 2^-8 |ref| (bf16's half ulp, with room) + 1e-5 · Σ|terms| of the output
+    (the weights from `dequantize(blocks)`); and nearly every output is the reference exactly."""
+    ref = reference(x, blocks)
     # Σ |x_k w_nk|, the scale of the fp32 accumulation's rounding errors
     xq, scale = q8_1_round(x)
     xd = (xq.double().view(x.shape[0], -1, 32) * scale.double()[..., None]).view(x.shape[0], -1)
-    mag = xd.abs() @ q4_1_dequantize(blocks).abs().T
+    mag = xd.abs() @ dequantize(blocks).abs().T
     err = (y.double() - ref).abs()
     bound = ref.abs() * 2.0 ** -8 + mag * 1e-5
     assert bool((err <= bound).all()), f"max err/bound {(err / bound).max().item():.3g}"

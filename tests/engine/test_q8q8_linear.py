@@ -12,8 +12,10 @@ import pytest
 import torch
 
 from engine import kernels as genserve_kernels
-from engine.model.quant import q8_0_dequantize, q8_1_round, q8q8_linear_reference, q8q8_pack
+from engine.model.quant import q8_0_dequantize, q8q8_linear_reference, q8q8_pack
 from engine.model.weights import Q8_0_BLOCK_BYTES, load_gguf_output_q8_0
+from tests.engine import test_q4q8_linear as q4q8_checks
+from tests.engine.test_q4q8_linear import random_x
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -33,22 +35,9 @@ def random_blocks(n: int, k: int, seed: int = 0, low: int = -127) -> torch.Tenso
                      dim=-1).reshape(n, kb * Q8_0_BLOCK_BYTES).contiguous()
 
 
-def random_x(m: int, k: int, seed: int = 1) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(m, k, generator=g) * 2).to(torch.bfloat16)
-
-
 def assert_close_to_reference(y: torch.Tensor, x: torch.Tensor, blocks: torch.Tensor) -> None:
-    """y (bf16) is the reference rounded once to bf16, up to the fp32 accumulation's error:
-    |y - ref| ≤ 2^-8 |ref| + 1e-5 · Σ|terms|, and nearly every output is the reference exactly."""
-    ref = q8q8_linear_reference(x, blocks)
-    xq, scale = q8_1_round(x)
-    xd = (xq.double().view(x.shape[0], -1, 32) * scale.double()[..., None]).view(x.shape[0], -1)
-    mag = xd.abs() @ q8_0_dequantize(blocks).abs().T
-    err = (y.double() - ref).abs()
-    bound = ref.abs() * 2.0 ** -8 + mag * 1e-5
-    assert bool((err <= bound).all()), f"max err/bound {(err / bound).max().item():.3g}"
-    assert (y == ref.to(torch.bfloat16)).double().mean().item() > 0.99
+    """`test_q4q8_linear`'s check against this op's reference (the Q8_0 weights exact)."""
+    q4q8_checks.assert_close_to_reference(y, x, blocks, q8q8_linear_reference, q8_0_dequantize)
 
 
 def test_pack_layout():

@@ -64,6 +64,17 @@ namespace {
 constexpr int D = 64;        // head_dim
 constexpr int KB = 64;       // keys per softmax block
 
+// Tile indices 0, T-1, 1, T-2, ... of a piece's T tiles: later tiles see more keys (causal), so in
+// this order the contiguous ranges at::parallel_for hands each thread carry about equal work.
+std::vector<int64_t> balanced_tile_order(int64_t tiles) {
+  std::vector<int64_t> order;
+  for (int64_t a = 0, b = tiles - 1; a <= b; ++a, --b) {
+    order.push_back(a);
+    if (a != b) order.push_back(b);
+  }
+  return order;
+}
+
 #if defined(GENSERVE_PREFILL_AVX512)
 
 using genserve::exp_ps;
@@ -204,13 +215,7 @@ void tile(const Piece& pc, int64_t h, int64_t t0) {
 template <int G>
 void run(const Piece& pc) {
   const int64_t tiles = (pc.q_len + TQ - 1) / TQ;
-  // Later tiles see more keys (causal): order tiles 0, T-1, 1, T-2, ... so the contiguous ranges
-  // at::parallel_for hands each thread carry about equal work.
-  std::vector<int64_t> order;
-  for (int64_t a = 0, b = tiles - 1; a <= b; ++a, --b) {
-    order.push_back(a);
-    if (a != b) order.push_back(b);
-  }
+  const std::vector<int64_t> order = balanced_tile_order(tiles);
   at::parallel_for(0, tiles * pc.kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item)
       tile<G>(pc, item % pc.kv_heads, order[item / pc.kv_heads] * TQ);
@@ -395,14 +400,9 @@ void tile(const Piece& pc, int64_t h, int64_t t0) {
 template <int G>
 void run(const Piece& pc) {
   const int64_t tiles = (pc.q_len + TQ - 1) / TQ;
-  // Later tiles see more keys (causal): order each head's tiles 0, T-1, 1, T-2, ... so the
-  // contiguous ranges at::parallel_for hands each thread carry about equal work. Items are
-  // head-major, so a thread's tiles share one or two heads' keys and values in its caches.
-  std::vector<int64_t> order;
-  for (int64_t a = 0, b = tiles - 1; a <= b; ++a, --b) {
-    order.push_back(a);
-    if (a != b) order.push_back(b);
-  }
+  // Items head-major (each head's tiles in `balanced_tile_order`), so a thread's tiles share one
+  // or two heads' keys and values in its caches.
+  const std::vector<int64_t> order = balanced_tile_order(tiles);
   at::parallel_for(0, tiles * pc.kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item)
       tile<G>(pc, item / tiles, order[item % tiles] * TQ);

@@ -399,15 +399,26 @@ struct RoundedRows {
   }
 };
 
-// Calls panel(p, r0, rows) for every panel of 32 columns (split across threads) and row tile of
-// up to 4 rows.
+// y = x @ W^T for packed weights of `group_bytes` per 16 columns and 32 k: x's rows rounded
+// once (RoundedRows), then panel(rows, the panel's weights, r0, count, y, first column) for every
+// panel of 32 columns (split across threads) and row tile of up to 4 rows.
 template <typename Panel>
-void for_panels(int64_t m, int64_t n, const Panel& panel) {
+at::Tensor rounded_rows_times(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                              int64_t group_bytes, const Panel& panel) {
+  const int64_t m = x.size(0);
+  at::Tensor y = at::empty({m, n}, x.options());
+  if (m == 0) return y;
+  const RoundedRows rows(x);
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
+  const int64_t panel_bytes = (PANEL_N / GROUP_N) * (x.size(1) / QK) * group_bytes;
   at::parallel_for(0, n / PANEL_N, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p)
       for (int64_t r0 = 0; r0 < m; r0 += 4)
-        panel(p, r0, static_cast<int>(std::min<int64_t>(4, m - r0)));
+        panel(rows, w + p * panel_bytes, r0, static_cast<int>(std::min<int64_t>(4, m - r0)), yp,
+              p * PANEL_N);
   });
+  return y;
 }
 #endif
 
@@ -420,20 +431,16 @@ void for_panels(int64_t m, int64_t n, const Panel& panel) {
 // (`engine.kernels.q4q8_linear_available()` says whether this build has it).
 at::Tensor q4q8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
   check_operands("q4q8_linear", x, packed, n, GROUP_BYTES / GROUP_N);
-  at::Tensor y = at::empty({x.size(0), n}, x.options());
 #ifdef GENSERVE_Q4Q8_LINEAR
-  if (x.size(0) == 0) return y;
-  const int64_t k = x.size(1);
-  const RoundedRows rows(x);
-  const uint8_t* w = packed.data_ptr<uint8_t>();
-  c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
-  const int64_t panel_bytes = (PANEL_N / GROUP_N) * (k / QK) * GROUP_BYTES;
-  for_panels(x.size(0), n, [&](int64_t p, int64_t r0, int count) {
-    panel_rows(rows.xq.data(), rows.scale.data(), rows.xsum.data(), w + p * panel_bytes, k, r0,
-               count, yp, n, p * PANEL_N);
+  return rounded_rows_times(x, packed, n, GROUP_BYTES,
+                            [&](const RoundedRows& rows, const uint8_t* panel, int64_t r0,
+                                int count, c10::BFloat16* y, int64_t col0) {
+    panel_rows(rows.xq.data(), rows.scale.data(), rows.xsum.data(), panel, x.size(1), r0, count,
+               y, n, col0);
   });
+#else
+  return at::Tensor();     // unreachable: check_operands raised
 #endif
-  return y;
 }
 
 // x: bf16 [M, K] contiguous, K % 32 == 0; packed: uint8 [N, K / 32 * 36] contiguous, W's Q8_0
@@ -441,20 +448,15 @@ at::Tensor q4q8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n)
 // Returns bf16 [M, N]: llama.cpp's Q8_0 x Q8_0 product (above). Raises as `q4q8_linear`.
 at::Tensor q8q8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
   check_operands("q8q8_linear", x, packed, n, Q8_GROUP_BYTES_PER_COLUMN);
-  at::Tensor y = at::empty({x.size(0), n}, x.options());
 #ifdef GENSERVE_Q4Q8_LINEAR
-  if (x.size(0) == 0) return y;
-  const int64_t k = x.size(1);
-  const RoundedRows rows(x);
-  const uint8_t* w = packed.data_ptr<uint8_t>();
-  c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
-  const int64_t panel_bytes = (PANEL_N / GROUP_N) * (k / QK) * Q8_GROUP_BYTES;
-  for_panels(x.size(0), n, [&](int64_t p, int64_t r0, int count) {
-    q8_panel_rows(rows.xq.data(), rows.scale.data(), w + p * panel_bytes, k, r0, count, yp, n,
-                  p * PANEL_N);
+  return rounded_rows_times(x, packed, n, Q8_GROUP_BYTES,
+                            [&](const RoundedRows& rows, const uint8_t* panel, int64_t r0,
+                                int count, c10::BFloat16* y, int64_t col0) {
+    q8_panel_rows(rows.xq.data(), rows.scale.data(), panel, x.size(1), r0, count, y, n, col0);
   });
+#else
+  return at::Tensor();     // unreachable: check_operands raised
 #endif
-  return y;
 }
 
 }  // namespace genserve
