@@ -183,21 +183,10 @@ def prefill_kernel_available() -> bool:
 def int8_kv_decode_available() -> bool:
     """True if the kernels built and `paged_decode` reads KV pools in the 8-bit format
     (`engine.attention.kv_quant`): its AVX512-BF16 build only (elsewhere the op raises for them),
-    checked with one bf16 row over one zero block of 8-bit rows. Elsewhere the engine reads such
-    pools through SDPA."""
-    if not available():
-        return False
-    from engine.attention.kv_quant import row_bytes
-
-    pool = torch.zeros(1, 16, 1, row_bytes(64), dtype=torch.int8)
-    try:
-        torch.ops.genserve.paged_decode(torch.zeros(1, 1, 64, dtype=torch.bfloat16), pool, pool,
-                                        torch.zeros(1, 1, dtype=torch.long),
-                                        torch.ones(1, dtype=torch.long), 0.125)
-    except RuntimeError as exc:
-        log.info("paged_decode reads no 8-bit KV pools in this build (%s)", str(exc).splitlines()[0])
-        return False
-    return True
+    the build that has `packed_linear` (decode_attention.cpp and packed_linear.cpp check the same
+    compiler target; `paged_prefill` no longer tells, it has an AVX2 build too). Elsewhere the
+    engine reads such pools through SDPA."""
+    return packed_linear_available()
 
 
 @functools.cache
