@@ -63,14 +63,16 @@ BLOCK_N = 64        # output columns per block of `q4_linear`'s layout
 QK = 32             # weights per Q4_1 block
 
 
-def _check_blocks(name: str, blocks: torch.Tensor, block_bytes: int) -> None:
-    """Raises ValueError (naming `name`) unless `blocks` is uint8 [N, whole blocks of
-    `block_bytes`] with N a multiple of `BLOCK_N`."""
-    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % block_bytes:
+def _check_blocks(name: str, blocks: torch.Tensor, block_bytes: int,
+                  multiple: int = BLOCK_N) -> None:
+    """Raises ValueError (naming `name`) unless `blocks` is uint8 [N, K / 32 · `block_bytes`]
+    with K a positive multiple of 32 and N a positive multiple of `multiple`."""
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % block_bytes \
+            or blocks.shape[1] == 0:
         raise ValueError(f"{name}: expected uint8 [N, K / 32 * {block_bytes}] blocks, got "
                          f"{blocks.dtype} {tuple(blocks.shape)}")
-    if blocks.shape[0] % BLOCK_N:
-        raise ValueError(f"{name}: N must be a multiple of {BLOCK_N}, got {blocks.shape[0]}")
+    if blocks.shape[0] == 0 or blocks.shape[0] % multiple:
+        raise ValueError(f"{name}: N must be a positive multiple of {multiple}, got {blocks.shape[0]}")
 
 
 def q4_pack(blocks: torch.Tensor) -> torch.Tensor:
@@ -128,13 +130,8 @@ def q4q8_pack(blocks: torch.Tensor) -> torch.Tensor:
     Raises:
         ValueError: not uint8 2-D with whole blocks, or N not a positive multiple of 32.
     """
-    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % Q4_1_BLOCK_BYTES \
-            or blocks.shape[1] == 0:
-        raise ValueError(f"q4q8_pack: expected uint8 [N, K / 32 * {Q4_1_BLOCK_BYTES}] blocks, "
-                         f"got {blocks.dtype} {tuple(blocks.shape)}")
+    _check_blocks("q4q8_pack", blocks, Q4_1_BLOCK_BYTES, Q4Q8_PANEL_N)
     n, row_bytes = blocks.shape
-    if n == 0 or n % Q4Q8_PANEL_N:
-        raise ValueError(f"q4q8_pack: N must be a positive multiple of {Q4Q8_PANEL_N}, got {n}")
     ng, kb = n // 16, row_bytes // Q4_1_BLOCK_BYTES
     b = blocks.contiguous().view(ng, 16, kb, Q4_1_BLOCK_BYTES)       # [group, col, kb, 20]
     d = b[..., 0:2].contiguous().view(torch.float16).float()          # [group, col, kb, 1]
@@ -167,13 +164,8 @@ def q8q8_pack(blocks: torch.Tensor) -> torch.Tensor:
     Raises:
         ValueError: not uint8 2-D with whole blocks, or N not a positive multiple of 32.
     """
-    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % Q8_0_BLOCK_BYTES \
-            or blocks.shape[1] == 0:
-        raise ValueError(f"q8q8_pack: expected uint8 [N, K / 32 * {Q8_0_BLOCK_BYTES}] blocks, "
-                         f"got {blocks.dtype} {tuple(blocks.shape)}")
+    _check_blocks("q8q8_pack", blocks, Q8_0_BLOCK_BYTES, Q4Q8_PANEL_N)
     n, row_bytes = blocks.shape
-    if n == 0 or n % Q4Q8_PANEL_N:
-        raise ValueError(f"q8q8_pack: N must be a positive multiple of {Q4Q8_PANEL_N}, got {n}")
     ng, kb = n // 16, row_bytes // Q8_0_BLOCK_BYTES
     b = blocks.contiguous().view(ng, 16, kb, Q8_0_BLOCK_BYTES)       # [group, col, kb, 34]
     d = b[..., 0:2].contiguous().view(torch.float16).float()          # [group, col, kb, 1]

@@ -46,6 +46,7 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define GENSERVE_Q4Q8_LINEAR 1
@@ -73,6 +74,18 @@ constexpr int64_t Q8_GROUP_BYTES_PER_COLUMN = Q8_GROUP_BYTES / GROUP_N;   // 36
 
 #ifdef GENSERVE_Q4Q8_LINEAR
 constexpr int RN = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+
+// Calls run(std::integral_constant<int, R>{}) for R = rows (1 .. 4; a row tile's size), so each
+// tile size has its own fully unrolled kernel.
+template <class Run>
+void with_rows(int rows, Run&& run) {
+  switch (rows) {
+    case 4: return run(std::integral_constant<int, 4>{});
+    case 3: return run(std::integral_constant<int, 3>{});
+    case 2: return run(std::integral_constant<int, 2>{});
+    default: return run(std::integral_constant<int, 1>{});
+  }
+}
 #endif
 
 #ifdef GENSERVE_Q4Q8_AVX512
@@ -265,12 +278,9 @@ void panel_rows(const int8_t* X, const float* XS, const float* XSUM, const uint8
   for (int g = 0; g < PANEL_N / GROUP_N; ++g) {
     const uint8_t* group = panel + g * group_bytes;
     const int64_t c0 = col0 + g * GROUP_N;
-    switch (rows) {
-      case 4: group_rows<4>(X, XS, XSUM, group, k, r0, Y, n, c0); break;
-      case 3: group_rows<3>(X, XS, XSUM, group, k, r0, Y, n, c0); break;
-      case 2: group_rows<2>(X, XS, XSUM, group, k, r0, Y, n, c0); break;
-      default: group_rows<1>(X, XS, XSUM, group, k, r0, Y, n, c0); break;
-    }
+    with_rows(rows, [&](auto r) {
+      group_rows<decltype(r)::value>(X, XS, XSUM, group, k, r0, Y, n, c0);
+    });
   }
 }
 
@@ -340,12 +350,9 @@ void q8_panel_rows(const int8_t* X, const float* XS, const uint8_t* panel, int64
     for (int h = 0; h < 2; ++h) {
       const uint8_t* group = panel + g * group_bytes;
       const int64_t c0 = col0 + g * GROUP_N;
-      switch (rows) {
-        case 4: q8_half_rows<4>(X, XS, group, k, r0, h, Y, n, c0); break;
-        case 3: q8_half_rows<3>(X, XS, group, k, r0, h, Y, n, c0); break;
-        case 2: q8_half_rows<2>(X, XS, group, k, r0, h, Y, n, c0); break;
-        default: q8_half_rows<1>(X, XS, group, k, r0, h, Y, n, c0); break;
-      }
+      with_rows(rows, [&](auto r) {
+        q8_half_rows<decltype(r)::value>(X, XS, group, k, r0, h, Y, n, c0);
+      });
     }
 }
 
