@@ -87,9 +87,12 @@ CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 
 
 def _build_name() -> str:
-    """Extension name keyed by this CPU and the kernel code: the build uses -march=native, and
-    torch's cache is keyed by name, listed sources and flags only, so a home directory shared
-    across CPU kinds must not reuse another CPU's binary, nor a build from older headers."""
+    """Extension name keyed by this CPU, the kernel code and the checkout: the build uses
+    -march=native, and torch's cache is keyed by name, listed sources and flags only, so a home
+    directory shared across CPU kinds must not reuse another CPU's binary, nor a build from older
+    headers; and torch writes each checkout's absolute source paths into the build's ninja file,
+    so two checkouts of the same code sharing one build would rebuild it whenever the other had
+    loaded it."""
     cpu = platform.machine()
     try:
         info = pathlib.Path("/proc/cpuinfo").read_text()
@@ -99,6 +102,7 @@ def _build_name() -> str:
         cpu += platform.processor()
     # torch keys its cache by the listed sources only; the headers they include count too.
     code = b"".join(f.read_bytes() for f in sorted(SOURCES[0].parent.iterdir()) if f.is_file())
+    code += str(SOURCES[0].parent.resolve()).encode()
     return f"genserve_kernels_{zlib.crc32(cpu.encode()):08x}_{zlib.crc32(code):08x}"
 
 
