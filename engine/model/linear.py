@@ -290,14 +290,16 @@ def pack_weights(weights: list[torch.Tensor]) -> list[PackedWeight | None]:
         if kernels.fma_linear_available() and all(
                 w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.shape[0] % PANEL == 0
                 for w in weights):
-            log.info("matrix products: genserve's fma_linear over the bf16 weights (this CPU has "
-                     "no bf16 arithmetic)")
+            log.info("bf16 matrix products (every matrix, unless the weights line that follows "
+                     "serves it from its quantized blocks): genserve's fma_linear, this CPU has "
+                     "no bf16 arithmetic")
             return [PackedWeight(panel_pack(w), 0, ANY_ROWS, fma=True) for w in weights]
         call_rows: dict[tuple[int, int], tuple[int, ...]] = {}    # one probe per shape
         widened = [_fp32_copy(w, call_rows) for w in weights]
         if all(p is not None for p in widened):
-            log.info("matrix products: fp32 copies of the bf16 weights (this CPU has no bf16 "
-                     "arithmetic; calls of %s rows)", "/".join(map(str, widened[0].call_rows)))
+            log.info("bf16 matrix products (every matrix, unless the weights line that follows "
+                     "serves it from its quantized blocks): fp32 copies of the bf16 weights, this "
+                     "CPU has no bf16 arithmetic (calls of %s rows)", "/".join(map(str, widened[0].call_rows)))
             return widened
     return onednn
 

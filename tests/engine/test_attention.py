@@ -106,14 +106,16 @@ def test_gather_buffer_is_reused_until_a_step_needs_more():
 
 
 @pytest.mark.parametrize("start,length", [(0, 1), (0, 13), (5, 7), (0, 256), (256, 256),
-                                          (100, 300), (1000, 17)])
+                                          (100, 300), (1000, 17), (3000, 64), (0, 2100)])
 def test_prefill_pieces_match_dense_attention_and_sdpa(kernels, start, length):
     """Pieces of every kind the scheduler cuts — first or later, tiles of 16 queries full or not,
-    contexts ending inside a block or a 64-key softmax block — on a shuffled block table."""
+    contexts ending inside a block or a 64-key softmax block, contexts of thousands of tokens (the
+    long prompts' pieces) — on a shuffled block table."""
     g = torch.Generator().manual_seed(start * 7 + length)
-    cache = torch.randn(2, 90, BS, KVH, HD, generator=g).bfloat16()
     end = start + length
-    table = torch.randperm(90, generator=g)[:-(-end // BS)].tolist()
+    pool = max(90, -(-end // BS) + 8)
+    cache = torch.randn(2, pool, BS, KVH, HD, generator=g).bfloat16()
+    table = torch.randperm(pool, generator=g)[:-(-end // BS)].tolist()
     meta = step_metadata([(start, length, table, False)], BS, torch.bfloat16, kernels)
     q = torch.randn(length, H, HD, generator=g).bfloat16()
     keys, values = (cache[i, table].reshape(-1, KVH, HD)[:end] for i in (0, 1))
