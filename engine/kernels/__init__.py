@@ -81,8 +81,9 @@ AVX512_BF16_OPS = ("packed_linear", "q4_linear")     # built only where the CPU 
 PREFILL_OPS = ("paged_prefill",)   # built where the compiler targets AVX512-BF16, or AVX2 and FMA
 AMX_OPS = ("q4_amx_linear", "q8_amx_linear")   # built only where the compiler targets AMX-BF16
 FMA_OPS = ("fma_linear",)      # built only where the compiler targets AVX2 and FMA
-# q4q8_linear is always registered, but raises unless the build targets AVX512-VNNI: see
-# q4q8_linear_available().
+# q4q8_linear and q8q8_linear are always registered, but raise unless the build targets
+# AVX512-VNNI (with AVX512-BF16 and AVX512BW) or AVX2 and FMA: see q4q8_linear_available(), which
+# runs a product to find out, when the weights are chosen.
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 
 
@@ -168,7 +169,8 @@ def available() -> bool:
             cpp_extension.load(name=name, sources=[str(src) for src in SOURCES], extra_cflags=CFLAGS,
                                build_directory=str(directory), is_python_module=False, verbose=False)
         built = [op for op in (*OPS, *AVX512_BF16_OPS, *PREFILL_OPS, *AMX_OPS, *FMA_OPS) if hasattr(torch.ops.genserve, op)]
-        log.info("genserve kernels ready: torch.ops.genserve.%s", ", ".join(built))
+        log.info("genserve kernels ready: torch.ops.genserve.%s (the 8-bit products q4q8_linear "
+                 "and q8q8_linear are probed when the weights are chosen)", ", ".join(built))
         return all(hasattr(torch.ops.genserve, op) for op in OPS)
     except Exception as exc:        # noqa: BLE001 — any build failure means: use the fallback
         log.warning("genserve kernels unavailable (%s: %s); using torch ops and SDPA",
