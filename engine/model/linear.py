@@ -254,6 +254,12 @@ def panel_pack(weight: torch.Tensor) -> torch.Tensor:
     return weight.view(n // PANEL, PANEL, k).transpose(1, 2).contiguous()
 
 
+# How pack_weights's log lines on a CPU without bf16 arithmetic begin: the products they name are
+# the bf16 fallback, which `--weights` (the line after) may replace with quantized ones.
+_FALLBACK_LOG = ("bf16 matrix products (every matrix, unless the weights line that follows serves "
+                 "it from its quantized blocks): ")
+
+
 def pack_weights(weights: list[torch.Tensor]) -> list[PackedWeight | None]:
     """Packed copies of a model's matrices [out, in], chosen for the whole model at once.
 
@@ -290,16 +296,13 @@ def pack_weights(weights: list[torch.Tensor]) -> list[PackedWeight | None]:
         if kernels.fma_linear_available() and all(
                 w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.shape[0] % PANEL == 0
                 for w in weights):
-            log.info("bf16 matrix products (every matrix, unless the weights line that follows "
-                     "serves it from its quantized blocks): genserve's fma_linear, this CPU has "
-                     "no bf16 arithmetic")
+            log.info("%sgenserve's fma_linear, this CPU has no bf16 arithmetic", _FALLBACK_LOG)
             return [PackedWeight(panel_pack(w), 0, ANY_ROWS, fma=True) for w in weights]
         call_rows: dict[tuple[int, int], tuple[int, ...]] = {}    # one probe per shape
         widened = [_fp32_copy(w, call_rows) for w in weights]
         if all(p is not None for p in widened):
-            log.info("bf16 matrix products (every matrix, unless the weights line that follows "
-                     "serves it from its quantized blocks): fp32 copies of the bf16 weights, this "
-                     "CPU has no bf16 arithmetic (calls of %s rows)", "/".join(map(str, widened[0].call_rows)))
+            log.info("%sfp32 copies of the bf16 weights, this CPU has no bf16 arithmetic (calls of "
+                     "%s rows)", _FALLBACK_LOG, "/".join(map(str, widened[0].call_rows)))
             return widened
     return onednn
 
