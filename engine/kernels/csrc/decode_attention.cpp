@@ -118,19 +118,37 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_pool, const at::Tens
 #if defined(__AVX2__) && defined(__FMA__) && !(defined(__AVX512BF16__) && defined(__AVX512BW__))
 #define GENSERVE_DECODE_AVX2 1
 
-// `decode_kernel` for bf16 pools on CPUs with AVX2 alone, its loops on ymm: a score is 8 FMAs in
-// two chains over the widened key, summed across lanes in a fixed order (`hsum256_ps`); the
-// softmax's exp is `exp256_ps` over 8 scores at a time (the generic loop calls libm's expf once
-// per score); P·V runs in two halves of 32 dimensions, each G x 4 accumulators in registers
-// across the whole context. Every order is fixed by the row's own context length, so a row's
-// bits do not depend on the batch.
+// `decode_kernel` for bf16 pools on CPUs with AVX2 alone, its loops on ymm. A 256-bit load of
+// 16 bf16 is widened to fp32 without a shuffle: a left shift by 16 gives the even elements
+// (0, 2, .., 14) and a mask of the high halves gives the odd ones (1, 3, .., 15), so the query is
+// held in that even/odd order and the output written back from it. A score is 8 FMAs in two
+// chains; the 8 lanes of 8 positions' scores are summed together by one `vhaddps` tree
+// (`score_tile`) instead of a horizontal sum per score. The softmax's exp is `exp256_ps` over 8
+// scores at a time (the generic loop calls libm's expf once per score); P·V runs in two halves of
+// 32 dimensions, each G x 4 accumulators in registers across the whole context. Every order is
+// fixed by the row's own context length, so a row's bits do not depend on the batch.
+//
+// The 8 sums of 8 vectors' lanes, t[i] -> lane i, in a fixed order: pairs (vhaddps), then quads,
+// then the two 128-bit halves.
+inline __m256 score_tile(const __m256* t) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(t[0], t[1]), _mm256_hadd_ps(t[2], t[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(t[4], t[5]), _mm256_hadd_ps(t[6], t[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// 16 bf16 at p widened exactly to fp32: lane i of `even` is element 2i, of `odd` element 2i + 1.
+inline void load_bf16x16_split(const void* p, __m256& even, __m256& odd) {
+  const __m256i x = _mm256_loadu_si256(static_cast<const __m256i*>(p));
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
 template <int G>
 void decode_kernel_avx2(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                         const at::Tensor& tables, const at::Tensor& lens, at::Tensor& out,
                         double scale) {
   using genserve::exp256_ps;
   using genserve::hsum256_ps;
-  using genserve::load_bf16x8;
   constexpr int D = 64;                                   // head_dim (checked by the caller)
   const int64_t heads = q.size(1);
   const int64_t block = k_pool.size(1), kv_heads = k_pool.size(2), table_width = tables.size(1);
@@ -141,19 +159,26 @@ void decode_kernel_avx2(const at::Tensor& q, const at::Tensor& k_pool, const at:
   const int64_t* td = tables.data_ptr<int64_t>();
   const int64_t* ld = lens.data_ptr<int64_t>();
   c10::BFloat16* od = out.data_ptr<c10::BFloat16>();
-  const float fscale = static_cast<float>(scale);
+  const __m256 vscale = _mm256_set1_ps(static_cast<float>(scale));
 
   at::parallel_for(0, q.size(0) * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    alignas(32) float qf[G][D];
+    __m256 qf[G][8];                                      // scaled query, even/odd per 16 dims
+    __m256 tile[G][8];                                    // per-position lanes, 8 positions
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / kv_heads, h = item % kv_heads, len = ld[b];
       const int64_t padded = (len + 7) / 8 * 8;           // scores of G heads, 8-aligned rows
       const int64_t* table = td + b * table_width;
-      scores.assign(G * padded, -std::numeric_limits<float>::max());
-      for (int g = 0; g < G; ++g)
-        for (int d = 0; d < D; ++d)
-          qf[g][d] = to_float(qd[(b * heads + h * G + g) * D + d]) * fscale;
+      scores.resize(G * padded);
+      for (int g = 0; g < G; ++g) {
+        const c10::BFloat16* qrow = qd + (b * heads + h * G + g) * D;
+        for (int c = 0; c < 4; ++c) {
+          load_bf16x16_split(qrow + 16 * c, qf[g][2 * c], qf[g][2 * c + 1]);
+          qf[g][2 * c] = _mm256_mul_ps(qf[g][2 * c], vscale);
+          qf[g][2 * c + 1] = _mm256_mul_ps(qf[g][2 * c + 1], vscale);
+        }
+        for (int t = 0; t < 8; ++t) tile[g][t] = _mm256_setzero_ps();
+      }
       // Walks the row's context in position order through its block table, calling visit(j,
       // the token's head vector from `offset` on) for each token j. The next block's rows are
       // prefetched while this block's are visited: blocks lie anywhere in the pool, and the
@@ -174,19 +199,29 @@ void decode_kernel_avx2(const at::Tensor& q, const at::Tensor& k_pool, const at:
           for (int64_t t = 0; t < n; ++t) visit(start + t, base + t * token_stride);
         }
       };
+      auto flush = [&](int64_t j0) {                      // positions j0 .. j0 + 7
+        for (int g = 0; g < G; ++g) _mm256_storeu_ps(&scores[g * padded + j0], score_tile(tile[g]));
+      };
       each_token(kd, 0, [&](int64_t j, const c10::BFloat16* row) {
         __m256 k[8];
-        for (int c = 0; c < 8; ++c) k[c] = load_bf16x8(row + 8 * c);
+        for (int c = 0; c < 4; ++c) load_bf16x16_split(row + 16 * c, k[2 * c], k[2 * c + 1]);
         for (int g = 0; g < G; ++g) {
-          __m256 a0 = _mm256_mul_ps(_mm256_load_ps(qf[g]), k[0]);
-          __m256 a1 = _mm256_mul_ps(_mm256_load_ps(qf[g] + 8), k[1]);
+          __m256 a0 = _mm256_mul_ps(qf[g][0], k[0]);
+          __m256 a1 = _mm256_mul_ps(qf[g][1], k[1]);
           for (int c = 2; c < 8; c += 2) {
-            a0 = _mm256_fmadd_ps(_mm256_load_ps(qf[g] + 8 * c), k[c], a0);
-            a1 = _mm256_fmadd_ps(_mm256_load_ps(qf[g] + 8 * c + 8), k[c + 1], a1);
+            a0 = _mm256_fmadd_ps(qf[g][c], k[c], a0);
+            a1 = _mm256_fmadd_ps(qf[g][c + 1], k[c + 1], a1);
           }
-          scores[g * padded + j] = hsum256_ps(_mm256_add_ps(a0, a1));
+          tile[g][j & 7] = _mm256_add_ps(a0, a1);
         }
+        if ((j & 7) == 7) flush(j - 7);
       });
+      if (len & 7) {                                      // the last, partial group of 8
+        flush(len & ~int64_t{7});
+        for (int g = 0; g < G; ++g)
+          std::fill(scores.begin() + g * padded + len, scores.begin() + (g + 1) * padded,
+                    -std::numeric_limits<float>::max());
+      }
       float inv_sum[G];
       for (int g = 0; g < G; ++g) {
         float* sg = scores.data() + g * padded;
@@ -204,23 +239,29 @@ void decode_kernel_avx2(const at::Tensor& q, const at::Tensor& k_pool, const at:
         inv_sum[g] = 1.f / hsum256_ps(sum);
       }
       for (int half = 0; half < 2; ++half) {
-        __m256 acc[G][4];
+        __m256 acc[G][4];                                 // dims 2i, 2i+1, 16+2i, 17+2i of the half
         for (int g = 0; g < G; ++g)
           for (int c = 0; c < 4; ++c) acc[g][c] = _mm256_setzero_ps();
         each_token(vd, 32 * half, [&](int64_t j, const c10::BFloat16* row) {
           __m256 v[4];
-          for (int c = 0; c < 4; ++c) v[c] = load_bf16x8(row + 8 * c);
+          load_bf16x16_split(row, v[0], v[1]);
+          load_bf16x16_split(row + 16, v[2], v[3]);
           for (int g = 0; g < G; ++g) {
             const __m256 pr = _mm256_broadcast_ss(&scores[g * padded + j]);
             for (int c = 0; c < 4; ++c) acc[g][c] = _mm256_fmadd_ps(pr, v[c], acc[g][c]);
           }
         });
         for (int g = 0; g < G; ++g) {
-          alignas(32) float o[32];
+          alignas(32) float o[4][8];
           const __m256 inv = _mm256_set1_ps(inv_sum[g]);
-          for (int c = 0; c < 4; ++c) _mm256_store_ps(o + 8 * c, _mm256_mul_ps(acc[g][c], inv));
+          for (int c = 0; c < 4; ++c) _mm256_store_ps(o[c], _mm256_mul_ps(acc[g][c], inv));
           c10::BFloat16* dst = od + (b * heads + h * G + g) * D + 32 * half;
-          for (int d = 0; d < 32; ++d) dst[d] = static_cast<c10::BFloat16>(o[d]);
+          for (int i = 0; i < 8; ++i) {
+            dst[2 * i] = static_cast<c10::BFloat16>(o[0][i]);
+            dst[2 * i + 1] = static_cast<c10::BFloat16>(o[1][i]);
+            dst[16 + 2 * i] = static_cast<c10::BFloat16>(o[2][i]);
+            dst[17 + 2 * i] = static_cast<c10::BFloat16>(o[3][i]);
+          }
         }
       }
     }
