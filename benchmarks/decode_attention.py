@@ -42,13 +42,12 @@ import json
 import os
 import pathlib
 import sys
-import tempfile
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from benchmarks._baseline import build_baseline
 from benchmarks._measure import best_s, read_gbps
 from engine.attention.kv_quant import row_bytes
 from engine.runner.huge_pages import huge_page_bytes, thp_mode
@@ -56,7 +55,6 @@ from engine.runner.kv_cache import zeroed_pool
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16    # SmolLM2-135M, the engine's blocks
 SPARE_BLOCKS = 64
-CSRC = pathlib.Path(__file__).resolve().parent.parent / "engine" / "kernels" / "csrc"
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,34 +129,18 @@ def baseline_op(path: str | pathlib.Path) -> Callable:
     """Build another version of decode_attention.cpp as `torch.ops.genserve_baseline.paged_decode`.
 
     The source's op registration and its `genserve::paged_decode` definition are renamed; it is
-    compiled with the flags of `engine.kernels` against the current headers of engine/kernels/csrc.
+    compiled with the flags of `engine.kernels` against the current headers of engine/kernels/csrc
+    (`benchmarks._baseline.build_baseline`).
 
     Raises:
         ValueError: the source does not define and register `paged_decode` the way the renaming
             expects.
         RuntimeError: the build failed (from torch.utils.cpp_extension).
     """
-    from torch.utils import cpp_extension
-
-    from engine import kernels
-
-    src = pathlib.Path(path).read_text()
-    renames = [("TORCH_LIBRARY(genserve, m)", "TORCH_LIBRARY(genserve_baseline, m)"),
-               ("TORCH_LIBRARY_IMPL(genserve, CPU, m)", "TORCH_LIBRARY_IMPL(genserve_baseline, CPU, m)"),
-               ("genserve::paged_decode", "genserve_baseline_paged_decode")]
-    for old, new in renames:
-        if old not in src:
-            raise ValueError(f"{path}: no {old!r} to rename")
-        src = src.replace(old, new)
-    tag = zlib.crc32(src.encode() + b"".join(f.read_bytes() for f in sorted(CSRC.glob("*.h"))))
-    out = pathlib.Path(tempfile.gettempdir()) / f"genserve_baseline_{tag:08x}.cpp"
-    out.write_text(src)
-    bin_dir = str(pathlib.Path(sys.executable).parent)          # ninja, as engine.kernels finds it
-    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
-        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-    cpp_extension.load(name=f"genserve_baseline_{tag:08x}", sources=[str(out)],
-                       extra_cflags=kernels.CFLAGS, extra_include_paths=[str(CSRC)],
-                       is_python_module=False, verbose=False)
+    build_baseline(path, [("TORCH_LIBRARY(genserve, m)", "TORCH_LIBRARY(genserve_baseline, m)"),
+                          ("TORCH_LIBRARY_IMPL(genserve, CPU, m)",
+                           "TORCH_LIBRARY_IMPL(genserve_baseline, CPU, m)"),
+                          ("genserve::paged_decode", "genserve_baseline_paged_decode")])
     return torch.ops.genserve_baseline.paged_decode
 
 

@@ -1,0 +1,47 @@
+"""Another version of one of genserve's kernel sources, built beside the checkout's, so a benchmark
+can time the two on the same operands in the same run (the machine's speed moves by up to 2×
+between hours, so a figure from another run is no baseline).
+
+The source (e.g. the previous commit's, `git show REV:engine/kernels/csrc/q4q8_linear.cpp >
+/tmp/old.cpp`) is edited by plain string replacements so that its ops register in the library
+`genserve_baseline` instead of `genserve`, then compiled with the flags of `engine.kernels` against
+the checkout's headers in engine/kernels/csrc.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import sys
+import tempfile
+import zlib
+
+CSRC = pathlib.Path(__file__).resolve().parent.parent / "engine" / "kernels" / "csrc"
+
+
+def build_baseline(path: str | pathlib.Path, renames: list[tuple[str, str]]) -> None:
+    """Compile the kernel source at `path`, after `renames` ((old, new) string replacements, each
+    of which must occur), as a torch extension whose ops are then `torch.ops.genserve_baseline.*`.
+
+    Raises:
+        ValueError: a replacement's `old` text is not in the source.
+        RuntimeError: the build failed (from torch.utils.cpp_extension).
+    """
+    from torch.utils import cpp_extension
+
+    from engine import kernels
+
+    src = pathlib.Path(path).read_text()
+    for old, new in renames:
+        if old not in src:
+            raise ValueError(f"{path}: no {old!r} to rename")
+        src = src.replace(old, new)
+    tag = zlib.crc32(src.encode() + b"".join(f.read_bytes() for f in sorted(CSRC.glob("*.h"))))
+    out = pathlib.Path(tempfile.gettempdir()) / f"genserve_baseline_{tag:08x}.cpp"
+    out.write_text(src)
+    bin_dir = str(pathlib.Path(sys.executable).parent)          # ninja, as engine.kernels finds it
+    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    cpp_extension.load(name=f"genserve_baseline_{tag:08x}", sources=[str(out)],
+                       extra_cflags=kernels.CFLAGS, extra_include_paths=[str(CSRC)],
+                       is_python_module=False, verbose=False)

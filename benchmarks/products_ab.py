@@ -1,0 +1,100 @@
+"""The 8-bit products of the checkout (`q4q8_linear`, `q8q8_linear`) against another version of
+engine/kernels/csrc/q4q8_linear.cpp, on the same operands in the same run.
+
+Run from the repository root, e.g. against the previous commit's source::
+
+    git show HEAD~1:engine/kernels/csrc/q4q8_linear.cpp > /tmp/old.cpp
+    python -m benchmarks.products_ab --baseline /tmp/old.cpp [--rows 1,32,274,1024] [--rounds 7]
+
+The baseline is built as `torch.ops.genserve_baseline.*` (`benchmarks._baseline`). Operands: the
+embedded SmolLM2-135M's block matrices (`q4q8_linear` at wqkv 960 × 576, w13 3,072 × 576 and
+w2 576 × 1,536: one layer's products) and its output projection (`q8q8_linear` at 49,152 × 576),
+random Q4_1 / Q8_0 blocks of those shapes and N(0, 1) bf16 inputs of each row count. Both builds
+must give the same bits (the products' arithmetic is fixed; only the schedule may change), and the
+run stops if they do not.
+
+Per row count and op: `rounds` rounds, each timing 3 calls of the checkout's op and then 3 of the
+baseline's over all of the op's shapes; the best round of each (so load from other processes, which
+moves this machine's speed by 2× within an hour, weighs on both alike), in ms and GMAC/s
+(multiply-accumulates: rows · N · K summed over the shapes), and the ratio checkout / baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from benchmarks._baseline import build_baseline
+from engine import kernels
+from engine.model import quant
+from engine.model.weights import Q4_1_BLOCK_BYTES, Q8_0_BLOCK_BYTES
+
+Q4_SHAPES = [(960, 576), (3072, 576), (576, 1536)]          # wqkv, w13, w2 (N, K)
+Q8_SHAPES = [(49152, 576)]                                  # the output projection
+RENAMES = [("TORCH_LIBRARY_FRAGMENT(genserve, m)", "TORCH_LIBRARY(genserve_baseline, m)"),
+           ("TORCH_LIBRARY_IMPL(genserve, CPU, m)", "TORCH_LIBRARY_IMPL(genserve_baseline, CPU, m)"),
+           ("namespace genserve {", "namespace genserve_baseline {"),
+           ("&genserve::", "&genserve_baseline::")]
+
+
+def random_blocks(n: int, k: int, block_bytes: int, gen: torch.Generator) -> torch.Tensor:
+    """uint8 [n, k / 32 · block_bytes]: random ggml blocks whose fp16 scale (and Q4_1's minimum)
+    is 0.00706 (and -0.0078125) in every block, so the products stay in range."""
+    blocks = torch.randint(0, 256, (n, k // 32, block_bytes), generator=gen, dtype=torch.uint8)
+    head = [0x3C, 0x1F, 0x00, 0xA0] if block_bytes == Q4_1_BLOCK_BYTES else [0x3C, 0x1F]
+    blocks[..., :len(head)] = torch.tensor(head, dtype=torch.uint8)
+    return blocks.view(n, -1)
+
+
+def time_pair(ops: tuple, operands: list[tuple], rounds: int) -> tuple[float, float]:
+    """Best-of-`rounds` seconds for one pass over `operands` ((x, packed, n) each) of ops[0] and
+    of ops[1], the two timed alternately in every round."""
+    best = [float("inf"), float("inf")]
+    for _ in range(rounds):
+        for i, op in enumerate(ops):
+            start = time.perf_counter()
+            for _ in range(3):
+                for x, packed, n in operands:
+                    op(x, packed, n)
+            best[i] = min(best[i], (time.perf_counter() - start) / 3)
+    return best[0], best[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--baseline", required=True, help="another q4q8_linear.cpp")
+    parser.add_argument("--rows", default="1,32,274,1024", help="row counts, comma-separated")
+    parser.add_argument("--rounds", type=int, default=7)
+    opts = parser.parse_args(argv)
+    if not kernels.q4q8_linear_available():
+        print("q4q8_linear is not built on this CPU (it needs AVX2 and FMA, or AVX512-VNNI)")
+        return 1
+    build_baseline(opts.baseline, RENAMES)
+    gen = torch.Generator().manual_seed(0)
+    packs = {"q4q8_linear": [(quant.q4q8_pack(random_blocks(n, k, Q4_1_BLOCK_BYTES, gen)), n, k)
+                             for n, k in Q4_SHAPES],
+             "q8q8_linear": [(quant.q8q8_pack(random_blocks(n, k, Q8_0_BLOCK_BYTES, gen)), n, k)
+                              for n, k in Q8_SHAPES]}
+    print(f"{'op':<12} {'rows':>5} {'checkout ms':>12} {'GMAC/s':>7} {'baseline ms':>12} "
+          f"{'GMAC/s':>7} {'checkout / baseline':>20}")
+    for rows in (int(r) for r in opts.rows.split(",")):
+        for name, shapes in packs.items():
+            ops = (getattr(torch.ops.genserve, name), getattr(torch.ops.genserve_baseline, name))
+            operands = [(torch.randn(rows, k, generator=gen).bfloat16(), packed, n)
+                        for packed, n, k in shapes]
+            for x, packed, n in operands:
+                if not torch.equal(ops[0](x, packed, n), ops[1](x, packed, n)):
+                    print(f"{name} at {rows} rows: the two builds give different bits")
+                    return 1
+            ours, theirs = time_pair(ops, operands, opts.rounds)
+            macs = rows * sum(n * k for _, n, k in shapes)
+            print(f"{name:<12} {rows:5d} {ours * 1e3:12.2f} {macs / ours / 1e9:7.1f} "
+                  f"{theirs * 1e3:12.2f} {macs / theirs / 1e9:7.1f} {ours / theirs:20.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
