@@ -38,9 +38,10 @@ One warm-up round per server, then `rounds` rounds; in each round every concurre
 even ones (so a drift of the machine's speed during the run weighs on both alike). Per round and
 level: output tokens/s (tokens received by all streams / wall time from sending the first request
 to the end of the last stream), TTFT p50/p95 (request sent to the first event with text), TPOT p50,
-the client's CPU per token, and the ratio genserve / peer of tokens/s. The host's bf16 GEMM
-rate and read bandwidth (`benchmarks._measure.gemm_gflops` / `read_gbps`) are measured before the
-servers start and after they stop, so the figures say what the machine was doing that day.
+the client's CPU per token, and the ratio genserve / peer of tokens/s. The host's GEMM rate (bf16
+where the CPU has bf16 arithmetic, fp32 elsewhere) and read bandwidth
+(`benchmarks._measure.gemm_gflops` / `read_gbps`) are measured before the servers start and after
+they stop, so the figures say what the machine was doing that day.
 
 Both servers and the client share this machine's cores; the server not being measured is idle
 (llama.cpp's slots wait on a condition variable; genserve's engine waits for work, Envoy health-
@@ -75,6 +76,7 @@ from benchmarks._measure import gemm_gflops, read_gbps
 from benchmarks.vllm_peer import INSTALL_SCRIPT as VLLM_INSTALL_SCRIPT
 from benchmarks.vllm_peer import (VLLM, PausableServer, VllmInstall, all_cores, vllm_argv, vllm_env, vllm_server,
                                   wait_for_health)
+from engine.model.linear import bf16_arithmetic
 from genserve.deploy.supervisor import free_port
 
 GENSERVE = "genserve"
@@ -385,8 +387,11 @@ def _host_line(host: dict) -> str:
     before, after = host["before"], host["after"]
     if before is None or after is None:
         return "host figures not measured (--skip-host)"
-    return (f"bf16 GEMM {GEMM_N}³ {before['gemm_bf16_gflops']:,.0f} GFLOP/s before the servers started, "
-            f"{after['gemm_bf16_gflops']:,.0f} after they stopped; read bandwidth ({READ_MIB} MiB) "
+    # reports written before the GEMM followed the host's arithmetic hold "gemm_bf16_gflops"
+    dtype = {"bfloat16": "bf16", "float32": "fp32"}[before.get("gemm_dtype", "bfloat16")]
+    rate = [h.get("gemm_gflops", h.get("gemm_bf16_gflops")) for h in (before, after)]
+    return (f"{dtype} GEMM {GEMM_N}³ {rate[0]:,.0f} GFLOP/s before the servers started, "
+            f"{rate[1]:,.0f} after they stopped; read bandwidth ({READ_MIB} MiB) "
             f"{before['read_gbps']:,.1f} / {after['read_gbps']:,.1f} GB/s")
 
 
@@ -501,11 +506,19 @@ def llama_server(argv: list[str], port: int, timeout_s: float = START_TIMEOUT_S)
 
 
 def host_figures(threads: int) -> dict:
-    """bf16 GEMM rate (GFLOP/s) and read bandwidth (GB/s) of this host now, with `threads` torch
+    """GEMM rate (GFLOP/s) and read bandwidth (GB/s) of this host now, with `threads` torch
     threads (`benchmarks._measure.gemm_gflops` / `read_gbps` at `python -m benchmarks.engine`'s
-    full-run sizes)."""
+    full-run sizes). The GEMM runs in bf16 where the CPU has bf16 arithmetic
+    (`engine.model.linear.bf16_arithmetic`) and in fp32 elsewhere: torch's bf16 matmul on a CPU
+    with AVX2 alone runs at well under 1 GFLOP/s, which says nothing about the host's speed.
+
+    Returns:
+        {"gemm_dtype": "bfloat16" or "float32", "gemm_gflops": float, "read_gbps": float}.
+    """
     torch.set_num_threads(threads)
-    return {"gemm_bf16_gflops": gemm_gflops(GEMM_N, torch.bfloat16, GEMM_REPEATS),
+    dtype = torch.bfloat16 if bf16_arithmetic() else torch.float32
+    return {"gemm_dtype": str(dtype).removeprefix("torch."),
+            "gemm_gflops": gemm_gflops(GEMM_N, dtype, GEMM_REPEATS),
             "read_gbps": read_gbps(READ_MIB, READ_REPEATS)}
 
 

@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from benchmarks import peer
 from benchmarks.peer import (GENSERVE, LLAMA_CPP, RoundResult, SseReader, StreamResult, markdown, round_result,
@@ -183,11 +184,15 @@ def test_summary_ratios_per_round_and_medians_and_the_page():
               "rounds": [vars(r) for r in results], "summary": summary}
     page = markdown(report)
     assert "python -m benchmarks.peer --rounds 3" in page
-    assert "900 GFLOP/s before the servers started, 800 after" in page
+    assert "bf16 GEMM 2048³ 900 GFLOP/s before the servers started, 800 after" in page
     assert "| 2 | 2 | llama.cpp | 2.7 |" in page                      # round 2: 8 tokens / 3 s
     assert "| 2 | 2 | genserve | 8.0 |" in page and "| 3.00× |" in page
     assert "| 2 | 8.0 | 4.0 | **2.00×** (1.00–3.00) |" in page
     assert markdown(json.loads(json.dumps(report))) == page          # a page from the saved JSON
+    fp32 = {"before": {"gemm_dtype": "float32", "gemm_gflops": 150.0, "read_gbps": 25.0},
+            "after": {"gemm_dtype": "float32", "gemm_gflops": 120.0, "read_gbps": 20.0}}
+    assert ("fp32 GEMM 2048³ 150 GFLOP/s before the servers started, 120 after they stopped; "
+            "read bandwidth (256 MiB) 25.0 / 20.0 GB/s") in markdown({**report, "host": fp32})
     with pytest.raises(ValueError, match="measured only"):
         summarize(results[:-1])
     assert summary["peer"] == LLAMA_CPP
@@ -218,3 +223,18 @@ def test_one_round_against_llama_cpp(gguf_path, gguf_tokenizer):
     assert (r.streams, r.tokens) == (2, 4) and 2 <= r.text_events <= 8
     assert abs(r.prompt_tokens - len(gguf_tokenizer.encode(prompts[0]))) <= 1
     assert 0 < r.ttft_ms_p50 <= r.ttft_ms_p95 and r.tok_s > 0
+
+
+# -- host figures --------------------------------------------------------------------------------
+@pytest.mark.parametrize("bf16, dtype", [(True, "bfloat16"), (False, "float32")])
+def test_host_gemm_follows_the_hosts_arithmetic(monkeypatch, bf16, dtype):
+    monkeypatch.setattr(peer, "bf16_arithmetic", lambda: bf16)
+    monkeypatch.setattr(peer, "GEMM_N", 64)
+    monkeypatch.setattr(peer, "READ_MIB", 4)
+    threads = torch.get_num_threads()
+    try:
+        figures = peer.host_figures(threads=1)
+    finally:
+        torch.set_num_threads(threads)          # host_figures sets this process's thread count
+    assert figures["gemm_dtype"] == dtype
+    assert figures["gemm_gflops"] > 0 and figures["read_gbps"] > 0
