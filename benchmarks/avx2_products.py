@@ -39,6 +39,7 @@ from engine import kernels
 from engine.config import EngineConfig
 from engine.core.request import Request, SamplingParams
 from engine.model import linear, quant
+from engine.model.weights import Q4_1_BLOCK_BYTES
 from engine.runner.builder import build_engine
 
 
@@ -73,6 +74,15 @@ def measure(weights: str = "bf16") -> dict[str, float]:
 SHAPES = {"wqkv": (960, 576), "w13": (3072, 576), "w2": (576, 1536), "LM head": (49152, 576)}
 
 
+def random_blocks(n: int, k: int, block_bytes: int, gen: torch.Generator) -> torch.Tensor:
+    """uint8 [n, k / 32 · block_bytes]: random ggml blocks whose fp16 scale (and Q4_1's minimum)
+    is 0.00706 (and -0.0078125) in every block, so the products stay in range."""
+    blocks = torch.randint(0, 256, (n, k // 32, block_bytes), generator=gen, dtype=torch.uint8)
+    head = [0x3C, 0x1F, 0x00, 0xA0] if block_bytes == Q4_1_BLOCK_BYTES else [0x3C, 0x1F]
+    blocks[..., :len(head)] = torch.tensor(head, dtype=torch.uint8)
+    return blocks.view(n, -1)
+
+
 def _per_call_ms(fn) -> float:
     """Median time of one call of `fn`, ms, over 0.3 s of calls after one warm-up call."""
     fn()
@@ -95,10 +105,7 @@ def matrices(rows: tuple[int, ...] = (1, 32, 512)) -> None:
         panels, f32 = linear.panel_pack(w), linear._fp32_copy(w, {})
         # random Q4_1 blocks of the same shape (the LM head is not a Q4_1 matrix in the file,
         # but its shape times the same op shows what the op does at N = 49,152)
-        blocks = torch.randint(0, 256, (n, k // 32 * 20), generator=gen, dtype=torch.uint8)
-        blocks.view(n, k // 32, 20)[..., 0:4] = torch.tensor([0x3C, 0x1F, 0x00, 0xA0],
-                                                            dtype=torch.uint8)  # d, m ≈ 7e-3, -8e-3 (fp16)
-        q4q8 = quant.q4q8_pack(blocks)
+        q4q8 = quant.q4q8_pack(random_blocks(n, k, Q4_1_BLOCK_BYTES, gen))
         for m in rows:
             x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
             bf16 = _per_call_ms(lambda: F.linear(torch.cat([x, x]) if m == 1 else x, w))

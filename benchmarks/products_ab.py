@@ -28,25 +28,18 @@ import time
 import torch
 
 from benchmarks._baseline import build_baseline
+from benchmarks.avx2_products import SHAPES, random_blocks
 from engine import kernels
 from engine.model import quant
 from engine.model.weights import Q4_1_BLOCK_BYTES, Q8_0_BLOCK_BYTES
 
-Q4_SHAPES = [(960, 576), (3072, 576), (576, 1536)]          # wqkv, w13, w2 (N, K)
-Q8_SHAPES = [(49152, 576)]                                  # the output projection
+# (N, K) of the embedded model's products, as `benchmarks.avx2_products` times them
+Q4_SHAPES = [SHAPES[name] for name in ("wqkv", "w13", "w2")]   # the block matrices (Q4_1)
+Q8_SHAPES = [SHAPES["LM head"]]                                 # the output projection (Q8_0)
 RENAMES = [("TORCH_LIBRARY_FRAGMENT(genserve, m)", "TORCH_LIBRARY(genserve_baseline, m)"),
            ("TORCH_LIBRARY_IMPL(genserve, CPU, m)", "TORCH_LIBRARY_IMPL(genserve_baseline, CPU, m)"),
            ("namespace genserve {", "namespace genserve_baseline {"),
            ("&genserve::", "&genserve_baseline::")]
-
-
-def random_blocks(n: int, k: int, block_bytes: int, gen: torch.Generator) -> torch.Tensor:
-    """uint8 [n, k / 32 · block_bytes]: random ggml blocks whose fp16 scale (and Q4_1's minimum)
-    is 0.00706 (and -0.0078125) in every block, so the products stay in range."""
-    blocks = torch.randint(0, 256, (n, k // 32, block_bytes), generator=gen, dtype=torch.uint8)
-    head = [0x3C, 0x1F, 0x00, 0xA0] if block_bytes == Q4_1_BLOCK_BYTES else [0x3C, 0x1F]
-    blocks[..., :len(head)] = torch.tensor(head, dtype=torch.uint8)
-    return blocks.view(n, -1)
 
 
 def time_pair(ops: tuple, operands: list[tuple], rounds: int) -> tuple[float, float]:
