@@ -13,7 +13,10 @@ Engines over the embedded SmolLM2-135M, from one load of the GGUF:
 * ``q4``: "q4", the default where it runs: the bf16 products' bits from the 4-bit blocks;
 * ``int8``: "int8" (`engine.model.int8`);
 * ``q4q8``: "q4q8" (`engine.model.quant.attach_q4q8`: the Q4_1 blocks exact times inputs rounded
-  to 8 bits per row and block of 32, on the VNNI op; its decode steps run the Python block loop);
+  to 8 bits per row and block of 32, the output projection's Q8_0 blocks times the same 8-bit
+  inputs; its decode steps run the Python block loop);
+* ``q4q8-exact-output``: the same with the output projection on its bf16 product, so the two
+  say what the output's 8-bit product costs and gives;
 * two yardsticks for quality, llama.cpp's CPU arithmetic run through the same engine (slow, so
   not timed): ``int8-q8_0``, its 8-bit product (Q8_0 × Q8_0: weights and activations in blocks
   of 32, one scale each), and ``q4_1-q8_1``, its product for this 4-bit file, what llama.cpp's
@@ -47,6 +50,7 @@ Other processes on the machine distort the speed figures; the header prints the 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -82,13 +86,16 @@ def build_models(threads: int) -> tuple[dict[str, Transformer], Tokenizer]:
     set_threads(EngineConfig(num_threads=threads))
     reader = open_gguf()
     args, state = load_gguf(reader)
-    names = ["bf16", "q4", "int8", "int8-q8_0", "q4_1-q8_1", "q4q8"]
+    names = ["bf16", "q4", "int8", "int8-q8_0", "q4_1-q8_1", "q4q8", "q4q8-exact-output"]
     if not kernels.q4_linear_available():
         names.remove("q4")
     models = {name: model_from_weights(args, state, torch.bfloat16) for name in names}
     if "q4" in models:
         attach_q4(models["q4"], reader)
     attach_q4q8(models["q4q8"], reader)
+    attach_q4q8(models["q4q8-exact-output"], reader)
+    exact = models["q4q8-exact-output"]
+    exact.output_packed = dataclasses.replace(exact.output_packed, q8q8=None)
     tokenizer = Tokenizer.from_gguf(reader)
     attach_int8(models["int8"], int8_calibration(models["int8"], tokenizer))
     attach_int8(models["int8-q8_0"], block=Q8_0_BLOCK)

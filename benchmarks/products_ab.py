@@ -5,11 +5,14 @@ Run from the repository root, e.g. against the previous commit's source::
 
     git show HEAD~1:engine/kernels/csrc/q4q8_linear.cpp > /tmp/old.cpp
     python -m benchmarks.products_ab --baseline /tmp/old.cpp [--rows 1,32,274,1024] [--rounds 7]
+    python -m benchmarks.products_ab --baseline /tmp/old.cpp --rows 1,4 --copies 30   # from memory
 
 The baseline is built as `torch.ops.genserve_baseline.*` (`benchmarks._baseline`). Operands: the
 embedded SmolLM2-135M's block matrices (`q4q8_linear` at wqkv 960 × 576, w13 3,072 × 576 and
 w2 576 × 1,536: one layer's products) and its output projection (`q8q8_linear` at 49,152 × 576),
-random Q4_1 / Q8_0 blocks of those shapes and N(0, 1) bf16 inputs of each row count. Both builds
+random Q4_1 / Q8_0 blocks of those shapes (`--copies` distinct ones of each block-matrix shape,
+default 1, so one layer's 2.5 MB stay in cache between calls unless more are asked for) and
+N(0, 1) bf16 inputs of each row count. Both builds
 must give the same bits (the products' arithmetic is fixed; only the schedule may change), and the
 run stops if they do not.
 
@@ -61,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline", required=True, help="another q4q8_linear.cpp")
     parser.add_argument("--rows", default="1,32,274,1024", help="row counts, comma-separated")
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--copies", type=int, default=1,
+                        help="distinct weights per shape: 30 (the model's layers) puts the block "
+                             "matrices' 80 MB beyond the last-level cache, as in a decode step")
     opts = parser.parse_args(argv)
     if not kernels.q4q8_linear_available():
         print("q4q8_linear is not built on this CPU (it needs AVX2 and FMA, or AVX512-VNNI)")
@@ -68,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     build_baseline(opts.baseline, RENAMES)
     gen = torch.Generator().manual_seed(0)
     packs = {"q4q8_linear": [(quant.q4q8_pack(random_blocks(n, k, Q4_1_BLOCK_BYTES, gen)), n, k)
-                             for n, k in Q4_SHAPES],
+                             for _ in range(opts.copies) for n, k in Q4_SHAPES],
              "q8q8_linear": [(quant.q8q8_pack(random_blocks(n, k, Q8_0_BLOCK_BYTES, gen)), n, k)
                               for n, k in Q8_SHAPES]}
     print(f"{'op':<12} {'rows':>5} {'checkout ms':>12} {'GMAC/s':>7} {'baseline ms':>12} "
@@ -76,8 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     for rows in (int(r) for r in opts.rows.split(",")):
         for name, shapes in packs.items():
             ops = (getattr(torch.ops.genserve, name), getattr(torch.ops.genserve_baseline, name))
-            operands = [(torch.randn(rows, k, generator=gen).bfloat16(), packed, n)
-                        for packed, n, k in shapes]
+            inputs = {k: torch.randn(rows, k, generator=gen).bfloat16() for _, _, k in shapes}
+            operands = [(inputs[k], packed, n) for packed, n, k in shapes]
             for x, packed, n in operands:
                 if not torch.equal(ops[0](x, packed, n), ops[1](x, packed, n)):
                     print(f"{name} at {rows} rows: the two builds give different bits")

@@ -31,7 +31,7 @@
   neither; `q4q8_linear_available()` says whether it runs. `--weights q4q8`
   (`engine.model.quant.attach_q4q8`) runs every block matrix on it. The same file's
   `torch.ops.genserve.q8q8_linear` takes Q8_0 weights (`engine.model.quant.q8q8_pack`) times the
-  same 8-bit rows: llama.cpp's Q8_0 x Q8_0, for the output projection on CPUs with AVX2 alone.
+  same 8-bit rows: llama.cpp's Q8_0 x Q8_0, for the output projection under `--weights q4q8`.
 * `engine/kernels/csrc/fma_linear.cpp`: x @ Wᵀ with the bf16 weights in 16-column panels widened to
   fp32 in registers, one fp32 FMA chain over k per output (`torch.ops.genserve.fma_linear`): the
   products on CPUs without bf16 arithmetic (AVX2 alone); built where the compiler targets AVX2

@@ -33,9 +33,9 @@ products above the row limit and for the checks.
 `q4q8_pack`, `q8_1_round`, `q4_1_dequantize` and `q4q8_linear_reference` serve
 `torch.ops.genserve.q4q8_linear` (engine/kernels/csrc/q4q8_linear.cpp: the same Q4_1 blocks times
 activations rounded to int8 per block of 32, llama.cpp's arithmetic, on AVX512-VNNI or AVX2),
-which `attach_q4q8` gives the model; on CPUs without bf16 arithmetic it also gives the output
-projection its Q8_0 blocks for `torch.ops.genserve.q8q8_linear` (`q8q8_pack`, the same file:
-llama.cpp's Q8_0 × Q8_0), so `--weights q4q8` there is llama.cpp's arithmetic for every product.
+which `attach_q4q8` gives the model; it also gives the output projection its Q8_0 blocks for
+`torch.ops.genserve.q8q8_linear` (`q8q8_pack`, the same file: llama.cpp's Q8_0 × Q8_0), so
+`--weights q4q8` is llama.cpp's arithmetic for every product.
 """
 
 from __future__ import annotations
@@ -422,11 +422,11 @@ def attach_q4q8(model: Transformer, source: str | pathlib.Path | gguf.GGUFReader
     block of 32 (ggml's Q4_1 x Q8_1). The C++ decode loop runs them too
     (`engine.runner.decode_loop.DecodeLoop.from_model` passes the blocks on).
 
-    Where the output projection's product is the fp32 one (`PackedWeight.fma` or `.f32`: CPUs
-    without bf16 arithmetic) and the file stores it as Q8_0, it runs `q8q8_linear` over those
-    blocks (`PackedWeight.q8q8`): llama.cpp's Q8_0 x Q8_0, half the bytes of the bf16 panels.
-    Where the CPU has bf16 arithmetic the output keeps its bf16 product (the int8 product on
-    AVX2 instructions is not faster than bf16 arithmetic there; not measured).
+    Where the file stores the output projection as Q8_0 (the embedded one does), that product runs
+    `q8q8_linear` over those blocks (`PackedWeight.q8q8`): llama.cpp's Q8_0 x Q8_0, so `q4q8` is
+    llama.cpp's arithmetic for every product. It reads half the bytes of the bf16 matrix, which is
+    what a one-row step waits for, and its int8 sums outrun the bf16 product at 32 rows on
+    AVX512-VNNI as on AVX2 (docs/benchmarks/linear.md).
 
     Args:
         model: a bf16 CPU model built from `source` (packed or not).
@@ -445,9 +445,8 @@ def attach_q4q8(model: Transformer, source: str | pathlib.Path | gguf.GGUFReader
         packed = getattr(module, name + "_packed") or PackedWeight(getattr(module, name), 0)
         setattr(module, name + "_packed", dataclasses.replace(packed, q4q8=q4q8_pack(blocks)))
     output = load_gguf_output_q8_0(source)
-    packed = model.output_packed
-    on_fp32 = packed is not None and (packed.fma or packed.f32 is not None)
-    if output is not None and on_fp32 and output.shape[0] % Q4Q8_PANEL_N == 0:
+    if output is not None and output.shape[0] % Q4Q8_PANEL_N == 0:
+        packed = model.output_packed or PackedWeight(model.output, 0)
         model.output_packed = dataclasses.replace(packed, q8q8=q8q8_pack(output))
     log.info("weights q4q8: every block matrix as the GGUF's Q4_1 blocks times 8-bit inputs "
              "(Q4_1 x Q8_1); output projection %s",

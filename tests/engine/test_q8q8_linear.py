@@ -1,6 +1,6 @@
 """`torch.ops.genserve.q8q8_linear` (engine/kernels/csrc/q4q8_linear.cpp): Q8_0 weights × bf16
 activations rounded to int8 per row and block of 32, llama.cpp's Q8_0 × Q8_0 product, which
-`--weights q4q8` runs for the output projection on CPUs without bf16 arithmetic. Against a
+`--weights q4q8` runs for the output projection. Against a
 reference in torch ops (the blocks dequantized exactly, x rounded as `q4q8_linear` rounds it, the
 product in fp64) on random blocks, on blocks holding -128 (the one value whose magnitude is not
 an int8) and on the embedded model's real output blocks; a row's bits do not depend on the batch;
@@ -120,22 +120,19 @@ def test_real_output_blocks(gguf_reader):
         assert_close_to_reference(torch.ops.genserve.q8q8_linear(x, q8q8_pack(part), 2048), x, part)
 
 
-def test_q4q8_takes_the_q8_0_output_where_products_run_in_fp32(gguf_weights):
-    # attach_q4q8 gives the output projection its Q8_0 blocks exactly where the model's own
-    # output product is the fp32 one (CPUs without bf16 arithmetic), and the logits follow them
+def test_q4q8_takes_the_q8_0_output(gguf_weights):
+    # attach_q4q8 gives the output projection its Q8_0 blocks on every host whose kernels have the
+    # op (AVX512-VNNI or AVX2), and the logits follow them
+    from engine.model.linear import linear
     from engine.model.quant import attach_q4q8
     from engine.runner.builder import model_from_weights
     args, state = gguf_weights
     model = model_from_weights(args, state, torch.bfloat16)
-    before = model.output_packed
     attach_q4q8(model)
-    on_fp32 = before is not None and (before.fma or before.f32 is not None)
-    assert (model.output_packed.q8q8 is not None) == on_fp32
-    if on_fp32:
-        from engine.model.linear import linear
-        hidden = random_x(3, args.dim, seed=11)
-        logits = linear(hidden, model.output, model.output_packed)
-        blocks = load_gguf_output_q8_0(None)
-        assert torch.equal(logits, torch.ops.genserve.q8q8_linear(hidden, q8q8_pack(blocks),
-                                                                  args.vocab_size))
-        assert_close_to_reference(logits[:, :2048].contiguous(), hidden, blocks[:2048])
+    assert model.output_packed.q8q8 is not None
+    hidden = random_x(3, args.dim, seed=11)
+    logits = linear(hidden, model.output, model.output_packed)
+    blocks = load_gguf_output_q8_0(None)
+    assert torch.equal(logits, torch.ops.genserve.q8q8_linear(hidden, q8q8_pack(blocks),
+                                                              args.vocab_size))
+    assert_close_to_reference(logits, hidden, blocks)

@@ -71,6 +71,7 @@ constexpr int64_t PANEL_N = 32;                  // columns per parallel panel (
 constexpr int64_t GROUP_BYTES = 64 + 64 + 256;   // d[16] f32, m[16] f32, 4 x 64 nibble bytes
 constexpr int64_t Q8_GROUP_BYTES = 64 + 512;     // Q8_0 weights: d[16] f32, 8 x 64 int8 bytes
 constexpr int64_t Q8_GROUP_BYTES_PER_COLUMN = Q8_GROUP_BYTES / GROUP_N;   // 36
+constexpr int64_t PREFETCH_BLOCKS = 4;           // how far ahead a panel's first row tile prefetches
 
 #ifdef GENSERVE_Q4Q8_LINEAR
 constexpr int RN = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
@@ -90,8 +91,10 @@ void with_rows(int rows, Run&& run) {
 
 #ifdef GENSERVE_Q4Q8_AVX512
 
-// Row `in` (bf16 bits, k values) rounded per block of 32 into xq, scale and xsum (see above).
-void quantize_row(const uint16_t* in, int64_t k, int8_t* xq, float* scale, float* xsum) {
+// Row `in` (bf16 bits, k values) rounded per block of 32 into xq, scale, xsum and isum (the
+// exact int sum Σ_k xq of each block; see above).
+void quantize_row(const uint16_t* in, int64_t k, int8_t* xq, float* scale, float* xsum,
+                  int32_t* isum) {
   const __m512 inv_qmax = _mm512_set1_ps(1.0f / 127.0f);
   const __m512 one = _mm512_set1_ps(1.0f);
   for (int64_t b = 0; b < k / QK; ++b) {
@@ -112,6 +115,7 @@ void quantize_row(const uint16_t* in, int64_t k, int8_t* xq, float* scale, float
     _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * QK + 16), _mm512_cvtepi32_epi8(q1));
     const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
     scale[b] = _mm512_cvtss_f32(s);
+    isum[b] = sum;
     xsum[b] = _mm512_cvtss_f32(
         _mm512_mul_round_ps(s, _mm512_set1_ps(static_cast<float>(sum)), RN));
   }
@@ -132,6 +136,14 @@ void panel_rows(const int8_t* X, const float* XS, const float* XSUM, const uint8
       for (int g = 0; g < G; ++g) iacc[r][g] = _mm512_setzero_si512();
     const uint8_t* blk[G];
     for (int g = 0; g < G; ++g) blk[g] = panel + (g * kb_count + b) * GROUP_BYTES;
+    if (r0 == 0) {
+      // The first row tile reads the panel from memory (later ones find it in cache): ask for
+      // the block PREFETCH_BLOCKS ahead of each group's stream now, 6 cache lines each.
+      for (int g = 0; g < G; ++g)
+        for (int line = 0; line < GROUP_BYTES / 64; ++line)
+          _mm_prefetch(reinterpret_cast<const char*>(blk[g] + PREFETCH_BLOCKS * GROUP_BYTES + 64 * line),
+                       _MM_HINT_T0);
+    }
     for (int j = 0; j < 4; ++j) {
       __m512i wl[G], wh[G];
       for (int g = 0; g < G; ++g) {
@@ -182,7 +194,8 @@ inline __m256 widen8(const uint16_t* p) {
 
 // The same rounding as the AVX512 build's `quantize_row` (see the top of the file): the scalar
 // steps on SSE intrinsics (one IEEE operation each), the per-element ones on ymm.
-void quantize_row(const uint16_t* in, int64_t k, int8_t* xq, float* scale, float* xsum) {
+void quantize_row(const uint16_t* in, int64_t k, int8_t* xq, float* scale, float* xsum,
+                  int32_t* isum) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   // bytes 0-3 of each 128-bit half of vpacksswb's result, in k order (see below)
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -212,7 +225,8 @@ void quantize_row(const uint16_t* in, int64_t k, int8_t* xq, float* scale, float
     t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4E));
     t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xB1));
     scale[b] = _mm_cvtss_f32(s);
-    xsum[b] = _mm_cvtss_f32(_mm_mul_ss(s, _mm_set_ss(static_cast<float>(_mm_cvtsi128_si32(t4)))));
+    isum[b] = _mm_cvtsi128_si32(t4);
+    xsum[b] = _mm_cvtss_f32(_mm_mul_ss(s, _mm_set_ss(static_cast<float>(isum[b]))));
   }
 }
 
@@ -292,24 +306,90 @@ void panel_rows(const int8_t* X, const float* XS, const float* XSUM, const uint8
 #ifdef GENSERVE_Q4Q8_LINEAR
 
 // Q8_0 weights (ggml's block_q8_0: fp16 d, 32 int8 q; w = d * q) times the same 8-bit rows:
-// `q8q8_linear`, llama.cpp's Q8_0 x Q8_0 product (the rows' xsum is not needed). AVX2 in both
-// builds (an AVX512 CPU has AVX2 too), so every host gives the same bits.
+// `q8q8_linear`, llama.cpp's Q8_0 x Q8_0 product (the rows' xsum is not needed).
 //
 // Per output column n, row r and block b (fp32 accumulation in block order, one rounding):
 //
 //   acc += fp32(Σ_k q[n,k] · xq[r,k]) * scale[r,b] * d[n,b]        (exact int32 sum; vfmadd)
 //
-// Both operands are signed, and vpmaddubsw takes one unsigned: as in ggml's AVX2 dot product,
-// |q| goes in as the unsigned operand and xq with q's sign (vpsignb) as the signed one, which
-// gives the same products; a pair's sum is at most 2 * 128 * 127 = 32,512 < 2^15 (exact), but two
-// pairs may not be, so each vpmaddubsw result is widened at once (vpmaddwd against ones).
+// Both operands are signed, and vpmaddubsw and vpdpbusd take one unsigned. On AVX2, as in ggml's
+// AVX2 dot product, |q| goes in as the unsigned operand and xq with q's sign (vpsignb) as the
+// signed one, which gives the same products; a pair's sum is at most 2 * 128 * 127 = 32,512 <
+// 2^15 (exact), but two pairs may not be, so each vpmaddubsw result is widened at once (vpmaddwd
+// against ones). On AVX512-VNNI the unsigned operand is q + 128 (q with its top bit flipped) and
+// vpdpbusd's exact sum Σ (q + 128) · xq less 128 · Σ xq (the row's `isum`) is Σ q · xq: the same
+// int32 sum, then the same fp32 operations, so both builds give the same bits.
 //
 // Layout (`engine.model.quant.q8q8_pack`), 576 bytes per 16 output columns x 32 k:
 //
 //   [N/16 groups][K/32 blocks]{ d[16] fp32, q[8 j][16 columns c][4 bytes i] }
 //
 // where byte i of (j, c) is q[c][4j + i]. Work as `q4q8_linear`'s: panels of 32 columns across
-// threads; within a group, tiles of up to 4 rows times 8 columns (one ymm of fp32 each).
+// threads; within a panel, tiles of up to 4 rows times 32 columns (two zmm of fp32 each) on
+// AVX512, 4 rows times 8 columns (one ymm) on AVX2.
+#ifdef GENSERVE_Q4Q8_AVX512
+
+// Rows r0 .. r0 + rows - 1 (rows <= 4) times one panel of 32 Q8_0 columns -> y (bf16).
+template <int ROWS>
+void q8_panel_tile(const int8_t* X, const float* XS, const int32_t* ISUM, const uint8_t* panel,
+                   int64_t k, int64_t r0, c10::BFloat16* Y, int64_t n, int64_t col0) {
+  constexpr int G = 2;
+  const int64_t kb_count = k / QK;
+  const __m512i top = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 acc[ROWS][G];
+  for (int r = 0; r < ROWS; ++r)
+    for (int g = 0; g < G; ++g) acc[r][g] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < kb_count; ++b) {
+    const uint8_t* blk[G];
+    for (int g = 0; g < G; ++g) blk[g] = panel + (g * kb_count + b) * Q8_GROUP_BYTES;
+    if (r0 == 0) {                 // as in `panel_rows`: the first row tile streams the panel
+      for (int g = 0; g < G; ++g)
+        for (int line = 0; line < Q8_GROUP_BYTES / 64; ++line)
+          _mm_prefetch(reinterpret_cast<const char*>(blk[g] + PREFETCH_BLOCKS * Q8_GROUP_BYTES + 64 * line),
+                       _MM_HINT_T0);
+    }
+    __m512i iacc[ROWS][G];
+    for (int r = 0; r < ROWS; ++r) {
+      // -128 · Σ xq to start with, so the sum over (q + 128) · xq ends as Σ q · xq
+      const __m512i start = _mm512_set1_epi32(-128 * ISUM[(r0 + r) * kb_count + b]);
+      for (int g = 0; g < G; ++g) iacc[r][g] = start;
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      __m512i w[G];
+      for (int g = 0; g < G; ++g)
+        w[g] = _mm512_xor_si512(_mm512_loadu_si512(blk[g] + 64 + 64 * j), top);
+      for (int r = 0; r < ROWS; ++r) {
+        const int8_t* xr = X + (r0 + r) * k + b * QK;
+        const __m512i xb = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xr + 4 * j));
+        for (int g = 0; g < G; ++g) iacc[r][g] = _mm512_dpbusd_epi32(iacc[r][g], w[g], xb);
+      }
+    }
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512 s = _mm512_set1_ps(XS[(r0 + r) * kb_count + b]);
+      for (int g = 0; g < G; ++g) {
+        const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(blk[g]));
+        acc[r][g] = _mm512_fmadd_ps(_mm512_mul_round_ps(_mm512_cvtepi32_ps(iacc[r][g]), s, RN),
+                                    d, acc[r][g]);
+      }
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int g = 0; g < G; ++g)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(Y + (r0 + r) * n + col0 + g * GROUP_N),
+                          (__m256i)_mm512_cvtneps_pbh(acc[r][g]));
+}
+
+// Rows r0 .. r0 + rows - 1 (rows <= 4) times one panel of 32 Q8_0 columns -> y (bf16).
+void q8_panel_rows(const int8_t* X, const float* XS, const int32_t* ISUM, const uint8_t* panel,
+                   int64_t k, int64_t r0, int rows, c10::BFloat16* Y, int64_t n, int64_t col0) {
+  with_rows(rows, [&](auto r) {
+    q8_panel_tile<decltype(r)::value>(X, XS, ISUM, panel, k, r0, Y, n, col0);
+  });
+}
+
+#else  // AVX2
+
 template <int ROWS>
 void q8_half_rows(const int8_t* X, const float* XS, const uint8_t* group, int64_t k, int64_t r0,
                   int h, c10::BFloat16* Y, int64_t n, int64_t col0) {
@@ -346,8 +426,8 @@ void q8_half_rows(const int8_t* X, const float* XS, const uint8_t* group, int64_
 }
 
 // Rows r0 .. r0 + rows - 1 (rows <= 4) times one panel of 32 Q8_0 columns -> y (bf16).
-void q8_panel_rows(const int8_t* X, const float* XS, const uint8_t* panel, int64_t k, int64_t r0,
-                   int rows, c10::BFloat16* Y, int64_t n, int64_t col0) {
+void q8_panel_rows(const int8_t* X, const float* XS, const int32_t* /*ISUM*/, const uint8_t* panel,
+                   int64_t k, int64_t r0, int rows, c10::BFloat16* Y, int64_t n, int64_t col0) {
   const int64_t group_bytes = (k / QK) * Q8_GROUP_BYTES;
   for (int g = 0; g < PANEL_N / GROUP_N; ++g)
     for (int h = 0; h < 2; ++h) {
@@ -358,6 +438,8 @@ void q8_panel_rows(const int8_t* X, const float* XS, const uint8_t* panel, int64
       });
     }
 }
+
+#endif  // GENSERVE_Q4Q8_AVX512 / AVX2
 
 #endif  // GENSERVE_Q4Q8_LINEAR
 
@@ -396,15 +478,16 @@ struct RoundedRows {
   std::vector<int8_t> xq;        // [M, K]
   std::vector<float> scale;      // [M, K / 32]
   std::vector<float> xsum;       // [M, K / 32]
+  std::vector<int32_t> isum;     // [M, K / 32]: Σ_k xq per block, exact
 
   explicit RoundedRows(const at::Tensor& x)
-      : xq(x.numel()), scale(x.numel() / QK), xsum(x.numel() / QK) {
+      : xq(x.numel()), scale(x.numel() / QK), xsum(x.numel() / QK), isum(x.numel() / QK) {
     const int64_t m = x.size(0), k = x.size(1), kb_count = k / QK;
     const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
     at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r)
         quantize_row(xp + r * k, k, xq.data() + r * k, scale.data() + r * kb_count,
-                     xsum.data() + r * kb_count);
+                     xsum.data() + r * kb_count, isum.data() + r * kb_count);
     });
   }
 };
@@ -462,7 +545,8 @@ at::Tensor q8q8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n)
   return rounded_rows_times(x, packed, n, Q8_GROUP_BYTES,
                             [&](const RoundedRows& rows, const uint8_t* panel, int64_t r0,
                                 int count, c10::BFloat16* y, int64_t col0) {
-    q8_panel_rows(rows.xq.data(), rows.scale.data(), panel, x.size(1), r0, count, y, n, col0);
+    q8_panel_rows(rows.xq.data(), rows.scale.data(), rows.isum.data(), panel, x.size(1), r0,
+                  count, y, n, col0);
   });
 #else
   return at::Tensor();     // unreachable: check_operands raised
