@@ -82,7 +82,7 @@ PREFILL_OPS = ("paged_prefill",)   # built where the compiler targets AVX512-BF1
 AMX_OPS = ("q4_amx_linear", "q8_amx_linear")   # built only where the compiler targets AMX-BF16
 FMA_OPS = ("fma_linear",)      # built only where the compiler targets AVX2 and FMA
 # q4q8_linear and q8q8_linear are always registered, but raise unless the build targets
-# AVX512-VNNI (with AVX512-BF16 and AVX512BW) or AVX2 and FMA: see q4q8_linear_available(), which
+# AVX512-VNNI (with AVX512-BF16 and AVX512BW) or AVX2, FMA and F16C: see q4q8_linear_available(), which
 # runs a product to find out, when the weights are chosen.
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 
@@ -242,13 +242,14 @@ def q4_amx_available() -> bool:
 @functools.cache
 def q4q8_linear_available() -> bool:
     """True if the kernels built and `q4q8_linear` runs in this build (the compiler targeted
-    AVX512-VNNI, AVX512-BF16 and AVX512BW, or AVX2 and FMA; elsewhere the op exists but raises),
-    checked with a 1-row product over zero weights."""
+    AVX512-VNNI, AVX512-BF16 and AVX512BW, or AVX2, FMA and F16C; elsewhere the op exists but
+    raises), checked with a 1-row product over zero weights (20 bytes per column and 32 k:
+    `engine.model.quant.Q4Q8_BLOCK_BYTES`)."""
     if not available() or not hasattr(torch.ops.genserve, "q4q8_linear"):
         return False
     try:
         torch.ops.genserve.q4q8_linear(torch.zeros(1, 32, dtype=torch.bfloat16),
-                                       torch.zeros(32, 24, dtype=torch.uint8), 32)
+                                       torch.zeros(32, 20, dtype=torch.uint8), 32)
     except RuntimeError as exc:
         log.info("q4q8_linear unavailable in this build (%s)", str(exc).splitlines()[0])
         return False

@@ -107,7 +107,7 @@ def q4_pack(blocks: torch.Tensor) -> torch.Tensor:
 
 
 Q4Q8_PANEL_N = 32   # output columns per parallel panel of `q4q8_linear` (N must be a multiple)
-Q4Q8_BLOCK_BYTES = 24   # bytes per output column and 32 k in `q4q8_pack`'s layout
+Q4Q8_BLOCK_BYTES = 20   # bytes per output column and 32 k in `q4q8_pack`'s layout
 
 
 def q4q8_pack(blocks: torch.Tensor) -> torch.Tensor:
@@ -117,8 +117,8 @@ def q4q8_pack(blocks: torch.Tensor) -> torch.Tensor:
 
     The input holds, per weight row, its Q4_1 blocks along k (bytes 0-1 fp16 d, 2-3 fp16 m,
     4-19: byte i has q[i] in its low nibble and q[i + 16] in its high one; ggml's block_q4_1).
-    The output holds, per group of 16 output columns and block of 32 k (384 bytes): the 16
-    columns' d as fp32 (64 bytes, exact widening), their m as fp32 (64 bytes), then for j = 0..3
+    The output holds, per group of 16 output columns and block of 32 k (320 bytes): the 16
+    columns' d as fp16 (32 bytes, the file's), their m as fp16 (32 bytes), then for j = 0..3
     and each column c 4 bytes: bytes 4j .. 4j + 3 of that column's block nibbles, so byte i of
     (j, c) holds q[c][4j + i] (low nibble) and q[c][16 + 4j + i] (high nibble). Groups are in
     column order, blocks in k order within a group.
@@ -126,7 +126,7 @@ def q4q8_pack(blocks: torch.Tensor) -> torch.Tensor:
     Args:
         blocks: uint8 [N, K / 32 · 20] (`weights.load_gguf_q4_1`), N a multiple of 32.
     Returns:
-        uint8 [N, K / 32 · 24], contiguous (a new tensor); row g·16 .. g·16 + 15 hold group g.
+        uint8 [N, K / 32 · 20], contiguous (a new tensor); row g·16 .. g·16 + 15 hold group g.
     Raises:
         ValueError: not uint8 2-D with whole blocks, or N not a positive multiple of 32.
     """
@@ -134,12 +134,10 @@ def q4q8_pack(blocks: torch.Tensor) -> torch.Tensor:
     n, row_bytes = blocks.shape
     ng, kb = n // 16, row_bytes // Q4_1_BLOCK_BYTES
     b = blocks.contiguous().view(ng, 16, kb, Q4_1_BLOCK_BYTES)       # [group, col, kb, 20]
-    d = b[..., 0:2].contiguous().view(torch.float16).float()          # [group, col, kb, 1]
-    m = b[..., 2:4].contiguous().view(torch.float16).float()
-    d = d.squeeze(-1).permute(0, 2, 1).contiguous().view(torch.uint8)  # [group, kb, 16 * 4]
-    m = m.squeeze(-1).permute(0, 2, 1).contiguous().view(torch.uint8)
+    d = b[..., 0:2].permute(0, 2, 1, 3).reshape(ng, kb, 32)           # [group, kb, 16 fp16]
+    m = b[..., 2:4].permute(0, 2, 1, 3).reshape(ng, kb, 32)
     nib = b[..., 4:].reshape(ng, 16, kb, 4, 4).permute(0, 2, 3, 1, 4)   # [group, kb, j, col, i]
-    out = torch.cat([d, m, nib.reshape(ng, kb, 256)], dim=-1)          # [group, kb, 384]
+    out = torch.cat([d, m, nib.reshape(ng, kb, 256)], dim=-1)          # [group, kb, 320]
     return out.reshape(n, kb * Q4Q8_BLOCK_BYTES).contiguous()
 
 

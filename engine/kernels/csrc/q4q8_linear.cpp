@@ -26,9 +26,12 @@
 // an AVX2 host and an AVX512-VNNI host give the same bits (bf16 rounding: vcvtneps2bf16 there,
 // c10::BFloat16's round-to-nearest-even here, which differ only on fp32 subnormals and NaN).
 //
-// Layout (`engine.model.quant.q4q8_pack`), 384 bytes per 16 output columns x 32 k:
+// Layout (`engine.model.quant.q4q8_pack`), 320 bytes per 16 output columns x 32 k:
 //
-//   [N/16 groups][K/32 blocks]{ d[16] fp32, m[16] fp32, nib[4 j][16 columns c][4 bytes i] }
+//   [N/16 groups][K/32 blocks]{ d[16] fp16, m[16] fp16, nib[4 j][16 columns c][4 bytes i] }
+//
+// d and m stay the file's fp16 (widened exactly by vcvtph2ps where a block is used): at one row
+// the product waits on reading these bytes, and fp32 copies made them 384.
 //
 // where byte i of (j, c) holds q[c][k = 4j + i] in its low nibble and q[c][k = 16 + 4j + i] in
 // its high one (which is byte 4j + i of the GGUF block's nibbles). vpdpbusd multiplies each of
@@ -51,7 +54,7 @@
 #if defined(__AVX512VNNI__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define GENSERVE_Q4Q8_LINEAR 1
 #define GENSERVE_Q4Q8_AVX512 1
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define GENSERVE_Q4Q8_LINEAR 1
 #define GENSERVE_Q4Q8_AVX2 1
 #endif
@@ -68,7 +71,7 @@ namespace {
 constexpr int64_t QK = 32;                       // weights per Q4_1 block (along k)
 constexpr int64_t GROUP_N = 16;                  // output columns per packed group
 constexpr int64_t PANEL_N = 32;                  // columns per parallel panel (2 groups)
-constexpr int64_t GROUP_BYTES = 64 + 64 + 256;   // d[16] f32, m[16] f32, 4 x 64 nibble bytes
+constexpr int64_t GROUP_BYTES = 32 + 32 + 256;   // d[16] f16, m[16] f16, 4 x 64 nibble bytes
 constexpr int64_t Q8_GROUP_BYTES = 64 + 512;     // Q8_0 weights: d[16] f32, 8 x 64 int8 bytes
 constexpr int64_t Q8_GROUP_BYTES_PER_COLUMN = Q8_GROUP_BYTES / GROUP_N;   // 36
 constexpr int64_t PREFETCH_BLOCKS = 4;           // how far ahead a panel's first row tile prefetches
@@ -138,7 +141,7 @@ void panel_rows(const int8_t* X, const float* XS, const float* XSUM, const uint8
     for (int g = 0; g < G; ++g) blk[g] = panel + (g * kb_count + b) * GROUP_BYTES;
     if (r0 == 0) {
       // The first row tile reads the panel from memory (later ones find it in cache): ask for
-      // the block PREFETCH_BLOCKS ahead of each group's stream now, 6 cache lines each.
+      // the block PREFETCH_BLOCKS ahead of each group's stream now, 5 cache lines each.
       for (int g = 0; g < G; ++g)
         for (int line = 0; line < GROUP_BYTES / 64; ++line)
           _mm_prefetch(reinterpret_cast<const char*>(blk[g] + PREFETCH_BLOCKS * GROUP_BYTES + 64 * line),
@@ -147,7 +150,7 @@ void panel_rows(const int8_t* X, const float* XS, const float* XSUM, const uint8
     for (int j = 0; j < 4; ++j) {
       __m512i wl[G], wh[G];
       for (int g = 0; g < G; ++g) {
-        const __m512i v = _mm512_loadu_si512(blk[g] + 128 + 64 * j);
+        const __m512i v = _mm512_loadu_si512(blk[g] + 64 + 64 * j);
         wl[g] = _mm512_and_si512(v, low);
         wh[g] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
       }
@@ -164,8 +167,8 @@ void panel_rows(const int8_t* X, const float* XS, const float* XSUM, const uint8
     }
     __m512 dv[G], mv[G];
     for (int g = 0; g < G; ++g) {
-      dv[g] = _mm512_loadu_ps(reinterpret_cast<const float*>(blk[g]));
-      mv[g] = _mm512_loadu_ps(reinterpret_cast<const float*>(blk[g] + 64));
+      dv[g] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[g])));
+      mv[g] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[g] + 32)));
     }
     for (int r = 0; r < R; ++r) {
       if (r >= rows) break;
@@ -251,7 +254,7 @@ void group_rows(const int8_t* X, const float* XS, const float* XSUM, const uint8
     for (int j = 0; j < 4; ++j) {
       __m256i wl[2], wh[2];
       for (int h = 0; h < 2; ++h) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 64 * j + 32 * h));
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 + 64 * j + 32 * h));
         wl[h] = _mm256_and_si256(v, low);
         wh[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
       }
@@ -274,8 +277,8 @@ void group_rows(const int8_t* X, const float* XS, const float* XSUM, const uint8
       const __m256 sm = _mm256_set1_ps(XSUM[(r0 + r) * kb_count + b]);
       for (int h = 0; h < 2; ++h) {
         const __m256 isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(iacc[r][h], ones));
-        const __m256 d = _mm256_loadu_ps(reinterpret_cast<const float*>(blk) + 8 * h);
-        const __m256 m = _mm256_loadu_ps(reinterpret_cast<const float*>(blk + 64) + 8 * h);
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * h)));
+        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 + 16 * h)));
         __m256 a = _mm256_fmadd_ps(_mm256_mul_ps(isum, s), d, _mm256_load_ps(acc[r] + 8 * h));
         _mm256_store_ps(acc[r] + 8 * h, _mm256_fmadd_ps(m, sm, a));
       }
@@ -467,7 +470,7 @@ void check_operands(const char* op, const at::Tensor& x, const at::Tensor& packe
               packed.size(1) / col_bytes * QK);
 #ifndef GENSERVE_Q4Q8_LINEAR
   TORCH_CHECK(false, op, ": this build of genserve's kernels has no int8 product (it needs a "
-              "compiler targeting AVX512-VNNI, AVX512-BF16 and AVX512BW, or AVX2 and FMA; "
+              "compiler targeting AVX512-VNNI, AVX512-BF16 and AVX512BW, or AVX2, FMA and F16C; "
               "engine.kernels.q4q8_linear_available() is False here)");
 #endif
 }
@@ -517,7 +520,7 @@ at::Tensor rounded_rows_times(const at::Tensor& x, const at::Tensor& packed, int
 
 }  // namespace
 
-// x: bf16 [M, K] contiguous, K % 32 == 0; packed: uint8 [N, K / 32 * 24] contiguous, W's Q4_1
+// x: bf16 [M, K] contiguous, K % 32 == 0; packed: uint8 [N, K / 32 * 20] contiguous, W's Q4_1
 // blocks in the layout above (`engine.model.quant.q4q8_pack`); n: N, a multiple of 32. Returns
 // bf16 [M, N]. Raises (RuntimeError) on another dtype or shape, and on a build whose compiler
 // targeted neither AVX512-VNNI with AVX512-BF16 and AVX512BW nor AVX2 with FMA
