@@ -27,6 +27,12 @@ rate (open loop: a slow server does not slow the arrivals), not from a fixed num
 * Goodput of a run = requests that met the SLO / its duration (first arrival to the last request's
   end), as vLLM's `benchmark_serving --goodput` counts it. A server's figure is its best goodput over
   the rates; the ratio compares the two best.
+* Capacity, the design's own capacity number: the highest rate at which ≥ 95 % of requests meet
+  the SLO (`CAPACITY_ATTAINMENT`), every lower rate of the run meeting it too, so one lucky rate
+  above a failing one does not count. It is a rate offered, read off the grid of `--rates`, so it
+  is as fine as that grid. Met / duration runs below it at any rate: the duration also holds the
+  last request's own answer (128 tokens at the server's TPOT), which weighs more the fewer
+  requests a rate has and the slower the server's TPOT.
 
 genserve runs as `make serve` starts it (`genserve serve`, Envoy in front, default flags, plus
 `--serve-args`); the peer as `benchmarks.peer` starts it. Writes results.json, summary.md and
@@ -57,6 +63,7 @@ from benchmarks.peer import GENSERVE, PEERS, SseReader, asks_usage, prompt_texts
 from benchmarks.vllm_peer import VLLM
 
 WARMUP_STREAMS, WARMUP_TOKENS, WARMUP_PROMPT = 4, 16, 64     # small: within any queue budget
+CAPACITY_ATTAINMENT = 0.95    # the design's capacity: the highest rate at which 95 % meet both targets
 REQUEST_TIMEOUT_S = 600.0
 DRAIN_TIMEOUT_S = 300.0
 
@@ -199,13 +206,29 @@ def summarize_rate(outcomes: Sequence[Outcome], items: Sequence[Arrival], tokens
             "first_error": next((o.error for o in outcomes if o.error), "")}
 
 
+def capacity(rows: dict[float, dict]) -> float:
+    """The design's capacity number for one server: the highest rate (req/s) of `rows` (rate →
+    `summarize_rate` row) at which ≥ `CAPACITY_ATTAINMENT` of requests met the SLO, every lower rate
+    meeting it too; 0.0 where the lowest rate already missed it."""
+    found = 0.0
+    for rate in sorted(rows, key=float):
+        if rows[rate]["attainment"] < CAPACITY_ATTAINMENT:
+            break
+        found = float(rate)
+    return found
+
+
 def compare(table: dict[str, dict[float, dict]], peer: str, ours: str = GENSERVE) -> dict:
-    """Best goodput of `ours` and of `peer` over the rates, their ratio, and the rates where both
-    kept ≥ 95 % of requests within the SLO with `ours`' TTFT p95 against the peer's there."""
+    """Best goodput of `ours` and of `peer` over the rates and their ratio; each one's capacity
+    (`capacity`) and that ratio; and the rates where both kept ≥ 95 % of requests within the SLO
+    with `ours`' TTFT p95 against the peer's there."""
     best = {s: max((row["goodput"] for row in table[s].values()), default=0.0) for s in (ours, peer)}
+    cap = {s: capacity(table[s]) for s in (ours, peer)}
     both = [r for r in sorted(table[ours]) if r in table[peer]
-            and table[ours][r]["attainment"] >= 0.95 and table[peer][r]["attainment"] >= 0.95]
+            and table[ours][r]["attainment"] >= CAPACITY_ATTAINMENT
+            and table[peer][r]["attainment"] >= CAPACITY_ATTAINMENT]
     return {"best": best, "ratio": best[ours] / best[peer] if best[peer] else None,
+            "capacity": cap, "capacity_ratio": cap[ours] / cap[peer] if cap[peer] else None,
             "ttft_p95_where_both_serve": {r: (table[ours][r]["ttft_ms_p95"], table[peer][r]["ttft_ms_p95"])
                                           for r in both}}
 
@@ -261,6 +284,11 @@ def markdown(report: dict) -> str:
             lines += [f"- Best goodput: {label} {cmp_['best'][label]:.2f} req/s, {peer} {cmp_['best'][peer]:.2f} "
                       f"req/s: **{_f(cmp_['ratio'], 2)}×**. TTFT p95 (ms) where both keep ≥ 95 % within the "
                       f"SLO: {both or 'no such rate'}."]
+            if "capacity" in cmp_:      # pages saved before the capacity figure existed lack it
+                cap = cmp_["capacity"]
+                lines += [f"- Capacity (the highest rate at which ≥ 95 % of requests meet the SLO, every "
+                          f"lower rate too): {label} {cap[label]:g} req/s, {peer} {cap[peer]:g} req/s"
+                          + (f": **{_f(cmp_['capacity_ratio'], 2)}×**." if cmp_["capacity_ratio"] else ".")]
         lines.append("")
     lines += ["![goodput, TTFT p95 and TPOT p95 against rate](goodput.png)", ""]
     return "\n".join(lines)
@@ -318,7 +346,28 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--llama-server", type=pathlib.Path, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=pathlib.Path, default=None, help="folder for results.json, summary.md, goodput.png")
+    p.add_argument("--render", type=pathlib.Path, default=None, metavar="DIR",
+                   help="run nothing: rewrite DIR's summary.md and goodput.png from its results.json (the "
+                        "comparisons recomputed from its tables)")
     return p
+
+
+def render(folder: pathlib.Path) -> None:
+    """Rewrite `folder`'s summary.md and goodput.png from its results.json, each mix's comparisons
+    recomputed from the saved tables (so a page saved before a figure existed gains it).
+
+    Raises:
+        FileNotFoundError: no results.json in `folder`.
+    """
+    report = json.loads((folder / "results.json").read_text())
+    peer = report["meta"]["peer"]
+    for mix in report["mixes"].values():
+        mix["compare"] = {label: compare(mix["table"], peer, label)
+                          for label in report["meta"].get("variants", [GENSERVE])}
+    report = json.loads(json.dumps(report))
+    (folder / "results.json").write_text(json.dumps(report, indent=2) + "\n")
+    (folder / "summary.md").write_text(markdown(report))
+    plot(report, folder / "goodput.png")
 
 
 def mixes_of(p: argparse.ArgumentParser, opts: argparse.Namespace) -> list[Mix]:
@@ -345,6 +394,11 @@ def mixes_of(p: argparse.ArgumentParser, opts: argparse.Namespace) -> list[Mix]:
 def main(argv: list[str] | None = None) -> int:
     p = parser()
     opts = p.parse_args(argv)
+    if opts.render is not None:
+        if not (opts.render / "results.json").is_file():
+            p.error(f"--render needs a folder with results.json, got {str(opts.render)!r}")
+        render(opts.render)
+        return 0
     mixes = mixes_of(p, opts)
     # benchmarks.peer's options and checks: prompt / tokens / rounds / streams only size llama.cpp's slots.
     peer_opts = argparse.Namespace(**vars(opts), rounds=1, tokens=max(m.output_tokens for m in mixes),

@@ -77,9 +77,17 @@ def test_compare_takes_each_servers_best_rate_and_the_rates_both_serve():
     assert c["best"] == {GENSERVE: 2.4, VLLM: 1.6}
     assert c["ratio"] == pytest.approx(1.5)
     assert c["ttft_p95_where_both_serve"] == {1.0: (300, 250)}
+    assert c["capacity"] == {GENSERVE: 2.0, VLLM: 1.0} and c["capacity_ratio"] == pytest.approx(2.0)
     table["genserve --gap-target-ms 200"] = {1.0: row(1.0, 1.0, 200), 2.0: row(3.2, 0.99, 400)}
     c2 = compare(table, VLLM, "genserve --gap-target-ms 200")
     assert c2["ratio"] == pytest.approx(2.0) and c2["ttft_p95_where_both_serve"] == {1.0: (200, 250)}
+
+
+def test_capacity_is_the_highest_rate_within_the_slo_with_every_lower_one():
+    row = lambda a: {"attainment": a}   # noqa: E731
+    assert goodput.capacity({1.0: row(1.0), 1.5: row(0.96), 2.0: row(0.94), 2.5: row(1.0)}) == 1.5
+    assert goodput.capacity({"2": row(0.95), "1": row(1.0), "3": row(0.5)}) == 2.0   # JSON keys
+    assert goodput.capacity({1.0: row(0.9), 2.0: row(1.0)}) == 0.0
 
 
 def test_page_from_the_saved_json():
@@ -99,6 +107,7 @@ def test_page_from_the_saved_json():
     assert "| 2 | vllm | 0.50 | 1/1 |" in page
     assert "genserve 1.00 req/s, vllm 0.50 req/s: **2.00×**" in page
     assert "where both keep ≥ 95 % within the SLO: 2 req/s 200 vs 300." in page
+    assert "every lower rate too): genserve 2 req/s, vllm 2 req/s: **1.00×**." in page
 
 
 def test_variant_labels():
