@@ -38,6 +38,9 @@
   and FMA, `fma_linear_available()`.
 * `engine/kernels/csrc/decode_layers.cpp`: all blocks of a pure-decode step in one call
   (`torch.ops.genserve.decode_layers`), the same ops in the same order as the Python loop.
+* `engine/kernels/csrc/greedy.cpp`: greedy sampling's argmax (`torch.ops.genserve.argmax_rows`):
+  per row of fp32 logits the first index of its maximum (NaN counting as the maximum), the indices
+  `torch.max(x, dim=-1)` gives, in two vectorized passes instead of a scalar loop.
 
 Built with `torch.utils.cpp_extension.load` (g++ and ninja; once per CPU kind and kernel source,
 then cached under torch's extension directory, ~/.cache/torch_extensions). Where they cannot be
@@ -74,9 +77,10 @@ log = logging.getLogger(__name__)
 SOURCES = [pathlib.Path(__file__).with_name("csrc") / name
            for name in ("decode_attention.cpp", "prefill_attention.cpp", "layer_ops.cpp",
                         "packed_linear.cpp", "q4_linear.cpp", "amx_linear.cpp",
-                        "int8_linear.cpp", "q4q8_linear.cpp", "fma_linear.cpp", "decode_layers.cpp")]
+                        "int8_linear.cpp", "q4q8_linear.cpp", "fma_linear.cpp", "decode_layers.cpp",
+                         "greedy.cpp")]
 OPS = ("paged_decode", "rms_norm", "add_rms_norm_", "rope_store_kv", "silu_mul", "int8_linear",
-       "decode_layers")
+       "decode_layers", "argmax_rows")
 AVX512_BF16_OPS = ("packed_linear", "q4_linear")     # built only where the CPU has AVX512-BF16
 PREFILL_OPS = ("paged_prefill",)   # built where the compiler targets AVX512-BF16, or AVX2 and FMA
 AMX_OPS = ("q4_amx_linear", "q8_amx_linear")   # built only where the compiler targets AMX-BF16

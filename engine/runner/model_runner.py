@@ -184,5 +184,5 @@ class ModelRunner:
             tokens, logprobs, top = sample(processed, params,
                                            [request_generator(r, self.device) for r in requests],
                                            raw_logits=logits if processed is not logits else None,
-                                           split=(greedy_index, drawn_index))
+                                           split=(greedy_index, drawn_index), kernel=self.kernels)
         return SampledTokens(tokens, logprobs, top, time.perf_counter() - t0, prompt)

@@ -32,9 +32,26 @@ def greedy_split(params: Sequence[SamplingParams]) -> tuple[list[int], list[int]
     return greedy, [row for row, p in enumerate(params) if p.temperature != 0.0]
 
 
+def greedy_ids(logits: torch.Tensor, kernel: bool = False) -> torch.Tensor:
+    """Each row's greedy token: the first index of its maximum, NaN counting as the maximum.
+
+    Args:
+        logits: fp32 [R, vocab].
+        kernel: run genserve's CPU kernel (`torch.ops.genserve.argmax_rows`, engine/kernels/csrc/
+            greedy.cpp; only once `engine.kernels.available()` returned True); else `torch.max`.
+    Returns:
+        int64 [R] on the logits' device; both ways give the same indices.
+    """
+    if kernel and logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return torch.ops.genserve.argmax_rows(logits.contiguous())
+    # torch.max's indices are argmax's (the first maximum; NaN counts as the maximum) in
+    # 0.4-0.7x the time on CPU, whose argmax over the last dimension is a scalar loop.
+    return torch.max(logits, dim=-1).indices
+
+
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
            generators: Sequence[torch.Generator], raw_logits: torch.Tensor | None = None,
-           split: tuple[torch.Tensor, torch.Tensor] | None = None
+           split: tuple[torch.Tensor, torch.Tensor] | None = None, kernel: bool = False
            ) -> tuple[list[int], list[float | None], list[list[tuple[int, float]]]]:
     """Draw one token per row.
 
@@ -52,6 +69,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
         split: `greedy_split(params)` as two int64 tensors on the logits' device (the caller's
             upload); None: the rows are selected with host lists, which on a GPU copies each
             list to the device first.
+        kernel: greedy rows' argmax on genserve's CPU kernel (`greedy_ids`).
     Returns:
         (next_token [R] ints, logprob [R] floats or None, top [R] lists of (token id, logprob)).
         The logprobs are under the model's raw distribution, log_softmax(raw_logits), before
@@ -76,9 +94,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     ids: list[torch.Tensor] = []           # int64 on the device: greedy rows' ids, then drawn rows'
     if greedy:
         sub = logits if len(greedy) == len(params) else _select(logits, greedy, greedy_index)
-        # torch.max's indices are argmax's (the first maximum; NaN counts as the maximum) in
-        # 0.4x the time on CPU, whose argmax over the last dimension is a scalar loop.
-        ids.append(torch.max(sub, dim=-1).indices)
+        ids.append(greedy_ids(sub, kernel))
     if rows:
         ids.append(_draw(logits, params, generators, rows, drawn_index))
     if ids:

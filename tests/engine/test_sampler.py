@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
+from engine import kernels as genserve_kernels
 from engine.core.request import SamplingParams
-from engine.runner.sampler import keep_top_p_, make_generator, sample
+from engine.runner.sampler import greedy_ids, keep_top_p_, make_generator, sample
 
 
 def draws(logits: torch.Tensor, p: SamplingParams, n: int, seed: int = 0) -> torch.Tensor:
@@ -50,16 +52,27 @@ def test_a_rows_draw_does_not_depend_on_the_other_rows():
     assert together[1] == int(logits[1].argmax())
 
 
-def test_greedy_rows_pick_argmax_first_maximum_even_with_ties_nan_and_inf():
-    """Greedy is torch.argmax's choice: the first of tied maxima, the first NaN, the first +inf."""
-    logits = torch.randn(5, 49152)
+@pytest.mark.parametrize("kernel", [False, True], ids=["torch", "kernel"])
+def test_greedy_rows_pick_argmax_first_maximum_even_with_ties_nan_and_inf(kernel):
+    """Greedy is torch.argmax's choice: the first of tied maxima, the first NaN, the first +inf,
+    on torch's path and on genserve's kernel (`argmax_rows`) alike."""
+    if kernel and not genserve_kernels.available():
+        pytest.skip("genserve's CPU kernels did not build here")
+    logits = torch.randn(7, 49152)
     logits[0, [70, 9000, 40000]] = 50.0
     logits[1, [123, 456]] = float("nan")
     logits[2, [8, 30000]] = float("inf")
     logits[3] = logits[3].round()             # many ties at the maximum
-    tokens = sample(logits, [SamplingParams(temperature=0.0)] * 5, [make_generator(i) for i in range(5)])[0]
+    logits[4] = float("-inf")                 # nothing allowed (a grammar mask gone wrong): index 0
+    logits[5, 49151] = 99.0                   # the last index
+    logits[6, [0, 17]] = float("nan")         # NaN at the first index
+    tokens = sample(logits, [SamplingParams(temperature=0.0)] * 7, [make_generator(i) for i in range(7)],
+                    kernel=kernel)[0]
     assert tokens == torch.argmax(logits, dim=-1).tolist()
-    assert tokens[:3] == [70, 123, 8]
+    assert tokens == [70, 123, 8, tokens[3], 0, 49151, 0]
+    assert logits[3, tokens[3]] == logits[3].max() and (logits[3, :tokens[3]] < logits[3].max()).all()
+    assert greedy_ids(logits[5:6], kernel).tolist() == [49151]          # one row
+    assert greedy_ids(logits[:0], kernel).shape == (0,)                 # no rows
 
 
 def test_logprobs_only_for_rows_that_ask_and_they_are_log_softmax():
@@ -124,3 +137,14 @@ def test_top_k_rows_with_different_k_in_one_step():
         assert tokens[0] == int(logits[0].argmax())
         assert tokens[1] in logits[1].topk(5).indices.tolist()
         assert tokens[2] in logits[2].topk(5).indices.tolist()
+
+
+def test_argmax_kernel_refuses_what_it_cannot_read():
+    if not genserve_kernels.available():
+        pytest.skip("genserve's CPU kernels did not build here")
+    with pytest.raises(RuntimeError, match="contiguous fp32"):
+        torch.ops.genserve.argmax_rows(torch.zeros(2, 8, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="contiguous fp32"):
+        torch.ops.genserve.argmax_rows(torch.zeros(8, 2).t())
+    with pytest.raises(RuntimeError, match="V must be positive"):
+        torch.ops.genserve.argmax_rows(torch.zeros(2, 0))
