@@ -8,12 +8,50 @@ piece is computed alone, whatever else is in the step.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
 from engine.attention import paged_sdpa
 from engine.attention.base import AttentionMetadata, StepLayout
+
+
+@dataclass(frozen=True)
+class PieceContexts:
+    """A step's prefill pieces grouped by the context they extend, for `paged_prefill_pieces`.
+
+    Attributes:
+        pieces: int64 [P, 4] on the device: per piece (its first row in the flat batch, its rows,
+            its first position, its context's row in `tables`), in flat-batch order.
+        tables: int64 [S, W]: each context's block table in position order, padded with block 0
+            to the longest (W blocks).
+    """
+
+    pieces: torch.Tensor
+    tables: torch.Tensor
+
+
+def piece_contexts(layout: StepLayout) -> tuple[list[int], list[int], int]:
+    """`PieceContexts`' integers from a layout: (pieces flat [P × 4], tables flat [S × W], W).
+
+    Consecutive pieces where each starts at the position the one before ends and holds its blocks
+    first (one request's prompt cut into pieces) share a context: the last one's blocks.
+    """
+    rows: list[list[int]] = []
+    pieces: list[int] = []
+    offset, prev_end, prev_blocks = 0, -1, None
+    for p in layout.pieces:
+        blocks = layout.piece_blocks[offset:offset + p.num_blocks]
+        offset += p.num_blocks
+        start = p.context_len - p.length
+        if not (rows and start == prev_end and blocks[:len(prev_blocks)] == prev_blocks):
+            rows.append([])
+        rows[-1] = blocks
+        pieces += [p.q_start, p.length, start, len(rows) - 1]
+        prev_end, prev_blocks = p.context_len, blocks
+    width = max((len(r) for r in rows), default=0)
+    return pieces, [b for r in rows for b in (*r, *[0] * (width - len(r)))], width
 
 
 class CpuBackend:
@@ -36,13 +74,20 @@ class CpuBackend:
         self.decode_masks = not kernels     # genserve's decode kernel reads the lengths
 
     def host_ints(self, layout: StepLayout) -> list[list[int]]:
-        """None beyond the common metadata."""
-        return []
+        """With the kernels and prefill pieces: `piece_contexts`' two lists; else none."""
+        if not (self.kernels and layout.pieces):
+            return []
+        pieces, tables, _ = piece_contexts(layout)
+        return [pieces, tables]
 
     def step_state(self, ints: Sequence[torch.Tensor], layout: StepLayout, num_blocks: int,
                    device: torch.device) -> Any:
-        """None."""
-        return None
+        """A `PieceContexts` over `host_ints`' tensors where it gave them (the kernels' one call
+        for every prefill piece of a layer, `paged_sdpa.attend`); else None."""
+        if not ints:
+            return None
+        _, _, width = piece_contexts(layout)
+        return PieceContexts(ints[0].view(-1, 4), ints[1].view(-1, max(width, 1)))
 
     def attend(self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """See `AttentionBackend.attend`: `paged_sdpa.attend`."""

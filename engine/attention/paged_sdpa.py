@@ -125,11 +125,20 @@ def attend(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
     """
     if not meta.pieces:
         return decode_attention(q, cache, meta, kernels)
+    kernel = kernels and q.dtype == torch.bfloat16 and q.shape[-1] == 64 \
+        and genserve_kernels.prefill_kernel_preferred()
+    contexts = getattr(meta.state, "tables", None) is not None
+    if kernel and contexts and not quantized(cache.dtype):
+        # every piece in one call (`engine.attention.cpu.PieceContexts`), each with the bits
+        # `paged_prefill` gives it alone; the decode rows' outputs are written over theirs
+        out = torch.ops.genserve.paged_prefill_pieces(q, cache[0], cache[1], meta.state.tables,
+                                                      meta.state.pieces, q.shape[-1] ** -0.5)
+        if meta.num_decode:
+            out[:meta.num_decode] = decode_attention(q[:meta.num_decode], cache, meta, kernels)
+        return out
     out = torch.empty_like(q)
     if meta.num_decode:
         out[:meta.num_decode] = decode_attention(q[:meta.num_decode], cache, meta, kernels)
-    kernel = kernels and q.dtype == torch.bfloat16 and q.shape[-1] == 64 \
-        and genserve_kernels.prefill_kernel_preferred()
     for s in meta.pieces:
         piece = q[s.q_start:s.q_end]
         piece_cache = cache

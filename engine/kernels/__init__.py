@@ -2,7 +2,8 @@
 
 * `engine/kernels/csrc/decode_attention.cpp`: paged decode attention, `torch.ops.genserve.paged_decode`.
 * `engine/kernels/csrc/prefill_attention.cpp`: causal prefill attention of one piece over its paged
-  context, `torch.ops.genserve.paged_prefill` (bf16, head_dim 64) — where the compiler targets
+  context, `torch.ops.genserve.paged_prefill` (bf16, head_dim 64), and of every piece of a step
+  in one call, `paged_prefill_pieces` (the same bits per piece) — where the compiler targets
   AVX512-BF16 (vdpbf16ps) or, without it, AVX2 and FMA (fp32 FMAs); `prefill_kernel_available()`
   says whether this build has it.
 * `engine/kernels/csrc/layer_ops.cpp`: the fused per-token steps of a block — `rms_norm`,
@@ -82,7 +83,7 @@ SOURCES = [pathlib.Path(__file__).with_name("csrc") / name
 OPS = ("paged_decode", "rms_norm", "add_rms_norm_", "rope_store_kv", "silu_mul", "int8_linear",
        "decode_layers", "argmax_rows")
 AVX512_BF16_OPS = ("packed_linear", "q4_linear")     # built only where the CPU has AVX512-BF16
-PREFILL_OPS = ("paged_prefill",)   # built where the compiler targets AVX512-BF16, or AVX2 and FMA
+PREFILL_OPS = ("paged_prefill", "paged_prefill_pieces")   # built where the compiler targets AVX512-BF16, or AVX2 and FMA
 AMX_OPS = ("q4_amx_linear", "q8_amx_linear")   # built only where the compiler targets AMX-BF16
 FMA_OPS = ("fma_linear",)      # built only where the compiler targets AVX2 and FMA
 # q4q8_linear and q8q8_linear are always registered, but raise unless the build targets

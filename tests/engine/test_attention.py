@@ -146,3 +146,55 @@ def test_prefill_pieces_run_the_kernel_only_where_it_is_preferred(monkeypatch, p
     sdpa = prefill_attention(q, cache, piece)
     assert not torch.equal(kernel, sdpa)          # the two paths round differently: the test can tell
     assert torch.equal(out, kernel if preferred else sdpa)
+
+
+def test_a_steps_prefill_pieces_in_one_call_have_each_pieces_bits_alone():
+    """`paged_prefill_pieces` (every piece of a step in one call, each context's values packed
+    once) gives every piece the bits `paged_prefill` gives it alone: decode rows first, then two
+    requests cut into consecutive pieces (which share a context) and a lone piece, tiles full
+    and not; the backend groups the contexts and runs it."""
+    from engine import kernels as genserve_kernels
+    from engine.attention.cpu import PieceContexts
+    if not genserve_kernels.prefill_kernel_preferred():
+        pytest.skip("paged_prefill runs only where built and no usable AMX is present")
+    g = torch.Generator().manual_seed(5)
+    cache = torch.randn(2, 120, BS, KVH, HD, generator=g).bfloat16()
+    blocks = torch.randperm(120, generator=g).tolist()
+    a, b, c, d = blocks[:20], blocks[20:40], blocks[40:60], blocks[60:64]
+    segments = [(40, 1, d, True), (17, 1, d[:2], True),                        # decode rows
+                (0, 64, a, False), (64, 64, a, False), (128, 37, a, False),    # one prompt's pieces
+                (192, 64, b, False), (256, 13, b, False),                      # a later part of another
+                (5, 50, c, False)]                                             # a piece alone
+    meta = step_metadata(segments, BS, torch.bfloat16, True)
+    assert isinstance(meta.state, PieceContexts)
+    assert meta.state.tables.shape[0] == 3                 # three contexts for the six pieces
+    assert meta.state.pieces[:, 3].tolist() == [0, 0, 0, 1, 1, 2]
+    q = torch.randn(sum(s[1] for s in segments), H, HD, generator=g).bfloat16()
+    out = meta.backend.attend(q, cache, meta)
+    for s in meta.pieces:
+        alone = torch.ops.genserve.paged_prefill(q[s.q_start:s.q_end].contiguous(), cache[0], cache[1],
+                                                 s.blocks, s.context_len - (s.q_end - s.q_start),
+                                                 HD ** -0.5)
+        assert torch.equal(out[s.q_start:s.q_end], alone), s.q_start
+    both = meta.backend.attend(q[:2], cache, step_metadata(segments[:2], BS, torch.bfloat16, True))
+    assert torch.equal(out[:2], both)                       # the decode rows as a decode-only step
+
+
+def test_prefill_pieces_op_names_its_bad_arguments():
+    from engine import kernels as genserve_kernels
+    if not genserve_kernels.prefill_kernel_available():
+        pytest.skip("paged_prefill is built only where the CPU has AVX512-BF16, or AVX2 and FMA")
+    op = torch.ops.genserve.paged_prefill_pieces
+    cache = torch.zeros(2, 4, BS, KVH, HD, dtype=torch.bfloat16)
+    q = torch.zeros(8, H, HD, dtype=torch.bfloat16)
+    tables = torch.tensor([[0, 1]])
+    with pytest.raises(RuntimeError, match=r"rows \[4, 12\) outside q's 8"):
+        op(q, cache[0], cache[1], tables, torch.tensor([[4, 8, 0, 0]]), 0.125)
+    with pytest.raises(RuntimeError, match="cannot hold 40 tokens"):
+        op(q, cache[0], cache[1], tables, torch.tensor([[0, 8, 32, 0]]), 0.125)
+    with pytest.raises(RuntimeError, match="block 9 outside the pool"):
+        op(q, cache[0], cache[1], torch.tensor([[0, 9]]), torch.tensor([[0, 8, 16, 0]]), 0.125)
+    with pytest.raises(RuntimeError, match="context 1 out of range"):
+        op(q, cache[0], cache[1], tables, torch.tensor([[0, 8, 0, 1]]), 0.125)
+    with pytest.raises(RuntimeError, match=r"int64 \[P, 4\]"):
+        op(q, cache[0], cache[1], tables, torch.tensor([[0, 8, 0]]), 0.125)

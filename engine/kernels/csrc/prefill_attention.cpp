@@ -53,6 +53,7 @@
 #if defined(GENSERVE_PREFILL_AVX512) || defined(GENSERVE_PREFILL_AVX2)
 
 #include <algorithm>
+#include <type_traits>
 #include <cfloat>
 #include <cstdint>
 #include <cstring>
@@ -222,6 +223,90 @@ void run(const Piece& pc) {
   });
 }
 
+// Items [b, e) of a context's V packing (item = KV head · len_pad / 2 + pair): pairs of
+// consecutive keys' values, [kv_heads, len_pad / 2, D] at vp, zeros past the `len` keys of the
+// block table `tb`.
+void pack_values(const at::Tensor& v_pool, const int64_t* tb, int64_t len, int64_t len_pad,
+                 uint32_t* vp, int64_t b, int64_t e) {
+  const int64_t kv_heads = v_pool.size(2), block = v_pool.size(1);
+  const uint16_t* vsrc = reinterpret_cast<const uint16_t*>(v_pool.data_ptr<c10::BFloat16>());
+  for (int64_t item = b; item < e; ++item) {
+    const int64_t h = item / (len_pad / 2), jp = item % (len_pad / 2);
+    uint32_t* dst = vp + item * D;
+    const uint16_t* row[2] = {nullptr, nullptr};
+    for (int i = 0; i < 2; ++i) {
+      const int64_t j = 2 * jp + i;
+      if (j < len) row[i] = vsrc + ((tb[j / block] * block + j % block) * kv_heads + h) * D;
+    }
+    for (int d = 0; d < D; ++d)
+      dst[d] = (row[0] ? row[0][d] : 0u) | (static_cast<uint32_t>(row[1] ? row[1][d] : 0u) << 16);
+  }
+}
+
+// Every prefill piece of a step in one call (`paged_prefill_pieces` below): each context's V
+// packed once for all its pieces, then one parallel loop over every piece's (KV head, tile)
+// items. A piece's tiles read the keys and values of their own context only (keys past a row's
+// position get probability 0, and a probability-0 pair slot adds 0 · v, the same as the zero a
+// context of the piece's own length would hold there, for any finite v), so each piece has the
+// bits `prefill` gives it alone.
+at::Tensor prefill_pieces(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                          const at::Tensor& tables, const at::Tensor& pieces, double scale) {
+  const int64_t kv_heads = k_pool.size(2), block = k_pool.size(1), heads = q.size(1);
+  const int64_t seqs = tables.size(0), width = tables.size(1), n = pieces.size(0);
+  const int64_t* tb = tables.data_ptr<int64_t>();
+  const int64_t* pc4 = pieces.data_ptr<int64_t>();      // [n, 4]: q offset, length, start, context
+  std::vector<int64_t> len(seqs, 0), pad(seqs), base(seqs + 1, 0);
+  for (int64_t i = 0; i < n; ++i)
+    len[pc4[4 * i + 3]] = std::max(len[pc4[4 * i + 3]], pc4[4 * i + 2] + pc4[4 * i + 1]);
+  for (int64_t c = 0; c < seqs; ++c) {
+    pad[c] = (len[c] + KB - 1) / KB * KB;
+    base[c + 1] = base[c] + kv_heads * (pad[c] / 2) * D;
+  }
+  at::Tensor vpk = at::empty({std::max<int64_t>(base[seqs], 1)}, q.options().dtype(at::kInt));
+  uint32_t* vp = reinterpret_cast<uint32_t*>(vpk.data_ptr<int32_t>());
+  at::parallel_for(0, seqs, 1, [&](int64_t b, int64_t e) {
+    for (int64_t c = b; c < e; ++c)
+      pack_values(v_pool, tb + c * width, len[c], pad[c], vp + base[c], 0, kv_heads * (pad[c] / 2));
+  });
+  at::Tensor out = at::empty_like(q);
+  std::vector<Piece> pcs;
+  struct Item { int64_t piece, head, t0, keys; };
+  std::vector<Item> items;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t off = pc4[4 * i], q_len = pc4[4 * i + 1], start = pc4[4 * i + 2], c = pc4[4 * i + 3];
+    pcs.push_back(Piece{reinterpret_cast<const uint32_t*>(q.data_ptr<c10::BFloat16>()) + off * heads * P,
+                        k_pool.data_ptr<c10::BFloat16>(), vp + base[c], tb + c * width,
+                        out.data_ptr<c10::BFloat16>() + off * heads * D, q_len, start, heads,
+                        kv_heads, block, pad[c], static_cast<float>(scale)});
+    for (int64_t t0 = 0; t0 < q_len; t0 += TQ)
+      for (int64_t h = 0; h < kv_heads; ++h)
+        items.push_back(Item{i, h, t0, start + std::min(t0 + TQ, q_len)});
+  }
+  // Largest first, then alternately from each end (`balanced_tile_order` across pieces), so the
+  // contiguous ranges at::parallel_for hands the threads carry about equal work.
+  std::stable_sort(items.begin(), items.end(),
+                   [](const Item& a, const Item& b) { return a.keys > b.keys; });
+  std::vector<int64_t> order = balanced_tile_order(static_cast<int64_t>(items.size()));
+  const auto go = [&](auto g) {
+    constexpr int G = decltype(g)::value;
+    at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t b, int64_t e) {
+      for (int64_t k = b; k < e; ++k) {
+        const Item& it = items[order[k]];
+        tile<G>(pcs[it.piece], it.head, it.t0);
+      }
+    });
+  };
+  switch (heads / kv_heads) {
+    case 1: go(std::integral_constant<int, 1>{}); break;
+    case 2: go(std::integral_constant<int, 2>{}); break;
+    case 3: go(std::integral_constant<int, 3>{}); break;
+    case 4: go(std::integral_constant<int, 4>{}); break;
+    case 8: go(std::integral_constant<int, 8>{}); break;
+    default: TORCH_CHECK(false, "query heads per KV head must be 1, 2, 3, 4 or 8");
+  }
+  return out;
+}
+
 at::Tensor prefill(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                    const int64_t* tb, int64_t start, double scale) {
   const int64_t q_len = q.size(0), kv_heads = k_pool.size(2), block = k_pool.size(1);
@@ -229,19 +314,8 @@ at::Tensor prefill(const at::Tensor& q, const at::Tensor& k_pool, const at::Tens
   // V as pairs of consecutive keys, [kv_heads, len_pad / 2, D] (zeros past the context).
   at::Tensor vpk = at::empty({kv_heads, len_pad / 2, D}, q.options().dtype(at::kInt));
   uint32_t* vp = reinterpret_cast<uint32_t*>(vpk.data_ptr<int32_t>());
-  const uint16_t* vsrc = reinterpret_cast<const uint16_t*>(v_pool.data_ptr<c10::BFloat16>());
   at::parallel_for(0, kv_heads * (len_pad / 2), 64, [&](int64_t b, int64_t e) {
-    for (int64_t item = b; item < e; ++item) {
-      const int64_t h = item / (len_pad / 2), jp = item % (len_pad / 2);
-      uint32_t* dst = vp + item * D;
-      const uint16_t* row[2] = {nullptr, nullptr};
-      for (int i = 0; i < 2; ++i) {
-        const int64_t j = 2 * jp + i;
-        if (j < len) row[i] = vsrc + ((tb[j / block] * block + j % block) * kv_heads + h) * D;
-      }
-      for (int d = 0; d < D; ++d)
-        dst[d] = (row[0] ? row[0][d] : 0u) | (static_cast<uint32_t>(row[1] ? row[1][d] : 0u) << 16);
-    }
+    pack_values(v_pool, tb, len, len_pad, vp, b, e);
   });
   at::Tensor out = at::empty_like(q);
   const Piece pc{reinterpret_cast<const uint32_t*>(q.data_ptr<c10::BFloat16>()),
@@ -445,6 +519,23 @@ at::Tensor prefill(const at::Tensor& q, const at::Tensor& k_pool, const at::Tens
   return out;
 }
 
+
+// Every prefill piece of a step in one call: `prefill` per piece, in order, into one output
+// (this build widens each piece's context to fp32 anyway, so there is no packing to share).
+at::Tensor prefill_pieces(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                          const at::Tensor& tables, const at::Tensor& pieces, double scale) {
+  const int64_t* pc4 = pieces.data_ptr<int64_t>();
+  const int64_t width = tables.size(1);
+  at::Tensor out = at::empty_like(q);
+  for (int64_t i = 0; i < pieces.size(0); ++i) {
+    const int64_t off = pc4[4 * i], q_len = pc4[4 * i + 1];
+    out.narrow(0, off, q_len).copy_(prefill(q.narrow(0, off, q_len), k_pool, v_pool,
+                                            tables.data_ptr<int64_t>() + pc4[4 * i + 3] * width,
+                                            pc4[4 * i + 2], scale));
+  }
+  return out;
+}
+
 #endif  // GENSERVE_PREFILL_AVX512 / GENSERVE_PREFILL_AVX2
 
 // The op: arguments checked once for both builds, then `prefill` of the build the compiler targets.
@@ -470,13 +561,59 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_pool, const at
   return prefill(q, k_pool, v_pool, tb, start, scale);
 }
 
+// Every prefill piece of a step in one call, each with the bits `paged_prefill` gives it alone.
+// q [T, H, D] bf16 (the pieces' rows), pools as `paged_prefill`'s; tables int64 [S, W]: the
+// block tables of the step's S contexts (requests), block ids in position order, padded;
+// pieces int64 [P, 4]: per piece (its first row in q, its rows, its first position, its
+// context's row in `tables`). Returns [T, H, D] bf16; rows no piece covers are left
+// uninitialized. Raises (RuntimeError) naming the bad argument.
+at::Tensor paged_prefill_pieces(const at::Tensor& q, const at::Tensor& k_pool,
+                                const at::Tensor& v_pool, const at::Tensor& tables,
+                                const at::Tensor& pieces, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 4 && v_pool.sizes() == k_pool.sizes(),
+              "q [T, H, D], pools [blocks, block, kv_heads, D]");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_pool.scalar_type() == at::kBFloat16 &&
+                  v_pool.scalar_type() == at::kBFloat16, "bf16 only");
+  TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous(),
+              "contiguous q and pools");
+  TORCH_CHECK(q.size(2) == D && k_pool.size(3) == D && q.size(1) % k_pool.size(2) == 0,
+              "head_dim 64 and whole GQA groups");
+  TORCH_CHECK(tables.dim() == 2 && tables.is_contiguous() && tables.scalar_type() == at::kLong,
+              "tables must be a contiguous int64 [S, W] tensor");
+  TORCH_CHECK(pieces.dim() == 2 && pieces.size(1) == 4 && pieces.is_contiguous() &&
+                  pieces.scalar_type() == at::kLong,
+              "pieces must be a contiguous int64 [P, 4] tensor");
+  const int64_t block = k_pool.size(1), width = tables.size(1);
+  const int64_t* pc4 = pieces.data_ptr<int64_t>();
+  const int64_t* tb = tables.data_ptr<int64_t>();
+  for (int64_t i = 0; i < pieces.size(0); ++i) {
+    const int64_t off = pc4[4 * i], q_len = pc4[4 * i + 1], start = pc4[4 * i + 2],
+                  c = pc4[4 * i + 3], len = start + q_len;
+    TORCH_CHECK(q_len > 0 && off >= 0 && off + q_len <= q.size(0), "piece ", i, ": rows [", off,
+                ", ", off + q_len, ") outside q's ", q.size(0));
+    TORCH_CHECK(start >= 0 && c >= 0 && c < tables.size(0), "piece ", i, ": start ", start,
+                " or context ", c, " out of range");
+    TORCH_CHECK(width * block >= len, "piece ", i, ": block table of ", width, " blocks cannot hold ",
+                len, " tokens");
+    for (int64_t b = 0; b < (len + block - 1) / block; ++b)
+      TORCH_CHECK(tb[c * width + b] >= 0 && tb[c * width + b] < k_pool.size(0), "block ",
+                  tb[c * width + b], " outside the pool");
+  }
+  return prefill_pieces(q, k_pool, v_pool, tables, pieces, scale);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(genserve, m) {
   m.def("paged_prefill(Tensor q, Tensor k_pool, Tensor v_pool, Tensor table, int start, "
         "float scale) -> Tensor");
+  m.def("paged_prefill_pieces(Tensor q, Tensor k_pool, Tensor v_pool, Tensor tables, "
+        "Tensor pieces, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(genserve, CPU, m) { m.impl("paged_prefill", &paged_prefill); }
+TORCH_LIBRARY_IMPL(genserve, CPU, m) {
+  m.impl("paged_prefill", &paged_prefill);
+  m.impl("paged_prefill_pieces", &paged_prefill_pieces);
+}
 
 #endif  // GENSERVE_PREFILL_AVX512 || GENSERVE_PREFILL_AVX2
