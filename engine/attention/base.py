@@ -238,7 +238,10 @@ class AttentionBackend(Protocol):
 
 def decode_mask(lens: torch.Tensor, keys: int, dtype: torch.dtype) -> torch.Tensor:
     """Additive mask [B, 1, 1, keys] of decode rows over their padded keys: -inf at key positions
-    ≥ the row's context length `lens` [B] (int64), 0 elsewhere; in `dtype` on `lens`' device."""
+    ≥ the row's context length `lens` [B] (int64), 0 elsewhere; in `dtype` on `lens`' device.
+    With no keys (a backend that reads no decode masks) an empty mask, made without arithmetic."""
+    if keys == 0:
+        return torch.empty(lens.shape[0], 1, 1, 0, dtype=dtype, device=lens.device)
     positions = torch.arange(keys, device=lens.device)
     bias = torch.zeros(lens.shape[0], keys, dtype=dtype, device=lens.device)
     bias.masked_fill_(positions[None, :] >= lens[:, None], float("-inf"))

@@ -148,3 +148,14 @@ def test_argmax_kernel_refuses_what_it_cannot_read():
         torch.ops.genserve.argmax_rows(torch.zeros(8, 2).t())
     with pytest.raises(RuntimeError, match="V must be positive"):
         torch.ops.genserve.argmax_rows(torch.zeros(2, 0))
+
+
+def test_step_stages_are_profiler_ranges_only_while_a_profiler_runs():
+    import contextlib
+
+    from engine.runner.model_runner import stage
+    assert isinstance(stage("genserve.sample"), contextlib.nullcontext)
+    with torch.profiler.profile() as prof:
+        with stage("genserve.sample"):
+            torch.ones(4).sum()
+    assert "genserve.sample" in {e.name for e in prof.events()}
