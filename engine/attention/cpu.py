@@ -86,8 +86,9 @@ class CpuBackend:
         for every prefill piece of a layer, `paged_sdpa.attend`); else None."""
         if not ints:
             return None
-        _, _, width = piece_contexts(layout)
-        return PieceContexts(ints[0].view(-1, 4), ints[1].view(-1, max(width, 1)))
+        pieces = ints[0].view(-1, 4)
+        contexts = int(pieces[-1, 3]) + 1          # numbered in flat-batch order from 0
+        return PieceContexts(pieces, ints[1].view(contexts, -1))
 
     def attend(self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """See `AttentionBackend.attend`: `paged_sdpa.attend`."""
