@@ -247,7 +247,7 @@ def test_an_idle_server_accepts_a_burst_it_has_rows_and_blocks_for():
         except AdmissionRejected as exc:
             second.append(exc)
     assert len(second) == 32 - 12                        # 12 × 162 ms = 1.94 s may wait
-    assert "wait for rows or KV blocks" in str(second[0]) and second[0].retry_after_s == 1
+    assert "queued for rows or KV blocks" in str(second[0]) and second[0].retry_after_s == 1
     engine.run_until_idle()
     engine.pool.check_all_free()
 
@@ -266,3 +266,27 @@ def test_a_burst_of_long_requests_is_refused_once_its_wait_passes_the_budget():
     assert outcomes[:7] == ["queued"] * 7
     assert outcomes.count("queued") == 7
     assert all(x >= 1 for x in outcomes[7:])
+
+
+def test_running_prompts_not_yet_prefilled_count_against_the_queue_budget():
+    # Five 6,000-token prompts join at once (rows and blocks are free) and are prefilled in
+    # pieces: at the design's 0.1 ms a token that is 3 s of prefill still to run, ahead of a new
+    # prompt of their length, which is refused even though nothing waits for rows or blocks.
+    engine, _ = sim_engine(num_blocks=4096, queue_budget_s=2.0)
+    for _ in range(5):
+        engine.submit(make_request(6000, 10))
+    engine.step()
+    left = sum(r.num_prompt - r.num_computed for r in engine.scheduler.running)
+    assert engine.stats().queue_depth == 0 and 20_000 < left < 30_000
+    with pytest.raises(AdmissionRejected) as refused:
+        engine.submit(make_request(6000, 10))
+    assert f"{left * 0.1 / 1000:.2f} s of running prompts not yet prefilled" in str(refused.value)
+    # A short prompt goes ahead of them (fewest tokens left first): nothing counts against it.
+    engine.submit(make_request(100, 10))
+    # Another key's prompt is within its fair share of the budget (own backlog 0, total < 4 s).
+    engine.submit(make_request(6000, 10, api_key="b"))
+    while any(r.is_prefilling for r in engine.scheduler.running):
+        engine.step()
+    engine.submit(make_request(6000, 10))          # the backlog drained: admitted
+    engine.run_until_idle()
+    engine.pool.check_all_free()

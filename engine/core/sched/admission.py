@@ -2,7 +2,10 @@
 would see passes the budget.
 
 The delay is estimated in device time: the estimates (`Request.est_device_ms`) of the queued
-requests that would wait ahead of it for rows or KV blocks, itself included (`waiting_work_ms`).
+requests that would wait ahead of it for rows or KV blocks, itself included (`waiting_work_ms`),
+plus the prompt tokens that running rows have still to prefill before its own prompt's turn
+(`prefill_backlog_ms`): under chunked prefill a request usually joins the running batch at once,
+and what it then waits for is those prompts.
 Over the budget a key whose own waiting work is within its fair share is still admitted
 (`over_budget`). docs/architecture.md, "Admission and fairness".
 
@@ -14,7 +17,7 @@ docstring). Pure arithmetic: no clock, no tensors, nothing changed but `num_reje
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from engine.config import EngineConfig
 from engine.core.block_pool import BlockPool
@@ -58,28 +61,59 @@ class AdmissionControl:
         self.joins_between_steps = joins_between_steps
         self.num_rejected = 0
 
-    def check(self, req: Request, queue: FairQueue, running: Sequence[Request], rows: int) -> None:
+    def check(self, req: Request, queue: FairQueue, running: Sequence[Request], rows: int,
+              prefill_ms: Callable[[int], float]) -> None:
         """Refuse `req` when queueing it now passes the budget (call only while something is
-        queued: an empty queue always admits, so one large request is never refused forever).
+        queued or a running row is still prefilling: with neither, a request always gets in, so
+        one large request is never refused forever; its own work never counts against it unless
+        it has to wait for rows or blocks).
 
         Args:
             req: the request, its `est_device_ms` set.
             queue: the waiting requests and the keys' accounts.
             running: the running requests, oldest first.
             rows: the rows a join may fill (`StepBudget.queue_rows`).
+            prefill_ms: device time of prefilling n prompt tokens, ms (`CostModel.prefill_ms`).
         Raises:
             AdmissionRejected: over budget; `retry_after_s` is the excess in whole seconds (the
                 device drains one device-second of waiting work per second), at least 1.
         """
         budget_ms = self.config.queue_budget_s * 1000.0
-        total, own = self.waiting_work_ms(req, queue, running, rows)
-        if self.over_budget(req, total, own, budget_ms, queue):
+        queued, own = self.waiting_work_ms(req, queue, running, rows)
+        backlog, own_backlog = self.prefill_backlog_ms(req, running, prefill_ms)
+        total = queued + backlog
+        if self.over_budget(req, total, own + own_backlog, budget_ms, queue):
             self.num_rejected += 1
             excess_ms = total - budget_ms
             raise AdmissionRejected(
-                f"{(total - req.est_device_ms) / 1000:.2f} device-seconds of queued work wait for rows "
-                f"or KV blocks ahead of this request, budget {self.config.queue_budget_s:g} s",
+                f"queueing this request makes {total / 1000:.2f} device-seconds of waiting work "
+                f"({backlog / 1000:.2f} s of running prompts not yet prefilled ahead of it, "
+                f"{queued / 1000:.2f} s queued for rows or KV blocks, itself included when it waits "
+                f"too), budget {self.config.queue_budget_s:g} s",
                 max(1, math.ceil(excess_ms / 1000.0)))
+
+    @staticmethod
+    def prefill_backlog_ms(req: Request, running: Sequence[Request],
+                           prefill_ms: Callable[[int], float]) -> tuple[float, float]:
+        """Device time of the prompt tokens running rows have still to prefill before `req`'s
+        prompt would get its turn, ms: (all keys', `req`'s key's).
+
+        Steps fill with the prompt that has the fewest tokens left first
+        (`StepBudget.prefill_tiebreak`), so a running prompt with no more tokens left than all of
+        `req`'s prompt goes ahead of it and counts whole; a longer one would be passed over and
+        counts nothing. An estimate: it ignores the keys' fair-share order (which puts a less
+        served key's prompts first), the prefix cache's credit on `req`'s prompt, the decode rows'
+        share of every step, and prompts that arrive later and are shorter.
+        """
+        total = own = 0.0
+        for r in running:
+            left = r.num_prompt - r.num_computed
+            if r.is_prefilling and left <= req.num_prompt:
+                ms = prefill_ms(left)
+                total += ms
+                if r.api_key == req.api_key:
+                    own += ms
+        return total, own
 
     def waiting_work_ms(self, req: Request, queue: FairQueue, running: Sequence[Request],
                         rows: int) -> tuple[float, float]:

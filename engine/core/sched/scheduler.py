@@ -117,9 +117,10 @@ class Scheduler:
 
         Raises:
             AdmissionRejected: the queueing delay this request would see, in device-seconds of
-                work ahead that waits for rows or blocks (`AdmissionControl.waiting_work_ms`),
-                with its own estimate, passes `config.queue_budget_s` (only while something
-                else is queued).
+                work ahead that waits for rows or blocks (`AdmissionControl.waiting_work_ms`,
+                with its own estimate when it would wait too) and of running prompts not yet
+                prefilled that go before it (`AdmissionControl.prefill_backlog_ms`), passes
+                `config.queue_budget_s` (only while something else is queued or prefilling).
             ValueError: a request with the same id is already in the engine.
         """
         if req.request_id in self.by_id:
@@ -130,9 +131,9 @@ class Scheduler:
         self.averages.observe_prompt(req.num_prompt)
         for child in req.children:
             child.arrival_s, child.deadline_s = req.arrival_s, req.deadline_s
-        if self.queue.depth:
+        if self.queue.depth or any(r.is_prefilling for r in self.running):
             rows = self.budget.queue_rows()
-            self.admission.check(req, self.queue, self.running, rows)
+            self.admission.check(req, self.queue, self.running, rows, self.cost.prefill_ms)
         req.state = RequestState.QUEUED
         self.queue.enqueue(req)
         self.by_id[req.request_id] = req
