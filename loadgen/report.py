@@ -499,7 +499,8 @@ def markdown(results, summary, meta, images) -> str:
           "decode), 8 rows per key while another key waits, 5 % free-block margin. Admission control answers "
           "429 when the queueing delay a new request would see passes the budget: the estimated device time "
           "of the queued work that waits for rows or KV blocks ahead of it, itself included (a request the "
-          "next step would admit adds nothing).",
+          "next step would admit adds nothing), plus the prompt tokens running rows have still to prefill "
+          "before its prompt's turn (those with no more tokens left than its whole prompt).",
           "- **Cost model**: the reference deployment's assumptions ([../design.md](../design.md)), `SimExecutor()` defaults: a decode step takes "
           "25 ms for 1 row and 40 ms for 32 (linear between), plus 0.1 ms per prefill token; no context term. "
           "A model measured on this machine (CPU, SmolLM2-135M) is in [calibration.md](calibration.md).",

@@ -126,7 +126,10 @@ class EngineServer:
         log.info("engine gRPC listening on %s:%d (loading the model)", self.host, self.port)
 
     async def load(self) -> None:
-        """Load and calibrate the model on a daemon thread, then start serving it."""
+        """Load and calibrate the model on a daemon thread, then start serving it.
+
+        The loading thread ends once the model is built, before the engine's own thread steps,
+        so the process keeps one OpenMP worker pool, the engine thread's (`Engine.start`)."""
         loaded = await _on_daemon_thread(self.build, self.config, self.model_path)
         engine = loaded.engine
         if self.fail_at_step is not None:

@@ -186,7 +186,15 @@ class Engine:
                 raise RuntimeError(f"engine still busy after {max_steps} steps")
 
     def start(self) -> None:
-        """Start the scheduler thread (daemon)."""
+        """Start the scheduler thread (daemon).
+
+        Every step then runs its kernels' parallel regions from that thread. Build the engine on a
+        thread that has exited by then (as `service.server.EngineServer.load` does), not on the
+        caller's own long-lived thread: OpenMP (libgomp) keeps a pool of worker threads per
+        thread that ever ran a parallel region, and once its workers outnumber the cores it stops
+        spin-waiting between regions, so every region pays a wake-up. docs/benchmarks/kernels.md
+        ("One OpenMP pool") has the measurement.
+        """
         self._thread = threading.Thread(target=self._run, name="genserve-scheduler", daemon=True)
         self._thread.start()
 

@@ -95,10 +95,11 @@ class Running:
 
 @contextlib.asynccontextmanager
 async def running_server(num_blocks: int = 256, step_s: float = 0.005, gate: threading.Event | None = None,
-                         wait: bool = True, **options):
-    """Start an EngineServer over a simulated engine; yields `Running`; stops it afterwards."""
+                         wait: bool = True, build: Callable | None = None, **options):
+    """Start an EngineServer over a simulated engine (or what `build` returns); yields `Running`;
+    stops it afterwards."""
     config = EngineConfig(num_blocks=num_blocks, queue_budget_s=600.0)
-    server = EngineServer(config, "127.0.0.1", 0, build=sim_builder(step_s, gate), **options)
+    server = EngineServer(config, "127.0.0.1", 0, build=build or sim_builder(step_s, gate), **options)
     stop = asyncio.Event()
     task = asyncio.create_task(server.run(stop))
     while not server.port:

@@ -14,7 +14,7 @@ from engine.core.outputs import TokenEvent
 from genserve.v1 import generate_pb2 as pb
 from service.faults import FailingExecutor, InjectedFault, fault_settings
 from service.servicer import EventBuffer
-from tests.service.harness import collect, request, running_server
+from tests.service.harness import collect, request, running_server, sim_builder
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -35,6 +35,26 @@ async def test_generate_is_unavailable_with_retry_after_while_the_engine_loads()
         await srv.wait_serving()
         msgs, err = await collect(srv.stub.Generate(request(max_tokens=4)))
         assert err is None and msgs[-1].finished.reason == pb.FINISH_REASON_LENGTH
+
+
+async def test_the_model_loads_on_a_thread_that_ends_before_the_engine_steps():
+    # One OpenMP worker pool per thread that ran a parallel region: the loading thread must be
+    # gone, and the steps run on the engine's own thread (Engine.start's docstring says why).
+    loaded_on, stepped_on = [], set()
+
+    def build(config, model_path=None):
+        loaded_on.append(threading.current_thread())
+        loaded = sim_builder()(config, model_path)
+        loaded.engine.step_listeners.append(lambda *_: stepped_on.add(threading.current_thread()))
+        return loaded
+
+    async with running_server(build=build) as srv:
+        msgs, err = await collect(srv.stub.Generate(request(max_tokens=4)))
+        assert err is None
+        await asyncio.to_thread(loaded_on[0].join, 5.0)
+        assert not loaded_on[0].is_alive()
+        assert loaded_on[0] is not threading.main_thread()
+        assert [t.name for t in stepped_on] == ["genserve-scheduler"]
 
 
 async def test_engine_failure_ends_every_open_stream_with_unavailable_and_exits_1():
