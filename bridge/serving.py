@@ -73,10 +73,19 @@ async def generate(request: Request, state: BridgeState, route: str,
     if len(calls) == 1:
         call = calls[0]
     else:
+        # A client that named the request (X-Request-Id) may cancel it as soon as its calls are
+        # sent, before every Started has been read: register the ids it will cancel now.
         group_id: list[str] = []
+        named = [p.request_id for p in protos]
+        if all(named):
+            group_id.append(named[0])
+            state.groups[named[0]] = named
 
         def on_ids(request_id: str, ids: list[str]) -> None:
-            group_id.append(request_id)
+            if group_id and group_id[0] != request_id:
+                state.groups.pop(group_id.pop(), None)
+            if not group_id:
+                group_id.append(request_id)
             state.groups[request_id] = ids
 
         call = CallGroup(calls, protos[0].n if protos[0].HasField("n") else 1, on_ids=on_ids,

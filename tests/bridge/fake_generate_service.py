@@ -85,6 +85,13 @@ class FakeGenerateService(pb_grpc.GenerateServiceServicer):
         cancel_flag = self._cancel_flags[request_id] = asyncio.Event()
         num_prompt = prompt_tokens_of(request)
         try:
+            if prompt == "hang-before-started":      # admitted late: Started only once cancelled
+                self.hanging.set()
+                await cancel_flag.wait()
+                yield pb.GenerateResponse(
+                    request_id=request_id, started=pb.Started(request_id=request_id, prompt_tokens=num_prompt))
+                yield self._finished(request_id, 0, pb.FINISH_REASON_CANCELLED, num_prompt, 0, "cancel")
+                return
             yield pb.GenerateResponse(
                 request_id=request_id,
                 started=pb.Started(request_id=request_id, prompt_tokens=num_prompt),

@@ -47,9 +47,11 @@ async def test_several_token_id_prompts_stream_with_choice_indices(client, fake)
     assert all(e["usage"] is None for e in events if "token_id" in e)
 
 
-async def test_cancelling_a_several_prompt_completion_cancels_every_prompt(client, fake):
+@pytest.mark.parametrize("second", ["hang", "hang-before-started"])
+async def test_cancelling_a_several_prompt_completion_cancels_every_prompt(client, fake, second):
+    # "hang-before-started": the DELETE comes before the bridge has every call's Started.
     stream = asyncio.create_task(client.post("/v1/completions", json={
-        "prompt": ["hang", "hang"], "stream": True}, headers={"X-Request-Id": "grp"}))
+        "prompt": ["hang", second], "stream": True}, headers={"X-Request-Id": "grp"}))
     for _ in range(1000):                  # up to 10 s: a loaded machine schedules the task late
         if len(fake.service._cancel_flags) == 2:
             break
