@@ -133,23 +133,29 @@ void quantize_row(const uint16_t* in, int64_t k, int8_t* xq, float* scale, float
   }
 }
 
-// Rows r0 .. r0 + rows - 1 (rows <= 4) times one panel of 32 columns -> y (bf16).
-void panel_rows(const int8_t* X, const float* XS, const float* XSUM, const uint8_t* panel,
-                int64_t k, int64_t r0, int rows, c10::BFloat16* Y, int64_t n, int64_t col0) {
-  constexpr int R = 4, G = 2;
+// ROWS rows from r0 (ROWS <= 4) times one panel of 32 columns -> y (bf16). Each (row, group)
+// sums a block's low-nibble and high-nibble products in two int32 accumulators, added once per
+// block: one accumulator would chain all 8 of a block's vpdpbusd, and the kernel waited on that
+// chain's latency rather than on the multiply units (the sum is exact either way, so the bits
+// are the same).
+template <int ROWS>
+void panel_tile(const int8_t* X, const float* XS, const float* XSUM, const uint8_t* panel,
+                int64_t k, int64_t r0, c10::BFloat16* Y, int64_t n, int64_t col0) {
+  constexpr int G = 2;
   const int64_t kb_count = k / QK;
   const __m512i low = _mm512_set1_epi8(0x0F);
-  __m512 acc[R][G];
-  for (int r = 0; r < R; ++r)
+  __m512 acc[ROWS][G];
+  for (int r = 0; r < ROWS; ++r)
     for (int g = 0; g < G; ++g) acc[r][g] = _mm512_setzero_ps();
   for (int64_t b = 0; b < kb_count; ++b) {
-    __m512i iacc[R][G];
-    for (int r = 0; r < R; ++r)
-      for (int g = 0; g < G; ++g) iacc[r][g] = _mm512_setzero_si512();
+    __m512i lacc[ROWS][G], hacc[ROWS][G];
+    for (int r = 0; r < ROWS; ++r)
+      for (int g = 0; g < G; ++g) lacc[r][g] = hacc[r][g] = _mm512_setzero_si512();
     const uint8_t* blk[G];
     for (int g = 0; g < G; ++g) blk[g] = panel + (g * kb_count + b) * GROUP_BYTES;
     if (r0 == 0)
       for (int g = 0; g < G; ++g) prefetch_ahead(blk[g], GROUP_BYTES);
+#pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
       __m512i wl[G], wh[G];
       for (int g = 0; g < G; ++g) {
@@ -157,14 +163,13 @@ void panel_rows(const int8_t* X, const float* XS, const float* XSUM, const uint8
         wl[g] = _mm512_and_si512(v, low);
         wh[g] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
       }
-      for (int r = 0; r < R; ++r) {
-        if (r >= rows) break;
+      for (int r = 0; r < ROWS; ++r) {
         const int8_t* xr = X + (r0 + r) * k + b * QK;
         const __m512i xl = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xr + 4 * j));
         const __m512i xh = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xr + 16 + 4 * j));
         for (int g = 0; g < G; ++g) {
-          iacc[r][g] = _mm512_dpbusd_epi32(iacc[r][g], wl[g], xl);
-          iacc[r][g] = _mm512_dpbusd_epi32(iacc[r][g], wh[g], xh);
+          lacc[r][g] = _mm512_dpbusd_epi32(lacc[r][g], wl[g], xl);
+          hacc[r][g] = _mm512_dpbusd_epi32(hacc[r][g], wh[g], xh);
         }
       }
     }
@@ -173,21 +178,29 @@ void panel_rows(const int8_t* X, const float* XS, const float* XSUM, const uint8
       dv[g] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[g])));
       mv[g] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[g] + 32)));
     }
-    for (int r = 0; r < R; ++r) {
-      if (r >= rows) break;
+    for (int r = 0; r < ROWS; ++r) {
       const __m512 s = _mm512_set1_ps(XS[(r0 + r) * kb_count + b]);
       const __m512 sm = _mm512_set1_ps(XSUM[(r0 + r) * kb_count + b]);
       for (int g = 0; g < G; ++g) {
-        acc[r][g] = _mm512_fmadd_ps(_mm512_mul_round_ps(_mm512_cvtepi32_ps(iacc[r][g]), s, RN),
+        const __m512i isum = _mm512_add_epi32(lacc[r][g], hacc[r][g]);
+        acc[r][g] = _mm512_fmadd_ps(_mm512_mul_round_ps(_mm512_cvtepi32_ps(isum), s, RN),
                                     dv[g], acc[r][g]);
         acc[r][g] = _mm512_fmadd_ps(mv[g], sm, acc[r][g]);
       }
     }
   }
-  for (int r = 0; r < rows; ++r)
+  for (int r = 0; r < ROWS; ++r)
     for (int g = 0; g < G; ++g)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(Y + (r0 + r) * n + col0 + g * GROUP_N),
                           (__m256i)_mm512_cvtneps_pbh(acc[r][g]));
+}
+
+// Rows r0 .. r0 + rows - 1 (rows <= 4) times one panel of 32 columns -> y (bf16).
+void panel_rows(const int8_t* X, const float* XS, const float* XSUM, const uint8_t* panel,
+                int64_t k, int64_t r0, int rows, c10::BFloat16* Y, int64_t n, int64_t col0) {
+  with_rows(rows, [&](auto r) {
+    panel_tile<decltype(r)::value>(X, XS, XSUM, panel, k, r0, Y, n, col0);
+  });
 }
 
 #elif defined(GENSERVE_Q4Q8_AVX2)
