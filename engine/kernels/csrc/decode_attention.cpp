@@ -291,7 +291,8 @@ void decode_kernel_avx2(const at::Tensor& q, const at::Tensor& k_pool, const at:
 //
 // so each key and value is read once; the block PREFETCH_BLOCKS ahead is prefetched into L2,
 // spread over the work on this one (blocks are scattered in the pool, which defeats the hardware
-// prefetcher at every block boundary). A row of one chunk writes O / l. A longer row's chunks
+// prefetcher at every block boundary); an item's last blocks prefetch the first blocks of the
+// thread's next item, so the stream does not start cold at every item. A row of one chunk writes O / l. A longer row's chunks
 // leave (m, l, O), and the thread that finishes the row's last item merges them in chunk order
 // (the split-KV decoding of FlashDecoding, Dao et al. 2023):
 //
@@ -411,10 +412,20 @@ constexpr int64_t PARTIAL = 2 + 64;
 // Chunks of a row of `len` positions.
 inline int64_t chunks_of(int64_t len, int64_t chunk) { return len <= 0 ? 1 : (len + chunk - 1) / chunk; }
 
+// Where the next work item of the same thread reads: its row's block table, its positions
+// [first, last) and its first KV head (table null: none). The last blocks of an item prefetch the
+// next item's first ones, so a thread's stream of blocks stays prefetched across items.
+struct NextItem {
+  const int64_t* table = nullptr;
+  int64_t first = 0, last = 0, h0 = 0;
+};
+
 // Chunk `c` of row `b`, KV heads h0 .. h0 + nh − 1. `load_q`: pack and load the row's Qᵀ tiles
 // (false when this thread's previous item was the same row and run, whose tiles are still loaded).
+// `next`: the thread's next item, whose first blocks this one's last blocks prefetch.
 template <int G, bool AMX, class R>
-void decode_item(const DecodeArgs<R>& a, int64_t b, int64_t c, int64_t h0, int nh, bool load_q) {
+void decode_item(const DecodeArgs<R>& a, int64_t b, int64_t c, int64_t h0, int nh, bool load_q,
+                 const NextItem& next) {
   constexpr int D = 64;
   constexpr int64_t W = R::WIDTH;          // a row's elements in the pool
   constexpr bool DIRECT = std::is_same_v<R, Bf16Rows>;   // AMX reads keys from the pool itself
@@ -461,11 +472,21 @@ void decode_item(const DecodeArgs<R>& a, int64_t b, int64_t c, int64_t h0, int n
     const int64_t blk = table[start / a.block];
     // The block PREFETCH_BLOCKS ahead, whose keys and values the value loop below prefetches
     // (into L2) token by token, spread over this block's work.
-    const int64_t ahead = start + PREFETCH_BLOCKS * a.block;
-    const int64_t ahead_rows = ahead < len ? std::min(a.block, len - ahead) : 0;
-    const int64_t ahead_blk = ahead < len ? table[ahead / a.block] : blk;
-    const char* kahead = reinterpret_cast<const char*>(a.k + ahead_blk * a.block_stride + h0 * W);
-    const char* vahead = reinterpret_cast<const char*>(a.v + ahead_blk * a.block_stride + h0 * W);
+    // Past this item's last block: the next item's blocks, in its order.
+    int64_t ahead = start + PREFETCH_BLOCKS * a.block, ahead_end = last, ahead_h0 = h0;
+    const int64_t* ahead_table = table;
+    if (ahead >= last && next.table != nullptr) {
+      ahead = next.first + (ahead - (first + (last - first + a.block - 1) / a.block * a.block));
+      ahead_end = next.last;
+      ahead_h0 = next.h0;
+      ahead_table = next.table;
+    }
+    const int64_t ahead_rows = ahead < ahead_end ? std::min(a.block, ahead_end - ahead) : 0;
+    const int64_t ahead_blk = ahead < ahead_end ? ahead_table[ahead / a.block] : blk;
+    const char* kahead =
+        reinterpret_cast<const char*>(a.k + ahead_blk * a.block_stride + ahead_h0 * W);
+    const char* vahead =
+        reinterpret_cast<const char*>(a.v + ahead_blk * a.block_stride + ahead_h0 * W);
     const typename R::Elem* kblock = a.k + blk * a.block_stride + h0 * W;
     const typename R::Elem* vblock = a.v + blk * a.block_stride + h0 * W;
     for (int64_t t0 = 0; t0 < a.block && start + t0 < last; t0 += TILE) {
@@ -671,8 +692,16 @@ void decode_kernel_avx512(const at::Tensor& q, const at::Tensor& k_pool, const a
     int64_t loaded_row = -1, loaded_h0 = -1;           // whose Qᵀ the tiles hold
     for (int64_t item = begin; item < end; ++item) {
       const int64_t i = item / per_row, h0 = item % per_row * run, b = item_row[i];
+      NextItem next;
+      if (item + 1 < end) {
+        const int64_t ni = (item + 1) / per_row, nb = item_row[ni];
+        next.table = a.tables + nb * a.table_width;
+        next.first = item_chunk[ni] * chunk;
+        next.last = std::min(ld[nb], next.first + chunk);
+        next.h0 = (item + 1) % per_row * run;
+      }
       decode_item<G, AMX, R>(a, b, item_chunk[i], h0, static_cast<int>(std::min(run, kv_heads - h0)),
-                             b != loaded_row || h0 != loaded_h0);
+                             b != loaded_row || h0 != loaded_h0, next);
       loaded_row = b;
       loaded_h0 = h0;
       // acq_rel: the merging thread sees every other thread's partials of the row.
