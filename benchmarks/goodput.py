@@ -285,13 +285,22 @@ def markdown(report: dict) -> str:
                       f"req/s: **{_f(cmp_['ratio'], 2)}×**. TTFT p95 (ms) where both keep ≥ 95 % within the "
                       f"SLO: {both or 'no such rate'}."]
             if "capacity" in cmp_:      # pages saved before the capacity figure existed lack it
-                cap = cmp_["capacity"]
+                cap, lowest = cmp_["capacity"], min(float(r) for r in m["rates"])
                 lines += [f"- Capacity (the highest rate at which ≥ 95 % of requests meet the SLO, every "
-                          f"lower rate too): {label} {cap[label]:g} req/s, {peer} {cap[peer]:g} req/s"
+                          f"lower rate too): {label} {_capacity_text(cap[label], lowest)}, {peer} "
+                          f"{_capacity_text(cap[peer], lowest)}"
                           + (f": **{_f(cmp_['capacity_ratio'], 2)}×**." if cmp_["capacity_ratio"] else ".")]
         lines.append("")
     lines += ["![goodput, TTFT p95 and TPOT p95 against rate](goodput.png)", ""]
     return "\n".join(lines)
+
+
+def _capacity_text(capacity_rps: float, lowest_rps: float) -> str:
+    """A `capacity` figure for the page: "2.5 req/s", or "below 1.5 req/s (the lowest rate
+    measured)" where `capacity` found none (0.0: the lowest rate already missed the SLO)."""
+    if capacity_rps > 0:
+        return f"{capacity_rps:g} req/s"
+    return f"below {lowest_rps:g} req/s (the lowest rate measured)"
 
 
 def plot(report: dict, path: pathlib.Path) -> None:

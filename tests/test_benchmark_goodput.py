@@ -108,6 +108,11 @@ def test_page_from_the_saved_json():
     assert "genserve 1.00 req/s, vllm 0.50 req/s: **2.00×**" in page
     assert "where both keep ≥ 95 % within the SLO: 2 req/s 200 vs 300." in page
     assert "every lower rate too): genserve 2 req/s, vllm 2 req/s: **1.00×**." in page
+    # a server that missed the SLO at the lowest rate: no capacity figure of 0 req/s
+    report["mixes"]["design"]["compare"][GENSERVE]["capacity"][VLLM] = 0.0
+    report["mixes"]["design"]["compare"][GENSERVE]["capacity_ratio"] = None
+    assert ("every lower rate too): genserve 2 req/s, vllm below 2 req/s (the lowest rate measured)."
+            in markdown(report))
 
 
 def test_variant_labels():
