@@ -102,6 +102,19 @@ def test_one_engine_is_passed_through_unlabelled(engines):
     assert "replica" not in text
 
 
+def test_scrapes_reuse_one_tls_context(engines, monkeypatch):
+    """Each new TLS context loads the CA bundle on the bridge's event loop (tens of ms that every
+    open stream waits on); the console reads /metrics every 2 s, so scrapes must not make one."""
+    import ssl
+    metrics = BridgeMetrics(engines)
+    made = []
+    real = ssl.create_default_context
+    monkeypatch.setattr(ssl, "create_default_context", lambda *a, **k: made.append(1) or real(*a, **k))
+    for _ in range(3):
+        assert samples(asyncio.run(metrics.exposition()).decode())["genserve_running_rows{replica=0}"] == 3
+    assert made == []
+
+
 def unreachable_url() -> str:
     """A metrics URL on a localhost port nothing listens on (bound, then closed)."""
     with socket.socket() as s:
