@@ -8,6 +8,7 @@ import contextlib
 import http.server
 import shutil
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -105,7 +106,6 @@ def test_one_engine_is_passed_through_unlabelled(engines):
 def test_scrapes_reuse_one_tls_context(engines, monkeypatch):
     """Each new TLS context loads the CA bundle on the bridge's event loop (tens of ms that every
     open stream waits on); the console reads /metrics every 2 s, so scrapes must not make one."""
-    import ssl
     metrics = BridgeMetrics(engines)
     made = []
     real = ssl.create_default_context

@@ -412,28 +412,36 @@ constexpr int64_t PARTIAL = 2 + 64;
 // Chunks of a row of `len` positions.
 inline int64_t chunks_of(int64_t len, int64_t chunk) { return len <= 0 ? 1 : (len + chunk - 1) / chunk; }
 
-// Where the next work item of the same thread reads: its row's block table, its positions
-// [first, last) and its first KV head (table null: none). The last blocks of an item prefetch the
-// next item's first ones, so a thread's stream of blocks stays prefetched across items.
-struct NextItem {
+// Where a work item reads: its row's block table, its positions [first, last) and its first KV
+// head (table null: no item). The last blocks of an item prefetch the thread's next item's first
+// ones, so a thread's stream of blocks stays prefetched across items.
+struct ItemReads {
   const int64_t* table = nullptr;
   int64_t first = 0, last = 0, h0 = 0;
 };
+
+// Chunk `c` of row `b` from KV head h0: its reads.
+template <class R>
+ItemReads reads_of(const DecodeArgs<R>& a, int64_t b, int64_t c, int64_t h0) {
+  const int64_t first = c * a.chunk;
+  return {a.tables + b * a.table_width, first, std::min(a.lens[b], first + a.chunk), h0};
+}
 
 // Chunk `c` of row `b`, KV heads h0 .. h0 + nh − 1. `load_q`: pack and load the row's Qᵀ tiles
 // (false when this thread's previous item was the same row and run, whose tiles are still loaded).
 // `next`: the thread's next item, whose first blocks this one's last blocks prefetch.
 template <int G, bool AMX, class R>
 void decode_item(const DecodeArgs<R>& a, int64_t b, int64_t c, int64_t h0, int nh, bool load_q,
-                 const NextItem& next) {
+                 const ItemReads& next) {
   constexpr int D = 64;
   constexpr int64_t W = R::WIDTH;          // a row's elements in the pool
   constexpr bool DIRECT = std::is_same_v<R, Bf16Rows>;   // AMX reads keys from the pool itself
   constexpr int HMAX = LANES / G;          // KV heads an item may hold
   const int64_t len = a.lens[b];
-  const int64_t first = c * a.chunk, last = std::min(len, first + a.chunk);
+  const ItemReads reads = reads_of(a, b, c, h0);
+  const int64_t first = reads.first, last = reads.last;
   const bool whole = chunks_of(len, a.chunk) == 1;
-  const int64_t* table = a.tables + b * a.table_width;
+  const int64_t* table = reads.table;
   const uint16_t* q = a.q + (b * a.heads + h0 * G) * D;
   uint16_t* out = a.out + (b * a.heads + h0 * G) * D;
   if (len <= 0) {
@@ -690,18 +698,16 @@ void decode_kernel_avx512(const at::Tensor& q, const at::Tensor& k_pool, const a
     }
 #endif
     int64_t loaded_row = -1, loaded_h0 = -1;           // whose Qᵀ the tiles hold
+    // Item `item`'s reads: (row, chunk) pair item / per_row, KV heads from item % per_row * run.
+    const auto item_reads = [&](int64_t item) {
+      const int64_t i = item / per_row;
+      return reads_of(a, item_row[i], item_chunk[i], item % per_row * run);
+    };
     for (int64_t item = begin; item < end; ++item) {
       const int64_t i = item / per_row, h0 = item % per_row * run, b = item_row[i];
-      NextItem next;
-      if (item + 1 < end) {
-        const int64_t ni = (item + 1) / per_row, nb = item_row[ni];
-        next.table = a.tables + nb * a.table_width;
-        next.first = item_chunk[ni] * chunk;
-        next.last = std::min(ld[nb], next.first + chunk);
-        next.h0 = (item + 1) % per_row * run;
-      }
       decode_item<G, AMX, R>(a, b, item_chunk[i], h0, static_cast<int>(std::min(run, kv_heads - h0)),
-                             b != loaded_row || h0 != loaded_h0, next);
+                             b != loaded_row || h0 != loaded_h0,
+                             item + 1 < end ? item_reads(item + 1) : ItemReads{});
       loaded_row = b;
       loaded_h0 = h0;
       // acq_rel: the merging thread sees every other thread's partials of the row.
