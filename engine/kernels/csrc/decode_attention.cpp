@@ -427,6 +427,24 @@ ItemReads reads_of(const DecodeArgs<R>& a, int64_t b, int64_t c, int64_t h0) {
   return {a.tables + b * a.table_width, first, std::min(a.lens[b], first + a.chunk), h0};
 }
 
+// PREFETCHT1 of the cache line holding `p`, as an asm statement: GCC 12 drops `_mm_prefetch`
+// (`__builtin_prefetch`) from loops it vectorizes or unrolls in some forms, silently (a refactor
+// of this file into a helper once left no prefetch in the object code, at twice the time).
+inline void prefetch_l2(const void* p) {
+  asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
+}
+
+// Prefetches (into L2) pool row `t` of KV head `hl` from `base` (a block's first row of the
+// item's first KV head) when `t` < `rows`: its bytes span two cache lines at most.
+template <class R>
+inline void prefetch_row(const char* base, int64_t t, int64_t rows, int64_t hl, int64_t ts) {
+  if (t >= rows) return;
+  constexpr int64_t bytes = R::WIDTH * sizeof(typename R::Elem);
+  const char* p = base + (t * ts + hl * R::WIDTH) * sizeof(typename R::Elem);
+  prefetch_l2(p);
+  prefetch_l2(p + bytes - 1);
+}
+
 // Chunk `c` of row `b`, KV heads h0 .. h0 + nh − 1. `load_q`: pack and load the row's Qᵀ tiles
 // (false when this thread's previous item was the same row and run, whose tiles are still loaded).
 // `next`: the thread's next item, whose first blocks this one's last blocks prefetch.
@@ -478,8 +496,10 @@ void decode_item(const DecodeArgs<R>& a, int64_t b, int64_t c, int64_t h0, int n
   const int64_t ts = a.token_stride;
   for (int64_t start = first; start < last; start += a.block) {
     const int64_t blk = table[start / a.block];
-    // The block PREFETCH_BLOCKS ahead, whose keys and values the value loop below prefetches
-    // (into L2) token by token, spread over this block's work.
+    // The block PREFETCH_BLOCKS ahead, prefetched (into L2) token by token and spread over this
+    // block's work: its keys by the score loop (with AMX, whose scores have no per-token loop, by
+    // the softmax's), its values by the value loop. Prefetching both in the value loop alone left
+    // the memory idle through the scores and the softmax, half of the block's work.
     // Past this item's last block: the next item's blocks, in its order.
     int64_t ahead = start + PREFETCH_BLOCKS * a.block, ahead_end = last, ahead_h0 = h0;
     const int64_t* ahead_table = table;
@@ -546,6 +566,7 @@ void decode_item(const DecodeArgs<R>& a, int64_t b, int64_t c, int64_t h0, int n
             for (int i = 0; i < 2; ++i)
               qv[g][i] = (__m512bh)_mm512_loadu_si512(q + (hl * G + g) * D + 32 * i);
           for (int t = 0; t < n; ++t) {
+            prefetch_row<R>(kahead, t0 + t, ahead_rows, hl, ts);
             __m512i k0, k1;
             R::load(krow + t * ts + hl * W, k0, k1);
             for (int g = 0; g < G; ++g)
@@ -567,6 +588,8 @@ void decode_item(const DecodeArgs<R>& a, int64_t b, int64_t c, int64_t h0, int n
       m = mnew;
       l = _mm512_mul_ps(l, c);
       for (int t = 0; t < n; ++t) {
+        if constexpr (AMX)                 // the scores ran on tiles: the keys' prefetches go here
+          for (int hl = 0; hl < nh; ++hl) prefetch_row<R>(kahead, t0 + t, ahead_rows, hl, ts);
         const __m512 p = genserve::exp_ps(_mm512_sub_ps(_mm512_load_ps(s[t]), m));
         _mm512_store_ps(s[t], p);
         l = _mm512_add_ps(l, p);
@@ -579,13 +602,7 @@ void decode_item(const DecodeArgs<R>& a, int64_t b, int64_t c, int64_t h0, int n
           for (int i = 0; i < 4; ++i) o[g][i] = _mm512_mul_ps(_mm512_load_ps(acc[hl][g][i]), cg);
         }
         for (int t = 0; t < n; ++t) {
-          if (t0 + t < ahead_rows) {       // the row's bytes: two cache lines at most
-            const int64_t at = ((t0 + t) * ts + hl * W) * sizeof(typename R::Elem);
-            _mm_prefetch(kahead + at, _MM_HINT_T1);
-            _mm_prefetch(kahead + at + W * sizeof(typename R::Elem) - 1, _MM_HINT_T1);
-            _mm_prefetch(vahead + at, _MM_HINT_T1);
-            _mm_prefetch(vahead + at + W * sizeof(typename R::Elem) - 1, _MM_HINT_T1);
-          }
+          prefetch_row<R>(vahead, t0 + t, ahead_rows, hl, ts);
           __m512 v[4];
           R::values(vrow + t * ts + hl * W, v);
           for (int g = 0; g < G; ++g) {
