@@ -283,8 +283,9 @@ void decode_kernel_avx2(const at::Tensor& q, const at::Tensor& k_pool, const at:
 //   S[t][lane] = q[lane] · k[t]      AMX: S = Σₖ K[:, slice k] · Qᵀ[slice k] over the run's
 //                                    32-dimension slices, one TDPBF16PS each, the 16 keys' slices
 //                                    loaded straight from the pool (row stride = one token), Qᵀ
-//                                    packed block-diagonally once per row; else vdpbf16ps and a
-//                                    lane sum per key and query head
+//                                    packed block-diagonally once per row; else vdpbf16ps per
+//                                    key and query head, then one transpose-and-add tree
+//                                    (`lane_sums`) per key for all the run's query heads
 //   m' = max(m, maxₜ S·scale)         lane-wise running max, one exp per token for every lane
 //   p[t] = exp(S·scale − m'),  l = l·exp(m − m') + Σₜ p[t]
 //   O[lane] = O[lane]·exp(m − m') + Σₜ p[t]·v[t]          fp32 FMAs, P in fp32
@@ -427,6 +428,34 @@ ItemReads reads_of(const DecodeArgs<R>& a, int64_t b, int64_t c, int64_t h0) {
   return {a.tables + b * a.table_width, first, std::min(a.lens[b], first + a.chunk), h0};
 }
 
+// Lane i of the result = the sum of v[i]'s 16 lanes, for i < count (≤ 16); lanes from count on
+// are 0. A transpose-and-add tree: 45 adds and shuffles for 16 vectors, against about 8 per
+// vector for a horizontal sum each (`_mm512_reduce_add_ps`). Lane i's sum adds v[i]'s lanes in a
+// fixed order — (l, l+2) within each 128-bit chunk, then the chunk's two pair sums, then chunks
+// (0, 1) and (2, 3), then those two — that involves no other vector: its bits do not depend on
+// what the other lanes hold.
+inline __m512 lane_sums(const __m512* v, int count) {
+  const __m512 z = _mm512_setzero_ps();
+  __m512 t[8], u[4], w[2];
+  for (int i = 0; i < 8; ++i) {            // chunk c of t[i]: a_c0 + a_c2, b_c0 + b_c2, a_c1 + a_c3, b_c1 + b_c3
+    if (2 * i >= count) { t[i] = z; continue; }
+    const __m512 a = v[2 * i], b = 2 * i + 1 < count ? v[2 * i + 1] : z;
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  }
+  for (int i = 0; i < 4; ++i) {            // chunk c of u[i]: chunk c's sum of v[4i .. 4i + 3]
+    if (4 * i >= count) { u[i] = z; continue; }
+    u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  for (int i = 0; i < 2; ++i) {            // chunks of w[i]: u[2i]'s c0+c1, c2+c3, u[2i+1]'s c0+c1, c2+c3
+    if (8 * i >= count) { w[i] = z; continue; }
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
 // PREFETCHT1 of the cache line holding `p`, as an asm statement: GCC 12 drops `_mm_prefetch`
 // (`__builtin_prefetch`) from loops it vectorizes or unrolls in some forms, silently (a refactor
 // of this file into a helper once left no prefetch in the object code, at twice the time).
@@ -490,6 +519,12 @@ void decode_item(const DecodeArgs<R>& a, int64_t b, int64_t c, int64_t h0, int n
     if (nh > 2) { _tile_loadd(6, qt[4], LANES * 4); _tile_loadd(7, qt[5], LANES * 4); }
   }
 #endif
+  __m512bh qv[AMX ? 1 : HMAX][G][2];                 // the query heads, for vdpbf16ps scores
+  if constexpr (!AMX)
+    for (int hl = 0; hl < nh; ++hl)
+      for (int g = 0; g < G; ++g)
+        for (int i = 0; i < 2; ++i)
+          qv[hl][g][i] = (__m512bh)_mm512_loadu_si512(q + (hl * G + g) * D + 32 * i);
   const __m512 scale = _mm512_set1_ps(a.scale);
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   __m512 m = ninf, l = _mm512_setzero_ps();
@@ -560,20 +595,19 @@ void decode_item(const DecodeArgs<R>& a, int64_t b, int64_t c, int64_t h0, int n
       }
 #endif
       if constexpr (!AMX) {
-        for (int hl = 0; hl < nh; ++hl) {
-          __m512bh qv[G][2];
-          for (int g = 0; g < G; ++g)
-            for (int i = 0; i < 2; ++i)
-              qv[g][i] = (__m512bh)_mm512_loadu_si512(q + (hl * G + g) * D + 32 * i);
-          for (int t = 0; t < n; ++t) {
+        // Per token: each query head's 16 partial sums (vdpbf16ps), then all heads' sums at once.
+        for (int t = 0; t < n; ++t) {
+          __m512 part[LANES];
+          for (int hl = 0; hl < nh; ++hl) {
             prefetch_row<R>(kahead, t0 + t, ahead_rows, hl, ts);
             __m512i k0, k1;
             R::load(krow + t * ts + hl * W, k0, k1);
             for (int g = 0; g < G; ++g)
-              s[t][hl * G + g] = _mm512_reduce_add_ps(
-                  _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], (__m512bh)k0),
-                                   qv[g][1], (__m512bh)k1));
+              part[hl * G + g] = _mm512_dpbf16_ps(
+                  _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[hl][g][0], (__m512bh)k0), qv[hl][g][1],
+                  (__m512bh)k1);
           }
+          _mm512_store_ps(s[t], lane_sums(part, nh * G));
         }
       }
       // Online softmax over the tile (keys past the context masked to -inf).
