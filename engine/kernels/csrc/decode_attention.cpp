@@ -429,25 +429,29 @@ ItemReads reads_of(const DecodeArgs<R>& a, int64_t b, int64_t c, int64_t h0) {
 }
 
 // Lane i of the result = the sum of v[i]'s 16 lanes, for i < count (≤ 16); lanes from count on
-// are 0. A transpose-and-add tree: 45 adds and shuffles for 16 vectors, against about 8 per
-// vector for a horizontal sum each (`_mm512_reduce_add_ps`). Lane i's sum adds v[i]'s lanes in a
-// fixed order — (l, l+2) within each 128-bit chunk, then the chunk's two pair sums, then chunks
-// (0, 1) and (2, 3), then those two — that involves no other vector: its bits do not depend on
-// what the other lanes hold.
+// are 0. A transpose-and-add tree: 15 adds and 30 shuffles for 16 vectors, against about 8
+// instructions per vector for a horizontal sum each (`_mm512_reduce_add_ps`). Lane i's sum adds
+// v[i]'s lanes in a fixed order — lanes (j, j + 2) within each 128-bit chunk, then the chunk's two
+// pair sums, then chunks (0, 1) and (2, 3), then those two — that involves no other vector: its
+// bits do not depend on what the other lanes hold.
 inline __m512 lane_sums(const __m512* v, int count) {
   const __m512 z = _mm512_setzero_ps();
   __m512 t[8], u[4], w[2];
-  for (int i = 0; i < 8; ++i) {            // chunk c of t[i]: a_c0 + a_c2, b_c0 + b_c2, a_c1 + a_c3, b_c1 + b_c3
+  // a = v[2i], b = v[2i + 1]; 128-bit chunk c of t[i]: a[c,0] + a[c,2], b[c,0] + b[c,2],
+  // a[c,1] + a[c,3], b[c,1] + b[c,3] (x[c,j]: lane 4c + j of x).
+  for (int i = 0; i < 8; ++i) {
     if (2 * i >= count) { t[i] = z; continue; }
     const __m512 a = v[2 * i], b = 2 * i + 1 < count ? v[2 * i + 1] : z;
     t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
   }
-  for (int i = 0; i < 4; ++i) {            // chunk c of u[i]: chunk c's sum of v[4i .. 4i + 3]
+  // Chunk c of u[i]: the sums of chunk c of v[4i], .., v[4i + 3].
+  for (int i = 0; i < 4; ++i) {
     if (4 * i >= count) { u[i] = z; continue; }
     u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
                          _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
   }
-  for (int i = 0; i < 2; ++i) {            // chunks of w[i]: u[2i]'s c0+c1, c2+c3, u[2i+1]'s c0+c1, c2+c3
+  // Chunks of w[i]: u[2i]'s chunks 0 + 1, 2 + 3, then u[2i + 1]'s; the last step adds those pairs.
+  for (int i = 0; i < 2; ++i) {
     if (8 * i >= count) { w[i] = z; continue; }
     w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
                          _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
