@@ -28,7 +28,10 @@ Two memory layouts: the pools as torch allocates them (4 KB pages), and the same
 for transparent huge pages before first touch, as the engine's KV cache asks for them
 (`engine.runner.huge_pages`; where the kernel's THP mode is "never" the line is left out). With 4 KB pages every
 16-token block of a layer's pool sits in its own pages, so reading a scattered block table costs a
-TLB miss every few KB (a two-level walk under a hypervisor).
+TLB miss every few KB (a two-level walk under a hypervisor). A third line, "resident", gives every
+row the same blocks (a layer's ⌈context / 16⌉ blocks, which stay in the caches after the first
+row): the kernel's arithmetic with next to no reads from memory, the floor under the other lines
+(its GB/s counts the bytes the kernel consumes, not bytes read from memory).
 
 `--baseline PATH` also builds another version of `engine/kernels/csrc/decode_attention.cpp` (e.g. the
 previous commit's, from `git show REV:engine/kernels/csrc/decode_attention.cpp > /tmp/old.cpp`) as
@@ -83,10 +86,12 @@ def kv_bytes(rows: int, context: int, eight_bit: bool = False) -> int:
     return LAYERS * rows * context * KV_HEADS * row * 2
 
 
-def make_step(rows: int, context: int, huge: bool, seed: int = 0, eight_bit: bool = False):
+def make_step(rows: int, context: int, huge: bool, seed: int = 0, eight_bit: bool = False,
+              resident: bool = False):
     """Pools, queries, tables and lengths of one step (module docstring), filled with N(0, 1) bf16,
     or (`eight_bit`) with rows of the 8-bit format: uniform int8 q in -127..127, scales
-    2^-13 .. 2^-6.
+    2^-13 .. 2^-6. `resident`: every row's table is the pool's first ⌈context / 16⌉ blocks, in
+    order (the "resident" line), instead of distinct blocks in a shuffled order.
 
     Returns:
         (pools: list of `LAYERS` tensors [2, blocks, 16, 3, 64] bf16 or [2, blocks, 16, 3, 66]
@@ -109,7 +114,10 @@ def make_step(rows: int, context: int, huge: bool, seed: int = 0, eight_bit: boo
         else:
             pool.normal_(generator=g)
         pools.append(pool)
-    tables = torch.randperm(blocks, generator=g)[:rows * per_row].view(rows, per_row).contiguous()
+    if resident:
+        tables = torch.arange(per_row).repeat(rows, 1)
+    else:
+        tables = torch.randperm(blocks, generator=g)[:rows * per_row].view(rows, per_row).contiguous()
     q = torch.randn(rows, HEADS, HEAD_DIM, generator=g).bfloat16()
     return pools, q, tables, torch.full((rows,), context, dtype=torch.long)
 
@@ -155,9 +163,10 @@ def measure(read_gbps: float, rows: int = 32, context: int = 1500, repeats: int 
         baseline: another build of the op (`baseline_op`), or None.
 
     Returns:
-        {"4k": ..., "thp": ... (where the kernel's THP mode is not "never"), "4k_baseline",
-        "thp_baseline" (with a baseline), "4k_int8", "thp_int8" (genserve's op over pools in
-        the 8-bit format, which its AVX512-BF16 build alone reads)}: `AttentionResult` each.
+        {"4k": ..., "thp": ... (where the kernel's THP mode is not "never"), "resident" (every
+        row reading the same blocks), each with "_baseline" (with a baseline), "4k_int8",
+        "thp_int8", "resident_int8" (genserve's op over pools in the 8-bit format, which its
+        AVX512-BF16 build alone reads)}: `AttentionResult` each.
 
     Raises:
         RuntimeError: genserve's kernels are not available (`engine.kernels.available()`).
@@ -166,15 +175,16 @@ def measure(read_gbps: float, rows: int = 32, context: int = 1500, repeats: int 
 
     if not kernels.available():
         raise RuntimeError("genserve's CPU kernels are not available; nothing to measure")
-    layouts = [("4k", False)] + ([("thp", True)] if thp_mode() not in ("never", "") else [])
+    layouts = ([("4k", False, False)] + ([("thp", True, False)] if thp_mode() not in ("never", "") else [])
+               + [("resident", False, True)])
     ops = [("", torch.ops.genserve.paged_decode)] + ([("_baseline", baseline)] if baseline else [])
     results = {}
-    for name, huge in layouts:
+    for name, huge, resident in layouts:
         for eight_bit in (False, True) if kernels.int8_kv_decode_available() else (False,):
             total = kv_bytes(rows, context, eight_bit)
             floor_s = total / (read_gbps * 1e9)
             before = huge_page_bytes() / 1e6
-            step = make_step(rows, context, huge, eight_bit=eight_bit)
+            step = make_step(rows, context, huge, eight_bit=eight_bit, resident=resident)
             huge_mb = max(0.0, huge_page_bytes() / 1e6 - before)
             for suffix, op in (ops[:1] if eight_bit else ops):
                 t = time_step(op, *step, repeats)

@@ -34,6 +34,11 @@ def test_step_tables_hand_out_distinct_blocks_in_a_shuffled_order():
     assert tables.flatten().tolist() != sorted(tables.flatten().tolist())
 
 
+def test_resident_step_gives_every_row_the_same_blocks_in_order():
+    _, _, tables, _ = bench.make_step(rows=3, context=40, huge=False, resident=True)
+    assert tables.tolist() == [[0, 1, 2]] * 3
+
+
 def test_benchmark_reports_each_layout(tmp_path):
     if not kernels.available():
         pytest.skip("genserve's CPU kernels did not build here (g++/ninja missing?)")
@@ -44,7 +49,7 @@ def test_benchmark_reports_each_layout(tmp_path):
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
-    layouts = {"4k"} | ({"thp"} if bench.thp_mode() not in ("never", "") else set())
+    layouts = {"4k", "resident"} | ({"thp"} if bench.thp_mode() not in ("never", "") else set())
     eight_bit = {f"{layout}_int8" for layout in layouts} if kernels.int8_kv_decode_available() else set()
     assert set(report["results"]) == layouts | eight_bit
     for name, r in report["results"].items():
