@@ -19,9 +19,12 @@ import zlib
 CSRC = pathlib.Path(__file__).resolve().parent.parent / "engine" / "kernels" / "csrc"
 
 
-def build_baseline(path: str | pathlib.Path, renames: list[tuple[str, str]]) -> None:
+def build_baseline(path: str | pathlib.Path, renames: list[tuple[str, str]],
+                   cflags: list[str] | None = None) -> None:
     """Compile the kernel source at `path`, after `renames` ((old, new) string replacements, each
-    of which must occur), as a torch extension whose ops are then `torch.ops.genserve_baseline.*`.
+    of which must occur), as a torch extension whose ops are then registered under the library
+    the renames give it (e.g. `torch.ops.genserve_baseline.*`), with `cflags` (default:
+    `engine.kernels.CFLAGS`; `march_flags` gives them for another target).
 
     Raises:
         ValueError: a replacement's `old` text is not in the source.
@@ -36,12 +39,24 @@ def build_baseline(path: str | pathlib.Path, renames: list[tuple[str, str]]) -> 
         if old not in src:
             raise ValueError(f"{path}: no {old!r} to rename")
         src = src.replace(old, new)
-    tag = zlib.crc32(src.encode() + b"".join(f.read_bytes() for f in sorted(CSRC.glob("*.h"))))
+    flags = kernels.CFLAGS if cflags is None else cflags
+    tag = zlib.crc32(src.encode() + " ".join(flags).encode()
+                     + b"".join(f.read_bytes() for f in sorted(CSRC.glob("*.h"))))
     out = pathlib.Path(tempfile.gettempdir()) / f"genserve_baseline_{tag:08x}.cpp"
     out.write_text(src)
     bin_dir = str(pathlib.Path(sys.executable).parent)          # ninja, as engine.kernels finds it
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     cpp_extension.load(name=f"genserve_baseline_{tag:08x}", sources=[str(out)],
-                       extra_cflags=kernels.CFLAGS, extra_include_paths=[str(CSRC)],
+                       extra_cflags=flags, extra_include_paths=[str(CSRC)],
                        is_python_module=False, verbose=False)
+
+
+def march_flags(march: str) -> list[str]:
+    """`engine.kernels.CFLAGS` with `-march=native` replaced by `-march=<march>`: e.g. "x86-64-v3"
+    compiles the AVX2 code paths (AVX2, FMA, F16C, no AVX512) on a host that has AVX512, so they
+    can be run and timed there."""
+    from engine import kernels
+
+    return [f"-march={march}" if flag == "-march=native" else flag for flag in kernels.CFLAGS]
+

@@ -36,6 +36,10 @@ row): the kernel's arithmetic with next to no reads from memory, the floor under
 `--baseline PATH` also builds another version of `engine/kernels/csrc/decode_attention.cpp` (e.g. the
 previous commit's, from `git show REV:engine/kernels/csrc/decode_attention.cpp > /tmp/old.cpp`) as
 `torch.ops.genserve_baseline.paged_decode` and measures it in the same run, on the same pools.
+
+`--march ARCH` builds the checkout's decode_attention.cpp (and the baseline) for `-march=ARCH`
+instead of this host's, and measures those builds: `--march x86-64-v3` times the AVX2 kernel on
+a host with AVX512 (the 8-bit lines are left out: only AVX512-BF16 builds read that format).
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ from dataclasses import dataclass
 
 import torch
 
-from benchmarks._baseline import build_baseline
+from benchmarks._baseline import CSRC, build_baseline, march_flags
 from benchmarks._measure import best_s, read_gbps
 from engine.attention.kv_quant import row_bytes
 from engine.runner.huge_pages import huge_page_bytes, thp_mode
@@ -133,34 +137,39 @@ def time_step(op: Callable, pools, q, tables, lens, repeats: int) -> float:
     return best_s(step, repeats)
 
 
-def baseline_op(path: str | pathlib.Path) -> Callable:
-    """Build another version of decode_attention.cpp as `torch.ops.genserve_baseline.paged_decode`.
+def baseline_op(path: str | pathlib.Path, library: str = "genserve_baseline",
+                march: str | None = None) -> Callable:
+    """Build another version of decode_attention.cpp as `torch.ops.<library>.paged_decode`.
 
     The source's op registration and its `genserve::paged_decode` definition are renamed; it is
-    compiled with the flags of `engine.kernels` against the current headers of engine/kernels/csrc
-    (`benchmarks._baseline.build_baseline`).
+    compiled with the flags of `engine.kernels` (with `march`: for `-march=<march>` instead of this
+    host) against the current headers of engine/kernels/csrc (`benchmarks._baseline.build_baseline`).
 
     Raises:
         ValueError: the source does not define and register `paged_decode` the way the renaming
             expects.
         RuntimeError: the build failed (from torch.utils.cpp_extension).
     """
-    build_baseline(path, [("TORCH_LIBRARY(genserve, m)", "TORCH_LIBRARY(genserve_baseline, m)"),
+    build_baseline(path, [("TORCH_LIBRARY(genserve, m)", f"TORCH_LIBRARY({library}, m)"),
                           ("TORCH_LIBRARY_IMPL(genserve, CPU, m)",
-                           "TORCH_LIBRARY_IMPL(genserve_baseline, CPU, m)"),
-                          ("genserve::paged_decode", "genserve_baseline_paged_decode")])
-    return torch.ops.genserve_baseline.paged_decode
+                           f"TORCH_LIBRARY_IMPL({library}, CPU, m)"),
+                          ("genserve::paged_decode", f"{library}_paged_decode")],
+                   cflags=march_flags(march) if march else None)
+    return getattr(torch.ops, library).paged_decode
 
 
 def measure(read_gbps: float, rows: int = 32, context: int = 1500, repeats: int = 5,
-            baseline: Callable | None = None) -> dict[str, AttentionResult]:
-    """Time `torch.ops.genserve.paged_decode` (and `baseline`, on the same pools) per layout.
+            baseline: Callable | None = None, op: Callable | None = None) -> dict[str, AttentionResult]:
+    """Time `torch.ops.genserve.paged_decode` (or `op`, another build of it; then without the
+    8-bit lines) and `baseline`, on the same pools, per layout.
 
     Args:
         read_gbps: the read bandwidth measured in this run, GB/s.
         rows, context: rows of the step and tokens of each row's context.
         repeats: timed steps per kernel and layout (best taken).
         baseline: another build of the op (`baseline_op`), or None.
+        op: the build measured as the checkout's (`baseline_op` of the checkout's source for
+            another target); None: `torch.ops.genserve.paged_decode`.
 
     Returns:
         {"4k": ..., "thp": ... (where the kernel's THP mode is not "never"), "resident" (every
@@ -177,10 +186,11 @@ def measure(read_gbps: float, rows: int = 32, context: int = 1500, repeats: int 
         raise RuntimeError("genserve's CPU kernels are not available; nothing to measure")
     layouts = ([("4k", False, False)] + ([("thp", True, False)] if thp_mode() not in ("never", "") else [])
                + [("resident", False, True)])
-    ops = [("", torch.ops.genserve.paged_decode)] + ([("_baseline", baseline)] if baseline else [])
+    ops = [("", op or torch.ops.genserve.paged_decode)] + ([("_baseline", baseline)] if baseline else [])
+    eight_bit_too = op is None and kernels.int8_kv_decode_available()
     results = {}
     for name, huge, resident in layouts:
-        for eight_bit in (False, True) if kernels.int8_kv_decode_available() else (False,):
+        for eight_bit in (False, True) if eight_bit_too else (False,):
             total = kv_bytes(rows, context, eight_bit)
             floor_s = total / (read_gbps * 1e9)
             before = huge_page_bytes() / 1e6
@@ -204,14 +214,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=1500)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--baseline", metavar="PATH", help="another decode_attention.cpp to measure beside")
+    ap.add_argument("--march", metavar="ARCH",
+                    help="build the checkout's kernel and the baseline for -march=ARCH (e.g. x86-64-v3: AVX2)")
     ap.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
     opts = ap.parse_args(argv)
     threads = set_threads(EngineConfig())
-    base = baseline_op(opts.baseline) if opts.baseline else None
+    base = baseline_op(opts.baseline, march=opts.march) if opts.baseline else None
+    checkout = (baseline_op(CSRC / "decode_attention.cpp", "genserve_checkout", opts.march)
+                if opts.march else None)
     load = os.getloadavg()[0]
     bw = read_gbps(256, 10)
-    results = measure(bw, opts.rows, opts.context, opts.repeats, base)
-    print(f"decode attention, {opts.rows} rows × {opts.context} tokens, {LAYERS} layers, {threads} "
+    results = measure(bw, opts.rows, opts.context, opts.repeats, base, checkout)
+    built = f"built for -march={opts.march}" if opts.march else "this host's build"
+    print(f"decode attention ({built}), {opts.rows} rows × {opts.context} tokens, {LAYERS} layers, {threads} "
           f"threads; read bandwidth {bw:.1f} GB/s; THP mode {thp_mode() or '?'}; 1-min load "
           f"average {load:.1f} at start, {os.getloadavg()[0]:.1f} at end")
     for name, r in results.items():
@@ -219,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r.over_floor:5.2f} × bytes/read bw   (huge pages {r.huge_mb:.0f} MB)")
     if opts.json:
         pathlib.Path(opts.json).write_text(json.dumps(
-            {"read_gbps": bw, "rows": opts.rows, "context": opts.context, "threads": threads,
+            {"read_gbps": bw, "rows": opts.rows, "context": opts.context, "threads": threads, "march": opts.march,
              "results": {k: vars_of(r) for k, r in results.items()}}, indent=2))
     return 0
 

@@ -58,3 +58,12 @@ def test_benchmark_reports_each_layout(tmp_path):
         assert math.isclose(r["over_floor"], r["step_s"] / (r["kv_bytes"] / (report["read_gbps"] * 1e9)))
         assert r["step_s"] > 0
     assert "× bytes/read bw" in proc.stdout
+
+
+def test_march_flags_replace_the_host_target_only():
+    from benchmarks._baseline import march_flags
+
+    flags = march_flags("x86-64-v3")
+    assert flags == ["-march=x86-64-v3" if f == "-march=native" else f for f in kernels.CFLAGS]
+    assert "-march=native" not in flags and "-march=x86-64-v3" in flags
+    assert kernels.CFLAGS.count("-march=native") == 1     # the checkout's own flags are untouched

@@ -1,8 +1,12 @@
 """`torch.ops.genserve.paged_decode` at long contexts: against a dense fp32 reference on shuffled
 block tables, for every GQA group size and block size the kernel takes, with both ways it computes
-scores (AMX tiles and vdpbf16ps), and a row's bits whatever else is in the call."""
+scores (AMX tiles and vdpbf16ps), with the AVX2 kernel too on hosts whose own build is AVX512's,
+and a row's bits whatever else is in the call."""
 
 from __future__ import annotations
+
+import pathlib
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -10,6 +14,7 @@ import torch
 from engine import kernels as genserve_kernels
 
 HD = 64
+CSRC = pathlib.Path(genserve_kernels.__file__).parent / "csrc"
 
 
 @pytest.fixture(autouse=True)
@@ -18,13 +23,44 @@ def _kernels_built():
         pytest.skip("genserve's CPU kernels did not build here (g++/ninja missing?)")
 
 
-@pytest.fixture(params=["default", "vdpbf16ps"])
-def scores_path(request, monkeypatch) -> str:
-    """The kernel's two score paths: AMX where this CPU and OS have it (else the same as the
-    second), and vdpbf16ps forced with GENSERVE_DECODE_AMX=0 (the kernel reads it at every call)."""
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags from /proc/cpuinfo (empty where it cannot be read)."""
+    try:
+        text = pathlib.Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return next((set(line.split(":", 1)[1].split()) for line in text.splitlines()
+                 if line.startswith("flags")), set())
+
+
+@pytest.fixture(scope="module")
+def avx2_build() -> Callable:
+    """decode_attention.cpp built for -march=x86-64-v3 (AVX2, FMA, F16C, no AVX512) as
+    `torch.ops.genserve_avx2.paged_decode`, so the AVX2 kernel runs on a host whose own build is
+    AVX512's (`benchmarks._baseline` builds it). Skips where the CPU lacks AVX2, or where this
+    host's own build already is the AVX2 one (no AVX512-BF16): "default" tests it there."""
+    flags = cpu_flags()
+    if not {"avx2", "fma", "f16c"} <= flags:
+        pytest.skip("the AVX2 kernel needs a CPU with AVX2, FMA and F16C")
+    if "avx512_bf16" not in flags:
+        pytest.skip("this host's own build is the AVX2 kernel (tested as 'default')")
+    from benchmarks.decode_attention import baseline_op
+
+    return baseline_op(CSRC / "decode_attention.cpp", library="genserve_avx2", march="x86-64-v3")
+
+
+@pytest.fixture(params=["default", "vdpbf16ps", "avx2"])
+def decode(request, monkeypatch) -> Callable:
+    """paged_decode(q, k_pool, v_pool, tables, lens) at scale 1/√64, by each way it runs: this
+    host's build (AMX scores where this CPU and OS have them, else the same as the next),
+    vdpbf16ps scores forced with GENSERVE_DECODE_AMX=0 (the kernel reads it at every call), and
+    the AVX2 kernel (`avx2_build`)."""
+    op = torch.ops.genserve.paged_decode
     if request.param == "vdpbf16ps":
         monkeypatch.setenv("GENSERVE_DECODE_AMX", "0")
-    return request.param
+    elif request.param == "avx2":
+        op = request.getfixturevalue("avx2_build")
+    return lambda q, k_pool, v_pool, tables, lens: op(q, k_pool, v_pool, tables, lens, HD ** -0.5)
 
 
 def make_case(contexts: list[int], kv_heads: int, group: int, block: int, dtype: torch.dtype,
@@ -62,10 +98,6 @@ def dense_reference(q, k_pool, v_pool, tables, lens) -> torch.Tensor:
     return torch.stack(out)
 
 
-def decode(q, k_pool, v_pool, tables, lens) -> torch.Tensor:
-    return torch.ops.genserve.paged_decode(q, k_pool, v_pool, tables, lens, HD ** -0.5)
-
-
 def assert_close_to_reference(out: torch.Tensor, want: torch.Tensor) -> None:
     """bf16: within the output's own rounding (half a bf16 ulp ≤ |x|·2⁻⁸) plus fp32 summation
     error; fp32: 1e-5."""
@@ -80,7 +112,7 @@ def assert_close_to_reference(out: torch.Tensor, want: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_long_contexts_match_dense_fp32(scores_path, dtype):
+def test_long_contexts_match_dense_fp32(decode, dtype):
     """SmolLM2's shape (9 query heads over 3 KV heads, 16-token blocks): contexts from 1 token to
     1,537 (ending inside a block, on its edge, one past it), 12 rows, shuffled tables."""
     contexts = [1, 15, 16, 17, 100, 511, 1024, 1499, 1500, 1501, 1536, 1537]
@@ -88,7 +120,7 @@ def test_long_contexts_match_dense_fp32(scores_path, dtype):
     assert_close_to_reference(decode(*case), dense_reference(*case))
 
 
-def test_sharp_late_maximum_rescales_earlier_keys(scores_path):
+def test_sharp_late_maximum_rescales_earlier_keys(decode):
     """Large queries make the softmax sharp and its running maximum jump late in the context
     (the online rescaling of what was accumulated before), across 1,500 keys."""
     case = make_case([1500, 1501, 777], kv_heads=3, group=3, block=16, dtype=torch.bfloat16,
@@ -103,13 +135,13 @@ def test_sharp_late_maximum_rescales_earlier_keys(scores_path):
     (3, 1, 16), (2, 2, 16), (5, 4, 16), (2, 8, 16),    # runs of 3, 2, 4 + 1 (ragged), 2 KV heads
     (3, 3, 32), (3, 3, 8), (3, 3, 24),                 # two tiles a block; blocks AMX cannot tile
 ])
-def test_group_sizes_and_block_sizes(scores_path, kv_heads, group, block):
+def test_group_sizes_and_block_sizes(decode, kv_heads, group, block):
     contexts = [1, 9, 200, 1000, 1203, 1, 64, 65, 700, 333, 1100, 17]
     case = make_case(contexts, kv_heads, group, block, torch.bfloat16, seed=kv_heads * 100 + group + block)
     assert_close_to_reference(decode(*case), dense_reference(*case))
 
 
-def test_row_bits_do_not_depend_on_the_batch_or_threads(scores_path):
+def test_row_bits_do_not_depend_on_the_batch_or_threads(decode):
     """32 rows at 1,400–1,560 tokens (6–7 context chunks each, a run of KV heads per work item)
     against each row alone, subsets, a permuted order, one thread, and rows alone on more threads
     than they have chunks (one KV head per item): the same bits."""

@@ -115,8 +115,21 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_pool, const at::Tens
   });
 }
 
+#if defined(__AVX2__)
+// PREFETCHT1 of the cache line holding `p`, as an asm statement: GCC 12 drops `_mm_prefetch`
+// (`__builtin_prefetch`) from loops it vectorizes or unrolls in some forms, silently (a refactor
+// of this file into a helper once left no prefetch in the object code, at twice the time). For
+// the AVX2 and the AVX512 kernels below.
+inline void prefetch_l2(const void* p) {
+  asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
+}
+#endif
+
 #if defined(__AVX2__) && defined(__FMA__) && !(defined(__AVX512BF16__) && defined(__AVX512BW__))
 #define GENSERVE_DECODE_AVX2 1
+
+// How many blocks ahead the AVX2 kernel's walks prefetch (docs/benchmarks/kernels.md).
+constexpr int64_t AVX2_PREFETCH_BLOCKS = 2;
 
 // `decode_kernel` for bf16 pools on CPUs with AVX2 alone, its loops on ymm. A 256-bit load of
 // 16 bf16 is widened to fp32 without a shuffle: a left shift by 16 gives the even elements
@@ -180,29 +193,35 @@ void decode_kernel_avx2(const at::Tensor& q, const at::Tensor& k_pool, const at:
         for (int t = 0; t < 8; ++t) tile[g][t] = _mm256_setzero_ps();
       }
       // Walks the row's context in position order through its block table, calling visit(j,
-      // the token's head vector from `offset` on) for each token j. The next block's rows are
-      // prefetched while this block's are visited: blocks lie anywhere in the pool, and the
-      // hardware prefetcher loses the stride at every jump.
-      auto each_token = [&](const c10::BFloat16* pool, int64_t offset, auto&& visit) {
+      // the token's head vector from `offset` on) for each token j, and prefetches the block
+      // AVX2_PREFETCH_BLOCKS ahead (`lines` cache lines of each of its rows from `offset` on):
+      // blocks lie anywhere in the pool, and the hardware prefetcher loses the stride at every
+      // jump. One row's lines are asked for at each token visited, so the misses stay in flight
+      // all through the work instead of queueing up at the start of each block; the blocks
+      // before the first prefetched one are asked for at the start of the walk.
+      auto each_token = [&](const c10::BFloat16* pool, int64_t offset, int lines, auto&& visit) {
+        const auto prefetch_block = [&](int64_t i, int64_t t) {   // row t of block i, if any
+          if (i * block + t >= len) return;
+          const char* row = reinterpret_cast<const char*>(
+              pool + table[i] * block_stride + t * token_stride + h * D + offset);
+          for (int l = 0; l < lines; ++l) prefetch_l2(row + 64 * l);
+        };
+        for (int64_t i = 1; i < AVX2_PREFETCH_BLOCKS; ++i)
+          for (int64_t t = 0; t < block; ++t) prefetch_block(i, t);
         for (int64_t start = 0; start < len; start += block) {
-          const c10::BFloat16* base = pool + table[start / block] * block_stride + h * D + offset;
+          const int64_t i = start / block;
+          const c10::BFloat16* base = pool + table[i] * block_stride + h * D + offset;
           const int64_t n = std::min(block, len - start);
-          if (start + block < len) {
-            const char* next = reinterpret_cast<const char*>(
-                pool + table[start / block + 1] * block_stride + h * D + offset);
-            const int64_t m = std::min(block, len - start - block);
-            for (int64_t t = 0; t < m; ++t) {
-              _mm_prefetch(next + t * token_stride * 2, _MM_HINT_T0);
-              _mm_prefetch(next + t * token_stride * 2 + 64, _MM_HINT_T0);
-            }
+          for (int64_t t = 0; t < n; ++t) {
+            prefetch_block(i + AVX2_PREFETCH_BLOCKS, t);
+            visit(start + t, base + t * token_stride);
           }
-          for (int64_t t = 0; t < n; ++t) visit(start + t, base + t * token_stride);
         }
       };
       auto flush = [&](int64_t j0) {                      // positions j0 .. j0 + 7
         for (int g = 0; g < G; ++g) _mm256_storeu_ps(&scores[g * padded + j0], score_tile(tile[g]));
       };
-      each_token(kd, 0, [&](int64_t j, const c10::BFloat16* row) {
+      each_token(kd, 0, 2, [&](int64_t j, const c10::BFloat16* row) {
         __m256 k[8];
         for (int c = 0; c < 4; ++c) load_bf16x16_split(row + 16 * c, k[2 * c], k[2 * c + 1]);
         for (int g = 0; g < G; ++g) {
@@ -242,7 +261,7 @@ void decode_kernel_avx2(const at::Tensor& q, const at::Tensor& k_pool, const at:
         __m256 acc[G][4];                                 // dims 2i, 2i+1, 16+2i, 17+2i of the half
         for (int g = 0; g < G; ++g)
           for (int c = 0; c < 4; ++c) acc[g][c] = _mm256_setzero_ps();
-        each_token(vd, 32 * half, [&](int64_t j, const c10::BFloat16* row) {
+        each_token(vd, 32 * half, 2 - half, [&](int64_t j, const c10::BFloat16* row) {
           __m256 v[4];
           load_bf16x16_split(row, v[0], v[1]);
           load_bf16x16_split(row + 16, v[2], v[3]);
@@ -458,13 +477,6 @@ inline __m512 lane_sums(const __m512* v, int count) {
   }
   return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
                        _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-// PREFETCHT1 of the cache line holding `p`, as an asm statement: GCC 12 drops `_mm_prefetch`
-// (`__builtin_prefetch`) from loops it vectorizes or unrolls in some forms, silently (a refactor
-// of this file into a helper once left no prefetch in the object code, at twice the time).
-inline void prefetch_l2(const void* p) {
-  asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
 }
 
 // Prefetches (into L2) pool row `t` of KV head `hl` from `base` (a block's first row of the
