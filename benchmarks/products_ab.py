@@ -6,6 +6,11 @@ Run from the repository root, e.g. against the previous commit's source::
     git show HEAD~1:engine/kernels/csrc/q4q8_linear.cpp > /tmp/old.cpp
     python -m benchmarks.products_ab --baseline /tmp/old.cpp [--rows 1,32,274,1024] [--rounds 7]
     python -m benchmarks.products_ab --baseline /tmp/old.cpp --rows 1,4 --copies 30   # from memory
+    python -m benchmarks.products_ab --march x86-64-v3     # this host's build against the AVX2 one
+
+`--march ARCH` builds the baseline (by default the checkout's own q4q8_linear.cpp) for
+`-march=ARCH` instead of this host: `--march x86-64-v3` on an AVX512-VNNI host times the AVX2
+kernels against the AVX512 ones and checks that the two give the same bits, as they must.
 
 The baseline is built as `torch.ops.genserve_baseline.*` (`benchmarks._baseline`). Operands: the
 embedded SmolLM2-135M's block matrices (`q4q8_linear` at wqkv 960 × 576, w13 3,072 × 576 and
@@ -25,12 +30,13 @@ moves this machine's speed by 2× within an hour, weighs on both alike), in ms a
 from __future__ import annotations
 
 import argparse
+import pathlib
 import sys
 import time
 
 import torch
 
-from benchmarks._baseline import build_baseline
+from benchmarks._baseline import CSRC, build_baseline, march_flags
 from benchmarks.avx2_products import SHAPES, random_blocks
 from engine import kernels
 from engine.model import quant
@@ -39,10 +45,31 @@ from engine.model.weights import Q4_1_BLOCK_BYTES, Q8_0_BLOCK_BYTES
 # (N, K) of the embedded model's products, as `benchmarks.avx2_products` times them
 Q4_SHAPES = [SHAPES[name] for name in ("wqkv", "w13", "w2")]   # the block matrices (Q4_1)
 Q8_SHAPES = [SHAPES["LM head"]]                                 # the output projection (Q8_0)
-RENAMES = [("TORCH_LIBRARY_FRAGMENT(genserve, m)", "TORCH_LIBRARY(genserve_baseline, m)"),
-           ("TORCH_LIBRARY_IMPL(genserve, CPU, m)", "TORCH_LIBRARY_IMPL(genserve_baseline, CPU, m)"),
-           ("namespace genserve {", "namespace genserve_baseline {"),
-           ("&genserve::", "&genserve_baseline::")]
+
+
+def renames(library: str) -> list[tuple[str, str]]:
+    """The replacements that make q4q8_linear.cpp register its ops as `torch.ops.<library>.*`
+    (and define them in a namespace of that name), for `benchmarks._baseline.build_baseline`."""
+    return [("TORCH_LIBRARY_FRAGMENT(genserve, m)", f"TORCH_LIBRARY({library}, m)"),
+            ("TORCH_LIBRARY_IMPL(genserve, CPU, m)", f"TORCH_LIBRARY_IMPL({library}, CPU, m)"),
+            ("namespace genserve {", f"namespace {library} {{"),
+            ("&genserve::", f"&{library}::")]
+
+
+RENAMES = renames("genserve_baseline")
+
+
+def build_variant(path: str | pathlib.Path = CSRC / "q4q8_linear.cpp", library: str = "genserve_baseline",
+                  march: str | None = None):
+    """Build a q4q8_linear.cpp (default: the checkout's) as `torch.ops.<library>`, for this host or
+    (`march`) for `-march=<march>`; returns that op namespace (`.q4q8_linear`, `.q8q8_linear`).
+
+    Raises:
+        ValueError: the source does not register its ops the way `renames` expects.
+        RuntimeError: the build failed (from torch.utils.cpp_extension).
+    """
+    build_baseline(path, renames(library), cflags=march_flags(march) if march else None)
+    return getattr(torch.ops, library)
 
 
 def time_pair(ops: tuple, operands: list[tuple], rounds: int) -> tuple[float, float]:
@@ -61,17 +88,20 @@ def time_pair(ops: tuple, operands: list[tuple], rounds: int) -> tuple[float, fl
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--baseline", required=True, help="another q4q8_linear.cpp")
+    parser.add_argument("--baseline", help="another q4q8_linear.cpp (default: the checkout's, with --march)")
+    parser.add_argument("--march", metavar="ARCH", help="build the baseline for -march=ARCH (e.g. x86-64-v3: AVX2)")
     parser.add_argument("--rows", default="1,32,274,1024", help="row counts, comma-separated")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--copies", type=int, default=1,
                         help="distinct weights per shape: 30 (the model's layers) puts the block "
                              "matrices' 80 MB beyond the last-level cache, as in a decode step")
     opts = parser.parse_args(argv)
+    if not (opts.baseline or opts.march):
+        parser.error("give --baseline, --march or both")
     if not kernels.q4q8_linear_available():
         print("q4q8_linear is not built on this CPU (it needs AVX2 and FMA, or AVX512-VNNI)")
         return 1
-    build_baseline(opts.baseline, RENAMES)
+    build_variant(opts.baseline or CSRC / "q4q8_linear.cpp", march=opts.march)
     gen = torch.Generator().manual_seed(0)
     packs = {"q4q8_linear": [(quant.q4q8_pack(random_blocks(n, k, Q4_1_BLOCK_BYTES, gen)), n, k)
                              for _ in range(opts.copies) for n, k in Q4_SHAPES],

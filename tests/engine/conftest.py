@@ -98,3 +98,17 @@ def check_preemption_keeps_tokens(engine: Engine, gguf_weights, prompts: list[li
     shrunk = run(small)
     assert small.scheduler.num_preemptions > 0
     assert shrunk == full
+
+
+@pytest.fixture(scope="session")
+def avx2_products():
+    """engine/kernels/csrc/q4q8_linear.cpp built for -march=x86-64-v3 as
+    `torch.ops.genserve_avx2_products` (`.q4q8_linear`, `.q8q8_linear`): the AVX2 kernels, on a
+    host whose own build is AVX512-VNNI's (tests/engine/avx2_builds.py says when it skips)."""
+    from tests.engine.avx2_builds import skip_unless_avx2_is_not_the_host_build
+
+    skip_unless_avx2_is_not_the_host_build()
+    from benchmarks.products_ab import build_variant
+
+    return build_variant(library="genserve_avx2_products", march="x86-64-v3")
+

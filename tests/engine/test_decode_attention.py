@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from engine import kernels as genserve_kernels
+from tests.engine.avx2_builds import skip_unless_avx2_is_not_the_host_build
 
 HD = 64
 CSRC = pathlib.Path(genserve_kernels.__file__).parent / "csrc"
@@ -23,30 +24,17 @@ def _kernels_built():
         pytest.skip("genserve's CPU kernels did not build here (g++/ninja missing?)")
 
 
-def cpu_flags() -> set[str]:
-    """This CPU's feature flags from /proc/cpuinfo (empty where it cannot be read)."""
-    try:
-        text = pathlib.Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    return next((set(line.split(":", 1)[1].split()) for line in text.splitlines()
-                 if line.startswith("flags")), set())
-
-
 @pytest.fixture(scope="module")
 def avx2_build() -> Callable:
     """decode_attention.cpp built for -march=x86-64-v3 (AVX2, FMA, F16C, no AVX512) as
-    `torch.ops.genserve_avx2.paged_decode`, so the AVX2 kernel runs on a host whose own build is
-    AVX512's (`benchmarks._baseline` builds it). Skips where the CPU lacks AVX2, or where this
-    host's own build already is the AVX2 one (no AVX512-BF16): "default" tests it there."""
-    flags = cpu_flags()
-    if not {"avx2", "fma", "f16c"} <= flags:
-        pytest.skip("the AVX2 kernel needs a CPU with AVX2, FMA and F16C")
-    if "avx512_bf16" not in flags:
-        pytest.skip("this host's own build is the AVX2 kernel (tested as 'default')")
+    `torch.ops.genserve_avx2_attention.paged_decode`, so the AVX2 kernel runs on a host whose own build is
+    AVX512's (tests/engine/avx2_builds.py). Skips where the CPU lacks AVX2, or where this host's
+    own build already is the AVX2 one: "default" tests it there."""
+    skip_unless_avx2_is_not_the_host_build()
     from benchmarks.decode_attention import baseline_op
 
-    return baseline_op(CSRC / "decode_attention.cpp", library="genserve_avx2", march="x86-64-v3")
+    return baseline_op(CSRC / "decode_attention.cpp", library="genserve_avx2_attention",
+                       march="x86-64-v3")
 
 
 @pytest.fixture(params=["default", "vdpbf16ps", "avx2"])

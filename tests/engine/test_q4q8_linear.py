@@ -163,6 +163,18 @@ def test_real_first_layer_blocks(gguf_reader):
             assert_close_to_reference(torch.ops.genserve.q4q8_linear(x, packed, n), x, w)
 
 
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_avx2_build_gives_the_avx512_builds_bits(avx2_products, n, k):
+    """Both builds run the same operations in the same order (the file's header), so the AVX2
+    kernel (vpmaddubsw / vpmaddwd) must give the AVX512 one's (vpdpbusd) bits exactly, at every
+    row count (tests/engine/test_q8q8_linear.py checks the Q8_0 product the same way)."""
+    packed = q4q8_pack(random_blocks(n, k, seed=11))
+    for m in ROWS:
+        x = random_x(m, k, seed=m + 20)
+        assert torch.equal(avx2_products.q4q8_linear(x, packed, n),
+                           torch.ops.genserve.q4q8_linear(x, packed, n)), f"{m} rows"
+
+
 # ---- the engine with --weights q4q8 ---------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -110,6 +110,19 @@ def test_bad_shapes_raise():
     assert op(torch.zeros(0, 64, dtype=torch.bfloat16), packed, 64).shape == (0, 64)
 
 
+@pytest.mark.parametrize("n,k", [(1536, 576), (576, 1536)])
+def test_avx2_build_gives_the_avx512_builds_bits(avx2_products, n, k):
+    """The AVX2 kernel (|q| unsigned, xq with q's sign; vpmaddubsw / vpmaddwd) and the AVX512 one
+    (q + 128 on vpdpbusd, less 128 · Σ xq) form the same int32 sums and then run the same fp32
+    operations: the same bits, weights of -128 included."""
+    blocks = random_blocks(n, k, seed=13, low=-128)
+    packed = q8q8_pack(blocks)
+    for m in q4q8_checks.ROWS:
+        x = random_x(m, k, seed=m + 30)
+        assert torch.equal(avx2_products.q8q8_linear(x, packed, n),
+                           torch.ops.genserve.q8q8_linear(x, packed, n)), f"{m} rows"
+
+
 def test_real_output_blocks(gguf_reader):
     blocks = load_gguf_output_q8_0(gguf_reader)
     assert blocks is not None                   # the embedded file's output is Q8_0
