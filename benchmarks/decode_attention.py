@@ -214,8 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=1500)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--baseline", metavar="PATH", help="another decode_attention.cpp to measure beside")
-    ap.add_argument("--march", metavar="ARCH",
-                    help="build the checkout's kernel and the baseline for -march=ARCH (e.g. x86-64-v3: AVX2)")
+    ap.add_argument("--march", metavar="ARCH", help="build the checkout's kernel and the baseline "
+                                                    "for -march=ARCH (e.g. x86-64-v3: AVX2)")
     ap.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
     opts = ap.parse_args(argv)
     threads = set_threads(EngineConfig())
@@ -226,16 +226,16 @@ def main(argv: list[str] | None = None) -> int:
     bw = read_gbps(256, 10)
     results = measure(bw, opts.rows, opts.context, opts.repeats, base, checkout)
     built = f"built for -march={opts.march}" if opts.march else "this host's build"
-    print(f"decode attention ({built}), {opts.rows} rows × {opts.context} tokens, {LAYERS} layers, {threads} "
-          f"threads; read bandwidth {bw:.1f} GB/s; THP mode {thp_mode() or '?'}; 1-min load "
+    print(f"decode attention ({built}), {opts.rows} rows × {opts.context} tokens, {LAYERS} layers, "
+          f"{threads} threads; read bandwidth {bw:.1f} GB/s; THP mode {thp_mode() or '?'}; 1-min load "
           f"average {load:.1f} at start, {os.getloadavg()[0]:.1f} at end")
     for name, r in results.items():
         print(f"  {name:<13} {1000 * r.step_s:8.1f} ms  {r.kv_bytes / 1e9:.3f} GB  {r.gbps:6.1f} GB/s  "
               f"{r.over_floor:5.2f} × bytes/read bw   (huge pages {r.huge_mb:.0f} MB)")
     if opts.json:
         pathlib.Path(opts.json).write_text(json.dumps(
-            {"read_gbps": bw, "rows": opts.rows, "context": opts.context, "threads": threads, "march": opts.march,
-             "results": {k: vars_of(r) for k, r in results.items()}}, indent=2))
+            {"read_gbps": bw, "rows": opts.rows, "context": opts.context, "threads": threads,
+             "march": opts.march, "results": {k: vars_of(r) for k, r in results.items()}}, indent=2))
     return 0
 
 

@@ -59,8 +59,8 @@ def renames(library: str) -> list[tuple[str, str]]:
 RENAMES = renames("genserve_baseline")
 
 
-def build_variant(path: str | pathlib.Path = CSRC / "q4q8_linear.cpp", library: str = "genserve_baseline",
-                  march: str | None = None):
+def build_variant(path: str | pathlib.Path = CSRC / "q4q8_linear.cpp",
+                  library: str = "genserve_baseline", march: str | None = None):
     """Build a q4q8_linear.cpp (default: the checkout's) as `torch.ops.<library>`, for this host or
     (`march`) for `-march=<march>`; returns that op namespace (`.q4q8_linear`, `.q8q8_linear`).
 
@@ -89,7 +89,8 @@ def time_pair(ops: tuple, operands: list[tuple], rounds: int) -> tuple[float, fl
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--baseline", help="another q4q8_linear.cpp (default: the checkout's, with --march)")
-    parser.add_argument("--march", metavar="ARCH", help="build the baseline for -march=ARCH (e.g. x86-64-v3: AVX2)")
+    parser.add_argument("--march", metavar="ARCH",
+                        help="build the baseline for -march=ARCH (e.g. x86-64-v3: AVX2)")
     parser.add_argument("--rows", default="1,32,274,1024", help="row counts, comma-separated")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--copies", type=int, default=1,
