@@ -54,7 +54,7 @@ from dataclasses import dataclass
 
 import torch
 
-from benchmarks._baseline import CSRC, build_baseline, march_flags
+from benchmarks._baseline import CSRC, build_baseline
 from benchmarks._measure import best_s, read_gbps
 from engine.attention.kv_quant import row_bytes
 from engine.runner.huge_pages import huge_page_bytes, thp_mode
@@ -154,7 +154,7 @@ def baseline_op(path: str | pathlib.Path, library: str = "genserve_baseline",
                           ("TORCH_LIBRARY_IMPL(genserve, CPU, m)",
                            f"TORCH_LIBRARY_IMPL({library}, CPU, m)"),
                           ("genserve::paged_decode", f"{library}_paged_decode")],
-                   cflags=march_flags(march) if march else None)
+                   march=march)
     return getattr(torch.ops, library).paged_decode
 
 

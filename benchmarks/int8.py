@@ -228,7 +228,7 @@ def host_description() -> str:
     lines = info.splitlines()
     name = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")),
                 "unknown CPU")
-    flags = set(next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), []))
+    flags = kernels.cpu_flags()
     sets = [label for flag, label in (("amx_int8", "AMX"), ("avx512_vnni", "AVX512-VNNI"),
                                       ("avx512_bf16", "AVX512-BF16")) if flag in flags]
     return f"{name}; {', '.join(sets) or 'no AMX, AVX512-VNNI or AVX512-BF16'}"

@@ -8,9 +8,9 @@ Run from the repository root, e.g. against the previous commit's source::
     python -m benchmarks.products_ab --baseline /tmp/old.cpp --rows 1,4 --copies 30   # from memory
     python -m benchmarks.products_ab --march x86-64-v3     # this host's build against the AVX2 one
 
-`--march ARCH` builds the baseline (by default the checkout's own q4q8_linear.cpp) for
-`-march=ARCH` instead of this host: `--march x86-64-v3` on an AVX512-VNNI host times the AVX2
-kernels against the AVX512 ones and checks that the two give the same bits, as they must.
+`--march ARCH` (instead of `--baseline`) builds the checkout's own q4q8_linear.cpp for
+`-march=ARCH` as the baseline: `--march x86-64-v3` on an AVX512-VNNI host times the AVX2 kernels
+against the AVX512 ones and checks that the two give the same bits, as they must.
 
 The baseline is built as `torch.ops.genserve_baseline.*` (`benchmarks._baseline`). Operands: the
 embedded SmolLM2-135M's block matrices (`q4q8_linear` at wqkv 960 × 576, w13 3,072 × 576 and
@@ -33,10 +33,11 @@ import argparse
 import pathlib
 import sys
 import time
+from typing import Any
 
 import torch
 
-from benchmarks._baseline import CSRC, build_baseline, march_flags
+from benchmarks._baseline import CSRC, build_baseline
 from benchmarks.avx2_products import SHAPES, random_blocks
 from engine import kernels
 from engine.model import quant
@@ -60,7 +61,7 @@ RENAMES = renames("genserve_baseline")
 
 
 def build_variant(path: str | pathlib.Path = CSRC / "q4q8_linear.cpp",
-                  library: str = "genserve_baseline", march: str | None = None):
+                  library: str = "genserve_baseline", march: str | None = None) -> Any:
     """Build a q4q8_linear.cpp (default: the checkout's) as `torch.ops.<library>`, for this host or
     (`march`) for `-march=<march>`; returns that op namespace (`.q4q8_linear`, `.q8q8_linear`).
 
@@ -68,7 +69,7 @@ def build_variant(path: str | pathlib.Path = CSRC / "q4q8_linear.cpp",
         ValueError: the source does not register its ops the way `renames` expects.
         RuntimeError: the build failed (from torch.utils.cpp_extension).
     """
-    build_baseline(path, renames(library), cflags=march_flags(march) if march else None)
+    build_baseline(path, renames(library), march=march)
     return getattr(torch.ops, library)
 
 
@@ -88,17 +89,18 @@ def time_pair(ops: tuple, operands: list[tuple], rounds: int) -> tuple[float, fl
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--baseline", help="another q4q8_linear.cpp (default: the checkout's, with --march)")
+    parser.add_argument("--baseline", help="another q4q8_linear.cpp")
     parser.add_argument("--march", metavar="ARCH",
-                        help="build the baseline for -march=ARCH (e.g. x86-64-v3: AVX2)")
+                        help="instead of --baseline: the checkout's source built for -march=ARCH "
+                             "(e.g. x86-64-v3: AVX2)")
     parser.add_argument("--rows", default="1,32,274,1024", help="row counts, comma-separated")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--copies", type=int, default=1,
                         help="distinct weights per shape: 30 (the model's layers) puts the block "
                              "matrices' 80 MB beyond the last-level cache, as in a decode step")
     opts = parser.parse_args(argv)
-    if not (opts.baseline or opts.march):
-        parser.error("give --baseline, --march or both")
+    if bool(opts.baseline) == bool(opts.march):
+        parser.error("give --baseline (another source) or --march (another target), one of them")
     if not kernels.q4q8_linear_available():
         print("q4q8_linear is not built on this CPU (it needs AVX2 and FMA, or AVX512-VNNI)")
         return 1

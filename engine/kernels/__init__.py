@@ -92,6 +92,17 @@ FMA_OPS = ("fma_linear",)      # built only where the compiler targets AVX2 and 
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 
 
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags as Linux lists them (/proc/cpuinfo's first "flags" line, e.g.
+    "avx2", "avx512_bf16", "amx_tile"); empty where that file cannot be read (not Linux)."""
+    try:
+        lines = pathlib.Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return frozenset()
+    return frozenset(next((line.split(":", 1)[1].split() for line in lines
+                           if line.startswith("flags")), []))
+
+
 def _build_name() -> str:
     """Extension name keyed by this CPU, the kernel code and the checkout: the build uses
     -march=native, and torch's cache is keyed by name, listed sources and flags only, so a home

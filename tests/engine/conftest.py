@@ -101,14 +101,26 @@ def check_preemption_keeps_tokens(engine: Engine, gguf_weights, prompts: list[li
 
 
 @pytest.fixture(scope="session")
+def avx2_attention():
+    """engine/kernels/csrc/decode_attention.cpp built for -march=x86-64-v3: its op
+    `paged_decode` (`torch.ops.genserve_avx2_attention`), the AVX2 kernel, on a host whose own
+    build is AVX512's (tests/engine/avx2_builds.py says when it skips)."""
+    from benchmarks._baseline import CSRC
+    from benchmarks.decode_attention import baseline_op
+    from tests.engine.avx2_builds import ATTENTION_LIBRARY, MARCH, skip_unless_host_build_is_avx512
+
+    skip_unless_host_build_is_avx512()
+    return baseline_op(CSRC / "decode_attention.cpp", ATTENTION_LIBRARY, MARCH)
+
+
+@pytest.fixture(scope="session")
 def avx2_products():
     """engine/kernels/csrc/q4q8_linear.cpp built for -march=x86-64-v3 as
     `torch.ops.genserve_avx2_products` (`.q4q8_linear`, `.q8q8_linear`): the AVX2 kernels, on a
-    host whose own build is AVX512-VNNI's (tests/engine/avx2_builds.py says when it skips)."""
-    from tests.engine.avx2_builds import skip_unless_avx2_is_not_the_host_build
-
-    skip_unless_avx2_is_not_the_host_build()
+    host whose own build is AVX512's (tests/engine/avx2_builds.py says when it skips)."""
+    from benchmarks._baseline import CSRC
     from benchmarks.products_ab import build_variant
+    from tests.engine.avx2_builds import MARCH, PRODUCTS_LIBRARY, skip_unless_host_build_is_avx512
 
-    return build_variant(library="genserve_avx2_products", march="x86-64-v3")
-
+    skip_unless_host_build_is_avx512()
+    return build_variant(CSRC / "q4q8_linear.cpp", PRODUCTS_LIBRARY, MARCH)

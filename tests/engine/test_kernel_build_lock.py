@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import pathlib
 import time
 
 from engine.kernels import build_lock
@@ -52,3 +53,15 @@ def test_a_killed_builder_releases_the_lock(tmp_path):
     assert (tmp_path / "lock").exists()
     with build_lock(tmp_path):                      # the kernel released the flock
         assert not (tmp_path / "lock").exists()
+
+
+def test_cpu_flags_are_the_cpuinfo_flags_line():
+    from engine import kernels
+
+    text = pathlib.Path("/proc/cpuinfo").read_text() if pathlib.Path("/proc/cpuinfo").exists() else ""
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), None)
+    if line is None:
+        assert kernels.cpu_flags() == frozenset()
+    else:
+        assert kernels.cpu_flags() == frozenset(line.split(":", 1)[1].split())
+        assert "fpu" in kernels.cpu_flags()       # every x86 CPU Linux lists has it

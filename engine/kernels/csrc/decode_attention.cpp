@@ -115,7 +115,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_pool, const at::Tens
   });
 }
 
-#if defined(__AVX2__)
+#if defined(__x86_64__) || defined(__i386__)
 // PREFETCHT1 of the cache line holding `p`, as an asm statement: GCC 12 drops `_mm_prefetch`
 // (`__builtin_prefetch`) from loops it vectorizes or unrolls in some forms, silently (a refactor
 // of this file into a helper once left no prefetch in the object code, at twice the time). For
@@ -197,8 +197,8 @@ void decode_kernel_avx2(const at::Tensor& q, const at::Tensor& k_pool, const at:
       // AVX2_PREFETCH_BLOCKS ahead (`lines` cache lines of each of its rows from `offset` on):
       // blocks lie anywhere in the pool, and the hardware prefetcher loses the stride at every
       // jump. One row's lines are asked for at each token visited, so the misses stay in flight
-      // all through the work instead of queueing up at the start of each block; the blocks
-      // before the first prefetched one are asked for at the start of the walk.
+      // all through the work instead of queueing up at the start of each block. Blocks 1 ..
+      // AVX2_PREFETCH_BLOCKS − 1 are asked for at the start of the walk; block 0 is read at once.
       auto each_token = [&](const c10::BFloat16* pool, int64_t offset, int lines, auto&& visit) {
         const auto prefetch_block = [&](int64_t i, int64_t t) {   // row t of block i, if any
           if (i * block + t >= len) return;
@@ -261,6 +261,7 @@ void decode_kernel_avx2(const at::Tensor& q, const at::Tensor& k_pool, const at:
         __m256 acc[G][4];                                 // dims 2i, 2i+1, 16+2i, 17+2i of the half
         for (int g = 0; g < G; ++g)
           for (int c = 0; c < 4; ++c) acc[g][c] = _mm256_setzero_ps();
+        // The first half's walk asks for both lines of each value row, the second for its own.
         each_token(vd, 32 * half, 2 - half, [&](int64_t j, const c10::BFloat16* row) {
           __m256 v[4];
           load_bf16x16_split(row, v[0], v[1]);
