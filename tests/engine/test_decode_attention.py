@@ -141,3 +141,28 @@ def test_row_bits_do_not_depend_on_the_batch_or_threads(decode):
             assert torch.equal(alone[0], together[row]), f"row {row} on 8 threads"
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("bad,message", [
+    ("len_zero", "a row's context is 1 to"), ("len_past_table", "a row's context is 1 to"),
+    ("block_past_pool", "not a block of the pool"), ("negative_block", "not a block of the pool"),
+    ("rows_differ", "for q's B rows")])
+def test_bad_lengths_and_tables_raise(bad, message):
+    """A length outside 1 .. the table's tokens, a table entry outside the pool, or tables / lens
+    for another number of rows raise (RuntimeError naming what is wrong) before any read."""
+    q, k_pool, v_pool, tables, lens = make_case([40, 17], kv_heads=3, group=3, block=16,
+                                                dtype=torch.bfloat16, seed=4)
+    tables, lens = tables.clone(), lens.clone()
+    if bad == "len_zero":
+        lens[1] = 0
+    elif bad == "len_past_table":
+        lens[0] = tables.shape[1] * 16 + 1
+    elif bad == "block_past_pool":
+        tables[1, 1] = k_pool.shape[0]
+    elif bad == "negative_block":
+        tables[0, 0] = -1
+    else:
+        lens = lens[:1].contiguous()
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.genserve.paged_decode(q, k_pool, v_pool, tables, lens, HD ** -0.5)
+

@@ -852,6 +852,21 @@ at::Tensor genserve::paged_decode(const at::Tensor& q, const at::Tensor& k_pool,
                   tables.is_contiguous() && lens.is_contiguous(), "contiguous inputs");
   TORCH_CHECK(tables.scalar_type() == at::kLong && lens.scalar_type() == at::kLong, "int64 tables");
   TORCH_CHECK(k_pool.scalar_type() == v_pool.scalar_type(), "K and V pools share a dtype");
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == q.size(0) && lens.numel() == q.size(0),
+              "tables [B, blocks per row] and lens [B] for q's B rows");
+  {  // every block a row reads is in its table and in the pool (the kernels do not check again)
+    const int64_t block = k_pool.size(1), blocks = k_pool.size(0), width = tables.size(1);
+    const int64_t* ld = lens.data_ptr<int64_t>();
+    const int64_t* td = tables.data_ptr<int64_t>();
+    for (int64_t b = 0; b < q.size(0); ++b) {
+      TORCH_CHECK(ld[b] >= 1 && ld[b] <= width * block, "lens[", b, "] = ", ld[b],
+                  ": a row's context is 1 to ", width * block,
+                  " tokens (its block table's width times the block size)");
+      for (int64_t i = 0; i < (ld[b] + block - 1) / block; ++i)
+        TORCH_CHECK(td[b * width + i] >= 0 && td[b * width + i] < blocks, "tables[", b, ", ", i,
+                    "] = ", td[b * width + i], ": not a block of the pool (0 to ", blocks - 1, ")");
+    }
+  }
   at::Tensor out = at::empty_like(q);
   if (k_pool.scalar_type() == at::kChar) {           // the 8-bit format
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
