@@ -91,8 +91,8 @@ def test_over_cap_key_is_preempted_when_another_key_waits_for_room():
 
 def test_one_keys_backlog_does_not_429_another_key():
     engine, _ = sim_engine(queue_budget_s=2.0, max_rows=1)
-    engine.submit(make_request(1000, 100, api_key="a"))
-    engine.step()                                              # runs
+    engine.submit(make_request(1000, 10, api_key="a"))
+    engine.step()                                              # runs; its row frees in ≈ 0.25 s
     for _ in range(8):
         engine.submit(make_request(1000, 100, api_key="a"))    # 8 × 225 ms queued
     with pytest.raises(AdmissionRejected):
@@ -289,4 +289,40 @@ def test_running_prompts_not_yet_prefilled_count_against_the_queue_budget():
         engine.step()
     engine.submit(make_request(6000, 10))          # the backlog drained: admitted
     engine.run_until_idle()
+    engine.pool.check_all_free()
+
+
+def test_a_request_that_waits_for_a_row_counts_that_wait_against_the_budget():
+    # 32 rows decode 300-token answers (the average answer's default): at the design's 40 ms a
+    # 32-row step, each row has 290 tokens to go after 10 steps, 290 × 40 ms = 11.6 s. A short request that would
+    # wait for it is refused, though the work queued ahead of it is only its own 0.26 s.
+    engine, _ = sim_engine(num_blocks=4096, queue_budget_s=2.0)
+    for _ in range(32):
+        engine.submit(make_request(20, 300))
+    for _ in range(10):
+        engine.step()
+    running = engine.scheduler.running
+    assert len(running) == 32 and not any(r.is_prefilling for r in running)
+    engine.submit(make_request(20, 300))      # nothing is queued or prefilling: always admitted
+    with pytest.raises(AdmissionRejected) as refused:
+        engine.submit(make_request(20, 300))
+    free_ms = engine.scheduler.row_free_ms()
+    assert len(free_ms) == 32 and free_ms[0] == pytest.approx((300 - 10) * 40.0)
+    assert f"{free_ms[1] / 1000:.2f} s until running rows leave to seat it" in str(refused.value)
+    assert refused.value.retry_after_s == int(-(-(free_ms[1] - 2000.0) // 1000))
+
+
+def test_a_row_that_leaves_soon_seats_the_next_request():
+    # The same full batch with 20-token answers: its rows leave within 10 steps (0.4 s), so a
+    # request queued for one is admitted, and gets a row.
+    engine, _ = sim_engine(num_blocks=4096, queue_budget_s=2.0)
+    for _ in range(32):
+        engine.submit(make_request(20, 20))
+    for _ in range(10):
+        engine.step()
+    engine.submit(make_request(20, 20))
+    engine.submit(make_request(20, 20))
+    assert engine.scheduler.row_free_ms()[0] == pytest.approx((20 - 10) * 40.0)
+    engine.run_until_idle()
+    assert engine.scheduler.num_finished == 34
     engine.pool.check_all_free()

@@ -3,9 +3,10 @@ would see passes the budget.
 
 The delay is estimated in device time: the estimates (`Request.est_device_ms`) of the queued
 requests that would wait ahead of it for rows or KV blocks, itself included (`waiting_work_ms`),
-plus the prompt tokens that running rows have still to prefill before its own prompt's turn
-(`prefill_backlog_ms`): under chunked prefill a request usually joins the running batch at once,
-and what it then waits for is those prompts.
+or, when every row is taken, the time until enough running rows leave to seat them and it
+(`row_wait_ms`), whichever is longer, plus the prompt tokens that running rows have still to
+prefill before its own prompt's turn (`prefill_backlog_ms`): under chunked prefill a request
+usually joins the running batch at once, and what it then waits for is those prompts.
 Over the budget a key whose own waiting work is within its fair share is still admitted
 (`over_budget`). docs/architecture.md, "Admission and fairness".
 
@@ -18,13 +19,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.core.block_pool import BlockPool
 from engine.core.request import Request
 from engine.core.sched.fair_queue import FairQueue
 
-__all__ = ["AdmissionControl", "AdmissionRejected"]
+__all__ = ["AdmissionControl", "AdmissionRejected", "WaitingWork"]
 
 
 class AdmissionRejected(Exception):
@@ -37,6 +39,26 @@ class AdmissionRejected(Exception):
     def __init__(self, message: str, retry_after_s: int) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+@dataclass(frozen=True, slots=True)
+class WaitingWork:
+    """What a request would wait for if queued now (`AdmissionControl.waiting_work_ms`).
+
+    Attributes:
+        total_ms: device time of the queued work that waits ahead of it, itself included when it
+            waits too, all keys', ms.
+        own_ms: the part of `total_ms` of its own key, ms.
+        rows_short: rows that the waiting requests up to and including it need beyond those
+            free now (0 when it would join at the next step).
+        own_rows_short: the same for its own key's waiting requests alone (the rows it waits
+            for when the fair queue seats its key first).
+    """
+
+    total_ms: float
+    own_ms: float
+    rows_short: int
+    own_rows_short: int
 
 
 class AdmissionControl:
@@ -62,7 +84,7 @@ class AdmissionControl:
         self.num_rejected = 0
 
     def check(self, req: Request, queue: FairQueue, running: Sequence[Request], rows: int,
-              prefill_ms: Callable[[int], float]) -> None:
+              prefill_ms: Callable[[int], float], row_free_ms: Sequence[float] = ()) -> None:
         """Refuse `req` when queueing it now passes the budget (call only while something is
         queued or a running row is still prefilling: with neither, a request always gets in, so
         one large request is never refused forever; its own work never counts against it unless
@@ -74,23 +96,41 @@ class AdmissionControl:
             running: the running requests, oldest first.
             rows: the rows a join may fill (`StepBudget.queue_rows`).
             prefill_ms: device time of prefilling n prompt tokens, ms (`CostModel.prefill_ms`).
+            row_free_ms: when each running row is expected to leave, ms from now, ascending
+                (`Scheduler.row_free_ms`); empty: no row-wait term.
         Raises:
             AdmissionRejected: over budget; `retry_after_s` is the excess in whole seconds (the
                 device drains one device-second of waiting work per second), at least 1.
         """
         budget_ms = self.config.queue_budget_s * 1000.0
-        queued, own = self.waiting_work_ms(req, queue, running, rows)
+        work = self.waiting_work_ms(req, queue, running, rows)
+        row_wait = self.row_wait_ms(work.rows_short, row_free_ms)
+        own_row_wait = self.row_wait_ms(work.own_rows_short, row_free_ms)
         backlog, own_backlog = self.prefill_backlog_ms(req, running, prefill_ms)
-        total = queued + backlog
-        if self.over_budget(req, total, own + own_backlog, budget_ms, queue):
+        total = max(work.total_ms, row_wait) + backlog
+        own = max(work.own_ms, own_row_wait) + own_backlog
+        if self.over_budget(req, total, own, budget_ms, queue):
             self.num_rejected += 1
             excess_ms = total - budget_ms
             raise AdmissionRejected(
                 f"queueing this request makes {total / 1000:.2f} device-seconds of waiting work "
                 f"({backlog / 1000:.2f} s of running prompts not yet prefilled ahead of it, "
-                f"{queued / 1000:.2f} s queued for rows or KV blocks, itself included when it waits "
-                f"too), budget {self.config.queue_budget_s:g} s",
+                f"{work.total_ms / 1000:.2f} s queued for rows or KV blocks, itself included when it "
+                f"waits too; {row_wait / 1000:.2f} s until running rows leave to seat it), "
+                f"budget {self.config.queue_budget_s:g} s",
                 max(1, math.ceil(excess_ms / 1000.0)))
+
+    @staticmethod
+    def row_wait_ms(rows_short: int, row_free_ms: Sequence[float]) -> float:
+        """Time until `rows_short` more rows are free, ms: the `rows_short`-th of `row_free_ms`
+        (each running row's expected leaving time, ascending). Past the last running row, the
+        rows that later joiners take are assumed to turn over as slowly as the slowest of these,
+        once per round of `len(row_free_ms)` rows. 0.0 with no rows short or none running.
+        """
+        if rows_short <= 0 or not row_free_ms:
+            return 0.0
+        rounds, index = divmod(rows_short - 1, len(row_free_ms))
+        return row_free_ms[index] + rounds * row_free_ms[-1]
 
     @staticmethod
     def prefill_backlog_ms(req: Request, running: Sequence[Request],
@@ -116,9 +156,10 @@ class AdmissionControl:
         return total, own
 
     def waiting_work_ms(self, req: Request, queue: FairQueue, running: Sequence[Request],
-                        rows: int) -> tuple[float, float]:
+                        rows: int) -> WaitingWork:
         """The queueing delay `req` would see if queued now, as device-ms of work that waits ahead
-        of it, itself included: (all keys', `req`'s key's).
+        of it, itself included (all keys', `req`'s key's), and the rows those waiting requests
+        need beyond the free ones.
 
         Under continuous batching the queued requests and `req` are taken in the join's order
         (keys under `per_key_rows` first, then the least-served key, then arrival; a key that
@@ -157,6 +198,7 @@ class AdmissionControl:
         reserved = sum(self.pool.blocks_needed(r.request_id, r.num_prompt)
                        for r in running if r.is_prefilling)
         blocks_free = self.pool.num_free - reserved - self.margin_blocks
+        waiting_rows = own_rows = 0
         for r in order:
             need = cfg.blocks_for(r.num_prompt)
             key = r.api_key
@@ -170,18 +212,21 @@ class AdmissionControl:
             else:
                 blocked = True
                 total += r.est_device_ms
+                waiting_rows += r.n
                 if key == req.api_key:
                     own += r.est_device_ms
+                    own_rows += r.n
             if r is req:
                 break
-        return total, own
+        free = max(0, rows_free)
+        return WaitingWork(total, own, max(0, waiting_rows - free), max(0, own_rows - free))
 
     def over_budget(self, req: Request, total: float, own: float, budget_ms: float,
                     queue: FairQueue) -> bool:
         """Whether queueing `req` passes the budget, with a fair share per key.
 
-        `total` and `own` are the waiting work with `req`, all keys' and `req`'s key's
-        (`waiting_work_ms`), and `budget_ms` the budget, ms. Over the budget, a key whose own
+        `total` and `own` are the waiting work with `req`, all keys' and `req`'s key's (`check`),
+        and `budget_ms` the budget, ms. Over the budget, a key whose own
         waiting work stays within budget / active keys is still admitted, so one key's backlog
         cannot make everyone else's requests 429; the total is then bounded by twice the budget.
         """

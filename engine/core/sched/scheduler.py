@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.core.block_pool import BlockPool
-from engine.core.cost_model import CostModel
+from engine.core.cost_model import CostModel, StepFeatures
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.outputs import FinishReason, PromptLogprobs, SampledTokens, TokenEvent
 from engine.core.plan import Segment, StepPlan
@@ -133,7 +133,8 @@ class Scheduler:
             child.arrival_s, child.deadline_s = req.arrival_s, req.deadline_s
         if self.queue.depth or any(r.is_prefilling for r in self.running):
             rows = self.budget.queue_rows()
-            self.admission.check(req, self.queue, self.running, rows, self.cost.prefill_ms)
+            row_free = self.row_free_ms() if self.batching.joins_between_steps else ()
+            self.admission.check(req, self.queue, self.running, rows, self.cost.prefill_ms, row_free)
         req.state = RequestState.QUEUED
         self.queue.enqueue(req)
         self.by_id[req.request_id] = req
@@ -146,6 +147,30 @@ class Scheduler:
         """Flag `req` and its samples for cancellation at the next step boundary."""
         for r in (req, *req.children):
             r.cancel_requested = True
+
+    def row_free_ms(self) -> list[float]:
+        """When each running row is expected to leave, ms from now, ascending (admission control's
+        wait for a row, `AdmissionControl.row_wait_ms`).
+
+        A row's tokens still to come are min(max_tokens, the average answer) less those it has
+        (at least 1), plus one step per `prefill_token_budget` tokens of its prompt still to
+        prefill; each costs the cost model's step of the running batch (its rows, their
+        contexts, no prefill). An estimate that errs toward admitting: a row already past the
+        average answer is taken to leave at the next step.
+        """
+        if not self.running:
+            return []
+        step = self.cost.step_ms(StepFeatures(rows=len(self.running),
+                                              context=sum(r.num_tokens for r in self.running)))
+        avg = self.averages.output_tokens
+        budget = self.config.prefill_token_budget
+        left = []
+        for r in self.running:
+            tokens = max(1.0, min(r.max_tokens, avg) - len(r.generated))
+            if r.is_prefilling:
+                tokens += math.ceil((r.num_prompt - r.num_computed) / budget)
+            left.append(tokens * step)
+        return sorted(left)
 
     def full_rows(self) -> int:
         """Rows of a full step, for the device-time estimates of admission control
