@@ -59,6 +59,7 @@
 #include <memory>
 
 #include "genserve_ops.h"
+#include "prefetch.h"
 
 namespace {
 
@@ -196,7 +197,7 @@ struct Q8_0 {
 template <class D>
 inline void prefetch_groups(const uint8_t* groups) {
   for (int64_t o = 0; o < 2 * D::GROUP_BYTES; o += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(groups + o), _MM_HINT_T0);
+    genserve::prefetch_l1(groups + o);
 }
 
 // The C tiles tmm0-3, the sums of every path, start from zero.

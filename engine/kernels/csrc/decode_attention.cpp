@@ -22,6 +22,7 @@
 #include "avx512_math.h"
 #include "bf16.h"
 #include "genserve_ops.h"
+#include "prefetch.h"
 
 #include <algorithm>
 #include <atomic>
@@ -115,16 +116,6 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_pool, const at::Tens
   });
 }
 
-#if defined(__x86_64__) || defined(__i386__)
-// PREFETCHT1 of the cache line holding `p`, as an asm statement: GCC 12 drops `_mm_prefetch`
-// (`__builtin_prefetch`) from loops it vectorizes or unrolls in some forms, silently (a refactor
-// of this file into a helper once left no prefetch in the object code, at twice the time). For
-// the AVX2 and the AVX512 kernels below.
-inline void prefetch_l2(const void* p) {
-  asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
-}
-#endif
-
 #if defined(__AVX2__) && defined(__FMA__) && !(defined(__AVX512BF16__) && defined(__AVX512BW__))
 #define GENSERVE_DECODE_AVX2 1
 
@@ -204,7 +195,7 @@ void decode_kernel_avx2(const at::Tensor& q, const at::Tensor& k_pool, const at:
           if (i * block + t >= len) return;
           const char* row = reinterpret_cast<const char*>(
               pool + table[i] * block_stride + t * token_stride + h * D + offset);
-          for (int l = 0; l < lines; ++l) prefetch_l2(row + 64 * l);
+          for (int l = 0; l < lines; ++l) genserve::prefetch_l2(row + 64 * l);
         };
         for (int64_t i = 1; i < AVX2_PREFETCH_BLOCKS; ++i)
           for (int64_t t = 0; t < block; ++t) prefetch_block(i, t);
@@ -487,8 +478,8 @@ inline void prefetch_row(const char* base, int64_t t, int64_t rows, int64_t hl, 
   if (t >= rows) return;
   constexpr int64_t bytes = R::WIDTH * sizeof(typename R::Elem);
   const char* p = base + (t * ts + hl * R::WIDTH) * sizeof(typename R::Elem);
-  prefetch_l2(p);
-  prefetch_l2(p + bytes - 1);
+  genserve::prefetch_l2(p);
+  genserve::prefetch_l2(p + bytes - 1);
 }
 
 // Chunk `c` of row `b`, KV heads h0 .. h0 + nh − 1. `load_q`: pack and load the row's Qᵀ tiles

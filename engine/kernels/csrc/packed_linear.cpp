@@ -36,6 +36,8 @@
 
 #include <immintrin.h>
 
+#include "prefetch.h"
+
 #include <algorithm>
 #include <cstdint>
 
@@ -75,7 +77,7 @@ void block_rows(const uint32_t* x, const uint16_t* block, int64_t kp, int64_t ch
       const uint16_t* w_row = block + j * BLOCK_N * 2;
       if (pf.next != nullptr && j == next_pf) {
         for (int c = 0; c < COLS; ++c)
-          _mm_prefetch(pf.next + (j * BLOCK_N * 2 + c * 32) * 2, _MM_HINT_T0);
+          genserve::prefetch_l1(pf.next + (j * BLOCK_N * 2 + c * 32) * 2);
         next_pf += pf.step;
       }
       __m512bh w[COLS];

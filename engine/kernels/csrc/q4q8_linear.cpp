@@ -62,6 +62,8 @@
 #ifdef GENSERVE_Q4Q8_LINEAR
 #include <immintrin.h>
 
+#include "prefetch.h"
+
 #include <algorithm>
 #include <vector>
 #endif
@@ -97,7 +99,7 @@ void with_rows(int rows, Run&& run) {
 // alone kept the cores at about 20 GB/s; later tiles find the panel in cache.
 inline void prefetch_ahead(const uint8_t* blk, int64_t block_bytes) {
   const char* ahead = reinterpret_cast<const char*>(blk + PREFETCH_BLOCKS * block_bytes);
-  for (int64_t line = 0; line < block_bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+  for (int64_t line = 0; line < block_bytes; line += 64) genserve::prefetch_l1(ahead + line);
 }
 #endif
 
