@@ -91,8 +91,8 @@ def test_over_cap_key_is_preempted_when_another_key_waits_for_room():
 
 def test_one_keys_backlog_does_not_429_another_key():
     engine, _ = sim_engine(queue_budget_s=2.0, max_rows=1)
-    engine.submit(make_request(1000, 10, api_key="a"))
-    engine.step()                                              # runs; its row frees in ≈ 0.25 s
+    engine.submit(make_request(1000, 100, api_key="a"))
+    engine.step()                                              # runs
     for _ in range(8):
         engine.submit(make_request(1000, 100, api_key="a"))    # 8 × 225 ms queued
     with pytest.raises(AdmissionRejected):
@@ -293,28 +293,47 @@ def test_running_prompts_not_yet_prefilled_count_against_the_queue_budget():
 
 
 def test_a_request_that_waits_for_a_row_counts_that_wait_against_the_budget():
-    # 32 rows decode 300-token answers (the average answer's default): at the design's 40 ms a
-    # 32-row step, each row has 290 tokens to go after 10 steps, 290 × 40 ms = 11.6 s. A short request that would
-    # wait for it is refused, though the work queued ahead of it is only its own 0.26 s.
+    # One key fills the 32 rows with answers of 200, 210, ..., 510 tokens (the average answer is
+    # 300 until one finishes, so a row's tokens to come are min(max_tokens, 300) less those it
+    # has). After 10 steps the first rows leave in (200 - 10) × 40 ms = 7.6 s and (210 - 10) ×
+    # 40 ms = 8.0 s. The first extra request is admitted (nothing queued or prefilling); the
+    # second would need the second row to leave, though the work queued ahead is only the two
+    # requests' own 0.26 s each, and is refused.
     engine, _ = sim_engine(num_blocks=4096, queue_budget_s=2.0)
-    for _ in range(32):
-        engine.submit(make_request(20, 300))
+    for i in range(32):
+        engine.submit(make_request(20, 200 + 10 * i))
     for _ in range(10):
         engine.step()
     running = engine.scheduler.running
     assert len(running) == 32 and not any(r.is_prefilling for r in running)
-    engine.submit(make_request(20, 300))      # nothing is queued or prefilling: always admitted
+    free_ms = engine.scheduler.row_free_ms()
+    assert free_ms[:3] == pytest.approx([190 * 40.0, 200 * 40.0, 210 * 40.0])
+    assert free_ms[-1] == pytest.approx(290 * 40.0)        # 300 - 10 for every row from 300 on
+    engine.submit(make_request(20, 300))
     with pytest.raises(AdmissionRejected) as refused:
         engine.submit(make_request(20, 300))
-    free_ms = engine.scheduler.row_free_ms()
-    assert len(free_ms) == 32 and free_ms[0] == pytest.approx((300 - 10) * 40.0)
-    assert f"{free_ms[1] / 1000:.2f} s until running rows leave to seat it" in str(refused.value)
-    assert refused.value.retry_after_s == int(-(-(free_ms[1] - 2000.0) // 1000))
+    assert "8.00 s until running rows leave to seat it" in str(refused.value)
+    assert refused.value.retry_after_s == 6                # 8.0 s against the 2 s budget
+    # another key is seated by preempting the full key (it holds more than its 8-row cap), so
+    # the full rows do not refuse it
+    engine.submit(make_request(20, 300, api_key="light"))
+
+
+def test_row_wait_picks_the_row_that_seats_the_request():
+    from engine.core.sched.admission import AdmissionControl
+
+    assert AdmissionControl.row_wait_ms(0, [100.0, 200.0]) == 0.0
+    assert AdmissionControl.row_wait_ms(3, []) == 0.0
+    assert AdmissionControl.row_wait_ms(1, [100.0, 200.0]) == 100.0
+    assert AdmissionControl.row_wait_ms(2, [100.0, 200.0]) == 200.0
+    # past the running rows: a further round at the slowest row's pace
+    assert AdmissionControl.row_wait_ms(3, [100.0, 200.0]) == 300.0
+    assert AdmissionControl.row_wait_ms(5, [100.0, 200.0]) == 500.0
 
 
 def test_a_row_that_leaves_soon_seats_the_next_request():
-    # The same full batch with 20-token answers: its rows leave within 10 steps (0.4 s), so a
-    # request queued for one is admitted, and gets a row.
+    # The same full batch with 20-token answers: its rows leave within 10 steps (0.4 s), so
+    # requests queued for them are admitted, and get rows.
     engine, _ = sim_engine(num_blocks=4096, queue_budget_s=2.0)
     for _ in range(32):
         engine.submit(make_request(20, 20))

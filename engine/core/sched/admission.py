@@ -3,10 +3,11 @@ would see passes the budget.
 
 The delay is estimated in device time: the estimates (`Request.est_device_ms`) of the queued
 requests that would wait ahead of it for rows or KV blocks, itself included (`waiting_work_ms`),
-or, when every row is taken, the time until enough running rows leave to seat them and it
-(`row_wait_ms`), whichever is longer, plus the prompt tokens that running rows have still to
-prefill before its own prompt's turn (`prefill_backlog_ms`): under chunked prefill a request
-usually joins the running batch at once, and what it then waits for is those prompts.
+plus the prompt tokens that running rows have still to prefill before its own prompt's turn
+(`prefill_backlog_ms`): under chunked prefill a request usually joins the running batch at once,
+and what it then waits for is those prompts. When every row is taken and its key holds rows up to
+its cap or more, the time until enough running rows leave to seat the waiting requests and it
+(`row_wait_ms`) counts instead where it is longer.
 Over the budget a key whose own waiting work is within its fair share is still admitted
 (`over_budget`). docs/architecture.md, "Admission and fairness".
 
@@ -90,6 +91,12 @@ class AdmissionControl:
         one large request is never refused forever; its own work never counts against it unless
         it has to wait for rows or blocks).
 
+        The wait for running rows to leave (`row_wait_ms`) counts only under continuous batching
+        and only when `req`'s key already holds `per_key_rows` running rows or more: then it is
+        the key filling the batch and waits behind its own rows. A lighter key is seated by the
+        join before it (or by preempting an over-cap key), so another key's full rows never
+        refuse it; that leaves many keys each under the cap filling every row uncounted.
+
         Args:
             req: the request, its `est_device_ms` set.
             queue: the waiting requests and the keys' accounts.
@@ -104,16 +111,23 @@ class AdmissionControl:
         """
         budget_ms = self.config.queue_budget_s * 1000.0
         work = self.waiting_work_ms(req, queue, running, rows)
-        row_wait = self.row_wait_ms(work.rows_short, row_free_ms)
-        own_row_wait = self.row_wait_ms(work.own_rows_short, row_free_ms)
         backlog, own_backlog = self.prefill_backlog_ms(req, running, prefill_ms)
-        total = max(work.total_ms, row_wait) + backlog
-        own = max(work.own_ms, own_row_wait) + own_backlog
+        total = work.total_ms + backlog
+        own = work.own_ms + own_backlog
+        row_wait = 0.0
+        usage = queue.usage.get(req.api_key)
+        if (self.joins_between_steps and usage is not None
+                and usage.running_rows >= self.config.per_key_rows):
+            # Once its rows are free, the running prompts counted in `backlog` are prefilled
+            # (row_free_ms includes their steps), so the row wait replaces both terms.
+            row_wait = self.row_wait_ms(work.rows_short, row_free_ms)
+            total = max(total, row_wait)
+            own = max(own, self.row_wait_ms(work.own_rows_short, row_free_ms))
         if self.over_budget(req, total, own, budget_ms, queue):
             self.num_rejected += 1
             excess_ms = total - budget_ms
             raise AdmissionRejected(
-                f"queueing this request makes {total / 1000:.2f} device-seconds of waiting work "
+                f"queueing this request makes {total / 1000:.2f} s of waiting "
                 f"({backlog / 1000:.2f} s of running prompts not yet prefilled ahead of it, "
                 f"{work.total_ms / 1000:.2f} s queued for rows or KV blocks, itself included when it "
                 f"waits too; {row_wait / 1000:.2f} s until running rows leave to seat it), "
@@ -218,8 +232,8 @@ class AdmissionControl:
                     own_rows += r.n
             if r is req:
                 break
-        free = max(0, rows_free)
-        return WaitingWork(total, own, max(0, waiting_rows - free), max(0, own_rows - free))
+        # rows_free < 0 when pending forks already need more rows than are free
+        return WaitingWork(total, own, max(0, waiting_rows - rows_free), max(0, own_rows - rows_free))
 
     def over_budget(self, req: Request, total: float, own: float, budget_ms: float,
                     queue: FairQueue) -> bool:

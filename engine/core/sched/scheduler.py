@@ -119,7 +119,9 @@ class Scheduler:
             AdmissionRejected: the queueing delay this request would see, in device-seconds of
                 work ahead that waits for rows or blocks (`AdmissionControl.waiting_work_ms`,
                 with its own estimate when it would wait too) and of running prompts not yet
-                prefilled that go before it (`AdmissionControl.prefill_backlog_ms`), passes
+                prefilled that go before it (`AdmissionControl.prefill_backlog_ms`), or, for a
+                key holding `per_key_rows` rows or more while every row is taken, in seconds
+                until running rows leave to seat it (`AdmissionControl.row_wait_ms`), passes
                 `config.queue_budget_s` (only while something else is queued or prefilling).
             ValueError: a request with the same id is already in the engine.
         """
@@ -133,8 +135,8 @@ class Scheduler:
             child.arrival_s, child.deadline_s = req.arrival_s, req.deadline_s
         if self.queue.depth or any(r.is_prefilling for r in self.running):
             rows = self.budget.queue_rows()
-            row_free = self.row_free_ms() if self.batching.joins_between_steps else ()
-            self.admission.check(req, self.queue, self.running, rows, self.cost.prefill_ms, row_free)
+            self.admission.check(req, self.queue, self.running, rows, self.cost.prefill_ms,
+                                 self.row_free_ms())
         req.state = RequestState.QUEUED
         self.queue.enqueue(req)
         self.by_id[req.request_id] = req
