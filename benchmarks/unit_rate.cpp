@@ -3,10 +3,10 @@
 // products are measured against, on the same cores in the same run (this machine's speed moves by
 // up to 2x between hours, so a figure from a data sheet or another day is no ceiling).
 //
-// Each thread runs `iters` times 12 independent instructions, one per accumulator (12 chains: the
-// 4-5-cycle latency of a multiply-accumulate needs about 8 in flight to keep one unit busy), with
-// the accumulators in 12 named registers: in an array GCC kept them on the stack (a load and a
-// store around every instruction, half the rate).
+// Each thread runs `iters` times 12 independent instructions, one per accumulator (12 chains: a
+// 4-5-cycle latency on two units needs about 10 in flight), with the accumulators in named
+// registers: in an array GCC kept them on the stack (a load and a store around every
+// instruction, half the rate).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -14,6 +14,7 @@
 #include <omp.h>
 
 #include <chrono>
+#include <cstdint>
 #include <string>
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -25,12 +26,14 @@ namespace genserve_unit_rate {
 
 #ifdef UNIT_RATE_AVX512
 #define UR_EACH(op) op(0) op(1) op(2) op(3) op(4) op(5) op(6) op(7) op(8) op(9) op(10) op(11)
+#define UR_EXTRA(op) op(12) op(13) op(14) op(15) op(16) op(17)
 
 // Seconds this thread takes for iters x 12 instructions of `kind`.
 double run_one(int kind, int64_t iters) {
   const __m512i w = _mm512_set1_epi8(3), x = _mm512_set1_epi8(5);
 #define UR_INIT(i) __m512i a##i = _mm512_set1_epi32(i);
   UR_EACH(UR_INIT)
+  UR_EXTRA(UR_INIT)
   const auto start = std::chrono::steady_clock::now();
   if (kind == 0) {
     for (int64_t it = 0; it < iters; ++it) {
@@ -51,25 +54,26 @@ double run_one(int kind, int64_t iters) {
       UR_EACH(UR_FMA)
     }
   } else {
-    // 8 vpdpbusd beside 4 vfmadd231ps, each on its own chain
+    // 12 vpdpbusd (as many chains as the plain loop) beside 6 vfmadd231ps, each on its own chain
     for (int64_t it = 0; it < iters; ++it) {
-      UR_VNNI(0) UR_VNNI(1) UR_VNNI(2) UR_VNNI(3) UR_VNNI(4) UR_VNNI(5) UR_VNNI(6) UR_VNNI(7)
-      UR_FMA(8) UR_FMA(9) UR_FMA(10) UR_FMA(11)
+      UR_EACH(UR_VNNI)
+      UR_FMA(12) UR_FMA(13) UR_FMA(14) UR_FMA(15) UR_FMA(16) UR_FMA(17)
     }
   }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  // Keep every chain's result alive.
-#define UR_SUM(i) +_mm512_reduce_add_epi32(a##i)
-  volatile int sink = 0 UR_EACH(UR_SUM);
+  // Keep every chain's result alive (unsigned: the lanes' sums wrap, which is defined for it).
+#define UR_SUM(i) +static_cast<uint32_t>(_mm512_reduce_add_epi32(a##i))
+  volatile uint32_t sink = 0u UR_EACH(UR_SUM) UR_EXTRA(UR_SUM);
   (void)sink;
   return seconds;
 }
 #endif
 
 // kind: "vpdpbusd" (64 int8 multiply-adds an instruction), "vdpbf16ps" (32 bf16 ones), "vfmadd"
-// (vfmadd231ps zmm, 16 fp32 ones) or "mix" (8 vpdpbusd beside 4 vfmadd231ps: whether the two
+// (vfmadd231ps zmm, 16 fp32 ones) or "mix" (12 vpdpbusd beside 6 vfmadd231ps: whether the two
 // share the host's units). Returns float64 [threads]: each of torch's threads' instructions per
-// second (for "mix", its vpdpbusd alone), all threads running at once.
+// second (for "mix", its vpdpbusd alone), all threads running at once. Raises (RuntimeError) on
+// a bad kind or iters, or when OpenMP ran fewer threads than torch's count.
 at::Tensor instruction_rate(const std::string& kind, int64_t iters) {
 #ifdef UNIT_RATE_AVX512
   const int code = kind == "vpdpbusd" ? 0 : kind == "vdpbf16ps" ? 1 : kind == "vfmadd" ? 2
@@ -79,11 +83,15 @@ at::Tensor instruction_rate(const std::string& kind, int64_t iters) {
   const int threads = at::get_num_threads();
   at::Tensor rates = at::zeros({threads}, at::kDouble);
   double* out = rates.data_ptr<double>();
+  int ran = 0;
 #pragma omp parallel num_threads(threads)
   {
     const double seconds = run_one(code, iters);
-    out[omp_get_thread_num()] = (code == 3 ? 8.0 : 12.0) * static_cast<double>(iters) / seconds;
+    out[omp_get_thread_num()] = 12.0 * static_cast<double>(iters) / seconds;
+#pragma omp single
+    ran = omp_get_num_threads();
   }
+  TORCH_CHECK(ran == threads, "instruction_rate: OpenMP ran ", ran, " threads of ", threads);
   return rates;
 #else
   TORCH_CHECK(false, "instruction_rate needs a build with AVX512-VNNI and AVX512-BF16");

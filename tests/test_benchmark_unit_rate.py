@@ -9,8 +9,10 @@ import torch
 from benchmarks import unit_rate
 from engine import kernels
 
-needs_avx512 = pytest.mark.skipif(not {"avx512_vnni", "avx512_bf16"} <= kernels.cpu_flags(),
-                                  reason="the loops are AVX512-VNNI and AVX512-BF16 instructions")
+needs_avx512 = pytest.mark.skipif(
+    not {"avx512_vnni", "avx512_bf16"} <= kernels.cpu_flags() or not kernels.q4q8_linear_available(),
+    reason="the loops are AVX512-VNNI and AVX512-BF16 instructions (and the compiler must emit them: "
+           "genserve's own VNNI kernels built here)")
 
 
 @needs_avx512
@@ -34,19 +36,21 @@ def test_unknown_kind_and_bad_iterations_raise():
 
 
 def test_shapes_are_the_embedded_models():
-    # SmolLM2-135M: hidden 576, 9 query heads and 3 KV heads of 64, intermediate 1,536,
-    # vocabulary 49,152
-    assert unit_rate.BLOCK_SHAPES == {"wqkv": (576 + 2 * 192, 576), "wo": (576, 576),
-                                      "w13": (2 * 1536, 576), "w2": (576, 1536)}
-    assert unit_rate.OUTPUT_SHAPE == (49152, 576)
-    # the tile's instruction counts give the bound the docstring states
-    assert round(unit_rate.TILE_VPDPBUSD / (unit_rate.TILE_VPDPBUSD + unit_rate.TILE_FMA_UNIT_OPS), 2) == 0.73
+    # the block matrices and the output projection of SmolLM2-135M (engine.model.llama's
+    # ModelArgs, whose values are the GGUF's metadata)
+    from engine.model.llama import ModelArgs
+
+    m = ModelArgs.smollm2_135m()
+    kv = m.n_kv_heads * m.head_dim
+    assert unit_rate.BLOCK_SHAPES == {"wqkv": (m.dim + 2 * kv, m.dim), "wo": (m.dim, m.dim),
+                                      "w13": (2 * m.intermediate_size, m.dim),
+                                      "w2": (m.dim, m.intermediate_size)}
+    assert unit_rate.OUTPUT_SHAPE == (m.vocab_size, m.dim)
 
 
 def test_bad_arguments_are_refused(capsys):
-    if not {"avx512_vnni", "avx512_bf16"} <= kernels.cpu_flags() or not kernels.q4q8_linear_available():
-        assert unit_rate.main(["--rows", "32"]) == 1
-        return
-    with pytest.raises(SystemExit):
-        unit_rate.main(["--rows", "0"])
-    assert "must be >= 1" in capsys.readouterr().err
+    for argv, message in ((["--rows", "0"], "must be >= 1"), (["--rows", "a,32"], "whole numbers"),
+                          (["--rounds", "0"], "must be >= 1")):
+        with pytest.raises(SystemExit):
+            unit_rate.main(argv)
+        assert message in capsys.readouterr().err
