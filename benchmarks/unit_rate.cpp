@@ -3,7 +3,7 @@
 // products are measured against, on the same cores in the same run (this machine's speed moves by
 // up to 2x between hours, so a figure from a data sheet or another day is no ceiling).
 //
-// Each thread runs `iters` times 12 independent instructions, one per accumulator (12 chains: a
+// Each thread runs `iters` times 12 independent instructions (18 in the mixed loop), one per accumulator (12 chains: a
 // 4-5-cycle latency on two units needs about 10 in flight), with the accumulators in named
 // registers: in an array GCC kept them on the stack (a load and a store around every
 // instruction, half the rate).
@@ -28,7 +28,7 @@ namespace genserve_unit_rate {
 #define UR_EACH(op) op(0) op(1) op(2) op(3) op(4) op(5) op(6) op(7) op(8) op(9) op(10) op(11)
 #define UR_EXTRA(op) op(12) op(13) op(14) op(15) op(16) op(17)
 
-// Seconds this thread takes for iters x 12 instructions of `kind`.
+// Seconds this thread takes for `iters` passes of its loop (12 instructions, or 18 for "mix").
 double run_one(int kind, int64_t iters) {
   const __m512i w = _mm512_set1_epi8(3), x = _mm512_set1_epi8(5);
 #define UR_INIT(i) __m512i a##i = _mm512_set1_epi32(i);

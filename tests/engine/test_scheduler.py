@@ -91,7 +91,9 @@ def test_over_cap_key_is_preempted_when_another_key_waits_for_room():
 
 def test_one_keys_backlog_does_not_429_another_key():
     engine, _ = sim_engine(queue_budget_s=2.0, max_rows=1)
-    engine.submit(make_request(1000, 100, api_key="a"))
+    # a holds the only row: its own requests also count the wait for that row, 9 × 25 ms after
+    # the first step, and each one queued ahead adds a round of it (the same 225 ms as its work)
+    engine.submit(make_request(1000, 10, api_key="a"))
     engine.step()                                              # runs
     for _ in range(8):
         engine.submit(make_request(1000, 100, api_key="a"))    # 8 × 225 ms queued
@@ -298,7 +300,7 @@ def test_a_request_that_waits_for_a_row_counts_that_wait_against_the_budget():
     # has). After 10 steps the first rows leave in (200 - 10) × 40 ms = 7.6 s and (210 - 10) ×
     # 40 ms = 8.0 s. The first extra request is admitted (nothing queued or prefilling); the
     # second would need the second row to leave, though the work queued ahead is only the two
-    # requests' own 0.26 s each, and is refused.
+    # requests' own 20 × 0.1 + 300 × 1.25 = 377 ms each, and is refused.
     engine, _ = sim_engine(num_blocks=4096, queue_budget_s=2.0)
     for i in range(32):
         engine.submit(make_request(20, 200 + 10 * i))
@@ -317,6 +319,25 @@ def test_a_request_that_waits_for_a_row_counts_that_wait_against_the_budget():
     # another key is seated by preempting the full key (it holds more than its 8-row cap), so
     # the full rows do not refuse it
     engine.submit(make_request(20, 300, api_key="light"))
+
+
+def test_the_row_wait_counts_for_a_key_at_its_cap_and_not_for_a_lighter_one():
+    # Four keys hold 8 rows each (the cap; none over it, so nothing is preempted for a newcomer)
+    # with long answers: every row leaves in more than 7 s.
+    engine, _ = sim_engine(num_blocks=4096, queue_budget_s=2.0)
+    for key in "abcd":
+        for i in range(8):
+            engine.submit(make_request(20, 250 + 10 * i, api_key=key))
+    for _ in range(10):
+        engine.step()
+    assert [engine.scheduler.usage[k].running_rows for k in "abcd"] == [8, 8, 8, 8]
+    engine.submit(make_request(20, 300, api_key="a"))     # nothing queued: admitted
+    # a key at its cap waits behind the full rows: refused
+    with pytest.raises(AdmissionRejected, match="until running rows leave"):
+        engine.submit(make_request(20, 300, api_key="b"))
+    # a key with no rows is seated by the next join before them: only its own work counts
+    engine.submit(make_request(20, 300, api_key="light"))
+    assert engine.stats().queue_depth == 2
 
 
 def test_row_wait_picks_the_row_that_seats_the_request():

@@ -54,12 +54,15 @@ class WaitingWork:
             free now (0 when it would join at the next step).
         own_rows_short: the same for its own key's waiting requests alone (the rows it waits
             for when the fair queue seats its key first).
+        key_rows: rows its key holds once the requests the replay seats ahead of it have joined
+            (running rows, plus those joins).
     """
 
     total_ms: float
     own_ms: float
     rows_short: int
     own_rows_short: int
+    key_rows: int
 
 
 class AdmissionControl:
@@ -92,10 +95,13 @@ class AdmissionControl:
         it has to wait for rows or blocks).
 
         The wait for running rows to leave (`row_wait_ms`) counts only under continuous batching
-        and only when `req`'s key already holds `per_key_rows` running rows or more: then it is
-        the key filling the batch and waits behind its own rows. A lighter key is seated by the
-        join before it (or by preempting an over-cap key), so another key's full rows never
-        refuse it; that leaves many keys each under the cap filling every row uncounted.
+        and only when `req`'s key holds min(`per_key_rows`, `rows`) rows or more, counting the
+        queued ones the replay seats ahead of it (`WaitingWork.key_rows`): then it is the key
+        filling the batch and waits behind its own rows. A lighter key is seated by the join
+        before it (or by preempting an over-cap key), so another key's full rows never refuse
+        it; that leaves many keys each under the cap filling every row uncounted. The request
+        waits at least the row wait and at least the queued work plus the prefill backlog, so
+        the larger of the two counts.
 
         Args:
             req: the request, its `est_device_ms` set.
@@ -115,11 +121,7 @@ class AdmissionControl:
         total = work.total_ms + backlog
         own = work.own_ms + own_backlog
         row_wait = 0.0
-        usage = queue.usage.get(req.api_key)
-        if (self.joins_between_steps and usage is not None
-                and usage.running_rows >= self.config.per_key_rows):
-            # Once its rows are free, the running prompts counted in `backlog` are prefilled
-            # (row_free_ms includes their steps), so the row wait replaces both terms.
+        if self.joins_between_steps and work.key_rows >= min(self.config.per_key_rows, rows):
             row_wait = self.row_wait_ms(work.rows_short, row_free_ms)
             total = max(total, row_wait)
             own = max(own, self.row_wait_ms(work.own_rows_short, row_free_ms))
@@ -233,7 +235,8 @@ class AdmissionControl:
             if r is req:
                 break
         # rows_free < 0 when pending forks already need more rows than are free
-        return WaitingWork(total, own, max(0, waiting_rows - rows_free), max(0, own_rows - rows_free))
+        return WaitingWork(total, own, max(0, waiting_rows - rows_free), max(0, own_rows - rows_free),
+                           rows_of.get(req.api_key, 0))
 
     def over_budget(self, req: Request, total: float, own: float, budget_ms: float,
                     queue: FairQueue) -> bool:
