@@ -12,9 +12,7 @@ The source (e.g. the previous commit's, `git show REV:engine/kernels/csrc/q4q8_l
 
 from __future__ import annotations
 
-import os
 import pathlib
-import sys
 import tempfile
 import zlib
 
@@ -47,9 +45,7 @@ def build_baseline(path: str | pathlib.Path, renames: list[tuple[str, str]],
                      + b"".join(f.read_bytes() for f in sorted(CSRC.glob("*.h"))))
     out = pathlib.Path(tempfile.gettempdir()) / f"genserve_baseline_{tag:08x}.cpp"
     out.write_text(src)
-    bin_dir = str(pathlib.Path(sys.executable).parent)          # ninja, as engine.kernels finds it
-    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
-        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    kernels.put_ninja_on_path()
     cpp_extension.load(name=f"genserve_baseline_{tag:08x}", sources=[str(out)],
                        extra_cflags=flags, extra_include_paths=[str(CSRC)],
                        is_python_module=False, verbose=False)

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import sys
 import time
@@ -69,9 +68,7 @@ def build() -> Any:
     """
     from torch.utils import cpp_extension
 
-    bin_dir = str(pathlib.Path(sys.executable).parent)          # ninja, as engine.kernels finds it
-    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
-        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    kernels.put_ninja_on_path()
     tag = zlib.crc32(SOURCE.read_bytes() + " ".join(sorted(kernels.cpu_flags())).encode())
     cpp_extension.load(name=f"genserve_unit_rate_{tag:08x}", sources=[str(SOURCE)],
                        extra_cflags=kernels.CFLAGS, is_python_module=False, verbose=False)

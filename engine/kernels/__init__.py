@@ -103,6 +103,15 @@ def cpu_flags() -> frozenset[str]:
                            if line.startswith("flags")), []))
 
 
+def put_ninja_on_path() -> None:
+    """Put this interpreter's bin directory on PATH (once): ninja, which torch's extension builds
+    run, comes from the `ninja` wheel there, and the virtual environment need not be activated.
+    Every build of a C++ source here (the kernels, the benchmarks' variants) calls it first."""
+    bin_dir = str(pathlib.Path(sys.executable).parent)
+    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+
+
 def _build_name() -> str:
     """Extension name keyed by this CPU, the kernel code and the checkout: the build uses
     -march=native, and torch's cache is keyed by name, listed sources and flags only, so a home
@@ -174,11 +183,7 @@ def available() -> bool:
     try:
         from torch.utils import cpp_extension
 
-        # ninja comes from the `ninja` wheel next to this interpreter; make it findable even when
-        # the virtual environment is not activated.
-        bin_dir = str(pathlib.Path(sys.executable).parent)
-        if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
-            os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+        put_ninja_on_path()
         name = _build_name()
         directory = _build_directory(name)
         with build_lock(directory):

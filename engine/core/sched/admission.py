@@ -88,7 +88,8 @@ class AdmissionControl:
         self.num_rejected = 0
 
     def check(self, req: Request, queue: FairQueue, running: Sequence[Request], rows: int,
-              prefill_ms: Callable[[int], float], row_free_ms: Sequence[float] = ()) -> None:
+              prefill_ms: Callable[[int], float],
+              row_free_ms: Callable[[], Sequence[float]] | None = None) -> None:
         """Refuse `req` when queueing it now passes the budget (call only while something is
         queued or a running row is still prefilling: with neither, a request always gets in, so
         one large request is never refused forever; its own work never counts against it unless
@@ -109,8 +110,9 @@ class AdmissionControl:
             running: the running requests, oldest first.
             rows: the rows a join may fill (`StepBudget.queue_rows`).
             prefill_ms: device time of prefilling n prompt tokens, ms (`CostModel.prefill_ms`).
-            row_free_ms: when each running row is expected to leave, ms from now, ascending
-                (`Scheduler.row_free_ms`); empty: no row-wait term.
+            row_free_ms: returns when each running row is expected to leave, ms from now,
+                ascending (`Scheduler.row_free_ms`); called only when the row wait counts.
+                None: no row-wait term.
         Raises:
             AdmissionRejected: over budget; `retry_after_s` is the excess in whole seconds (the
                 device drains one device-second of waiting work per second), at least 1.
@@ -121,10 +123,12 @@ class AdmissionControl:
         total = work.total_ms + backlog
         own = work.own_ms + own_backlog
         row_wait = 0.0
-        if self.joins_between_steps and work.key_rows >= min(self.config.per_key_rows, rows):
-            row_wait = self.row_wait_ms(work.rows_short, row_free_ms)
+        if (row_free_ms is not None and self.joins_between_steps and work.rows_short
+                and work.key_rows >= min(self.config.per_key_rows, rows)):
+            free = row_free_ms()
+            row_wait = self.row_wait_ms(work.rows_short, free)
             total = max(total, row_wait)
-            own = max(own, self.row_wait_ms(work.own_rows_short, row_free_ms))
+            own = max(own, self.row_wait_ms(work.own_rows_short, free))
         if self.over_budget(req, total, own, budget_ms, queue):
             self.num_rejected += 1
             excess_ms = total - budget_ms
