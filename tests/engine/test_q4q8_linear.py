@@ -3,7 +3,8 @@ activations rounded to int8 per row and block of 32 (ggml's Q8_1), on AVX512-VNN
 (whichever this host's build has; both run the same operations in the same order). Against a
 reference in torch ops (the blocks dequantized exactly, x rounded the same way, the product in
 fp64) on random blocks at SmolLM2's shapes and on the embedded model's real first-layer blocks;
-a row's bits do not depend on the batch; zero rows and blocks give zeros; bad shapes raise."""
+a row's bits do not depend on the batch
+nor on the threads; zero rows and blocks give zeros; bad shapes raise."""
 
 from __future__ import annotations
 
@@ -101,6 +102,26 @@ def test_rows_do_not_depend_on_the_batch(n, k):
         batched = torch.cat([torch.ops.genserve.q4q8_linear(x[i:i + size].contiguous(), packed, n)
                              for i in range(0, 64, size)])
         assert torch.equal(batched, alone), f"batches of {size}"
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_outputs_do_not_depend_on_the_threads(n, k):
+    """Each output column is one thread's work from start to end, however the panels are split:
+    1, 2, 3 and 8 threads, each called five times, give one thread's bits."""
+    blocks = random_blocks(n, k, seed=4)
+    packed = q4q8_pack(blocks)
+    x = random_x(37, k, seed=5)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = torch.ops.genserve.q4q8_linear(x, packed, n)
+        for count in (2, 3, 8):
+            torch.set_num_threads(count)
+            for call in range(5):
+                assert torch.equal(torch.ops.genserve.q4q8_linear(x, packed, n), one), \
+                    f"{count} threads, call {call}"
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_zero_rows_and_blocks_give_zeros():

@@ -120,8 +120,9 @@ class Scheduler:
                 work ahead that waits for rows or blocks (`AdmissionControl.waiting_work_ms`,
                 with its own estimate when it would wait too) and of running prompts not yet
                 prefilled that go before it (`AdmissionControl.prefill_backlog_ms`), or, for a
-                key holding `per_key_rows` rows or more while every row is taken, in seconds
-                until running rows leave to seat it (`AdmissionControl.row_wait_ms`), passes
+                key holding min(`per_key_rows`, `max_rows`) rows or more (its queued requests
+                that join first included) while every row is taken, in seconds until running
+                rows leave to seat it (`AdmissionControl.row_wait_ms`), passes
                 `config.queue_budget_s` (only while something else is queued or prefilling).
             ValueError: a request with the same id is already in the engine.
         """
