@@ -27,7 +27,7 @@ from fastapi import Depends, Request
 from fastapi.responses import Response
 
 from bridge.errors import ApiError
-from bridge.protocol import ChatCompletionRequest, FINISH_REASON_NAME, timing_json
+from bridge.protocol import ChatCompletionRequest, FINISH_REASON_NAME, completion_timing, timing_json
 from bridge.serving import generate
 from bridge.state import BridgeState, bridge_state
 from bridge.tools import parse_tool_calls
@@ -69,6 +69,7 @@ class ChatCompletionBuilder:
         self._finish: dict[int, str | None] = {}
         self._completion_tokens: dict[int, int] = {}
         self._detail: dict[int, str] = {}
+        self._timing: dict[int, pb.Timing] = {}
         self.tools = tools
         self._calls: dict[int, list[dict]] = {}
         self._cached_tokens = 0
@@ -164,6 +165,8 @@ class ChatCompletionBuilder:
                 self.prompt_tokens = fin.usage.prompt_tokens or self.prompt_tokens
                 self._cached_tokens = max(self._cached_tokens, fin.usage.cached_tokens)
             self._detail[fin.index] = fin.detail
+            if fin.HasField("timing"):
+                self._timing[fin.index] = fin.timing
             extra: dict[str, Any] = {"timing": timing_json(fin.timing)}
             if fin.detail:
                 extra["detail"] = fin.detail
@@ -197,7 +200,7 @@ class ChatCompletionBuilder:
             choices.append(choice)
         return {"id": self.completion_id, "object": "chat.completion", "created": self.created,
                 "model": self.model, "choices": choices, "usage": self.usage(),
-                "request_id": self.request_id}
+                "timing": completion_timing(self._timing.values()), "request_id": self.request_id}
 
 
 async def chat_completions(body: ChatCompletionRequest, request: Request,

@@ -27,7 +27,7 @@ from fastapi import Depends, Request
 from fastapi.responses import Response
 
 from bridge.errors import ApiError, from_grpc
-from bridge.protocol import FINISH_REASON_NAME, CompletionRequest, timing_json, timing_ms
+from bridge.protocol import FINISH_REASON_NAME, CompletionRequest, completion_timing, timing_json
 from bridge.serving import generate
 from bridge.state import BridgeState, auth_metadata, bridge_state
 from genserve.v1 import generate_pb2 as pb
@@ -289,11 +289,7 @@ class CompletionBuilder:
             if sample.detail:
                 choice["detail"] = sample.detail
             choices.append(choice)
-        timings = [s.timing for s in self._samples.values() if s.timing is not None]
-        timing = None
-        if timings:
-            timing = timing_ms(max(t.queue_ms for t in timings), min(t.ttft_ms for t in timings),
-                               max(t.e2e_ms for t in timings))
+        timing = completion_timing(s.timing for s in self._samples.values() if s.timing is not None)
         return {
             "id": self.request_id,
             "object": "text_completion",

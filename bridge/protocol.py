@@ -13,6 +13,7 @@ parsed body.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Annotated, Any, ClassVar
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
@@ -74,6 +75,17 @@ def timing_ms(queue_ms: float, ttft_ms: float, e2e_ms: float) -> dict:
     TIMING_DECIMALS."""
     return {"queue_ms": round(queue_ms, TIMING_DECIMALS), "ttft_ms": round(ttft_ms, TIMING_DECIMALS),
             "e2e_ms": round(e2e_ms, TIMING_DECIMALS)}
+
+
+def completion_timing(timings: Iterable[pb.Timing]) -> dict | None:
+    """The `timing` object of a whole non-streamed completion from its samples' final timings:
+    the longest queue wait, the earliest first token and the latest end (ms, `timing_ms`);
+    None when no sample reported one."""
+    timings = list(timings)
+    if not timings:
+        return None
+    return timing_ms(max(t.queue_ms for t in timings), min(t.ttft_ms for t in timings),
+                     max(t.e2e_ms for t in timings))
 
 
 def stop_list(value: Any) -> list[str] | None:

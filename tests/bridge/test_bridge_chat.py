@@ -40,6 +40,7 @@ async def test_whole_answer_is_a_chat_completion(client: httpx.AsyncClient):
     assert body["choices"][0]["logprobs"] is None
     assert body["usage"]["completion_tokens"] == 2 * len(TOKENS)
     assert body["usage"]["prompt_tokens"] == 4      # the fake counts the messages' words
+    assert body["timing"] == {"queue_ms": 1.5, "ttft_ms": 12.25, "e2e_ms": 40.0}   # as /v1/completions
 
 
 async def test_stream_opens_with_the_role_then_deltas_then_finish_and_usage(client: httpx.AsyncClient):
@@ -96,6 +97,23 @@ def test_finish_chunk_carries_genserve_timing():
     assert chunk["choices"][0]["finish_reason"] == "stop"
     assert chunk["timing"] == {"queue_ms": 1.0, "ttft_ms": 2.0, "e2e_ms": 3.0}
     assert b.all_finished and b.completion()["choices"][0]["message"]["content"] == ""
+
+
+def test_whole_answers_timing_spans_its_samples():
+    """Non-streamed, `timing` is the longest queue wait, the earliest first token and the latest
+    end over the samples (as /v1/completions answers); null when no sample reported one."""
+    from bridge.chat import ChatCompletionBuilder
+    b = ChatCompletionBuilder(model="m", created=1, num_samples=2, logprobs=False)
+    b.events_for(pb.GenerateResponse(request_id="r", started=pb.Started(request_id="r", prompt_tokens=3)))
+    for index, timing in ((0, pb.Timing(queue_ms=2.0, ttft_ms=9.0, e2e_ms=30.0)),
+                          (1, pb.Timing(queue_ms=5.0, ttft_ms=7.5, e2e_ms=20.0))):
+        b.events_for(pb.GenerateResponse(request_id="r", finished=pb.Finished(
+            index=index, reason=pb.FINISH_REASON_LENGTH, timing=timing)))
+    assert b.completion()["timing"] == {"queue_ms": 5.0, "ttft_ms": 7.5, "e2e_ms": 30.0}
+    untimed = ChatCompletionBuilder(model="m", created=1, num_samples=1, logprobs=False)
+    untimed.events_for(pb.GenerateResponse(request_id="r", finished=pb.Finished(
+        index=0, reason=pb.FINISH_REASON_STOP)))
+    assert untimed.completion()["timing"] is None
 
 
 async def test_each_turn_carries_the_conversations_prefix_routing_key(client: httpx.AsyncClient, fake):
