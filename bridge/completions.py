@@ -234,7 +234,7 @@ class CompletionBuilder:
         sample.finish_reason = reason
         sample.detail = fin.detail
         sample.completion_tokens = fin.usage.completion_tokens if fin.HasField("usage") else sample.completion_tokens
-        sample.timing = fin.timing
+        sample.timing = fin.timing if fin.HasField("timing") else None
         prompt_tokens = fin.usage.prompt_tokens if fin.HasField("usage") else self.prompt_tokens
         event = self._chunk(fin.index, "", None, reason)
         event["finish_reason"] = reason

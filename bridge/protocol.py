@@ -79,12 +79,14 @@ def timing_ms(queue_ms: float, ttft_ms: float, e2e_ms: float) -> dict:
 
 def completion_timing(timings: Iterable[pb.Timing]) -> dict | None:
     """The `timing` object of a whole non-streamed completion from its samples' final timings:
-    the longest queue wait, the earliest first token and the latest end (ms, `timing_ms`);
-    None when no sample reported one."""
+    the longest queue wait, the earliest first token among the samples that had one (the engine
+    sends ttft_ms 0 for a sample that ended before its first token; 0 when none had one) and the
+    latest end (ms, `timing_ms`); None when no sample reported a timing."""
     timings = list(timings)
     if not timings:
         return None
-    return timing_ms(max(t.queue_ms for t in timings), min(t.ttft_ms for t in timings),
+    first = [t.ttft_ms for t in timings if t.ttft_ms > 0]
+    return timing_ms(max(t.queue_ms for t in timings), min(first, default=0.0),
                      max(t.e2e_ms for t in timings))
 
 

@@ -110,6 +110,13 @@ def test_whole_answers_timing_spans_its_samples():
         b.events_for(pb.GenerateResponse(request_id="r", finished=pb.Finished(
             index=index, reason=pb.FINISH_REASON_LENGTH, timing=timing)))
     assert b.completion()["timing"] == {"queue_ms": 5.0, "ttft_ms": 7.5, "e2e_ms": 30.0}
+    # A sample that ended before its first token (ttft_ms 0) does not count as the earliest.
+    early = ChatCompletionBuilder(model="m", created=1, num_samples=2, logprobs=False)
+    for index, timing in ((0, pb.Timing(queue_ms=1.0, ttft_ms=0.0, e2e_ms=4.0)),
+                          (1, pb.Timing(queue_ms=1.0, ttft_ms=6.0, e2e_ms=25.0))):
+        early.events_for(pb.GenerateResponse(request_id="r", finished=pb.Finished(
+            index=index, reason=pb.FINISH_REASON_CANCELLED, timing=timing)))
+    assert early.completion()["timing"] == {"queue_ms": 1.0, "ttft_ms": 6.0, "e2e_ms": 25.0}
     untimed = ChatCompletionBuilder(model="m", created=1, num_samples=1, logprobs=False)
     untimed.events_for(pb.GenerateResponse(request_id="r", finished=pb.Finished(
         index=0, reason=pb.FINISH_REASON_STOP)))
