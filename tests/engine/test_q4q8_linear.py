@@ -3,8 +3,8 @@ activations rounded to int8 per row and block of 32 (ggml's Q8_1), on AVX512-VNN
 (whichever this host's build has; both run the same operations in the same order). Against a
 reference in torch ops (the blocks dequantized exactly, x rounded the same way, the product in
 fp64) on random blocks at SmolLM2's shapes and on the embedded model's real first-layer blocks;
-a row's bits do not depend on the batch
-nor on the threads; zero rows and blocks give zeros; bad shapes raise."""
+a row's bits do not depend on the batch nor on the threads;
+zero rows and blocks give zeros; bad shapes raise."""
 
 from __future__ import annotations
 
