@@ -101,26 +101,24 @@ def test_finish_chunk_carries_genserve_timing():
 
 def test_whole_answers_timing_spans_its_samples():
     """Non-streamed, `timing` is the longest queue wait, the earliest first token and the latest
-    end over the samples (as /v1/completions answers); null when no sample reported one."""
+    end over the samples (as /v1/completions answers); a sample that ended before its first
+    token (ttft_ms 0) is not the earliest; null when no sample reported a timing."""
     from bridge.chat import ChatCompletionBuilder
-    b = ChatCompletionBuilder(model="m", created=1, num_samples=2, logprobs=False)
-    b.events_for(pb.GenerateResponse(request_id="r", started=pb.Started(request_id="r", prompt_tokens=3)))
-    for index, timing in ((0, pb.Timing(queue_ms=2.0, ttft_ms=9.0, e2e_ms=30.0)),
-                          (1, pb.Timing(queue_ms=5.0, ttft_ms=7.5, e2e_ms=20.0))):
-        b.events_for(pb.GenerateResponse(request_id="r", finished=pb.Finished(
-            index=index, reason=pb.FINISH_REASON_LENGTH, timing=timing)))
-    assert b.completion()["timing"] == {"queue_ms": 5.0, "ttft_ms": 7.5, "e2e_ms": 30.0}
-    # A sample that ended before its first token (ttft_ms 0) does not count as the earliest.
-    early = ChatCompletionBuilder(model="m", created=1, num_samples=2, logprobs=False)
-    for index, timing in ((0, pb.Timing(queue_ms=1.0, ttft_ms=0.0, e2e_ms=4.0)),
-                          (1, pb.Timing(queue_ms=1.0, ttft_ms=6.0, e2e_ms=25.0))):
-        early.events_for(pb.GenerateResponse(request_id="r", finished=pb.Finished(
-            index=index, reason=pb.FINISH_REASON_CANCELLED, timing=timing)))
-    assert early.completion()["timing"] == {"queue_ms": 1.0, "ttft_ms": 6.0, "e2e_ms": 25.0}
-    untimed = ChatCompletionBuilder(model="m", created=1, num_samples=1, logprobs=False)
-    untimed.events_for(pb.GenerateResponse(request_id="r", finished=pb.Finished(
-        index=0, reason=pb.FINISH_REASON_STOP)))
-    assert untimed.completion()["timing"] is None
+
+    def whole_answer(*timings: pb.Timing | None) -> dict:
+        b = ChatCompletionBuilder(model="m", created=1, num_samples=len(timings), logprobs=False)
+        for index, timing in enumerate(timings):
+            b.events_for(pb.GenerateResponse(request_id="r", finished=pb.Finished(
+                index=index, reason=pb.FINISH_REASON_LENGTH, timing=timing)))
+        return b.completion()
+
+    assert whole_answer(pb.Timing(queue_ms=2.0, ttft_ms=9.0, e2e_ms=30.0),
+                        pb.Timing(queue_ms=5.0, ttft_ms=7.5, e2e_ms=20.0))["timing"] == \
+        {"queue_ms": 5.0, "ttft_ms": 7.5, "e2e_ms": 30.0}
+    assert whole_answer(pb.Timing(queue_ms=1.0, ttft_ms=0.0, e2e_ms=4.0),
+                        pb.Timing(queue_ms=1.0, ttft_ms=6.0, e2e_ms=25.0))["timing"] == \
+        {"queue_ms": 1.0, "ttft_ms": 6.0, "e2e_ms": 25.0}
+    assert whole_answer(None)["timing"] is None
 
 
 async def test_each_turn_carries_the_conversations_prefix_routing_key(client: httpx.AsyncClient, fake):
