@@ -1,10 +1,12 @@
-"""Real-model engines for the engine tests (session-scoped; built from the shared GGUF weights)."""
+"""Real-model engines for the engine tests (session-scoped; built from the shared GGUF weights), and
+a fixture that restores torch's thread count."""
 
 from __future__ import annotations
 
 import itertools
 
 import pytest
+import torch
 
 from engine import kernels as genserve_kernels
 from engine.config import EngineConfig
@@ -22,6 +24,14 @@ def kernels(request) -> bool:
     if request.param == "kernels" and not genserve_kernels.available():
         pytest.skip("genserve's CPU kernels did not build here (g++/ninja missing?); torch path only")
     return request.param == "kernels"
+
+
+@pytest.fixture
+def restore_threads():
+    """Puts torch's thread count back after a test that changes it (torch.set_num_threads)."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

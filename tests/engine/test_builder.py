@@ -12,13 +12,6 @@ from engine.config import EngineConfig
 from engine.runner.builder import set_threads, threads_bound
 
 
-@pytest.fixture
-def restore_threads():
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
-
-
 def test_threads_default_to_the_usable_cores(restore_threads):
     assert set_threads(EngineConfig(num_threads=1)) == 1 and torch.get_num_threads() == 1
     cores = len(os.sched_getaffinity(0))

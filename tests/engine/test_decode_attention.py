@@ -115,7 +115,7 @@ def test_group_sizes_and_block_sizes(decode, kv_heads, group, block):
     assert_close_to_reference(decode(*case), dense_reference(*case))
 
 
-def test_row_bits_do_not_depend_on_the_batch_or_threads(decode):
+def test_row_bits_do_not_depend_on_the_batch_or_threads(decode, restore_threads):
     """32 rows at 1,400–1,560 tokens (6–7 context chunks each, a run of KV heads per work item)
     against each row alone, subsets, a permuted order, one thread, and rows alone on more threads
     than they have chunks (one KV head per item): the same bits."""
@@ -131,16 +131,12 @@ def test_row_bits_do_not_depend_on_the_batch_or_threads(decode):
     for rows in ([0, 31], list(range(3, 11)), list(range(0, 32, 2))):
         idx = torch.tensor(rows)
         assert torch.equal(decode(q[idx], k_pool, v_pool, tables[idx], lens[idx]), together[idx])
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert torch.equal(decode(q, k_pool, v_pool, tables, lens), together)
-        torch.set_num_threads(8)
-        for row in (0, 13, 31):
-            alone = decode(q[row:row + 1], k_pool, v_pool, tables[row:row + 1], lens[row:row + 1])
-            assert torch.equal(alone[0], together[row]), f"row {row} on 8 threads"
-    finally:
-        torch.set_num_threads(threads)
+    torch.set_num_threads(1)
+    assert torch.equal(decode(q, k_pool, v_pool, tables, lens), together)
+    torch.set_num_threads(8)
+    for row in (0, 13, 31):
+        alone = decode(q[row:row + 1], k_pool, v_pool, tables[row:row + 1], lens[row:row + 1])
+        assert torch.equal(alone[0], together[row]), f"row {row} on 8 threads"
 
 
 @pytest.mark.parametrize("bad,message", [

@@ -105,23 +105,19 @@ def test_rows_do_not_depend_on_the_batch(n, k):
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
-def test_outputs_do_not_depend_on_the_threads(n, k):
+def test_outputs_do_not_depend_on_the_threads(n, k, restore_threads):
     """Each output column is one thread's work from start to end, however the panels are split:
     1, 2, 3 and 8 threads, each called five times, give one thread's bits."""
     blocks = random_blocks(n, k, seed=4)
     packed = q4q8_pack(blocks)
     x = random_x(37, k, seed=5)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = torch.ops.genserve.q4q8_linear(x, packed, n)
-        for count in (2, 3, 8):
-            torch.set_num_threads(count)
-            for call in range(5):
-                assert torch.equal(torch.ops.genserve.q4q8_linear(x, packed, n), one), \
-                    f"{count} threads, call {call}"
-    finally:
-        torch.set_num_threads(threads)
+    torch.set_num_threads(1)
+    one = torch.ops.genserve.q4q8_linear(x, packed, n)
+    for count in (2, 3, 8):
+        torch.set_num_threads(count)
+        for call in range(5):
+            assert torch.equal(torch.ops.genserve.q4q8_linear(x, packed, n), one), \
+                f"{count} threads, call {call}"
 
 
 def test_zero_rows_and_blocks_give_zeros():
