@@ -66,27 +66,28 @@ TIMING_DECIMALS = 3     # final events' timing values, ms to the microsecond (fi
 
 
 def timing_json(timing: pb.Timing) -> dict:
-    """A sample's {"queue_ms", "ttft_ms", "e2e_ms"} (see `timing_ms`)."""
-    return timing_ms(timing.queue_ms, timing.ttft_ms, timing.e2e_ms)
+    """A sample's {"queue_ms", "ttft_ms", "e2e_ms"} (see `timing_ms`); "ttft_ms" is null when the
+    sample ended before its first token (the engine then leaves `Timing.ttft_ms` unset)."""
+    return timing_ms(timing.queue_ms, timing.ttft_ms if timing.HasField("ttft_ms") else None, timing.e2e_ms)
 
 
-def timing_ms(queue_ms: float, ttft_ms: float, e2e_ms: float) -> dict:
+def timing_ms(queue_ms: float, ttft_ms: float | None, e2e_ms: float) -> dict:
     """The `timing` object of a final event (or of a whole completion), in ms rounded to
-    TIMING_DECIMALS."""
-    return {"queue_ms": round(queue_ms, TIMING_DECIMALS), "ttft_ms": round(ttft_ms, TIMING_DECIMALS),
+    TIMING_DECIMALS; `ttft_ms` None stays null (no first token)."""
+    return {"queue_ms": round(queue_ms, TIMING_DECIMALS),
+            "ttft_ms": None if ttft_ms is None else round(ttft_ms, TIMING_DECIMALS),
             "e2e_ms": round(e2e_ms, TIMING_DECIMALS)}
 
 
 def completion_timing(timings: Iterable[pb.Timing]) -> dict | None:
     """The `timing` object of a whole non-streamed completion from its samples' final timings:
-    the longest queue wait, the earliest first token among the samples that had one (the engine
-    sends ttft_ms 0 for a sample that ended before its first token; 0 when none had one) and the
-    latest end (ms, `timing_ms`); None when no sample reported a timing."""
+    the longest queue wait, the earliest first token among the samples that had one (null when
+    none had one) and the latest end (ms, `timing_ms`); None when no sample reported a timing."""
     timings = list(timings)
     if not timings:
         return None
-    first = [t.ttft_ms for t in timings if t.ttft_ms > 0]
-    return timing_ms(max(t.queue_ms for t in timings), min(first, default=0.0),
+    first = [t.ttft_ms for t in timings if t.HasField("ttft_ms")]
+    return timing_ms(max(t.queue_ms for t in timings), min(first, default=None),
                      max(t.e2e_ms for t in timings))
 
 

@@ -355,8 +355,9 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
         reason = pb.FinishReason.Name(msg.reason).removeprefix("FINISH_REASON_").lower()
         fields = {"index": msg.index, "finish_reason": reason, "detail": msg.detail,
                   "prompt_tokens": msg.usage.prompt_tokens, "completion_tokens": msg.usage.completion_tokens,
-                  "queue_ms": round(msg.timing.queue_ms, 2), "ttft_ms": round(msg.timing.ttft_ms, 2),
-                  "e2e_ms": round(msg.timing.e2e_ms, 2)}
+                  "queue_ms": round(msg.timing.queue_ms, 2), "e2e_ms": round(msg.timing.e2e_ms, 2)}
+        if msg.timing.HasField("ttft_ms"):     # absent: the sample ended before its first token
+            fields["ttft_ms"] = round(msg.timing.ttft_ms, 2)
         span.add_event("finished", {f"genserve.{k}": v for k, v in fields.items()})
         span_context = span.get_span_context()
         if span_context.is_valid:

@@ -135,5 +135,4 @@ class SampleStream:
             index=self.index, reason=FINISH_REASONS[reason], detail=detail,
             usage=pb.Usage(prompt_tokens=ev.num_prompt_tokens, completion_tokens=completion,
                            cached_tokens=ev.num_cached_tokens),
-            timing=pb.Timing(queue_ms=ev.queue_ms or 0.0, ttft_ms=ev.ttft_ms or 0.0,
-                             e2e_ms=ev.e2e_ms or 0.0))
+            timing=pb.Timing(queue_ms=ev.queue_ms or 0.0, ttft_ms=ev.ttft_ms, e2e_ms=ev.e2e_ms or 0.0))

@@ -102,7 +102,8 @@ def test_finish_chunk_carries_genserve_timing():
 def test_whole_answers_timing_spans_its_samples():
     """Non-streamed, `timing` is the longest queue wait, the earliest first token and the latest
     end over the samples (as /v1/completions answers); a sample that ended before its first
-    token (ttft_ms 0) is not the earliest; null when no sample reported a timing."""
+    token (no `ttft_ms` in its Timing) is not the earliest, and ttft_ms is null when no sample had
+    a first token; `timing` is null when no sample reported a timing."""
     from bridge.chat import ChatCompletionBuilder
 
     def whole_answer(*timings: pb.Timing | None) -> dict:
@@ -115,9 +116,11 @@ def test_whole_answers_timing_spans_its_samples():
     assert whole_answer(pb.Timing(queue_ms=2.0, ttft_ms=9.0, e2e_ms=30.0),
                         pb.Timing(queue_ms=5.0, ttft_ms=7.5, e2e_ms=20.0))["timing"] == \
         {"queue_ms": 5.0, "ttft_ms": 7.5, "e2e_ms": 30.0}
-    assert whole_answer(pb.Timing(queue_ms=1.0, ttft_ms=0.0, e2e_ms=4.0),
+    assert whole_answer(pb.Timing(queue_ms=1.0, e2e_ms=4.0),
                         pb.Timing(queue_ms=1.0, ttft_ms=6.0, e2e_ms=25.0))["timing"] == \
         {"queue_ms": 1.0, "ttft_ms": 6.0, "e2e_ms": 25.0}
+    assert whole_answer(pb.Timing(queue_ms=3.0, e2e_ms=4.0))["timing"] == \
+        {"queue_ms": 3.0, "ttft_ms": None, "e2e_ms": 4.0}
     assert whole_answer(None)["timing"] is None
 
 

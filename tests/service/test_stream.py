@@ -62,3 +62,19 @@ def test_sample_stream_stops_and_drops_the_token_after_the_match(gguf_tokenizer)
     through_match = next(k for k in range(1, len(ids) + 1) if " 4" in gguf_tokenizer.decode(ids[:k]))
     assert through_match < len(ids)
     assert finished.usage.completion_tokens == through_match
+
+
+def test_finished_carries_ttft_only_when_the_sample_had_a_first_token(gguf_tokenizer):
+    """`Timing.ttft_ms` is set from the engine's first-token time, and left unset (not 0) for a
+    sample that ended before its first token, so clients can tell the two apart."""
+    def finished(**timing) -> pb.Finished:
+        stream = SampleStream(0, gguf_tokenizer, TextOptions(()), want_logprobs=False)
+        [msg] = stream.on_event(TokenEvent("r", finish_reason=FinishReason.CANCELLED, num_prompt_tokens=3,
+                                           num_completion_tokens=0, **timing)).messages
+        return msg
+
+    cancelled_early = finished(queue_ms=4.0, e2e_ms=9.5)
+    assert not cancelled_early.timing.HasField("ttft_ms")
+    assert (cancelled_early.timing.queue_ms, cancelled_early.timing.e2e_ms) == (4.0, 9.5)
+    answered = finished(queue_ms=4.0, ttft_ms=21.25, e2e_ms=60.0)
+    assert answered.timing.HasField("ttft_ms") and answered.timing.ttft_ms == 21.25
