@@ -6,6 +6,7 @@ import pytest
 
 from engine.core.outputs import FinishReason
 from engine.core.sched.admission import AdmissionRejected
+from engine.core.sched.step_budget import AGED_AFTER_BUDGETS
 from tests.engine.sim import CAPS_ONLY, make_request, sim_engine
 
 
@@ -74,6 +75,56 @@ def test_one_keys_prompts_prefill_shortest_remaining_first():
     assert (tokens[id(short)], tokens[id(first)], tokens[id(second)]) == (64, 192, 0)
     engine.step()
     assert first.num_computed == first.num_prompt          # first's prompt done before second's
+
+
+def test_a_prompt_passed_over_for_twice_the_queue_budget_goes_ahead_of_newer_ones():
+    """Shortest remaining prefill first, until a prompt has waited `AGED_AFTER_BUDGETS` queue
+    budgets (here 2 × 1 s): from then on it goes ahead of every newer prompt, however short."""
+    engine, clock = sim_engine(prefill_token_budget_few_rows=256, queue_budget_s=1.0, **CAPS_ONLY)
+    assert engine.scheduler.budget.aged_after_s() == AGED_AFTER_BUDGETS * 1.0 == 2.0
+    long = make_request(1000, 5)
+    engine.submit(long)
+    engine.step()                                    # 256 of its 1,000 tokens
+    plans = []
+    engine.step_listeners.append(lambda plan, events, s: plans.append(plan))
+
+    def prefilled(*reqs) -> tuple[int, ...]:
+        return tuple(sum(g.length for g in plans[-1].segments if g.request is r and not g.decode)
+                     for r in reqs)
+
+    clock.now = 1.9                                  # waited 1.9 s: a newcomer still goes first
+    early = make_request(200, 5)
+    engine.submit(early)
+    engine.step()
+    assert prefilled(early, long) == (200, 0)       # long's next 64-token piece would pass 256
+    clock.now = 2.0                                  # waited 2 s: ahead of the next newcomer
+    late = make_request(200, 5)
+    engine.submit(late)
+    engine.step()
+    assert prefilled(long, late) == (256, 0)
+    engine.run_until_idle()
+    engine.pool.check_all_free()
+
+
+def test_prompts_that_will_go_first_by_age_count_against_the_queue_budget():
+    # Five 6,000-token prompts are prefilling: 2.9 s of prefill left at the sim's 0.1 ms a token.
+    # A 100-token prompt goes ahead of them (fewest tokens left first), so nothing counts against
+    # it, until they have waited twice the 2 s budget: then they go first and it is refused.
+    engine, clock = sim_engine(num_blocks=4096, queue_budget_s=2.0)
+    for _ in range(5):
+        engine.submit(make_request(6000, 10))
+    engine.step()
+    clock.now = 3.9
+    engine.submit(make_request(100, 10))
+    clock.now = 4.0
+    left = sum(r.num_prompt - r.num_computed for r in engine.scheduler.running
+               if r.num_prompt == 6000)
+    with pytest.raises(AdmissionRejected) as refused:
+        engine.submit(make_request(100, 10))
+    assert f"{left * 0.1 / 1000:.2f} s of running prompts not yet prefilled" in str(refused.value)
+    engine.submit(make_request(100, 10, api_key="b"))     # another, less served key goes first
+    engine.run_until_idle()
+    engine.pool.check_all_free()
 
 
 def test_over_cap_key_is_preempted_when_another_key_waits_for_room():

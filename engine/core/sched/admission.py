@@ -89,7 +89,8 @@ class AdmissionControl:
 
     def check(self, req: Request, queue: FairQueue, running: Sequence[Request], rows: int,
               prefill_ms: Callable[[int], float],
-              row_free_ms: Callable[[], Sequence[float]] | None = None) -> None:
+              row_free_ms: Callable[[], Sequence[float]] | None = None,
+              aged_after_s: float = math.inf) -> None:
         """Refuse `req` when queueing it now passes the budget (call only while something is
         queued or a running row is still prefilling: with neither, a request always gets in, so
         one large request is never refused forever; its own work never counts against it unless
@@ -113,13 +114,15 @@ class AdmissionControl:
             row_free_ms: returns when each running row is expected to leave, ms from now,
                 ascending (`Scheduler.row_free_ms`); called only when the row wait counts.
                 None: no row-wait term.
+            aged_after_s: seconds after which a waiting prompt goes ahead of newer ones
+                (`StepBudget.aged_after_s`), for `prefill_backlog_ms`.
         Raises:
             AdmissionRejected: over budget; `retry_after_s` is the excess in whole seconds (the
                 device drains one device-second of waiting work per second), at least 1.
         """
         budget_ms = self.config.queue_budget_s * 1000.0
         work = self.waiting_work_ms(req, queue, running, rows)
-        backlog, own_backlog = self.prefill_backlog_ms(req, running, prefill_ms)
+        backlog, own_backlog = self.prefill_backlog_ms(req, running, prefill_ms, aged_after_s)
         total = work.total_ms + backlog
         own = work.own_ms + own_backlog
         row_wait = 0.0
@@ -153,22 +156,27 @@ class AdmissionControl:
         return row_free_ms[index] + rounds * row_free_ms[-1]
 
     @staticmethod
-    def prefill_backlog_ms(req: Request, running: Sequence[Request],
-                           prefill_ms: Callable[[int], float]) -> tuple[float, float]:
+    def prefill_backlog_ms(req: Request, running: Sequence[Request], prefill_ms: Callable[[int], float],
+                           aged_after_s: float = math.inf) -> tuple[float, float]:
         """Device time of the prompt tokens running rows have still to prefill before `req`'s
         prompt would get its turn, ms: (all keys', `req`'s key's).
 
         Steps fill with the prompt that has the fewest tokens left first
         (`StepBudget.prefill_tiebreak`), so a running prompt with no more tokens left than all of
         `req`'s prompt goes ahead of it and counts whole; a longer one would be passed over and
-        counts nothing. An estimate: it ignores the keys' fair-share order (which puts a less
-        served key's prompts first), the prefix cache's credit on `req`'s prompt, the decode rows'
-        share of every step, and prompts that arrive later and are shorter.
+        counts nothing, unless it is `req`'s key's and arrived `aged_after_s` or more before `req`
+        (s): then it goes ahead of the key's newer prompts and counts whole too (another key's
+        aged prompt goes first only if that key is not more served, which the estimate leaves
+        to the fair-share order it ignores). An estimate: it ignores the keys'
+        fair-share order (which puts a less served key's prompts first), the prefix cache's
+        credit on `req`'s prompt, the decode rows' share of every step, prompts that arrive later
+        and are shorter, and longer ones that age while `req` waits.
         """
         total = own = 0.0
         for r in running:
             left = r.num_prompt - r.num_computed
-            if r.is_prefilling and left <= req.num_prompt:
+            aged = r.api_key == req.api_key and req.arrival_s - r.arrival_s >= aged_after_s
+            if r.is_prefilling and (left <= req.num_prompt or aged):
                 ms = prefill_ms(left)
                 total += ms
                 if r.api_key == req.api_key:

@@ -137,7 +137,7 @@ class Scheduler:
         if self.queue.depth or any(r.is_prefilling for r in self.running):
             rows = self.budget.queue_rows()
             self.admission.check(req, self.queue, self.running, rows, self.cost.prefill_ms,
-                                 self.row_free_ms)
+                                 self.row_free_ms, self.budget.aged_after_s())
         req.state = RequestState.QUEUED
         self.queue.enqueue(req)
         self.by_id[req.request_id] = req
@@ -411,7 +411,7 @@ class Scheduler:
             plan.segments.append(Segment(req, req.num_computed, 1, samples,
                                          tuple(self.pool.table(req.request_id)), decode=True))
         prefilling = sorted((r for r in self.running if r.is_prefilling),
-                            key=lambda r: (self.queue.served(r.api_key), self.budget.prefill_tiebreak(r)))
+                            key=lambda r: (self.queue.served(r.api_key), self.budget.prefill_tiebreak(r, now)))
         if not prefilling:
             return
         budget = self.budget.for_step(plan, now, self.cost)
