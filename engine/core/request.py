@@ -138,6 +138,9 @@ class Request:
             shared prompt; None otherwise.
         children: samples 1..n-1, forked from this request when its prompt is prefilled.
         admitted_s / first_token_s / last_token_s / finished_s: clock times, seconds.
+        joined_s: clock time of its latest admission to the running batch, seconds (set again
+            when it is admitted after a preemption; None while it never ran): the prefill order's
+            age bound counts from it (`StepBudget.prefill_tiebreak`).
         max_gap_s: longest time between two consecutive tokens, seconds.
         steps_after_cancel: steps the request was part of after its cancel flag was set (the
             design bounds this by 1).
@@ -181,6 +184,7 @@ class Request:
     parent: "Request | None" = None
     children: list["Request"] = field(default_factory=list)
     admitted_s: float | None = None
+    joined_s: float | None = None
     first_token_s: float | None = None
     last_token_s: float | None = None
     max_gap_s: float = 0.0

@@ -78,8 +78,8 @@ def test_one_keys_prompts_prefill_shortest_remaining_first():
 
 
 def test_a_prompt_passed_over_for_twice_the_queue_budget_goes_ahead_of_newer_ones():
-    """Shortest remaining prefill first, until a prompt has waited `AGED_AFTER_BUDGETS` queue
-    budgets (here 2 × 1 s): from then on it goes ahead of every newer prompt, however short."""
+    """Shortest remaining prefill first, until a prompt has been in the batch `AGED_AFTER_BUDGETS`
+    queue budgets (here 2 × 1 s): from then on it goes ahead of every later prompt, however short."""
     engine, clock = sim_engine(prefill_token_budget_few_rows=256, queue_budget_s=1.0, **CAPS_ONLY)
     assert engine.scheduler.budget.aged_after_s() == AGED_AFTER_BUDGETS * 1.0 == 2.0
     long = make_request(1000, 5)
@@ -92,12 +92,12 @@ def test_a_prompt_passed_over_for_twice_the_queue_budget_goes_ahead_of_newer_one
         return tuple(sum(g.length for g in plans[-1].segments if g.request is r and not g.decode)
                      for r in reqs)
 
-    clock.now = 1.9                                  # waited 1.9 s: a newcomer still goes first
+    clock.now = 1.9                                  # in the batch 1.9 s: a newcomer still goes first
     early = make_request(200, 5)
     engine.submit(early)
     engine.step()
     assert prefilled(early, long) == (200, 0)       # long's next 64-token piece would pass 256
-    clock.now = 2.0                                  # waited 2 s: ahead of the next newcomer
+    clock.now = 2.0                                  # in the batch 2 s: ahead of the next newcomer
     late = make_request(200, 5)
     engine.submit(late)
     engine.step()
@@ -109,7 +109,8 @@ def test_a_prompt_passed_over_for_twice_the_queue_budget_goes_ahead_of_newer_one
 def test_prompts_that_will_go_first_by_age_count_against_the_queue_budget():
     # Five 6,000-token prompts are prefilling: 2.9 s of prefill left at the sim's 0.1 ms a token.
     # A 100-token prompt goes ahead of them (fewest tokens left first), so nothing counts against
-    # it, until they have waited twice the 2 s budget: then they go first and it is refused.
+    # it, until they have been in the batch twice the 2 s budget: then they go first and it is
+    # refused.
     engine, clock = sim_engine(num_blocks=4096, queue_budget_s=2.0)
     for _ in range(5):
         engine.submit(make_request(6000, 10))
@@ -122,7 +123,12 @@ def test_prompts_that_will_go_first_by_age_count_against_the_queue_budget():
     with pytest.raises(AdmissionRejected) as refused:
         engine.submit(make_request(100, 10))
     assert f"{left * 0.1 / 1000:.2f} s of running prompts not yet prefilled" in str(refused.value)
-    engine.submit(make_request(100, 10, api_key="b"))     # another, less served key goes first
+    # Only the key's own aged prompts count: another key's request sees none of them.
+    other = make_request(100, 10, api_key="b")
+    other.arrival_s = clock.now
+    scheduler = engine.scheduler
+    assert scheduler.admission.prefill_backlog_ms(other, scheduler.running, scheduler.cost.prefill_ms,
+                                                  scheduler.budget.aged_after_s()) == (0.0, 0.0)
     engine.run_until_idle()
     engine.pool.check_all_free()
 

@@ -110,3 +110,28 @@ def test_config_rejects_a_gap_target_below_the_tpot_target():
         EngineConfig(tpot_target_ms=70.0, gap_target_ms=50.0)
     with pytest.raises(ValueError, match="tpot_target_ms"):
         EngineConfig(tpot_target_ms=0.0)
+
+
+def test_prefill_order_is_shortest_first_until_a_prompt_has_prefilled_twice_the_budget():
+    """`prefill_tiebreak` at now = 10 s with a 1 s queue budget (aged after 2 s in the batch):
+    prompts in the batch for 2 s or more first, earliest joined first whatever their length;
+    then the rest by tokens left. Time spent queued before joining does not count."""
+    from engine.core.sched.step_budget import StepBudget
+
+    budget = StepBudget(EngineConfig(queue_budget_s=1.0), chunked_prefill=True)
+    now = 10.0
+
+    def prompt(tokens_left: int, joined_s: float, arrival_s: float = 0.0):
+        req = make_request(tokens_left, 5)
+        req.arrival_s, req.joined_s = arrival_s, joined_s
+        return req
+
+    older_aged = prompt(1800, joined_s=7.0)
+    newer_aged = prompt(900, joined_s=8.0)           # exactly 2 s in the batch: aged
+    short = prompt(100, joined_s=9.5)
+    long_queued = prompt(1500, joined_s=8.5, arrival_s=0.0)   # queued 8.5 s, in the batch 1.5 s
+    order = sorted([short, long_queued, newer_aged, older_aged],
+                   key=lambda r: budget.prefill_tiebreak(r, now))
+    assert order == [older_aged, newer_aged, short, long_queued]
+    assert budget.prefill_tiebreak(older_aged, now) == (0, 7.0)
+    assert budget.prefill_tiebreak(long_queued, now) == (1, 1500)

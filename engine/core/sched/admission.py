@@ -164,8 +164,9 @@ class AdmissionControl:
         Steps fill with the prompt that has the fewest tokens left first
         (`StepBudget.prefill_tiebreak`), so a running prompt with no more tokens left than all of
         `req`'s prompt goes ahead of it and counts whole; a longer one would be passed over and
-        counts nothing, unless it is `req`'s key's and arrived `aged_after_s` or more before `req`
-        (s): then it goes ahead of the key's newer prompts and counts whole too (another key's
+        counts nothing, unless it is `req`'s key's and joined the batch `aged_after_s` or more
+        before `req` arrived (s): then it goes ahead of the key's later prompts and counts whole
+        too (another key's
         aged prompt goes first only if that key is not more served, which the estimate leaves
         to the fair-share order it ignores). An estimate: it ignores the keys'
         fair-share order (which puts a less served key's prompts first), the prefix cache's
@@ -175,7 +176,8 @@ class AdmissionControl:
         total = own = 0.0
         for r in running:
             left = r.num_prompt - r.num_computed
-            aged = r.api_key == req.api_key and req.arrival_s - r.arrival_s >= aged_after_s
+            aged = (r.api_key == req.api_key and r.joined_s is not None
+                    and req.arrival_s - r.joined_s >= aged_after_s)
             if r.is_prefilling and (left <= req.num_prompt or aged):
                 ms = prefill_ms(left)
                 total += ms

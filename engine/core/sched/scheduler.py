@@ -388,6 +388,7 @@ class Scheduler:
         req.num_computed = req.num_cached = self.kv_cache.take_computed_blocks(req, blocks)
         if req.admitted_s is None:
             req.admitted_s = now
+        req.joined_s = now
         self.queue.row_started(req.api_key)
         self.running.append(req)
 
@@ -464,6 +465,7 @@ class Scheduler:
         child.num_computed = parent.num_prompt
         child.state = RequestState.RUNNING
         child.admitted_s = parent.admitted_s
+        child.joined_s = parent.joined_s
         self.running.append(child)
         self.by_id[child.request_id] = child
         self.queue.row_started(child.api_key)

@@ -13,9 +13,9 @@ One policy (`StepBudget`), the design's caps with the TPOT target's slack spent 
     than the target bank the difference, and the bank is spent on prompts' prefill, which is
     what turns the TPOT headroom into time to first token;
 * order: at equal service of their keys, the prompt with the fewest tokens left to prefill first,
-  except that a prompt which has waited `AGED_AFTER_BUDGETS` queue budgets since it arrived goes
-  ahead of every newer one (oldest first among such), so a long prompt cannot be passed over by
-  shorter newcomers for ever.
+  except that a prompt which has been prefilling for `AGED_AFTER_BUDGETS` queue budgets goes
+  ahead of the prompts that joined after it (earliest joined first among such), so a long
+  prompt cannot be passed over by shorter newcomers for ever.
 
 With prefill not chunked (`batching` other than "continuous") a step takes whole prompts and
 the token and time budgets do not apply. Either way the budget decides how many pieces run,
@@ -38,14 +38,13 @@ from engine.core.request import Request
 __all__ = ["AGED_AFTER_BUDGETS", "PaceBudget", "RequestAverages", "StepBudget"]
 
 AGED_AFTER_BUDGETS = 2.0
-"""A prompt that has waited this many queue budgets (`EngineConfig.queue_budget_s`) since its
-arrival is prefilled ahead of every newer prompt of its key. Twice the budget because admission
-lets the waiting work reach twice the budget (a key within its fair share, `AdmissionControl.
-over_budget`): a prompt still unserved after that long has been passed over by later arrivals,
-not held by the work admitted ahead of it. Past the knee shortest-first alone let such prompts
-wait 13–17 s in the simulator (1,000–2,000-token prompts at 1–1.5 req/s) and the bound holds
-them to ≈ 5–7 s, at the cost of fewer requests within the SLO there (docs/benchmarks/goodput.md,
-run 20)."""
+"""A prompt that has been prefilling (in the running batch, from its latest admission) for this
+many queue budgets (`EngineConfig.queue_budget_s`) goes ahead of its key's prompts that joined
+later. Admission keeps the prefill waiting ahead of a new prompt within the budget (twice that
+for a key within its fair share, `AdmissionControl.over_budget`), so a prompt still unfinished
+after twice the budget has been passed over by shorter prompts that joined after it. Past the
+knee shortest-first alone let such prompts wait 13–17 s in the simulator (1,000–2,000-token
+prompts at 1–1.5 req/s); docs/benchmarks/goodput.md, run 20, has what the bound changes."""
 
 
 @dataclass(slots=True)
@@ -139,23 +138,26 @@ class StepBudget:
         return rows_with(running, req) <= self.config.max_rows
 
     def aged_after_s(self) -> float:
-        """Seconds a prompt waits (from its arrival) before it goes ahead of newer ones:
-        `AGED_AFTER_BUDGETS` × `queue_budget_s`."""
+        """Seconds a prompt prefills (from its latest admission) before it goes ahead of the
+        prompts that joined after it: `AGED_AFTER_BUDGETS` × `queue_budget_s`."""
         return AGED_AFTER_BUDGETS * self.config.queue_budget_s
 
     def prefill_tiebreak(self, req: Request, now: float) -> tuple[int, float]:
         """Among prompts of equally served keys, the smaller value fills the step first (`now`:
-        seconds, the scheduler's clock, as `req.arrival_s`).
+        seconds, the scheduler's clock, as `req.joined_s`).
 
         (1, prompt tokens still to prefill) for most prompts, so the nearest-done prompt goes
         first (shortest remaining prefill first, the order that minimizes mean completion time
         on one server; Schrage 1968). A short prompt is not stuck behind a long one, and a
         started prompt finishes before a newer one of its length starts, where least-done-first
         shared every step among all waiting prompts and moved every first token late.
-        (0, arrival) once a prompt has waited `aged_after_s` or longer: it goes ahead of the
-        others, oldest first, which bounds how long shorter newcomers can pass it over."""
-        if now - req.arrival_s >= self.aged_after_s():
-            return (0, req.arrival_s)
+        (0, joined_s) once a prompt has been in the running batch `aged_after_s` or longer: it
+        goes ahead of the others, earliest joined first, which bounds how long shorter prompts
+        that join later can pass it over. The time a request waited in the queue for a row
+        does not count (the queue is first-come-first-served within a key already)."""
+        joined = now if req.joined_s is None else req.joined_s
+        if now - joined >= self.aged_after_s():
+            return (0, joined)
         return (1, req.num_prompt - req.num_computed)
 
     def floor_tokens(self, plan: StepPlan) -> int:
