@@ -114,8 +114,8 @@ class AdmissionControl:
             row_free_ms: returns when each running row is expected to leave, ms from now,
                 ascending (`Scheduler.row_free_ms`); called only when the row wait counts.
                 None: no row-wait term.
-            aged_after_s: seconds after which a waiting prompt goes ahead of newer ones
-                (`StepBudget.aged_after_s`), for `prefill_backlog_ms`.
+            aged_after_s: seconds in the running batch after which a prompt goes ahead of its
+                key's later ones (`StepBudget.aged_after_s`), for `prefill_backlog_ms`.
         Raises:
             AdmissionRejected: over budget; `retry_after_s` is the excess in whole seconds (the
                 device drains one device-second of waiting work per second), at least 1.
@@ -166,9 +166,8 @@ class AdmissionControl:
         `req`'s prompt goes ahead of it and counts whole; a longer one would be passed over and
         counts nothing, unless it is `req`'s key's and joined the batch `aged_after_s` or more
         before `req` arrived (s): then it goes ahead of the key's later prompts and counts whole
-        too (another key's
-        aged prompt goes first only if that key is not more served, which the estimate leaves
-        to the fair-share order it ignores). An estimate: it ignores the keys'
+        too (another key's aged prompt goes first only when that key is not more served, which
+        is the fair-share order this estimate ignores). An estimate: it ignores the keys'
         fair-share order (which puts a less served key's prompts first), the prefix cache's
         credit on `req`'s prompt, the decode rows' share of every step, prompts that arrive later
         and are shorter, and longer ones that age while `req` waits.
