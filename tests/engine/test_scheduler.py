@@ -128,7 +128,7 @@ def test_prompts_that_will_go_first_by_age_count_against_the_queue_budget():
     other.arrival_s = clock.now
     scheduler = engine.scheduler
     assert scheduler.admission.prefill_backlog_ms(other, scheduler.running, scheduler.cost.prefill_ms,
-                                                  scheduler.budget.aged_after_s()) == (0.0, 0.0)
+                                                  scheduler.budget.is_aged) == (0.0, 0.0)
     engine.run_until_idle()
     engine.pool.check_all_free()
 

@@ -90,7 +90,7 @@ class AdmissionControl:
     def check(self, req: Request, queue: FairQueue, running: Sequence[Request], rows: int,
               prefill_ms: Callable[[int], float],
               row_free_ms: Callable[[], Sequence[float]] | None = None,
-              aged_after_s: float = math.inf) -> None:
+              is_aged: Callable[[Request, float], bool] | None = None) -> None:
         """Refuse `req` when queueing it now passes the budget (call only while something is
         queued or a running row is still prefilling: with neither, a request always gets in, so
         one large request is never refused forever; its own work never counts against it unless
@@ -114,15 +114,15 @@ class AdmissionControl:
             row_free_ms: returns when each running row is expected to leave, ms from now,
                 ascending (`Scheduler.row_free_ms`); called only when the row wait counts.
                 None: no row-wait term.
-            aged_after_s: seconds in the running batch after which a prompt goes ahead of its
-                key's later ones (`StepBudget.aged_after_s`), for `prefill_backlog_ms`.
+            is_aged: whether a running prompt goes ahead of its key's later ones by age at a
+                time (s) (`StepBudget.is_aged`), for `prefill_backlog_ms`; None: never.
         Raises:
             AdmissionRejected: over budget; `retry_after_s` is the excess in whole seconds (the
                 device drains one device-second of waiting work per second), at least 1.
         """
         budget_ms = self.config.queue_budget_s * 1000.0
         work = self.waiting_work_ms(req, queue, running, rows)
-        backlog, own_backlog = self.prefill_backlog_ms(req, running, prefill_ms, aged_after_s)
+        backlog, own_backlog = self.prefill_backlog_ms(req, running, prefill_ms, is_aged)
         total = work.total_ms + backlog
         own = work.own_ms + own_backlog
         row_wait = 0.0
@@ -157,17 +157,17 @@ class AdmissionControl:
 
     @staticmethod
     def prefill_backlog_ms(req: Request, running: Sequence[Request], prefill_ms: Callable[[int], float],
-                           aged_after_s: float = math.inf) -> tuple[float, float]:
+                           is_aged: Callable[[Request, float], bool] | None = None) -> tuple[float, float]:
         """Device time of the prompt tokens running rows have still to prefill before `req`'s
         prompt would get its turn, ms: (all keys', `req`'s key's).
 
         Steps fill with the prompt that has the fewest tokens left first
         (`StepBudget.prefill_tiebreak`), so a running prompt with no more tokens left than all of
         `req`'s prompt goes ahead of it and counts whole; a longer one would be passed over and
-        counts nothing, unless it is `req`'s key's and joined the batch `aged_after_s` or more
-        before `req` arrived (s): then it goes ahead of the key's later prompts and counts whole
-        too (another key's aged prompt goes first only when that key is not more served, which
-        is the fair-share order this estimate ignores). An estimate: it ignores the keys'
+        counts nothing, unless it is `req`'s key's and `is_aged(r, req.arrival_s)` (in the batch
+        long enough, `StepBudget.is_aged`): then it goes ahead of the key's later prompts and
+        counts whole too (another key's aged prompt goes first only when that key is not more
+        served, which is the fair-share order this estimate ignores). An estimate: it ignores the keys'
         fair-share order (which puts a less served key's prompts first), the prefix cache's
         credit on `req`'s prompt, the decode rows' share of every step, prompts that arrive later
         and are shorter, and longer ones that age while `req` waits.
@@ -175,8 +175,7 @@ class AdmissionControl:
         total = own = 0.0
         for r in running:
             left = r.num_prompt - r.num_computed
-            aged = (r.api_key == req.api_key and r.joined_s is not None
-                    and req.arrival_s - r.joined_s >= aged_after_s)
+            aged = is_aged is not None and r.api_key == req.api_key and is_aged(r, req.arrival_s)
             if r.is_prefilling and (left <= req.num_prompt or aged):
                 ms = prefill_ms(left)
                 total += ms

@@ -137,7 +137,7 @@ class Scheduler:
         if self.queue.depth or any(r.is_prefilling for r in self.running):
             rows = self.budget.queue_rows()
             self.admission.check(req, self.queue, self.running, rows, self.cost.prefill_ms,
-                                 self.row_free_ms, self.budget.aged_after_s())
+                                 self.row_free_ms, self.budget.is_aged)
         req.state = RequestState.QUEUED
         self.queue.enqueue(req)
         self.by_id[req.request_id] = req

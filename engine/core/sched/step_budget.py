@@ -142,6 +142,12 @@ class StepBudget:
         prompts that joined after it: `AGED_AFTER_BUDGETS` × `queue_budget_s`."""
         return AGED_AFTER_BUDGETS * self.config.queue_budget_s
 
+    def is_aged(self, req: Request, now: float) -> bool:
+        """Whether `req` has been in the running batch `aged_after_s` or longer at `now` (s, the
+        scheduler's clock, as `req.joined_s`), so its prefill goes ahead of later prompts; False
+        for a request that never joined."""
+        return req.joined_s is not None and now - req.joined_s >= self.aged_after_s()
+
     def prefill_tiebreak(self, req: Request, now: float) -> tuple[int, float]:
         """Among prompts of equally served keys, the smaller value fills the step first (`now`:
         seconds, the scheduler's clock, as `req.joined_s`).
@@ -151,13 +157,12 @@ class StepBudget:
         on one server; Schrage 1968). A short prompt is not stuck behind a long one, and a
         started prompt finishes before a newer one of its length starts, where least-done-first
         shared every step among all waiting prompts and moved every first token late.
-        (0, joined_s) once a prompt has been in the running batch `aged_after_s` or longer: it
-        goes ahead of the others, earliest joined first, which bounds how long shorter prompts
-        that join later can pass it over. The time a request waited in the queue for a row
+        (0, joined_s) once a prompt has been in the running batch `aged_after_s` or longer
+        (`is_aged`): it goes ahead of the others, earliest joined first, which bounds how long
+        shorter prompts that join later can pass it over. The time a request waited in the queue for a row
         does not count (the queue is first-come-first-served within a key already)."""
-        joined = now if req.joined_s is None else req.joined_s
-        if now - joined >= self.aged_after_s():
-            return (0, joined)
+        if self.is_aged(req, now):
+            return (0, req.joined_s)
         return (1, req.num_prompt - req.num_computed)
 
     def floor_tokens(self, plan: StepPlan) -> int:
