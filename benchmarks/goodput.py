@@ -26,7 +26,9 @@ rate (open loop: a slow server does not slow the arrivals), not from a fixed num
   TPOT ≤ `--tpot-slo-ms`; a 429 or an error misses it.
 * Goodput of a run = requests that met the SLO / its duration (first arrival to the last request's
   end), as vLLM's `benchmark_serving --goodput` counts it. A server's figure is its best goodput over
-  the rates; the ratio compares the two best.
+  the rates; the ratio compares the two best. That best is the grid's: a server that kept 95 % of
+  requests within the SLO at no rate of the grid is past its knee everywhere on it, and may do
+  better below it, so the page names it and calls the ratio a bound (`compare`'s `below_grid`).
 * Capacity, the design's own capacity number: the highest rate at which ≥ 95 % of requests meet
   the SLO (`CAPACITY_ATTAINMENT`), every lower rate of the run meeting it too, so one lucky rate
   above a failing one does not count. It is a rate offered, read off the grid of `--rates`, so it
@@ -221,7 +223,12 @@ def capacity(rows: dict[float, dict]) -> float:
 def compare(table: dict[str, dict[float, dict]], peer: str, ours: str = GENSERVE) -> dict:
     """Best goodput of `ours` and of `peer` over the rates and their ratio; each one's capacity
     (`capacity`) and that ratio; and the rates where both kept ≥ 95 % of requests within the SLO
-    with `ours`' TTFT p95 against the peer's there."""
+    with `ours`' TTFT p95 against the peer's there.
+
+    `below_grid` lists the servers that kept ≥ 95 % of requests within the SLO at no rate of the
+    grid: such a server is past its knee (or cannot serve the mix) everywhere on it, so its best
+    goodput may lie at a rate below the grid, and a ratio taken from the grid's best is a bound,
+    not the figure (an upper bound when only the peer is listed)."""
     best = {s: max((row["goodput"] for row in table[s].values()), default=0.0) for s in (ours, peer)}
     cap = {s: capacity(table[s]) for s in (ours, peer)}
     both = [r for r in sorted(table[ours]) if r in table[peer]
@@ -229,6 +236,8 @@ def compare(table: dict[str, dict[float, dict]], peer: str, ours: str = GENSERVE
             and table[peer][r]["attainment"] >= CAPACITY_ATTAINMENT]
     return {"best": best, "ratio": best[ours] / best[peer] if best[peer] else None,
             "capacity": cap, "capacity_ratio": cap[ours] / cap[peer] if cap[peer] else None,
+            "below_grid": [s for s in (ours, peer)
+                           if all(row["attainment"] < CAPACITY_ATTAINMENT for row in table[s].values())],
             "ttft_p95_where_both_serve": {r: (table[ours][r]["ttft_ms_p95"], table[peer][r]["ttft_ms_p95"])
                                           for r in both}}
 
@@ -284,6 +293,13 @@ def markdown(report: dict) -> str:
             lines += [f"- Best goodput: {label} {cmp_['best'][label]:.2f} req/s, {peer} {cmp_['best'][peer]:.2f} "
                       f"req/s: **{_f(cmp_['ratio'], 2)}×**. TTFT p95 (ms) where both keep ≥ 95 % within the "
                       f"SLO: {both or 'no such rate'}."]
+            below = cmp_.get("below_grid", [])      # pages saved before this check lack it
+            if below:
+                lowest = min(float(r) for r in m["rates"])
+                lines += [f"- {' and '.join(below)} kept ≥ 95 % of requests within the SLO at no rate here, "
+                          f"so the best goodput may lie below the lowest rate ({lowest:g} req/s)"
+                          + (" and the ratio above is an upper bound" if below == [peer] else "")
+                          + ": run lower `--rates` too."]
             if "capacity" in cmp_:      # pages saved before the capacity figure existed lack it
                 cap, lowest = cmp_["capacity"], min(float(r) for r in m["rates"])
                 lines += [f"- Capacity (the highest rate at which ≥ 95 % of requests meet the SLO, every "

@@ -78,6 +78,7 @@ def test_compare_takes_each_servers_best_rate_and_the_rates_both_serve():
     assert c["ratio"] == pytest.approx(1.5)
     assert c["ttft_p95_where_both_serve"] == {1.0: (300, 250)}
     assert c["capacity"] == {GENSERVE: 2.0, VLLM: 1.0} and c["capacity_ratio"] == pytest.approx(2.0)
+    assert c["below_grid"] == []
     table["genserve --gap-target-ms 200"] = {1.0: row(1.0, 1.0, 200), 2.0: row(3.2, 0.99, 400)}
     c2 = compare(table, VLLM, "genserve --gap-target-ms 200")
     assert c2["ratio"] == pytest.approx(2.0) and c2["ttft_p95_where_both_serve"] == {1.0: (200, 250)}
@@ -113,6 +114,36 @@ def test_page_from_the_saved_json():
     report["mixes"]["design"]["compare"][GENSERVE]["capacity_ratio"] = None
     assert ("every lower rate too): genserve 2 req/s, vllm below 2 req/s (the lowest rate measured)."
             in markdown(report))
+    assert "below the grid" not in markdown(report)       # saved before `below_grid` existed
+
+
+def test_a_peer_past_its_knee_at_the_lowest_rate_makes_the_ratio_an_upper_bound():
+    row = lambda g, a: {"goodput": g, "attainment": a, "ttft_ms_p95": 500}   # noqa: E731
+    # vLLM keeps 31 of 48 at 1.5 req/s: its best on this grid is 0.9, and below 1.5 it may do better.
+    table = {GENSERVE: {1.5: row(1.6, 0.98), 2.5: row(1.8, 1.0)}, VLLM: {1.5: row(0.9, 31 / 48), 2.5: row(0.5, 0.35)}}
+    c = compare(table, VLLM)
+    assert c["below_grid"] == [VLLM] and c["ratio"] == pytest.approx(2.0) and c["capacity"][VLLM] == 0.0
+    mix = goodput.Mix("design", 300, 600, 8, (1.5, 2.5), 48)
+    report = {"meta": {"command": "c", "date": "d", "cpus": 2, "peer": VLLM, "genserve_args": [["genserve"]],
+                       "genserve_commit": "abc", "ttft_slo_ms": 1000.0, "tpot_slo_ms": 100.0,
+                       "loadavg_1min": [0.5, 1.5]},
+              "mixes": {"design": {"mix": vars(mix), "table": {s: {str(r): v | {"met": 1, "requests": 1,
+                        "rejected_429": 0, "errors": 0, "ttft_ms_p50": 1, "tpot_ms_p50": 1, "tpot_ms_p95": 1}
+                        for r, v in t.items()} for s, t in table.items()}, "compare": {GENSERVE: c}}}}
+    assert ("- vllm kept ≥ 95 % of requests within the SLO at no rate here, so the best goodput may lie below "
+            "the lowest rate (1.5 req/s) and the ratio above is an upper bound: run lower `--rates` too."
+            in markdown(report))
+    # both past their knee: no direction can be claimed
+    table[GENSERVE] = {1.5: row(1.6, 0.9), 2.5: row(1.8, 0.8)}
+    both = compare(table, VLLM)
+    assert both["below_grid"] == [GENSERVE, VLLM]
+    report["mixes"]["design"]["compare"][GENSERVE] = both
+    page = markdown(report)
+    assert "- genserve and vllm kept ≥ 95 % of requests within the SLO at no rate here" in page
+    assert "upper bound" not in page
+    # a server that misses once at the lowest rate and meets the SLO above it has its knee on the grid
+    table[GENSERVE], table[VLLM][2.5] = {1.5: row(1.6, 0.9), 2.5: row(1.8, 1.0)}, row(1.4, 1.0)
+    assert compare(table, VLLM)["below_grid"] == []
 
 
 def test_variant_labels():
