@@ -228,7 +228,8 @@ def compare(table: dict[str, dict[float, dict]], peer: str, ours: str = GENSERVE
     `below_grid` lists the servers that kept ≥ 95 % of requests within the SLO at no rate of the
     grid: such a server is past its knee (or cannot serve the mix) everywhere on it, so its best
     goodput may lie at a rate below the grid, and a ratio taken from the grid's best is a bound,
-    not the figure (an upper bound when only the peer is listed)."""
+    not the figure: an upper bound when only the peer is listed, a lower one when only `ours` is
+    (each taking the other's best on the grid as its best)."""
     best = {s: max((row["goodput"] for row in table[s].values()), default=0.0) for s in (ours, peer)}
     cap = {s: capacity(table[s]) for s in (ours, peer)}
     both = [r for r in sorted(table[ours]) if r in table[peer]
@@ -296,10 +297,11 @@ def markdown(report: dict) -> str:
             below = cmp_.get("below_grid", [])      # pages saved before this check lack it
             if below:
                 lowest = min(float(r) for r in m["rates"])
+                bound = {(peer,): " and the ratio above is an upper bound",
+                         (label,): " and the ratio above is a lower bound"}.get(tuple(below), "")
                 lines += [f"- {' and '.join(below)} kept ≥ 95 % of requests within the SLO at no rate here, "
-                          f"so the best goodput may lie below the lowest rate ({lowest:g} req/s)"
-                          + (" and the ratio above is an upper bound" if below == [peer] else "")
-                          + ": run lower `--rates` too."]
+                          f"so {'its' if len(below) == 1 else 'their'} best goodput may lie below the lowest rate "
+                          f"({lowest:g} req/s){bound}: run lower `--rates` too."]
             if "capacity" in cmp_:      # pages saved before the capacity figure existed lack it
                 cap, lowest = cmp_["capacity"], min(float(r) for r in m["rates"])
                 lines += [f"- Capacity (the highest rate at which ≥ 95 % of requests meet the SLO, every "

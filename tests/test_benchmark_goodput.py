@@ -114,7 +114,13 @@ def test_page_from_the_saved_json():
     report["mixes"]["design"]["compare"][GENSERVE]["capacity_ratio"] = None
     assert ("every lower rate too): genserve 2 req/s, vllm below 2 req/s (the lowest rate measured)."
             in markdown(report))
-    assert "below the grid" not in markdown(report)       # saved before `below_grid` existed
+    # a page saved before `below_grid` existed prints no such line, even where it would apply now
+    old = report["mixes"]["design"]
+    old["table"][VLLM]["2.0"]["attainment"] = 0.5
+    del old["compare"][GENSERVE]["below_grid"]
+    assert "at no rate here" not in markdown(report)
+    old["compare"][GENSERVE] = compare(old["table"], VLLM)
+    assert "- vllm kept ≥ 95 % of requests within the SLO at no rate here" in markdown(report)
 
 
 def test_a_peer_past_its_knee_at_the_lowest_rate_makes_the_ratio_an_upper_bound():
@@ -130,7 +136,7 @@ def test_a_peer_past_its_knee_at_the_lowest_rate_makes_the_ratio_an_upper_bound(
               "mixes": {"design": {"mix": vars(mix), "table": {s: {str(r): v | {"met": 1, "requests": 1,
                         "rejected_429": 0, "errors": 0, "ttft_ms_p50": 1, "tpot_ms_p50": 1, "tpot_ms_p95": 1}
                         for r, v in t.items()} for s, t in table.items()}, "compare": {GENSERVE: c}}}}
-    assert ("- vllm kept ≥ 95 % of requests within the SLO at no rate here, so the best goodput may lie below "
+    assert ("- vllm kept ≥ 95 % of requests within the SLO at no rate here, so its best goodput may lie below "
             "the lowest rate (1.5 req/s) and the ratio above is an upper bound: run lower `--rates` too."
             in markdown(report))
     # both past their knee: no direction can be claimed
@@ -139,8 +145,15 @@ def test_a_peer_past_its_knee_at_the_lowest_rate_makes_the_ratio_an_upper_bound(
     assert both["below_grid"] == [GENSERVE, VLLM]
     report["mixes"]["design"]["compare"][GENSERVE] = both
     page = markdown(report)
-    assert "- genserve and vllm kept ≥ 95 % of requests within the SLO at no rate here" in page
-    assert "upper bound" not in page
+    assert "- genserve and vllm kept ≥ 95 % of requests within the SLO at no rate here, so their best" in page
+    assert "upper bound" not in page and "lower bound" not in page
+    # genserve alone past its knee: the ratio is a lower bound
+    table[VLLM] = {1.5: row(0.9, 1.0), 2.5: row(0.5, 0.35)}
+    ours_only = compare(table, VLLM)
+    assert ours_only["below_grid"] == [GENSERVE]
+    report["mixes"]["design"]["compare"][GENSERVE] = ours_only
+    assert "- genserve kept ≥ 95 % of requests within the SLO at no rate here, so its best goodput may lie below " \
+           "the lowest rate (1.5 req/s) and the ratio above is a lower bound" in markdown(report)
     # a server that misses once at the lowest rate and meets the SLO above it has its knee on the grid
     table[GENSERVE], table[VLLM][2.5] = {1.5: row(1.6, 0.9), 2.5: row(1.8, 1.0)}, row(1.4, 1.0)
     assert compare(table, VLLM)["below_grid"] == []
