@@ -287,6 +287,7 @@ def markdown(report: dict) -> str:
                              f"{row['rejected_429']} | {row['errors']} | {_f(row['ttft_ms_p50'])} / "
                              f"{_f(row['ttft_ms_p95'])} | {_f(row['tpot_ms_p50'], 1)} / {_f(row['tpot_ms_p95'], 1)} |")
         lines.append("")
+        lowest = min(float(r) for r in m["rates"])
         for label in ours:
             cmp_ = mix["compare"][label]
             both = "; ".join(f"{float(r):g} req/s {_f(g)} vs {_f(v)}" for r, (g, v)
@@ -296,14 +297,13 @@ def markdown(report: dict) -> str:
                       f"SLO: {both or 'no such rate'}."]
             below = cmp_.get("below_grid", [])      # pages saved before this check lack it
             if below:
-                lowest = min(float(r) for r in m["rates"])
                 bound = {(peer,): " and the ratio above is an upper bound",
                          (label,): " and the ratio above is a lower bound"}.get(tuple(below), "")
                 lines += [f"- {' and '.join(below)} kept ≥ 95 % of requests within the SLO at no rate here, "
                           f"so {'its' if len(below) == 1 else 'their'} best goodput may lie below the lowest rate "
                           f"({lowest:g} req/s){bound}: run lower `--rates` too."]
             if "capacity" in cmp_:      # pages saved before the capacity figure existed lack it
-                cap, lowest = cmp_["capacity"], min(float(r) for r in m["rates"])
+                cap = cmp_["capacity"]
                 lines += [f"- Capacity (the highest rate at which ≥ 95 % of requests meet the SLO, every "
                           f"lower rate too): {label} {_capacity_text(cap[label], lowest)}, {peer} "
                           f"{_capacity_text(cap[peer], lowest)}"
