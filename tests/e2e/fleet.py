@@ -76,6 +76,20 @@ def active_requests(server, cluster: str) -> list[int]:
     return counts
 
 
+def envoy_stats(server, pattern: str) -> dict[str, int]:
+    """Envoy's counters and gauges whose names match the regular expression `pattern` (its admin
+    /stats?filter=), as {name: value}; kept in failure messages, so a flaky run shows what
+    Envoy saw (health-check failures, ejections, membership changes)."""
+    with urllib.request.urlopen(f"{admin_url(server)}/stats?filter={pattern}", timeout=2) as reply:
+        text = reply.read().decode()
+    stats = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(": ")
+        if value.strip().lstrip("-").isdigit():
+            stats[name] = int(value)
+    return stats
+
+
 def host_weight(server, port: int) -> int:
     """The weight Envoy's engines cluster gives the replica on `port` (1 unless the balancer is
     weighted round robin and the replica's load reports set another)."""

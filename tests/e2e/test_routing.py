@@ -27,8 +27,8 @@ import httpx
 import pytest
 
 from genserve.v1 import generate_pb2 as pb, generate_pb2_grpc as pb_grpc
-from tests.e2e.fleet import (EJECT_WITHIN_S, active_requests, engine_ports, host_weight, pid_of, two_engine_fleet,
-                             wait_envoy_health)
+from tests.e2e.fleet import (EJECT_WITHIN_S, active_requests, engine_ports, envoy_stats, host_weight, pid_of,
+                             two_engine_fleet, wait_envoy_health)
 
 pytestmark = pytest.mark.slow
 
@@ -115,8 +115,10 @@ def test_a_conversations_turns_land_on_one_replica_and_hit_its_cache(fleet):
         hits = [a - b for a, b in zip(per_replica(fleet, "genserve_prefix_cache_hit_tokens_total"), hits_before)]
         replicas.append(replica)
         if turn > 0:      # the earlier turns' blocks are on this replica: its cache answers them
-            assert hits[replica] >= 128, (turn, hits)
-            assert hits[1 - replica] == 0, (turn, hits)
+            why = (turn, replicas, hits, envoy_stats(fleet, r"engines_affinity\.(health_check|outlier|membership|lb_)"),
+                   "".join(list(fleet.output)[-30:]))
+            assert hits[replica] >= 128, why
+            assert hits[1 - replica] == 0, why
         messages += [{"role": "assistant", "content": answer},
                      {"role": "user", "content": f"And then, step {turn + 2}?"}]
     assert len(set(replicas)) == 1, replicas

@@ -377,6 +377,13 @@ class FakeCuda:
         stack.enter_context(FakeTensorMode(allow_non_fake_inputs=False))
         stack.enter_context(self.ledger)
         patch.setattr(torch, "tensor", _tensor_via_host(torch.tensor))
+        # torch's device contexts (`with torch.device(...)`) redirect the constructors they list
+        # in a cache filled on first use: filled while `torch.tensor` is the wrapper above, it
+        # would leave the real one unredirected for the rest of the process (a `torch.tensor`
+        # under `with torch.device("meta")` made on the CPU). Emptied now and on exit.
+        device_constructors = torch.utils._device._device_constructors
+        device_constructors.cache_clear()
+        stack.callback(device_constructors.cache_clear)
         # no fake tensor keeps a real constant: under inference mode `Tensor.to` reaches the fake
         # mode as aten.to, which it would run for real on a one-element constant (CUDA: absent)
         patch.setattr(fake_tensor, "CONSTANT_NUMEL_LIMIT", 0)
@@ -412,7 +419,7 @@ def _model_on_device(args: Any, state: dict[str, torch.Tensor], dtype: torch.dty
     network is built on `device` already (`Transformer.from_state_dict` moves every tensor and
     the RoPE table there), and `Module.to` swaps each fake parameter (`torch.utils.swap_tensors`),
     which refuses a tensor the fake mode's converter still references weakly."""
-    from engine.model.llama import Transformer
+    from engine.model.transformer import Transformer
 
     return Transformer.from_state_dict(args, state, dtype, device)
 
