@@ -115,7 +115,7 @@ def test_a_conversations_turns_land_on_one_replica_and_hit_its_cache(fleet):
         hits = [a - b for a, b in zip(per_replica(fleet, "genserve_prefix_cache_hit_tokens_total"), hits_before)]
         replicas.append(replica)
         if turn > 0:      # the earlier turns' blocks are on this replica: its cache answers them
-            why = (turn, replicas, hits, envoy_stats(fleet, r"engines_affinity\.(health_check|outlier|membership|lb_)"),
+            why = (turn, replicas, hits, envoy_stats(fleet, r"engines_affinity\.(health_check|outlier|membership|lb_|upstream_rq_retry|upstream_cx_destroy)"),
                    "".join(list(fleet.output)[-30:]))
             assert hits[replica] >= 128, why
             assert hits[1 - replica] == 0, why
