@@ -61,7 +61,8 @@ from engine.core.cost_model import fit_step_model
 from engine.core.engine import Engine
 from engine.core.request import Request, SamplingParams
 from engine.core.sim_executor import SimExecutor
-from engine.model.llama import ModelArgs, Transformer
+from engine.model.config import ModelArgs
+from engine.model.transformer import Transformer
 from engine.model.weights import random_shape, random_weights
 from engine.runner.builder import kv_pool_blocks, load_weights, model_from_weights, resolve_device
 from engine.runner.kv_cache import KVCache

@@ -103,7 +103,7 @@ from engine.core.plan import StepPlan
 from engine.core.request import Request, SamplingParams
 from engine.model.layer_ops import KernelLayerOps, TorchLayerOps
 from engine.model.linear import linear
-from engine.model.llama import ModelArgs
+from engine.model.config import ModelArgs
 from engine.model.weights import default_gguf_path, load_gguf, open_gguf
 from engine.runner.builder import engine_from_weights, set_threads
 from engine.structured.compiler import GrammarCompiler

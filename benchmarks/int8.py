@@ -67,7 +67,7 @@ from engine.config import EngineConfig
 from engine.core.engine import Engine
 from engine.core.request import Request, SamplingParams
 from engine.model.int8_weights import attach_int8
-from engine.model.llama import Transformer
+from engine.model.transformer import Transformer
 from engine.model.quant import attach_q4, attach_q4q8
 from engine.model.weights import load_gguf, open_gguf
 from engine.runner.builder import engine_from_model, int8_calibration, model_from_weights, set_threads

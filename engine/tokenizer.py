@@ -87,6 +87,21 @@ def _literal_copy(tk: _HFTokenizer) -> _HFTokenizer:
     copy.encode_special_tokens = True
     return copy
 
+
+def hf_chat_template(directory: pathlib.Path, tok_config: dict) -> str | None:
+    """A Hugging Face checkpoint's chat template, as transformers finds it: the file
+    ``chat_template.jinja`` (what transformers 4.43+ saves), else ``tokenizer_config.json``'s
+    ``chat_template`` — a string, or a list of named templates of which the one named "default"
+    is taken (the others, e.g. "tool_use", are for callers that ask by name). None: no template."""
+    path = directory / "chat_template.jinja"
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    template = tok_config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
 class Tokenizer:
     """Text <-> token ids for a byte-level BPE GGUF, plus the exact bytes of each token.
 
@@ -274,9 +289,8 @@ class Tokenizer:
         with_bos = tk.encode("a", add_special_tokens=True).ids
         add_bos = bos is not None and len(with_bos) > 1 and with_bos[0] == bos
         types = [TOKEN_CONTROL if i in special else TOKEN_NORMAL for i in range(size)]
-        template = tok_config.get("chat_template")
         return cls._from_parts(tk, token_bytes, types, bos_token_id=bos, eos_token_id=eos,
-                               chat_template=template if isinstance(template, str) else None,
+                               chat_template=hf_chat_template(directory, tok_config),
                                add_bos_token=add_bos)
 
     @classmethod

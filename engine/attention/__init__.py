@@ -20,7 +20,9 @@ imports and passes a probe step against SDPA on the device (so a missing or mism
 build, or a Triton that cannot compile, falls through). `GENSERVE_ATTENTION=cpu|sdpa|flex|xformers`
 (or the runner's `attention` argument) forces one; a forced backend that fails its probe raises.
 The chosen backend's `name` is exported as `genserve_attention_backend_info`. What each backend
-can do (the 8-bit KV cache, CUDA graphs) is declared on its class (`BACKENDS`).
+can do (the 8-bit KV cache, CUDA graphs, per-layer `AttentionSpec`s: sliding windows, softcaps,
+other score scales) is declared on its class (`BACKENDS`); a model whose layers need specs is
+served only by a backend that declares them (today "cpu" and "sdpa").
 
 Every backend gets its metadata from the same builder (`base.build_metadata`): the step's
 integers, the backend's own (`host_ints`) among them, reach the device in one copy, and
@@ -91,29 +93,35 @@ def probe(backend: AttentionBackend, device: torch.device, dtype: torch.dtype, b
 
 def choose_backend(device: torch.device | str, dtype: torch.dtype, block_size: int, n_heads: int,
                    n_kv_heads: int, head_dim: int, kernels: bool = False,
-                   preferred: str | None = None) -> AttentionBackend:
+                   preferred: str | None = None, layer_specs: bool = False) -> AttentionBackend:
     """The attention backend for a model on `device` (see the module docstring for the order).
 
-    Made once per process for each (device type, dtype, shape, kernels, preferred): later calls
-    return the same object. `preferred` (else `$GENSERVE_ATTENTION`, else automatic) is a key of
-    BACKENDS.
+    Made once per process for each (device type, dtype, shape, kernels, preferred, layer_specs):
+    later calls return the same object. `preferred` (else `$GENSERVE_ATTENTION`, else automatic)
+    is a key of BACKENDS. `layer_specs`: the model's layers pass `AttentionSpec`s (sliding
+    windows, softcaps, another scale), so only backends declaring `layer_specs` are candidates.
 
     Raises:
         ValueError: `preferred` is not a key of BACKENDS.
-        RuntimeError: the preferred backend cannot run here (the message says why).
+        RuntimeError: the preferred backend cannot run here, or cannot serve the layers' specs
+            (the message says why).
     """
     preferred = preferred or os.environ.get(ENV) or None
     if preferred is not None and preferred not in BACKENDS:
         raise ValueError(f"attention backend must be one of {', '.join(BACKENDS)}; got {preferred!r}"
                          f" (from the executor's attention argument or ${ENV})")
     return _choose(torch.device(device).type, dtype, block_size, n_heads, n_kv_heads, head_dim,
-                   kernels, preferred)
+                   kernels, preferred, layer_specs)
 
 
 @functools.cache
 def _choose(device_type: str, dtype: torch.dtype, block_size: int, n_heads: int, n_kv_heads: int,
-            head_dim: int, kernels: bool, preferred: str | None) -> AttentionBackend:
+            head_dim: int, kernels: bool, preferred: str | None, layer_specs: bool = False) -> AttentionBackend:
     device = torch.device(device_type)
+    if layer_specs and preferred is not None and not BACKENDS[preferred].layer_specs:
+        able = ", ".join(n for n, b in BACKENDS.items() if b.layer_specs)
+        raise RuntimeError(f"attention backend {preferred!r} has no sliding windows, softcaps or other "
+                           f"score scales, which this model's layers need; use one of {able}")
     shape = (device, dtype, block_size, n_heads, n_kv_heads, head_dim)
     if preferred is None:
         preferred = "cpu" if device_type == "cpu" else "auto"
@@ -132,6 +140,10 @@ def _choose(device_type: str, dtype: torch.dtype, block_size: int, n_heads: int,
     if preferred in ("auto", "sdpa"):
         candidates.append(("sdpa", SdpaBackend))
     skipped = []
+    if layer_specs:
+        skipped += [f"{n}: no sliding windows, softcaps or other scales" for n, _ in candidates
+                    if not BACKENDS[n].layer_specs]
+        candidates = [(n, make) for n, make in candidates if BACKENDS[n].layer_specs]
     for name, make in candidates:
         if name != "sdpa" and device_type != "cuda" and preferred == "auto":
             continue                                   # fused backends: CUDA only, unless forced

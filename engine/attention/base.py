@@ -173,6 +173,37 @@ class GatherBuffer:
 
 
 @dataclass(frozen=True, slots=True)
+class AttentionSpec:
+    """What one layer's attention computes beyond causal softmax(q·kᵀ / √head_dim)·v: the
+    options of `engine.model.config.ModelArgs` that reach attention. A layer whose attention is
+    exactly that passes no spec (None), and every backend's fast path serves it.
+
+    Attributes:
+        scale: the score scale (head_dim^-½, or Gemma's query_pre_attn_scalar^-½).
+        sliding_window: W: a query at position p reads keys p - W + 1 .. p; None: every key.
+        softcap: scores become c·tanh(s / c) before the mask and softmax (Gemma 2); None: off.
+    """
+
+    scale: float
+    sliding_window: int | None = None
+    softcap: float | None = None
+
+
+def window_mask(start: int, end: int, keys: int, window: int | None, dtype: torch.dtype,
+                device: torch.device) -> torch.Tensor:
+    """Additive mask [1, 1, end - start, keys] of the queries at positions [start, end) over keys
+    [0, keys): 0 where the key is causal (j ≤ p) and inside the window (p − j < `window`; None:
+    no window), -inf elsewhere."""
+    pos = torch.arange(start, end, device=device)[:, None]
+    key = torch.arange(keys, device=device)[None, :]
+    visible = key <= pos
+    if window is not None:
+        visible &= pos - key < window
+    bias = torch.zeros(end - start, keys, dtype=dtype, device=device)
+    return bias.masked_fill_(~visible, float("-inf"))[None, None]
+
+
+@dataclass(frozen=True, slots=True)
 class AttentionMetadata:
     """Everything attention needs about one step, passed explicitly to every layer.
 
@@ -207,6 +238,8 @@ class AttentionBackend(Protocol):
     Capabilities (class attributes, read before a backend is chosen):
         int8_kv: reads the 8-bit KV cache format (`engine.attention.kv_quant`).
         cuda_graphs: its steps may be captured in CUDA graphs.
+        layer_specs: `attend` honours an `AttentionSpec` (sliding windows, softcaps, another
+            scale); a model whose layers pass one runs only on such a backend.
     Attributes:
         name: short name, logged and exported as the metric's `backend` label.
         decode_masks / prefill_masks: whether `attend` reads `AttentionMetadata.decode_bias` /
@@ -215,6 +248,7 @@ class AttentionBackend(Protocol):
 
     int8_kv: ClassVar[bool]
     cuda_graphs: ClassVar[bool]
+    layer_specs: ClassVar[bool]
     name: str
     decode_masks: bool
     prefill_masks: bool
@@ -229,10 +263,12 @@ class AttentionBackend(Protocol):
         views on `device`, one per `host_ints` list)."""
         ...
 
-    def attend(self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
+               spec: AttentionSpec | None = None) -> torch.Tensor:
         """q [T, n_heads, head_dim] (RoPE applied), cache [2, num_blocks, block_size, n_kv_heads,
         head_dim] (or the 8-bit rows) with this step's K/V stored → [T, n_heads, head_dim] in q's
-        dtype. Scale 1/sqrt(head_dim); head h reads KV head h // (n_heads / n_kv_heads)."""
+        dtype. Scale 1/sqrt(head_dim) unless `spec` says; head h reads KV head h // (n_heads /
+        n_kv_heads). A backend without `layer_specs` raises NotImplementedError for a spec."""
         ...
 
 

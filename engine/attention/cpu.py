@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 import torch
 
 from engine.attention import paged_sdpa
-from engine.attention.base import AttentionMetadata, StepLayout
+from engine.attention.base import AttentionMetadata, AttentionSpec, StepLayout
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,7 @@ class CpuBackend:
     """
 
     int8_kv: ClassVar[bool] = True          # the kernels read the 8-bit rows; SDPA dequantizes
+    layer_specs: ClassVar[bool] = True      # the torch paths of paged_sdpa honour them
     cuda_graphs: ClassVar[bool] = False
     prefill_masks = True                    # SDPA's prefill: pieces the kernel does not run (AMX, fp32)
 
@@ -90,6 +91,7 @@ class CpuBackend:
         contexts = int(pieces[-1, 3]) + 1          # numbered in flat-batch order from 0
         return PieceContexts(pieces, ints[1].view(contexts, -1))
 
-    def attend(self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
+               spec: AttentionSpec | None = None) -> torch.Tensor:
         """See `AttentionBackend.attend`: `paged_sdpa.attend`."""
-        return paged_sdpa.attend(q, cache, meta, self.kernels)
+        return paged_sdpa.attend(q, cache, meta, self.kernels, spec)

@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from engine.attention.base import AttentionMetadata, StepLayout
+from engine.attention.base import AttentionMetadata, AttentionSpec, StepLayout
 
 FLEX_TILE = 128                       # FlexAttention's default tile (queries and keys), tokens
 
@@ -31,6 +31,7 @@ class FlexBackend:
 
     int8_kv: ClassVar[bool] = False
     cuda_graphs: ClassVar[bool] = False
+    layer_specs: ClassVar[bool] = False     # no sliding windows, softcaps or other scales yet
     decode_masks = False
     prefill_masks = False
     name = "flex"
@@ -111,9 +112,12 @@ class FlexBackend:
             BLOCK_SIZE=(FLEX_TILE, self.kv_tile(block_size)), mask_mod=mask_mod,
             seq_lengths=(q_seg.numel(), num_blocks * block_size))
 
-    def attend(self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
+               spec: AttentionSpec | None = None) -> torch.Tensor:
         """See `AttentionBackend.attend`; keys are the pool viewed [1, kv_heads, pool, hd],
         queries padded with zero rows to the block mask's length (their outputs dropped)."""
+        if spec is not None:
+            raise NotImplementedError(f"the {self.name} attention backend has no sliding windows, softcaps or other scales")
         t, h, hd = q.shape
         n_kv = cache.shape[-2]
         keys = cache[0].view(-1, n_kv, hd).transpose(0, 1)[None]

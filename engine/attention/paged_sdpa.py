@@ -35,12 +35,13 @@ import torch
 import torch.nn.functional as F
 
 from engine import kernels as genserve_kernels
-from engine.attention.base import AttentionMetadata, GatherBuffer, PrefillPiece
+from engine.attention.base import (AttentionMetadata, AttentionSpec, GatherBuffer, PrefillPiece, decode_mask,
+                                   window_mask)
 from engine.attention.kv_quant import dequantize_kv, quantized
 
 
 def decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
-                     kernels: bool = False) -> torch.Tensor:
+                     kernels: bool = False, spec: AttentionSpec | None = None) -> torch.Tensor:
     """Attention of B one-token decode rows over their paged contexts, batched.
 
     Args:
@@ -49,9 +50,12 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetada
             int8 rows of the 8-bit format (`engine.attention.kv_quant`), read as their dequantized values.
         meta: `decode_blocks` [B × nb] and `decode_bias` [B, 1, 1, nb × block_size]; the SDPA
             path gathers into `meta.gather` when it is set.
-        kernels: run genserve's kernel (the CPU backend with `engine.kernels` built).
+        kernels: run genserve's kernel (the CPU backend with `engine.kernels` built; ignored
+            with a `spec`).
+        spec: the layer's scale, sliding window and softcap (`AttentionSpec`); None: plain.
     Returns:
-        [B, n_heads, head_dim] in q's dtype. Scale 1/sqrt(head_dim) (Vaswani et al. 2017).
+        [B, n_heads, head_dim] in q's dtype. Scale 1/sqrt(head_dim) (Vaswani et al. 2017)
+        unless `spec` says.
 
     Runs `torch.ops.genserve.paged_decode` when `kernels` (keys read in place,
     `decode_blocks` viewed as [B, nb] tables, `decode_lens` the contexts), else SDPA over the
@@ -61,11 +65,11 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetada
     """
     b, n_heads, hd = q.shape
     n_kv = cache.shape[-2]
-    if kernels:                          # reads either cache format in place
+    if kernels and spec is None:         # reads either cache format in place
         tables = meta.decode_blocks.view(b, -1)
         return torch.ops.genserve.paged_decode(q.contiguous(), cache[0], cache[1], tables,
                                                meta.decode_lens, hd ** -0.5)
-    length = meta.decode_bias.shape[-1]
+    length = meta.decode_blocks.numel() // b * cache.shape[2] if b else 0     # padded keys per row
     pools = cache.view(2, cache.shape[1], -1)                   # [2, num_blocks, block elements]
     gathered = torch.Size((2, meta.decode_blocks.numel(), pools.shape[-1]))
     buffer = meta.gather if meta.gather is not None else GatherBuffer()    # None: this layer's own
@@ -77,17 +81,48 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetada
     keys = kv[0].view(b, length, n_kv, hd).transpose(1, 2)             # [B, kvh, L, hd]
     values = kv[1].view(b, length, n_kv, hd).transpose(1, 2)
     qg = q.view(b, n_kv, n_heads // n_kv, hd)              # [B, kvh, group, hd]: group as queries
-    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=meta.decode_bias)
-    return out.view(b, n_heads, hd)
+    if spec is None:
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=meta.decode_bias)
+        # reshape, not view: CUDA's fused kernels may return [B, kvh, group, hd] in another
+        # memory order (with GQA, group > 1)
+        return out.reshape(b, n_heads, hd)
+    bias = meta.decode_bias
+    if bias.shape[-1] != length:            # a backend that builds no decode masks
+        bias = decode_mask(meta.decode_lens, length, q.dtype)
+    if spec.sliding_window is not None:     # keys older than the window: -inf as well
+        old = torch.arange(length, device=q.device)[None, :] <= (meta.decode_lens - 1 - spec.sliding_window)[:, None]
+        bias = bias.masked_fill(old[:, None, None, :], float("-inf"))
+    return spec_attention(qg, keys, values, bias, spec).reshape(b, n_heads, hd)
 
 
-def prefill_attention(q: torch.Tensor, cache: torch.Tensor, span: PrefillPiece) -> torch.Tensor:
+def spec_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
+                   spec: AttentionSpec) -> torch.Tensor:
+    """softmax(softcap(q·kᵀ · scale) + bias)·v for a layer with an `AttentionSpec`.
+
+    Args:
+        q: [N, kvh, q, hd]; keys, values: [N, kvh, L, hd]; bias: additive, broadcast to
+            [N, kvh, q, L] (-inf hides a key).
+    Returns:
+        [N, kvh, q, hd] in q's dtype. Without a softcap it is SDPA with the spec's scale; with
+        one the scores are computed explicitly in fp32 (SDPA has no softcap), capped as
+        c·tanh(s / c) (Gemma 2, transformers' eager attention), masked, softmaxed in fp32.
+    """
+    if spec.softcap is None:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=spec.scale)
+    scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * spec.scale
+    scores = torch.tanh(scores / spec.softcap) * spec.softcap + bias.float()
+    return torch.matmul(torch.softmax(scores, dim=-1), values.float()).to(q.dtype)
+
+
+def prefill_attention(q: torch.Tensor, cache: torch.Tensor, span: PrefillPiece,
+                      spec: AttentionSpec | None = None) -> torch.Tensor:
     """Causal attention of one prefill piece over its context.
 
     Args:
         q: [q_len, n_heads, head_dim] the piece's queries.
         cache: one layer's pools [2, num_blocks, block_size, n_kv_heads, head_dim].
         span: the piece (context length, blocks, causal bias).
+        spec: the layer's scale, sliding window and softcap; None: plain.
     Returns:
         [q_len, n_heads, head_dim] in q's dtype; head h reads KV head h // group (GQA, Ainslie
         et al. 2023; SDPA's `enable_gqa` reads the shared K/V without repeating them). Heads stay
@@ -102,13 +137,21 @@ def prefill_attention(q: torch.Tensor, cache: torch.Tensor, span: PrefillPiece) 
     # On CPU always (the path the batch-invariance tests pin); elsewhere only with real groups:
     # CUDA's fused kernels may refuse the flag even for equal head counts.
     gqa = q.device.type == "cpu" or q.shape[1] != n_kv
+    if spec is not None:
+        bias = span.bias
+        if spec.sliding_window is not None or bias is None:
+            bias = window_mask(length - q.shape[0], length, length, spec.sliding_window, q.dtype, q.device)
+        group = q.shape[1] // n_kv                     # query heads of a KV head along the query axis
+        qg = q.view(q.shape[0], n_kv, group, hd).permute(1, 2, 0, 3).reshape(1, n_kv, -1, hd)
+        out = spec_attention(qg, keys[None], values[None], bias.repeat(1, 1, group, 1), spec)
+        return out.reshape(n_kv, group, q.shape[0], hd).permute(2, 0, 1, 3).reshape(q.shape)
     out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None],
                                          attn_mask=span.bias, enable_gqa=gqa)    # [1, H, q, hd]
     return out[0].transpose(0, 1)
 
 
 def attend(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
-           kernels: bool = False) -> torch.Tensor:
+           kernels: bool = False, spec: AttentionSpec | None = None) -> torch.Tensor:
     """Every request of the step attends over its own context (this step's K/V already stored).
 
     Args:
@@ -119,12 +162,16 @@ def attend(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
             dequantized blocks of its context (`dequantized_context`).
         meta: this step's decode rows and prefill pieces.
         kernels: genserve's CPU kernels run the decode rows (and, for bf16 with head_dim 64 on
-            AVX512-BF16 or AVX2 + FMA CPUs without usable AMX, the prefill pieces).
+            AVX512-BF16 or AVX2 + FMA CPUs without usable AMX, the prefill pieces); not with a
+            `spec`, which the kernels do not implement.
+        spec: the layer's scale, sliding window and softcap (`AttentionSpec`); None: plain.
     Returns:
         [T, n_heads, head_dim] attention output, dtype of q.
     """
+    if spec is not None:
+        kernels = False
     if not meta.pieces:
-        return decode_attention(q, cache, meta, kernels)
+        return decode_attention(q, cache, meta, kernels, spec)
     kernel = kernels and q.dtype == torch.bfloat16 and q.shape[-1] == 64 \
         and genserve_kernels.prefill_kernel_preferred()
     contexts = getattr(meta.state, "tables", None) is not None
@@ -138,7 +185,7 @@ def attend(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
         return out
     out = torch.empty_like(q)
     if meta.num_decode:
-        out[:meta.num_decode] = decode_attention(q[:meta.num_decode], cache, meta, kernels)
+        out[:meta.num_decode] = decode_attention(q[:meta.num_decode], cache, meta, kernels, spec)
     for s in meta.pieces:
         piece = q[s.q_start:s.q_end]
         piece_cache = cache
@@ -149,7 +196,7 @@ def attend(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
                 piece, piece_cache[0], piece_cache[1], s.blocks, s.context_len - len(piece),
                 q.shape[-1] ** -0.5)
         else:
-            out[s.q_start:s.q_end] = prefill_attention(piece, piece_cache, s)
+            out[s.q_start:s.q_end] = prefill_attention(piece, piece_cache, s, spec)
     return out
 
 

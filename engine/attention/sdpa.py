@@ -14,13 +14,14 @@ from typing import Any, ClassVar
 import torch
 
 from engine.attention import paged_sdpa
-from engine.attention.base import AttentionMetadata, StepLayout
+from engine.attention.base import AttentionMetadata, AttentionSpec, StepLayout
 
 
 class SdpaBackend:
     """`paged_sdpa.attend` on the model's device, without genserve's kernels."""
 
     int8_kv: ClassVar[bool] = True          # dequantizes the blocks it reads
+    layer_specs: ClassVar[bool] = True      # the torch paths of paged_sdpa honour them
     cuda_graphs: ClassVar[bool] = True
     decode_masks = True
     prefill_masks = True
@@ -35,6 +36,7 @@ class SdpaBackend:
         """None."""
         return None
 
-    def attend(self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
+               spec: AttentionSpec | None = None) -> torch.Tensor:
         """See `AttentionBackend.attend`: `paged_sdpa.attend` without kernels."""
-        return paged_sdpa.attend(q, cache, meta)
+        return paged_sdpa.attend(q, cache, meta, spec=spec)

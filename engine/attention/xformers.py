@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from engine.attention.base import AttentionMetadata, SegmentInts, StepLayout
+from engine.attention.base import AttentionMetadata, AttentionSpec, SegmentInts, StepLayout
 
 
 def xformers_step_bias(spans: Sequence[SegmentInts], block_size: int, paged_keys: bool,
@@ -67,6 +67,7 @@ class XformersBackend:
 
     int8_kv: ClassVar[bool] = False
     cuda_graphs: ClassVar[bool] = False
+    layer_specs: ClassVar[bool] = False     # no sliding windows, softcaps or other scales yet
     decode_masks = False
     prefill_masks = False
 
@@ -102,9 +103,12 @@ class XformersBackend:
         bias = xformers_step_bias(layout.segments, layout.block_size, self.paged_keys, ints, device)
         return bias, ints[3].view(len(layout.segments), -1)
 
-    def attend(self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
+               spec: AttentionSpec | None = None) -> torch.Tensor:
         """See `AttentionBackend.attend`; queries as [1, T, kv_heads, group, hd] (xformers' BMGHK
         layout for GQA), keys expanded (no copy) over the group."""
+        if spec is not None:
+            raise NotImplementedError(f"the {self.name} attention backend has no sliding windows, softcaps or other scales")
         t, h, hd = q.shape
         n_kv = cache.shape[-2]
         group = h // n_kv

@@ -13,7 +13,7 @@ import torch
 
 from engine.model.int8 import int8_exact, quantize_weight
 from engine.model.linear import PackedWeight
-from engine.model.llama import Transformer, block_matrices
+from engine.model.transformer import Transformer, block_matrices
 
 log = logging.getLogger(__name__)
 

@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from engine import kernels
-from engine.model.llama import Transformer, block_matrices, fused_block_matrices
+from engine.model.transformer import Transformer, block_matrices, fused_block_matrices
 from engine.model.linear import ANY_ROWS, PACKED_LINEAR_MAX_ROWS, PackedWeight, onednn_tiled, vnni_pack
 from engine.model.weights import (Q4_1_BLOCK_BYTES, Q8_0_BLOCK_BYTES, load_gguf_output_q8_0,
                                   load_gguf_q4_1)
@@ -340,7 +340,7 @@ def bf16_twin(packed: PackedWeight, weight: torch.Tensor) -> PackedWeight:
 def q4_1_block_matrices(model: Transformer, source: str | pathlib.Path | gguf.GGUFReader | None,
                         mode: str) -> list[tuple[nn.Module, str, torch.Tensor]]:
     """(module, attribute name, Q4_1 blocks uint8 [out, in / 32 · 20]) of every block matrix of
-    `model` (`engine.model.llama.block_matrices` order), the blocks read from the GGUF `source`
+    `model` (`engine.model.transformer.block_matrices` order), the blocks read from the GGUF `source`
     (None: the embedded model) and fused as the model fuses its matrices.
 
     Raises:
@@ -348,7 +348,7 @@ def q4_1_block_matrices(model: Transformer, source: str | pathlib.Path | gguf.GG
             (the message names `mode`, the weights mode asking).
     """
     args = model.args
-    fused = fused_block_matrices(load_gguf_q4_1(source), args.n_layers, args.n_heads, args.n_kv_heads)
+    fused = fused_block_matrices(load_gguf_q4_1(source), args)
     per_layer = len(block_matrices(model)) // args.n_layers
     out = []
     for j, (module, name) in enumerate(block_matrices(model)):

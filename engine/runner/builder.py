@@ -16,7 +16,8 @@ from engine.config import EngineConfig
 from engine.core.cost_model import CostModel
 from engine.core.engine import Engine
 from engine.core.request import Request, SamplingParams
-from engine.model.llama import ModelArgs, Transformer
+from engine.model.config import ModelArgs
+from engine.model.transformer import Transformer
 from engine.model.int8_weights import attach_int8
 from engine.model.quant import attach_q4, attach_q4q8
 from engine.runner.int8_calibration import calibration_config, calibration_tokens, run_calibration

@@ -27,7 +27,7 @@ import torch
 from engine.attention.base import DECODE_PAD_BLOCKS, AttentionMetadata, decode_mask
 from engine.attention.sdpa import SdpaBackend
 from engine.core.plan import StepPlan
-from engine.model.llama import Transformer
+from engine.model.transformer import Transformer
 from engine.runner.inputs import StepInputs
 from engine.runner.kv_cache import KVCache
 

@@ -12,7 +12,7 @@ import torch
 from engine.attention.base import AttentionMetadata
 from engine.model.layer_ops import KernelLayerOps
 from engine.model.linear import ANY_ROWS, PACKED_LINEAR_MAX_ROWS
-from engine.model.llama import Transformer
+from engine.model.transformer import Transformer
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,8 @@ class DecodeLoop:
         panels it runs: the C++ `linear` tells them by their 3 dimensions), with int8 copies
         (`engine.model.int8`, row scales) on every block matrix or none, and with Q4_1 blocks
         for `q4q8_linear` (`attach_q4q8`) on every block matrix or none."""
+        if not model.args.plain_llama:
+            return None             # the C++ loop is the plain Llama block only
         layers = model.layers
         packed = [[layer.attention.wqkv_packed for layer in layers],
                   [layer.attention.wo_packed for layer in layers],

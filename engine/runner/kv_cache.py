@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.kv_quant import quantized, row_bytes
-from engine.model.llama import ModelArgs
+from engine.model.config import ModelArgs
 from engine.runner.huge_pages import advise_huge_pages, collapse_huge_pages
 
 

@@ -12,6 +12,7 @@ and sampling.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 
@@ -27,7 +28,7 @@ from engine.core.outputs import SampledTokens
 from engine.core.plan import StepPlan
 from engine.core.request import Request
 from engine.model.layer_ops import KernelLayerOps, TorchLayerOps
-from engine.model.llama import Transformer
+from engine.model.transformer import Transformer
 from engine.runner.cuda_graphs import DecodeGraphs
 from engine.runner.decode_loop import DecodeLoop
 from engine.runner.inputs import StepInputs
@@ -36,6 +37,8 @@ from engine.runner.logits_processors import process_logits
 from engine.runner.prompt_logprobs import prompt_logprobs
 from engine.runner.sampler import make_generator, sample
 from engine.structured.masks import GrammarMasks
+
+log = logging.getLogger(__name__)
 
 
 def request_generator(req: Request, device: torch.device | str = "cpu") -> torch.Generator:
@@ -100,6 +103,10 @@ class ModelRunner:
             model.pack()                  # moved after packing: drop the CPU-only copies
         if kernels is None:
             kernels = (model.args.head_dim == 64 and on_cpu and genserve_kernels.available())
+        if kernels and not model.args.plain_llama:
+            log.info("%s: options beyond the plain Llama block (bias, q/k norm, softcap, window ...): "
+                     "the torch ops run, not genserve's fused CPU kernels", model.args.architecture)
+            kernels = False
         if quantized(kv.layers[0].dtype):
             # a backend forced by $GENSERVE_ATTENTION is checked too, not replaced by the default
             attention = attention or os.environ.get(ATTENTION_ENV) or ("cpu" if on_cpu else "sdpa")
@@ -125,11 +132,12 @@ class ModelRunner:
 
     @kernels.setter
     def kernels(self, on: bool) -> None:
-        self._kernels = bool(on) and self.device.type == "cpu"
         args = self.model.args
+        self._kernels = bool(on) and self.device.type == "cpu" and args.plain_llama
+        specs = any(layer.attention.spec is not None for layer in self.model.layers)
         self.attention: AttentionBackend = choose_backend(
             self.device, self.model.dtype, self.kv.block_size, args.n_heads, args.n_kv_heads,
-            args.head_dim, self._kernels, self._preferred)
+            args.head_dim, self._kernels, self._preferred, layer_specs=specs)
         kernel_path = self._kernels and isinstance(self.attention, CpuBackend)
         self.layer_ops: type[TorchLayerOps] = KernelLayerOps if kernel_path else TorchLayerOps
         self.gather = None if kernel_path else GatherBuffer()   # the SDPA decode path's keys, values

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
 
-from engine.model.llama import ModelArgs
+from engine.model.config import ModelArgs
 
 HF_LEAF = {
     "attention_norm": "input_layernorm", "attention.wq": "self_attn.q_proj",

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.model.llama import ModelArgs
+from engine.model.config import ModelArgs
 from engine.model.weights import load_safetensors, random_shape, random_weights
 from engine.runner.builder import build_engine, engine_from_weights
 from engine.tokenizer import ByteTokenizer, Tokenizer

@@ -13,7 +13,8 @@ from engine.config import EngineConfig
 from engine.runner.cuda_graphs import (BUCKETS, decode_forward, key_blocks, pad_decode_step,
                                 row_bucket)
 from engine.core.engine import Engine
-from engine.model.llama import ModelArgs, Transformer
+from engine.model.config import ModelArgs
+from engine.model.transformer import Transformer
 from engine.runner.invariance import check_batch_invariance, invariance_prompts
 from engine.runner.kv_cache import KVCache
 from engine.runner.inputs import StepInputs

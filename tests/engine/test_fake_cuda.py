@@ -465,3 +465,49 @@ def test_activation_peak_fits_the_reserve(kv_cache_dtype, monkeypatch):
     assert full.weights == 6_738_415_616 * 2 + 65 * 4096 * 2 + 4096 * 64 * 8
     for name, m in rows.items():
         assert 0 < m.activations < RESERVE, name
+
+
+@pytest.mark.parametrize("shape", ["qwen3-8b", "gemma-3-12b"])
+def test_qwen3_and_gemma3_at_the_design_scale_on_the_device(shape, monkeypatch):
+    """Qwen3-8B (per-head q/k norms, head_dim 128) and Gemma-3-12B (head_dim 256, five sliding
+    layers to one global, two RoPE tables, sandwich norms, GeGLU, embedding scale), random bf16 on
+    the fake device, through the real builder, scheduler and runner with SDPA, the backend that
+    honours sliding windows: mixed steps, a prefix-cache hit and a 32-row decode step, each
+    request ending with the ids the device handed back. FlexAttention, which has no sliding
+    windows, is refused for Gemma 3 when forced, and passed over when not."""
+    with FakeCuda() as fake:
+        monkeypatch.setenv("GENSERVE_ATTENTION", "sdpa")
+        cfg = EngineConfig(device="cuda", dtype="bfloat16", num_threads=1, num_blocks=512)
+        loaded = build_engine(cfg, f"random:{shape}", calibrate=False)
+        engine, model = loaded.engine, loaded.engine.executor.model
+        assert engine.executor.attention.name == "sdpa" and not engine.executor.kernels
+        args = loaded.args
+        if shape == "gemma-3-12b":
+            windows = args.sliding_windows
+            assert (args.head_dim, windows.count(1024), windows.count(None)) == (256, 40, 8)
+            assert len(model.rope_freqs) == 2 and args.sandwich_norm and args.qk_norm
+            assert all(t.device.type == "cuda" for t in model.rope_freqs)
+        else:
+            assert (args.head_dim, args.qk_norm, args.plain_llama) == (128, True, False)
+        script = Script(engine, fake)
+        long = request("long", "a", prompt_of(200, 1), 5, temperature=0.0)
+        engine.submit(long)
+        script.step()
+        cached = request("cached", "a", long.prompt_ids[:192] + prompt_of(30, 3), 5, temperature=0.0)
+        others = [request(f"u{i}", f"key{i}", prompt_of(8, 10 + i), 2,
+                          **({"temperature": 0.0} if i % 2 else {"temperature": 0.7, "seed": i}))
+                  for i in range(31)]
+        for r in [cached, *others]:
+            engine.submit(r)
+        script.run()
+        if shape == "gemma-3-12b":
+            monkeypatch.setenv("GENSERVE_ATTENTION", "flex")
+            with pytest.raises(RuntimeError, match="'flex' has no sliding windows"):
+                engine.executor.kernels = False             # chooses the backend again
+    plans = [r.plan for r in script.records if r.plan is not None]
+    assert any(p.num_decode_rows and p.num_prefill_tokens for p in plans)
+    assert any(p.num_decode_rows == 32 and not p.num_prefill_tokens for p in plans)
+    assert cached.num_cached == 192
+    for r in [long, cached, *others]:
+        assert r.generated == expected_tokens(r), r.request_id
+    engine.pool.check_all_free()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.model.llama import ModelArgs
+from engine.model.config import ModelArgs
 from engine.runner.huge_pages import HUGE_PAGE_BYTES, advise_huge_pages, thp_mode
 from engine.runner.kv_cache import KVCache
 

@@ -16,7 +16,7 @@ from engine import kernels
 from engine.model.int8 import (QMAX, Int8Weight, int8_exact, int8_linear, int8_linear_torch,
                                quantize_rows, quantize_weight)
 from engine.model.int8_weights import OUTLIERS, attach_int8
-from engine.model.llama import block_matrices
+from engine.model.transformer import block_matrices
 from engine.model.linear import linear
 from engine.runner.builder import (attach_weights, engine_from_model, int8_calibration,
                                    model_from_weights)

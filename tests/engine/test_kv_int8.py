@@ -12,7 +12,7 @@ from engine.attention.kv_quant import dequantize_kv, quantize_kv, row_bytes
 from engine.attention.base import GatherBuffer, store_kv
 from tests.engine.attention_oracle import step_metadata
 from engine.model.layer_ops import KernelLayerOps, TorchLayerOps
-from engine.model.llama import ModelArgs
+from engine.model.config import ModelArgs
 from engine.model.rope import rope_tables
 from engine.runner.kv_cache import KVCache, bytes_per_block
 from tests.engine.conftest import check_preemption_keeps_tokens, generate

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.model.llama import ModelArgs
+from engine.model.config import ModelArgs
 from engine.runner.builder import kv_pool_blocks
 from engine.runner.kv_cache import KVCache, bytes_per_block, kv_pool_size
 

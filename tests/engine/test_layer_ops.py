@@ -8,7 +8,7 @@ import torch
 
 from engine import kernels as genserve_kernels
 from engine.model.layer_ops import KernelLayerOps, TorchLayerOps
-from engine.model.llama import ModelArgs
+from engine.model.config import ModelArgs
 from engine.model.rope import rope_tables
 
 H, KVH, HD, D, F = 9, 3, 64, 576, 1536          # SmolLM2-135M's shapes

@@ -80,6 +80,19 @@ def test_the_model_imports_only_the_attention_interface() -> None:
     assert bad == []
 
 
+def test_only_the_models_package_names_a_family() -> None:
+    """The runner, quantized and int8 weights, the decode loop, CUDA graphs, the KV cache, the
+    service, tests and benchmarks talk to the shared network and its config, never to a family's
+    module (the registry imports those lazily, by name)."""
+    from engine.model.registry import family_modules
+
+    families = family_modules()
+    assert "engine.model.llama" in families and "engine.model.gemma3" in families
+    bad = [f"{m} imports {t}" for m, targets in sorted(GRAPH.items()) if not under(m, "engine.model")
+           for t in sorted(targets) if t in families]
+    assert bad == []
+
+
 def test_the_graph_sees_type_checking_and_function_level_imports() -> None:
     # The oracle itself: a module known to import at function level must show that edge.
     assert "engine.model.weights" in GRAPH["engine.tokenizer"]

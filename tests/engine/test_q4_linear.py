@@ -17,7 +17,7 @@ from engine import kernels as genserve_kernels
 from engine.config import EngineConfig
 from engine.model.linear import ANY_ROWS, linear, vnni_pack
 from engine.runner.decode_loop import DecodeLoop
-from engine.model.llama import fused_block_matrices
+from engine.model.transformer import fused_block_matrices
 from engine.model.quant import amx_pack, attach_q4, bf16_twin, q4_pack
 from engine.model.weights import Q4_1_BLOCK_BYTES, Q8_0_BLOCK_BYTES, load_gguf_q4_1
 from engine.runner.builder import auto_weights, build_engine, engine_from_model, model_from_weights
@@ -43,8 +43,7 @@ def q4_model(gguf_weights, gguf_reader):
 def file_blocks(gguf_reader, q4_model):
     """The fused block matrices' Q4_1 blocks as the file holds them, by (layer, kind)."""
     args = q4_model.args
-    fused = fused_block_matrices(load_gguf_q4_1(gguf_reader), args.n_layers, args.n_heads,
-                            args.n_kv_heads)
+    fused = fused_block_matrices(load_gguf_q4_1(gguf_reader), args)
     owner = {"wqkv": "attention", "wo": "attention", "w13": "feed_forward", "w2": "feed_forward"}
     return {(i, kind): fused[f"layers.{i}.{owner[kind]}.{kind}"]
             for i in range(args.n_layers) for kind in KINDS}

@@ -206,7 +206,7 @@ def q4q8_engine(gguf_weights):
 
 
 def test_q4q8_engine_runs_every_block_product_on_the_op(q4q8_engine):
-    from engine.model.llama import block_matrices
+    from engine.model.transformer import block_matrices
     model = q4q8_engine.executor.model
     assert all(getattr(m, n + "_packed").q4q8 is not None for m, n in block_matrices(model))
     loop = q4q8_engine.executor.decode_loop                  # decode runs the C++ block loop

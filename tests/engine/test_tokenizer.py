@@ -136,3 +136,16 @@ def test_bad_ids(gguf_tokenizer):
         gguf_tokenizer.token_bytes(-1)
     with pytest.raises(IndexError):
         gguf_tokenizer.is_special(-1)
+
+
+def test_hf_chat_template_is_found_where_transformers_saves_it(tmp_path):
+    """chat_template.jinja first (transformers >= 4.43 writes it), else tokenizer_config.json's
+    string, else its "default" named template; None without one."""
+    from engine.tokenizer import hf_chat_template
+
+    assert hf_chat_template(tmp_path, {}) is None
+    config = {"chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]}
+    assert hf_chat_template(tmp_path, config) == "D"
+    assert hf_chat_template(tmp_path, {"chat_template": "S"}) == "S"
+    (tmp_path / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    assert hf_chat_template(tmp_path, {"chat_template": "S"}) == "{{ messages[0]['content'] }}"

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.model import weights
-from engine.model.llama import ModelArgs
+from engine.model.config import ModelArgs
 from engine.model.rope import unpermute_rope_rows
 from engine.model.weights import expected_shapes, load_gguf, load_safetensors
 from engine.tokenizer import Tokenizer
@@ -172,12 +172,18 @@ def test_safetensors_tiny_llama(tmp_path, tie):
 def test_safetensors_dtype_and_errors(tmp_path):
     tiny_llama(tmp_path, tie=False)
     _, state = load_safetensors(tmp_path, dtype=torch.bfloat16)
-    assert {t.dtype for t in state.values()} == {torch.bfloat16}
+    # matrices in the asked dtype; norm weights in fp32 (they scale fp32 activations)
+    assert {t.dtype for n, t in state.items() if not n.endswith("norm.weight")} == {torch.bfloat16}
+    assert {t.dtype for n, t in state.items() if n.endswith("norm.weight")} == {torch.float32}
 
     config = json.loads((tmp_path / "config.json").read_text())
-    config["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+    config["rope_scaling"] = {"rope_type": "dynamic", "factor": 4.0}    # dynamic NTK: not served
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="yarn"):
+    with pytest.raises(ValueError, match="RoPE scaling 'dynamic' .*supported: default, linear, llama3, yarn, longrope"):
+        load_safetensors(tmp_path)
+    config["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}       # yarn without its original context
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="yarn.*original_max_position_embeddings"):
         load_safetensors(tmp_path)
 
     config.pop("rope_scaling")

@@ -1,0 +1,64 @@
+"""Gemma 2 (`Gemma2ForCausalLM`): the shared network with Gemma's options —
+
+* norms stored as w of (1 + w)·x̂ (`norm_offset` 1, folded in at load), in fp32;
+* sandwich norms: `post_attention_layernorm` on the attention output and
+  `post_feedforward_layernorm` on the MLP's, before each residual add
+  (`pre_feedforward_layernorm` is the usual pre-MLP norm);
+* GeGLU (`hidden_activation` gelu_pytorch_tanh), embeddings × √hidden_size;
+* score scale `query_pre_attn_scalar`^-½, attention softcap (50) and final-logit softcap (30);
+* sliding and global layers alternating (`layer_types`; window 4096).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from engine.model.config import ModelArgs
+from engine.model.hf_config import base_args, layer_kinds, unsupported
+from engine.model.llama import HF_LAYER_NAMES as LLAMA_NAMES
+
+ARCHITECTURES = ("Gemma2ForCausalLM",)
+GGUF_ARCHITECTURES = ("gemma2",)
+HF_LAYER_NAMES = {**LLAMA_NAMES,
+                  "post_attention_layernorm": "post_attention_norm",
+                  "pre_feedforward_layernorm": "ffn_norm",
+                  "post_feedforward_layernorm": "post_ffn_norm"}
+
+
+def activation(config: dict[str, Any], source: str) -> str:
+    """The MLP gate of a Gemma config: "gelu_tanh" for gelu_pytorch_tanh (every release).
+
+    Raises:
+        ValueError: any other activation.
+    """
+    name = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
+    if name not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise unsupported(source, f"hidden_activation {name!r} (supported: gelu_pytorch_tanh)")
+    return "gelu_tanh"
+
+
+def gemma_options(config: dict[str, Any], source: str, default_theta: float) -> dict[str, Any]:
+    """The options Gemma 2 and 3 share, as `ModelArgs` fields."""
+    n_layers = int(config["num_hidden_layers"])
+    window = config.get("sliding_window")
+    if "layer_types" not in config and window:
+        config = {**config, "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                            for i in range(n_layers)]}
+    scalar = config.get("query_pre_attn_scalar")
+    return dict(norm_offset=1.0, sandwich_norm=True, activation=activation(config, source),
+                embedding_scale=math.sqrt(int(config["hidden_size"])),
+                query_scale=float(scalar) ** -0.5 if scalar else 0.0,
+                attn_softcap=config.get("attn_logit_softcapping"),
+                final_softcap=config.get("final_logit_softcapping"),
+                layers=layer_kinds(config, n_layers, source, window, default_theta),
+                tie_embeddings=bool(config.get("tie_word_embeddings", True)))
+
+
+def config_from_hf(config: dict[str, Any], source: str) -> ModelArgs:
+    """`ModelArgs` from a `Gemma2Config` dict.
+
+    Raises:
+        ValueError: an unsupported activation, RoPE scaling or layer type (named).
+    """
+    return base_args(config, source, **gemma_options(config, source, default_theta=10000.0))

@@ -1,0 +1,40 @@
+"""Gemma 3 text (`Gemma3ForCausalLM`, model_type gemma3_text): Gemma 2's options
+(`engine.model.gemma2`) without the softcaps, plus per-head q/k RMSNorm stored as (1 + w), five
+sliding (local) layers to one global, and two RoPE bases: 10,000 on the local layers, 1,000,000
+(linear ×8 on the 4B and larger) on the global ones. transformers 5 writes `rope_parameters` per
+layer type; 4.x wrote `rope_theta`, `rope_local_base_freq` and `rope_scaling` (global only)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.model.config import ModelArgs
+from engine.model.gemma2 import HF_LAYER_NAMES as GEMMA2_NAMES, gemma_options
+from engine.model.hf_config import base_args
+
+ARCHITECTURES = ("Gemma3ForCausalLM",)
+GGUF_ARCHITECTURES = ("gemma3",)
+HF_LAYER_NAMES = {**GEMMA2_NAMES, "self_attn.q_norm": "attention.q_norm", "self_attn.k_norm": "attention.k_norm"}
+
+
+def config_from_hf(config: dict[str, Any], source: str) -> ModelArgs:
+    """`ModelArgs` from a `Gemma3TextConfig` dict (either transformers spelling of its RoPE).
+
+    Raises:
+        ValueError: an unsupported activation, RoPE scaling or layer type (named).
+    """
+    config = dict(config)
+    n_layers = int(config["num_hidden_layers"])
+    if "layer_types" not in config:
+        pattern = int(config.get("sliding_window_pattern") or config.get("_sliding_window_pattern") or 6)
+        config["layer_types"] = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                                 for i in range(n_layers)]
+    params = config.get("rope_parameters") or {}
+    if not any(t in params for t in ("full_attention", "sliding_attention")):
+        # 4.x: rope_theta (+ rope_scaling) global, rope_local_base_freq local
+        full = {**(config.get("rope_scaling") or {}), **params,
+                "rope_theta": params.get("rope_theta", config.get("rope_theta", 1e6))}
+        local = {"rope_type": "default", "rope_theta": config.get("rope_local_base_freq", 10000.0)}
+        config["rope_parameters"] = {"full_attention": full, "sliding_attention": local}
+    options = gemma_options(config, source, default_theta=1e6)
+    return base_args(config, source, qk_norm=True, **options)

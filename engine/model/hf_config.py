@@ -1,0 +1,127 @@
+"""Reading a Hugging Face `config.json` into `ModelArgs`: the keys every family shares, RoPE
+parameters in both of transformers' spellings, and per-layer attention kinds. The family modules
+(`engine.model.llama`, `qwen2`, ...) call these and add their own options.
+
+transformers 4.x writes `rope_theta` and `rope_scaling` at the top level; 5.x writes one
+`rope_parameters` dict (with `rope_theta` inside), or for models whose layer kinds differ (Gemma 3)
+one dict per layer type (`{"full_attention": {...}, "sliding_attention": {...}}`). Both are read.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.model.config import LayerAttention, ModelArgs, RopeScaling
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def unsupported(source: str, what: str) -> ValueError:
+    """The error for a checkpoint option genserve cannot serve: names it, says it is refused."""
+    return ValueError(f"{source}: {what} is not supported (refused rather than served with wrong numbers)")
+
+
+def rope_scaling(params: dict[str, Any], config: dict[str, Any], source: str) -> RopeScaling:
+    """`RopeScaling` from one RoPE parameter dict (transformers' `rope_parameters` or the older
+    `rope_scaling`; `config` gives top-level fallbacks such as original_max_position_embeddings).
+
+    Raises:
+        ValueError: a RoPE type genserve does not implement (named, with the supported ones).
+    """
+    kind = params.get("rope_type", params.get("type", "default")) or "default"
+    if kind == "su":                      # Phi-3's first name for LongRoPE
+        kind = "longrope"
+    if kind not in ("default", "linear", "llama3", "yarn", "longrope"):
+        raise unsupported(source, f"RoPE scaling {kind!r} (supported: default, linear, llama3, yarn, longrope)")
+    if kind == "default":
+        return RopeScaling()
+    original = int(params.get("original_max_position_embeddings")
+                   or config.get("original_max_position_embeddings") or 0)
+    factor = params.get("factor")
+    if factor is None:
+        factor = (config["max_position_embeddings"] / original) if original else 1.0
+    attention = params.get("attention_factor")
+    if kind == "yarn" and (params.get("mscale") or params.get("mscale_all_dim")):
+        raise unsupported(source, "YaRN with mscale / mscale_all_dim (DeepSeek's variant)")
+    return RopeScaling(
+        kind=kind, factor=float(factor), original_max_context=original,
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        beta_fast=float(params.get("beta_fast") or 32.0), beta_slow=float(params.get("beta_slow") or 1.0),
+        truncate=bool(params.get("truncate", True)),
+        attention_factor=None if attention is None else float(attention),
+        short_factor=tuple(float(x) for x in params.get("short_factor") or ()),
+        long_factor=tuple(float(x) for x in params.get("long_factor") or ()))
+
+
+def rope_for(config: dict[str, Any], layer_type: str, source: str,
+             default_theta: float = 10000.0) -> tuple[float, RopeScaling]:
+    """(rope_theta, RopeScaling) of layers of `layer_type` ("full_attention" or
+    "sliding_attention"), from `rope_parameters` (flat or per layer type) or the 4.x keys."""
+    params = config.get("rope_parameters") or {}
+    if any(t in params for t in LAYER_TYPES):
+        params = params.get(layer_type) or params.get("full_attention") or {}
+    legacy = config.get("rope_scaling") or {}
+    if legacy and params.get("rope_type", "default") == "default":
+        params = {**params, **legacy}          # a 4.x rope_scaling beside a plain rope_parameters
+    theta = float(params.get("rope_theta", config.get("rope_theta", default_theta)))
+    return theta, rope_scaling(params, config, source)
+
+
+def layer_kinds(config: dict[str, Any], n_layers: int, source: str, window: int | None,
+                default_theta: float = 10000.0, all_sliding: bool = False) -> tuple[LayerAttention, ...]:
+    """Each layer's `LayerAttention`: `layer_types` when the config lists them ("full_attention"
+    or "sliding_attention", the latter with `window`), else every layer sliding when
+    `all_sliding` (Mistral, Phi-3 with a window) or global.
+
+    Raises:
+        ValueError: a layer type other than those two, a list of the wrong length, or a sliding
+            layer without a window.
+    """
+    types = config.get("layer_types")
+    if not types:
+        types = ["sliding_attention" if all_sliding and window else "full_attention"] * n_layers
+    if len(types) != n_layers:
+        raise ValueError(f"{source}: {len(types)} layer_types for {n_layers} layers")
+    kinds = []
+    for kind in types:
+        if kind not in LAYER_TYPES:
+            raise unsupported(source, f"layer type {kind!r} (supported: {', '.join(LAYER_TYPES)})")
+        if kind == "sliding_attention" and not window:
+            raise ValueError(f"{source}: sliding_attention layers but no sliding_window")
+        theta, scaling = rope_for(config, kind, source, default_theta)
+        kinds.append(LayerAttention(window if kind == "sliding_attention" else None, theta, scaling))
+    return tuple(kinds)
+
+
+def base_args(config: dict[str, Any], source: str, **options: Any) -> ModelArgs:
+    """`ModelArgs` from the keys every family shares (sizes, norm epsilon, positions, tying,
+    `partial_rotary_factor`, the first architecture's name), with the family's `options` (any
+    `ModelArgs` field, `layers` included) on top. When `options` gives no `layers`, every layer
+    is global with the config's RoPE.
+
+    Raises:
+        KeyError: a required size is missing; ValueError: see `rope_for`, `ModelArgs`.
+    """
+    n_heads = int(config["num_attention_heads"])
+    theta, scaling = rope_for(config, "full_attention", source)
+    params = config.get("rope_parameters") or {}
+    partial = float(config.get("partial_rotary_factor") or params.get("partial_rotary_factor") or 1.0)
+    fields: dict[str, Any] = dict(
+        dim=int(config["hidden_size"]),
+        n_layers=int(config["num_hidden_layers"]),
+        n_heads=n_heads,
+        n_kv_heads=int(config.get("num_key_value_heads") or n_heads),
+        intermediate_size=int(config["intermediate_size"]),
+        vocab_size=int(config["vocab_size"]),
+        max_context=int(config.get("max_position_embeddings", 4096)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        norm_eps=float(config.get("rms_norm_eps", 1e-5)),
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        architecture=(config.get("architectures") or ["?"])[0],
+        head_dim=int(config.get("head_dim") or 0),
+        partial_rotary=partial,
+    )
+    fields.update(options)
+    return ModelArgs(**fields)

@@ -1,0 +1,31 @@
+"""Qwen2 and Qwen2.5 (`Qwen2ForCausalLM`): Llama with biases on the Q, K and V projections
+(never on the output projection), RoPE base 1,000,000, and, when `use_sliding_window` is set,
+sliding layers from `max_window_layers` on (transformers' `layer_types`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.model.config import ModelArgs
+from engine.model.hf_config import base_args, layer_kinds
+from engine.model.llama import HF_LAYER_NAMES
+
+ARCHITECTURES = ("Qwen2ForCausalLM",)
+GGUF_ARCHITECTURES = ("qwen2",)
+HF_LAYER_NAMES = HF_LAYER_NAMES
+
+
+def config_from_hf(config: dict[str, Any], source: str) -> ModelArgs:
+    """`ModelArgs` from a `Qwen2Config` dict (qkv_bias always on).
+
+    Raises:
+        ValueError: an unsupported RoPE scaling or layer type (named).
+    """
+    n_layers = int(config["num_hidden_layers"])
+    window = config.get("sliding_window") if config.get("use_sliding_window") else None
+    if "layer_types" not in config and window:
+        first = int(config.get("max_window_layers", n_layers))
+        config = {**config, "layer_types": ["sliding_attention" if i >= first else "full_attention"
+                                            for i in range(n_layers)]}
+    layers = layer_kinds(config, n_layers, source, window, default_theta=1e6)
+    return base_args(config, source, qkv_bias=True, layers=layers)

@@ -1,0 +1,28 @@
+"""Qwen3 (`Qwen3ForCausalLM`): Llama with a per-head RMSNorm of q and k before RoPE (weights
+[head_dim], `self_attn.q_norm` / `k_norm`), a head_dim independent of the width (128 at every
+size), and biases on all four attention projections only when `attention_bias` is set."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.model.config import ModelArgs
+from engine.model.hf_config import base_args, layer_kinds
+from engine.model.llama import HF_LAYER_NAMES as LLAMA_NAMES
+
+ARCHITECTURES = ("Qwen3ForCausalLM",)
+GGUF_ARCHITECTURES = ("qwen3",)
+HF_LAYER_NAMES = {**LLAMA_NAMES, "self_attn.q_norm": "attention.q_norm", "self_attn.k_norm": "attention.k_norm"}
+
+
+def config_from_hf(config: dict[str, Any], source: str) -> ModelArgs:
+    """`ModelArgs` from a `Qwen3Config` dict.
+
+    Raises:
+        ValueError: an unsupported RoPE scaling or layer type (named).
+    """
+    n_layers = int(config["num_hidden_layers"])
+    window = config.get("sliding_window") if config.get("use_sliding_window") else None
+    layers = layer_kinds(config, n_layers, source, window, default_theta=1e6)
+    bias = bool(config.get("attention_bias", False))
+    return base_args(config, source, qkv_bias=bias, o_bias=bias, qk_norm=True, layers=layers)

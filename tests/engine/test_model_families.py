@@ -1,0 +1,192 @@
+"""Every registered model family against transformers' own forward, on tiny random checkpoints
+that transformers builds and saves inside the test (tests/engine/hf_families.py: every
+parameter, norms and biases included, redrawn; windows shorter than the prompts; RoPE scaling
+active at the tested positions).
+
+Checked per family:
+* fp32 logits of a 40-token sequence, computed as the engine computes it (two 16-token prefill
+  pieces over the paged pool, then one-token decode steps), within 1e-4 of transformers';
+* through the real engine (scheduler, paged KV, sampler), greedy tokens with their logprobs equal
+  to transformers' teacher-forced scores (1e-4), in a batch with other prompts, past the window;
+  the same tokens and logprobs again after a prefix-cache hit and after preemption;
+* bf16 greedy tokens close to transformers' under vLLM's `check_logprobs_close` rule;
+* seeded sampling repeats alone and in a batch.
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.core.engine import Engine
+from engine.model.layer_ops import TorchLayerOps
+from engine.model.transformer import Transformer
+from engine.model.weights import load_safetensors
+from engine.runner.builder import engine_from_weights
+from engine.runner.kv_cache import KVCache
+from tests.engine.attention_oracle import step_metadata
+from tests.engine.conftest import new_request
+from tests.engine.hf_families import FAMILIES, build_checkpoint, reference_logits
+
+PROMPT_LEN = 70          # > the windows (12) and > one 64-token cacheable prefill piece
+NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory) -> tuple[str, pathlib.Path]:
+    """(family, checkpoint directory) of one tiny random checkpoint per family."""
+    return request.param, build_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def tokens(n: int, seed: int, vocab: int = 320) -> list[int]:
+    """`n` random token ids in [3, vocab) (no special tokens)."""
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def engine(directory: pathlib.Path, dtype: str = "float32", **config) -> Engine:
+    """A stopped engine over the checkpoint, stepped by hand (`run_until_idle`)."""
+    args, state = load_safetensors(directory, getattr(torch, dtype))
+    settings = dict(device="cpu", dtype=dtype, num_blocks=64, queue_budget_s=1e6) | config
+    return engine_from_weights(EngineConfig(**settings), args, state)
+
+
+@dataclass
+class Answer:
+    """What one request's token events said: its tokens, their logprobs and top alternatives,
+    and the prompt tokens it took from the prefix cache."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    top: list[dict[int, float]]
+    num_cached: int
+
+
+def run(e: Engine, prompts: list[list[int]], **sampling) -> list[Answer]:
+    """Submit every prompt at once (greedy, logprobs on, unless `sampling` says), step until
+    idle; each request's `Answer`. The pool ends with every block free."""
+    sampling = dict(temperature=0.0, logprobs=True, ignore_eos=True) | sampling
+    events: list[list] = [[] for _ in prompts]
+    reqs = [new_request(p, NEW_TOKENS, ev, **sampling) for p, ev in zip(prompts, events)]
+    for r in reqs:
+        e.submit(r)
+    e.run_until_idle()
+    e.pool.check_all_free()
+    answers = []
+    for ev in events:
+        toks = [x for x in ev if x.token_id is not None]
+        answers.append(Answer([x.token_id for x in toks], [x.logprob for x in toks],
+                              [dict(x.top_logprobs) for x in toks], ev[-1].num_cached_tokens))
+    return answers
+
+
+def test_logits_match_transformers_over_pieces_and_decode_steps(family):
+    name, directory = family
+    args, state = load_safetensors(directory, torch.float32)
+    model = Transformer.from_state_dict(args, state, torch.float32)
+    ids = torch.tensor(tokens(40, seed=1))
+    kv = KVCache(args, 8, 16, torch.float32, "cpu")
+    table = [3, 1, 5]                                    # shuffled block ids
+    rows = []
+    with torch.inference_mode():
+        for start, length in [(0, 16), (16, 16)] + [(p, 1) for p in range(32, 40)]:
+            meta = step_metadata([(start, length, table, length == 1)], 16, num_blocks=8)
+            hidden = model(ids[start:start + length], torch.arange(start, start + length), kv.layers,
+                           meta, TorchLayerOps)
+            rows.append(model.logits(hidden))
+    ours, ref = torch.cat(rows), reference_logits(directory, ids.tolist())
+    diff = (ours - ref).abs().max().item()
+    print(f"{name}: max |logit difference| over 40 positions = {diff:.2e}")
+    assert diff < 1e-4, diff
+
+
+def test_engine_greedy_tokens_and_logprobs_match_teacher_forced_transformers(family):
+    name, directory = family
+    prompt = tokens(PROMPT_LEN, seed=2)
+    others = [tokens(n, seed=10 + n) for n in (5, 33, 90)]       # a mixed batch around it
+    e = engine(directory)
+    first = run(e, [prompt] + others)[0]
+    generated, logprobs = first.tokens, first.logprobs
+    assert len(generated) == NEW_TOKENS
+    ref = torch.log_softmax(reference_logits(directory, prompt + generated), dim=-1)
+    positions = range(PROMPT_LEN - 1, PROMPT_LEN - 1 + NEW_TOKENS)
+    assert generated == [int(ref[p].argmax()) for p in positions]
+    want = [ref[p, t].item() for p, t in zip(positions, generated)]
+    assert max(abs(a - b) for a, b in zip(logprobs, want)) < 1e-4, (logprobs, want)
+    # Again on the same engine: the prompt's first 64 tokens come from the prefix cache.
+    again = run(e, [prompt])[0]
+    assert again.num_cached >= 64
+    assert again.tokens == generated
+    assert max(abs(a - b) for a, b in zip(again.logprobs, logprobs)) < 1e-5
+    # Prompts that fit a 10-block pool (5 + 1 + 3 blocks) but outgrow it (6 + 2 + 4): requests
+    # are preempted and recomputed.
+    small = engine(directory, num_blocks=10, free_margin=0.0)
+    preempted = run(small, [prompt] + others[:2])[0]
+    assert small.scheduler.num_preemptions > 0
+    assert preempted.tokens == generated
+
+
+def check_logprobs_close(ours: list[int], ours_top: list[dict[int, float]], ref: list[int],
+                         ref_top: list[dict[int, float]]) -> None:
+    """vLLM's rule (tests/models/utils.py `check_logprobs_close`): the greedy sequences agree
+    until they first differ; there each side's token must be among the other's top logprobs,
+    and the comparison stops (what follows is conditioned on different text)."""
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        if a != b:
+            assert a in ref_top[i] and b in ours_top[i], (i, a, b, ours_top[i], ref_top[i])
+            return
+
+
+def test_bf16_greedy_is_close_to_transformers(family):
+    name, directory = family
+    prompt = tokens(PROMPT_LEN, seed=3)
+    answer = run(engine(directory, "bfloat16"), [prompt], top_logprobs=5)[0]
+    ours, ours_top = answer.tokens, answer.top
+    ref_ids = list(prompt)                       # transformers' own greedy continuation (fp32)
+    ref_top = []
+    for _ in range(NEW_TOKENS):
+        logits = torch.log_softmax(reference_logits(directory, ref_ids)[-1], dim=-1)
+        top = logits.topk(5)
+        ref_top.append(dict(zip(top.indices.tolist(), top.values.tolist())))
+        ref_ids.append(int(top.indices[0]))
+    check_logprobs_close(ours, ours_top, ref_ids[PROMPT_LEN:], ref_top)
+    assert all(math.isfinite(v) for t in ours_top for v in t.values())
+
+
+def test_seeded_sampling_repeats_alone_and_in_a_batch(family):
+    _, directory = family
+    e = engine(directory)
+    prompt = tokens(20, seed=4)
+    alone = run(e, [prompt], temperature=1.0, seed=7)[0]
+    batch = run(e, [tokens(9, seed=5), prompt, tokens(40, seed=6)], temperature=1.0, seed=7)[1]
+    other = run(e, [prompt], temperature=1.0, seed=8)[0]
+    assert alone.tokens == batch.tokens
+    assert alone.tokens != other.tokens
+
+
+def test_an_architecture_or_option_outside_the_registry_is_refused_by_name(tmp_path):
+    """A checkpoint genserve cannot serve fails at load with the name of what it lacks and the
+    list of what it serves, never a silent load with wrong numbers."""
+    import json
+    import shutil
+
+    source = build_checkpoint("gemma3", tmp_path / "gemma3")
+    cases = [({"architectures": ["GPTNeoXForCausalLM"]},
+              r"architecture GPTNeoXForCausalLM is not supported; supported: Gemma2ForCausalLM, "
+              r"Gemma3ForCausalLM, LlamaForCausalLM, MistralForCausalLM, Phi3ForCausalLM, "
+              r"Qwen2ForCausalLM, Qwen3ForCausalLM"),
+             ({"hidden_activation": "relu"}, r"hidden_activation 'relu' .*supported: gelu_pytorch_tanh"),
+             ({"layer_types": ["chunked_attention"] * 6}, r"layer type 'chunked_attention'"),
+             ({"rope_parameters": {"full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6},
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
+              r"RoPE scaling 'dynamic'")]
+    for i, (change, message) in enumerate(cases):
+        directory = shutil.copytree(source, tmp_path / f"case{i}")
+        config = json.loads((directory / "config.json").read_text()) | change
+        (directory / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ValueError, match=message):
+            load_safetensors(directory)
