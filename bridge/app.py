@@ -65,6 +65,7 @@ from opentelemetry import trace
 
 from bridge.chat import chat_completions
 from bridge.completions import completions
+from bridge.constraints import ConstraintFieldError
 from bridge.console import INDEX_HTML, STATIC_DIR, replicas_event, snapshot_event
 from bridge.errors import ApiError, DEFAULT_RETRY_AFTER_S, add_exception_handlers, from_grpc
 from bridge.metrics import BridgeMetrics
@@ -231,7 +232,7 @@ async def tokenize(body: TokenizeRequest, request: Request,
         raise ApiError(400, refused.message, code="unsupported_parameter", param=refused.field)
     try:
         proto = body.to_proto()
-    except ChatError as e:
+    except (ChatError, ConstraintFieldError) as e:
         raise ApiError(400, str(e), code="invalid_argument", param=e.field) from None
     try:
         reply = await state.connect().generate.Tokenize(proto, metadata=auth_metadata(request),

@@ -27,7 +27,8 @@ from fastapi import Depends, Request
 from fastapi.responses import Response
 
 from bridge.errors import ApiError
-from bridge.protocol import ChatCompletionRequest, FINISH_REASON_NAME, completion_timing, timing_json
+from bridge.protocol import (ChatCompletionRequest, FINISH_REASON_NAME, completion_timing, prompt_logprobs_json,
+                             timing_json, token_label)
 from bridge.serving import generate
 from bridge.state import BridgeState, bridge_state
 from bridge.tools import parse_tool_calls
@@ -48,14 +49,20 @@ class ChatCompletionBuilder:
         include_usage: stream a last chunk with the usage (``stream_options.include_usage``).
         continuous_usage: every chunk of a choice carries its usage so far
             (``stream_options.continuous_usage_stats``, vLLM's).
-        tools: the request has tools that may be called: an answer that starts with ``<`` is
-            held back until it ends and, when it is tool calls (bridge/tools.py), answered as
+        tools: the request has tools that may be called (`tool_choice` auto, required or named;
+            never "none", whose answer is text): an answer that starts with ``<`` is held back
+            until it ends and, when it is tool calls (bridge/tools.py), answered as
             ``tool_calls`` (streamed: each call's id and name, then its arguments) with
             finish_reason "tool_calls".
+        prompt_logprobs: vLLM's `prompt_logprobs` (alternatives per prompt token), reported on
+            the whole completion (``prompt_logprobs``, vLLM's place for it); None: not asked.
+        token_ids: vLLM's `return_tokens_as_token_ids`: each `logprobs` entry's ``token`` is
+            ``token_id:<id>`` (its ``bytes`` stay the token's own).
     """
 
     def __init__(self, *, model: str, created: int, num_samples: int, logprobs: bool,
-                 include_usage: bool = False, continuous_usage: bool = False, tools: bool = False) -> None:
+                 include_usage: bool = False, continuous_usage: bool = False, tools: bool = False,
+                 prompt_logprobs: int | None = None, token_ids: bool = False) -> None:
         self.model = model
         self.created = created
         self.num_samples = num_samples
@@ -74,6 +81,9 @@ class ChatCompletionBuilder:
         self._calls: dict[int, list[dict]] = {}
         self._cached_tokens = 0
         self._opened: set[int] = set()       # choices whose role chunk went out
+        self.prompt_logprobs = prompt_logprobs
+        self.token_ids = token_ids
+        self._prompt_logprobs: list[dict | None] | None = None
 
     @property
     def all_finished(self) -> bool:
@@ -122,15 +132,20 @@ class ChatCompletionBuilder:
             self.request_id = msg.started.request_id or self.request_id
             self.prompt_tokens = msg.started.prompt_tokens
             return []
+        if kind == "prompt_logprobs":
+            if self.prompt_logprobs is not None:
+                self._prompt_logprobs = prompt_logprobs_json(msg.prompt_logprobs, self.prompt_logprobs)
+            return []
         if kind == "token":
             tok = msg.token
             self._text.setdefault(tok.index, []).append(tok.text)
             entry = None
             if tok.HasField("logprob"):
                 # Each token's own bytes (an engine without them: its text's).
-                entry = {"token": tok.text, "logprob": tok.logprob,
+                entry = {"token": token_label(tok.token_id, tok.text, self.token_ids), "logprob": tok.logprob,
                          "bytes": list(tok.token_bytes or tok.text.encode()),
-                         "top_logprobs": [{"token": t.text, "logprob": t.logprob,
+                         "top_logprobs": [{"token": token_label(t.token_id, t.text, self.token_ids),
+                                           "logprob": t.logprob,
                                            "bytes": list(t.token_bytes or t.text.encode())}
                                           for t in tok.top_logprobs]}
                 self._logprobs.setdefault(tok.index, []).append(entry)
@@ -198,9 +213,12 @@ class ChatCompletionBuilder:
             if self._detail.get(i):
                 choice["detail"] = self._detail[i]
             choices.append(choice)
-        return {"id": self.completion_id, "object": "chat.completion", "created": self.created,
-                "model": self.model, "choices": choices, "usage": self.usage(),
-                "timing": completion_timing(self._timing.values()), "request_id": self.request_id}
+        out = {"id": self.completion_id, "object": "chat.completion", "created": self.created,
+               "model": self.model, "choices": choices, "usage": self.usage(),
+               "timing": completion_timing(self._timing.values()), "request_id": self.request_id}
+        if self.prompt_logprobs is not None:
+            out["prompt_logprobs"] = self._prompt_logprobs
+        return out
 
 
 async def chat_completions(body: ChatCompletionRequest, request: Request,
@@ -224,6 +242,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
                                     num_samples=body.num_samples, logprobs=bool(body.logprobs),
                                     include_usage=stream and body.include_usage,
                                     continuous_usage=stream and body.continuous_usage,
-                                    tools=body.tool_setup() is not None)
+                                    tools=body.tool_setup() is not None,
+                                    prompt_logprobs=body.prompt_logprobs,
+                                    token_ids=bool(body.return_tokens_as_token_ids))
     return await generate(request, state, "/v1/chat/completions", proto, builder, stream,
-                          recorded=body.recorded_fields(), constraint=body.constraint())
+                          recorded=body.recorded_fields(), fields=body.engine_fields())

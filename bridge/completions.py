@@ -27,7 +27,8 @@ from fastapi import Depends, Request
 from fastapi.responses import Response
 
 from bridge.errors import ApiError, from_grpc
-from bridge.protocol import FINISH_REASON_NAME, CompletionRequest, completion_timing, timing_json
+from bridge.protocol import (FINISH_REASON_NAME, CompletionRequest, completion_timing, prompt_logprobs_json,
+                             timing_json, token_label)
 from bridge.serving import generate
 from bridge.state import BridgeState, auth_metadata, bridge_state
 from genserve.v1 import generate_pb2 as pb
@@ -63,14 +64,16 @@ class _Sample:
         return sum(values) / len(values) if values else -math.inf
 
 
-def _prompt_sample(msg: pb.PromptLogprobs) -> _Sample:
-    """A prompt's tokens as a _Sample: texts, logprobs (the first null), top alternatives (the
-    first null) and text offsets from 0."""
+def _prompt_sample(msg: pb.PromptLogprobs, k: int, token_ids: bool = False) -> _Sample:
+    """A prompt's tokens as a _Sample (echo with logprobs): texts (or ``token_id:<id>`` with
+    `token_ids`), logprobs (the first null), `k` top alternatives (the first null) and text
+    offsets from 0."""
     prompt = _Sample()
     for tok in msg.tokens:
-        prompt.tokens.append(tok.text)
+        prompt.tokens.append(token_label(tok.token_id, tok.text, token_ids))
         prompt.token_logprobs.append(tok.logprob if tok.HasField("logprob") else None)
-        prompt.top_logprobs.append({t.text: t.logprob for t in tok.top_logprobs}
+        prompt.top_logprobs.append({token_label(t.token_id, t.text, token_ids): t.logprob
+                                    for t in list(tok.top_logprobs)[:k]}
                                    if tok.HasField("logprob") else None)
         prompt.text_offsets.append(prompt.text_offset)
         prompt.text_offset += len(tok.text)
@@ -91,11 +94,18 @@ class CompletionBuilder:
         include_usage: stream a last chunk with the usage (`stream_options.include_usage`).
         continuous_usage: every streamed chunk carries its choice's usage so far
             (`stream_options.continuous_usage_stats`).
+        echo_logprobs: with `echo` and `logprobs`, the alternatives per prompt token its echo
+            reports (`logprobs`); None: the echo has no logprobs.
+        prompt_logprobs: vLLM's `prompt_logprobs` (alternatives per prompt token), reported on
+            each choice of the whole completion; None: not asked.
+        token_ids: vLLM's `return_tokens_as_token_ids`: `logprobs` name tokens ``token_id:<id>``.
     """
 
     def __init__(self, *, model: str, created: int, num_samples: int, logprobs: bool,
                  num_prompts: int = 1, echo: list[str] | None = None, n: int | None = None,
-                 include_usage: bool = False, continuous_usage: bool = False) -> None:
+                 include_usage: bool = False, continuous_usage: bool = False,
+                 echo_logprobs: int | None = None, prompt_logprobs: int | None = None,
+                 token_ids: bool = False) -> None:
         self.model = model
         self.created = created
         self.num_samples = num_samples
@@ -114,6 +124,10 @@ class CompletionBuilder:
         # With echo and logprobs: each prompt's own tokens as a _Sample (its logprobs from the
         # engine's PromptLogprobs message), by prompt index.
         self._prompts: dict[int, _Sample] = {}
+        self.echo_logprobs = echo_logprobs
+        self.prompt_logprobs = prompt_logprobs
+        self.token_ids = token_ids
+        self._prompt_logprobs: dict[int, list[dict | None]] = {}   # prompt index -> vLLM's list
         self._cached: dict[int, int] = {}             # prompt index -> prompt tokens from the cache
         self._echoed: set[int] = set()                # samples whose echo event went out
 
@@ -158,9 +172,12 @@ class CompletionBuilder:
         if kind == "started":
             self.on_message(msg)
             return []
-        if kind == "prompt_logprobs":      # kept for the echo event, which leaves with the first token
-            k = self._prompt_index(msg.prompt_logprobs.index)
-            self._prompts[k] = _prompt_sample(msg.prompt_logprobs)
+        if kind == "prompt_logprobs":      # kept for the echo event (it leaves with the first token)
+            k = self._prompt_index(msg.prompt_logprobs.index)      # and for the whole completion
+            if self.echo_logprobs is not None:
+                self._prompts[k] = _prompt_sample(msg.prompt_logprobs, self.echo_logprobs, self.token_ids)
+            if self.prompt_logprobs is not None:
+                self._prompt_logprobs[k] = prompt_logprobs_json(msg.prompt_logprobs, self.prompt_logprobs)
             return []
         index = msg.token.index if kind == "token" else msg.finished.index if kind == "finished" else None
         events = [] if index is None else self._echo_event(index)
@@ -207,14 +224,15 @@ class CompletionBuilder:
         sample.completion_tokens += 1
         logprobs = None
         if tok.HasField("logprob"):
-            top = {t.text: t.logprob for t in tok.top_logprobs}
+            top = {token_label(t.token_id, t.text, self.token_ids): t.logprob for t in tok.top_logprobs}
+            label = token_label(tok.token_id, tok.text, self.token_ids)
             logprobs = {
-                "tokens": [tok.text],
+                "tokens": [label],
                 "token_logprobs": [tok.logprob],
                 "top_logprobs": [top],
                 "text_offset": [sample.text_offset],
             }
-            sample.tokens.append(tok.text)
+            sample.tokens.append(label)
             sample.token_logprobs.append(tok.logprob)
             sample.top_logprobs.append(top)
             sample.text_offsets.append(sample.text_offset)
@@ -286,6 +304,8 @@ class CompletionBuilder:
             if self.logprobs:
                 prompt = self._prompts.get(self._prompt_index(index // self.n * self.samples_per_prompt))
                 choice["logprobs"] = sample.logprobs_json(prompt)
+            if self.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = self._prompt_logprobs.get(index // self.n)
             if sample.detail:
                 choice["detail"] = sample.detail
             choices.append(choice)
@@ -325,12 +345,15 @@ async def completions(body: CompletionRequest, request: Request,
         n=body.num_samples,
         include_usage=bool(body.stream) and body.include_usage,
         continuous_usage=bool(body.stream) and body.continuous_usage,
+        echo_logprobs=body.logprobs if body.echo else None,
+        prompt_logprobs=body.prompt_logprobs,
+        token_ids=bool(body.return_tokens_as_token_ids),
     )
     request_id = request.headers.get("x-request-id", "")
     protos = [body.to_proto(p, request_id=f"{request_id}-{k}" if request_id and k else request_id)
               for k, p in enumerate(prompts)]
     return await generate(request, state, "/v1/completions", protos, builder, bool(body.stream),
-                          recorded=body.recorded_fields(), constraint=body.constraint())
+                          recorded=body.recorded_fields(), fields=body.engine_fields())
 
 
 async def prompt_text(prompt: Any, request: Request, state: BridgeState) -> str:

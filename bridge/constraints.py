@@ -63,9 +63,10 @@ class BodyConstraint:
         else:
             setattr(request, self.grpc_field, self.value)
 
-    def rest_field_for(self, grpc_field: str | None) -> str | None:
-        """The REST name of an engine error's `invalid-field` (this constraint's field), else as is."""
-        return self.rest_field if grpc_field == self.grpc_field else grpc_field
+    def rest_fields(self) -> dict[str, str]:
+        """{gRPC field: REST field} of this constraint, for naming an engine error's field
+        (`bridge.errors.client_field`: ``choice[0]`` -> ``guided_choice[0]``)."""
+        return {self.grpc_field: self.rest_field}
 
 
 def schema_field_text(value: Any, field: str) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import grpc
 from fastapi import FastAPI, Request
@@ -122,6 +122,29 @@ def from_grpc(err: grpc.aio.AioRpcError) -> ApiError:
     if status == grpc.StatusCode.INVALID_ARGUMENT:
         param = next((str(v) for k, v in err.trailing_metadata() or () if k.lower() == INVALID_FIELD), None)
     return ApiError(http_status, message, code=status.name.lower(), param=param, headers=headers)
+
+
+def client_field(field: str, names: Mapping[str, str]) -> str:
+    """An engine field (a gRPC GenerateRequest field, possibly with a path: ``choice[0]``,
+    ``messages[2].content``) as the field the client sent: the longest name in `names` (engine
+    field -> REST field) that is `field` or starts it, followed by ``[`` or ``.``, replaced by its
+    REST field (``guided_choice[0]``, ``structured_outputs.choice[0]``); else `field` as is."""
+    for engine in sorted(names, key=len, reverse=True):
+        if field == engine or (field.startswith(engine) and field[len(engine)] in "[."):
+            return names[engine] + field[len(engine):]
+    return field
+
+
+def rename_param(error: ApiError, names: Mapping[str, str]) -> None:
+    """Make an error from the engine name the client's field (`client_field`): its `param`, and
+    the field its message starts with (the engine writes ``"<field>: <reason>"``)."""
+    if not error.param or not names:
+        return
+    renamed = client_field(error.param, names)
+    if renamed != error.param:
+        if error.message.startswith(error.param):
+            error.message = renamed + error.message[len(error.param):]
+        error.param = renamed
 
 
 def validation_error(errors: list[dict]) -> ApiError:

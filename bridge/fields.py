@@ -137,6 +137,12 @@ _SHARED: dict[str, Rule] = {
                           origin=VLLM, grpc="choice.options"),
     "guided_grammar": Rule(HONOURED, "older name for `structured_outputs.grammar`", 'start: "a" | "b"',
                            origin=VLLM, grpc="grammar"),
+    "return_tokens_as_token_ids": Rule(HONOURED, "with `logprobs`, each token and alternative is named "
+                                       "`token_id:<id>` instead of by its text (chat's `bytes` stay the "
+                                       "token's own)", True, origin=VLLM),
+    "prompt_logprobs": Rule(HONOURED, "0..5: each prompt token's logprob (`{\"<id>\": {logprob, rank, "
+                            "decoded_token}}`, the prompt token first, then the top alternatives; the "
+                            "first null); not with `stream`", 2, origin=VLLM, grpc="prompt_logprobs"),
     "cache_salt": Rule(HONOURED, "cached prompt blocks are shared only by requests with the same salt "
                        "(and, by default, the same API key); up to 256 characters", "s1", origin=VLLM,
                        grpc="cache_salt"),
@@ -170,6 +176,9 @@ COMPLETIONS: dict[str, Rule] = {
     **_pick("top_k", "ignore_eos", "repetition_penalty", "min_p", "min_tokens", "stop_token_ids",
             "include_stop_str_in_output", "skip_special_tokens", "cache_salt", "deadline_s"),
     **_pick("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"),
+    "response_format": Rule(HONOURED, "vLLM's extension here: `text`, `json_object`, `json_schema`, as on "
+                            "chat", {"type": "json_object"}, origin=VLLM),
+    **_pick("return_tokens_as_token_ids", "prompt_logprobs"),
 }
 
 _FUNCTIONS_WHY = "OpenAI's deprecated form of tools; send tools and tool_choice"
@@ -200,11 +209,13 @@ CHAT: dict[str, Rule] = {
     "response_format": Rule(HONOURED, "`text`, `json_object`, `json_schema` (`name`, `schema`, `strict`): "
                             "decoding follows the schema (llguidance), so the answer always parses",
                             {"type": "json_object"}),
-    "tools": Rule(HONOURED, "functions; the tool prompt and call format are bridge/tools.py's (the model's "
-                  "template has none); calls are parsed into `tool_calls`, finish_reason `tool_calls`",
+    "tools": Rule(HONOURED, "functions (`parameters` may use `$defs`/`$ref`; none: no arguments); the tool "
+                  "prompt and call format are bridge/tools.py's (the model's template has none); calls are "
+                  "parsed into `tool_calls`, finish_reason `tool_calls`",
                   [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
-    "tool_choice": Rule(HONOURED, "none, auto, required, or a named function; required and named "
-                        "constrain decoding to a call whose arguments follow the function's schema", "none"),
+    "tool_choice": Rule(HONOURED, "none (text only, streamed as made), auto, required, or a named function; "
+                        "required and named constrain decoding to a call whose arguments follow the "
+                        "function's schema", "none"),
     "functions": Rule(NOT_SUPPORTED, "`[]` accepted", [], accepts=_none_or_empty,
                       refused=[{"name": "f"}], why=_FUNCTIONS_WHY),
     "function_call": Rule(NOT_SUPPORTED, "`\"none\"` accepted", "none", accepts=_none_or_empty,
@@ -220,6 +231,7 @@ CHAT: dict[str, Rule] = {
     **_pick("top_k", "ignore_eos", "repetition_penalty", "min_p", "min_tokens", "stop_token_ids",
             "include_stop_str_in_output", "skip_special_tokens", "cache_salt", "deadline_s"),
     **_pick("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"),
+    **_pick("return_tokens_as_token_ids", "prompt_logprobs"),
 }
 
 TABLES = {"/v1/completions": COMPLETIONS, "/v1/chat/completions": CHAT}
@@ -275,7 +287,10 @@ def markdown_table() -> str:
 
 
 def _rule(name: str) -> Rule:
-    return COMPLETIONS.get(name) or CHAT[name]
+    """The rule that places a field's row: OpenAI's where either endpoint has it as OpenAI's
+    (`response_format` is OpenAI's on chat, vLLM's extension on completions)."""
+    rules = [r for r in (COMPLETIONS.get(name), CHAT.get(name)) if r is not None]
+    return next((r for r in rules if r.origin == OPENAI), rules[0])
 
 
 if __name__ == "__main__":

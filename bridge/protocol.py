@@ -13,6 +13,7 @@ parsed body.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Annotated, Any, ClassVar
 
@@ -62,6 +63,7 @@ FINISH_REASON_NAME: dict[int, str] = {
     pb.FINISH_REASON_CANCELLED: "cancelled",
 }
 
+MIN_PROMPT_LOGPROB = -9999.0     # vLLM's floor for a prompt logprob (-inf is not JSON)
 TIMING_DECIMALS = 3     # final events' timing values, ms to the microsecond (finer digits are clock noise)
 
 
@@ -89,6 +91,40 @@ def completion_timing(timings: Iterable[pb.Timing]) -> dict | None:
     first = [t.ttft_ms for t in timings if t.HasField("ttft_ms")]
     return timing_ms(max(t.queue_ms for t in timings), min(first, default=None),
                      max(t.e2e_ms for t in timings))
+
+
+def token_label(token_id: int, text: str, as_id: bool) -> str:
+    """A token as a `logprobs` entry names it: its text, or with vLLM's
+    `return_tokens_as_token_ids` ``"token_id:<id>"`` (a token holding part of a character, or
+    text that is not valid JSON on its own, stays identifiable)."""
+    return f"token_id:{token_id}" if as_id else text
+
+
+def prompt_logprobs_json(msg: pb.PromptLogprobs, k: int) -> list[dict | None]:
+    """vLLM's `prompt_logprobs` of a prompt: one entry per prompt token, null for the first
+    (nothing comes before it), then ``{"<token id>": {"logprob", "rank", "decoded_token"}}`` with
+    the prompt token itself first and the `k` most likely alternatives (rank 1 the most likely).
+    The prompt token's `rank` is its place among the alternatives when it is one of them, else
+    null (the engine reports the top `k` only). A logprob below `MIN_PROMPT_LOGPROB` (-inf) is
+    that value, as vLLM clamps it, and one that is not a number is null, so the answer stays JSON."""
+    out: list[dict | None] = []
+    for tok in msg.tokens:
+        if not tok.HasField("logprob"):
+            out.append(None)
+            continue
+        top = list(tok.top_logprobs)[:k]
+        rank = next((r for r, t in enumerate(top, 1) if t.token_id == tok.token_id), None)
+        entry = {str(tok.token_id): {"logprob": _json_logprob(tok.logprob), "rank": rank,
+                                     "decoded_token": tok.text}}
+        for r, t in enumerate(top, 1):
+            entry.setdefault(str(t.token_id), {"logprob": _json_logprob(t.logprob), "rank": r,
+                                               "decoded_token": t.text})
+        out.append(entry)
+    return out
+
+
+def _json_logprob(value: float) -> float | None:
+    return None if math.isnan(value) else max(value, MIN_PROMPT_LOGPROB)
 
 
 def stop_list(value: Any) -> list[str] | None:
@@ -220,6 +256,15 @@ class SamplingBody(BaseModel):
         """The fields the policy records (`user`, `metadata`, ...) that the body set."""
         return recorded(self.set_fields(), self.policy)
 
+    def engine_fields(self) -> dict[str, str]:
+        """gRPC request field -> the REST field this body sent for it, where the names differ:
+        an engine error names the gRPC field, the client's 400 names its own
+        (`bridge.errors.rename_param`). Here: the output constraint's (``choice`` ->
+        ``guided_choice``); the endpoints add their own. Call after `policy_refusal` found
+        nothing (a malformed constraint raises ConstraintFieldError)."""
+        constraint = self.constraint()
+        return constraint.rest_fields() if constraint is not None else {}
+
     def sampling_proto(self) -> pb.SamplingParams:
         """The gRPC SamplingParams of these fields: null or absent fields take OpenAI's (or
         vLLM's) defaults, and those the proto marks optional stay absent.
@@ -249,6 +294,15 @@ class SamplingBody(BaseModel):
 PromptInput = str | list[int]
 
 
+def prompt_logprobs_refusal(prompt_logprobs: int | None, stream: bool | None) -> FieldRefused | None:
+    """`prompt_logprobs` with `stream` is refused, as vLLM refuses it (they are reported with the
+    whole answer only); else None."""
+    if prompt_logprobs is not None and stream:
+        return FieldRefused("prompt_logprobs", "'prompt_logprobs' is not available with 'stream': "
+                                               "they come with the whole answer; send stream: false")
+    return None
+
+
 class CompletionRequest(SamplingBody):
     """Body of POST /v1/completions."""
 
@@ -263,6 +317,11 @@ class CompletionRequest(SamplingBody):
     echo: StrictBool | None = False
     best_of: Uint32 | None = None
     suffix: StrictStr | None = None
+    # vLLM's extensions: an output format as chat's (`json_object`, `json_schema`), token ids in
+    # place of token texts in `logprobs`, and the prompt tokens' logprobs.
+    response_format: AnyObject | None = None
+    return_tokens_as_token_ids: StrictBool | None = None
+    prompt_logprobs: Uint32 | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -313,7 +372,20 @@ class CompletionRequest(SamplingBody):
             if self.stream and self.best_of > 1:
                 return FieldRefused("best_of", "'best_of' cannot be used with 'stream' (the best "
                                                "samples are known only once all have finished)")
-        return None
+        return prompt_logprobs_refusal(self.prompt_logprobs, self.stream)
+
+    def engine_fields(self) -> dict[str, str]:
+        """As `SamplingBody.engine_fields`, and: `n` is `best_of` when that is set (the engine
+        draws best_of samples); token ids sent as `prompt` are `prompt_token_ids` to the engine;
+        the engine's `prompt_logprobs` is the body's, or `logprobs` when only echo asked for it."""
+        names = super().engine_fields()
+        if self.best_of is not None:
+            names["n"] = "best_of"
+        if self.prompt is not None:
+            names["prompt_token_ids"] = "prompt"
+        if self.prompt_logprobs is None:
+            names["prompt_logprobs"] = "logprobs"
+        return names
 
     def to_proto(self, prompt: PromptInput, request_id: str = "") -> pb.GenerateRequest:
         """The gRPC request for one of the prompts; null fields take OpenAI's defaults,
@@ -333,6 +405,9 @@ class CompletionRequest(SamplingBody):
                 request.prompt_logprobs = self.logprobs
         elif self.engine_samples > self.num_samples:
             request.logprobs = 0           # best_of ranks samples by their tokens' logprobs
+        if self.prompt_logprobs is not None:     # one engine count serves both asks
+            request.prompt_logprobs = max(self.prompt_logprobs, request.prompt_logprobs
+                                          if request.HasField("prompt_logprobs") else 0)
         if self.deadline_s is not None:
             request.deadline_s = self.deadline_s
         constraint = self.constraint()
@@ -377,7 +452,9 @@ class ChatCompletionRequest(SamplingBody):
     reasoning_effort: StrictStr | None = None
     verbosity: StrictStr | None = None
     parallel_tool_calls: StrictBool | None = None
-    # Not supported beyond the values that ask for nothing (bridge/fields.py).
+    # vLLM's: token ids in place of token texts in `logprobs`, and the prompt tokens' logprobs.
+    return_tokens_as_token_ids: StrictBool | None = None
+    prompt_logprobs: Uint32 | None = None
     response_format: AnyObject | None = None
     tools: list[Any] | None = None
     tool_choice: StrictStr | AnyObject | None = None
@@ -398,8 +475,24 @@ class ChatCompletionRequest(SamplingBody):
         return self
 
     def tool_setup(self) -> ToolSetup | None:
-        """The request's tools (bridge/tools.py), or None. Raises ConstraintFieldError."""
+        """The request's tools when a call may be made (bridge/tools.py), or None (no tools, or
+        `tool_choice` "none"). Raises ConstraintFieldError."""
         return tool_setup(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def policy_refusal(self) -> FieldRefused | None:
+        """The policy's refusal (bridge/fields.py), or `prompt_logprobs` with `stream` (as vLLM)."""
+        return super().policy_refusal() or prompt_logprobs_refusal(self.prompt_logprobs, self.stream)
+
+    def engine_fields(self) -> dict[str, str]:
+        """As `SamplingBody.engine_fields` (with the tool-call grammar's: ``grammar`` ->
+        ``tools``), and: the engine's `max_tokens` is `max_completion_tokens` when the body
+        sent that; its `logprobs` (a count of alternatives) is `top_logprobs`."""
+        names = super().engine_fields()
+        if self.max_completion_tokens is not None and self.max_tokens is None:
+            names["max_tokens"] = "max_completion_tokens"
+        if self.top_logprobs is not None:
+            names["logprobs"] = "top_logprobs"
+        return names
 
     def constraint(self) -> BodyConstraint | None:
         """The output constraint: the body's (`SamplingBody.constraint`) or the tool-call grammar.
@@ -409,12 +502,11 @@ class ChatCompletionRequest(SamplingBody):
         """
         asked = super().constraint()
         setup = self.tool_setup()
-        grammar = setup.grammar() if setup is not None else None
-        if grammar is None:
+        if setup is None:
             return asked
         if asked is not None:
             raise ConstraintFieldError(asked.rest_field, "cannot be combined with tools that may be called")
-        return BodyConstraint("grammar", grammar, "tools")
+        return BodyConstraint("grammar", setup.grammar(), "tools")
 
     def to_proto(self, request_id: str = "") -> pb.GenerateRequest:
         """The gRPC request: the messages as `ChatMessages`, null fields at OpenAI's defaults.
@@ -430,6 +522,8 @@ class ChatCompletionRequest(SamplingBody):
             request.max_tokens = max_tokens
         if self.logprobs:
             request.logprobs = self.top_logprobs or 0
+        if self.prompt_logprobs is not None:
+            request.prompt_logprobs = self.prompt_logprobs
         if self.deadline_s is not None:
             request.deadline_s = self.deadline_s
         constraint = self.constraint()
@@ -439,24 +533,37 @@ class ChatCompletionRequest(SamplingBody):
             request.cache_salt = self.cache_salt
         chat = request.chat
         chat.SetInParent()
-        chat.messages.extend(chat_messages_proto(render_messages(self.messages, self.tool_setup())))
+        chat.messages.extend(chat_messages_proto(self.messages, self.tool_setup()))
         return request
 
 
-def chat_messages_proto(messages: Any) -> list[pb.ChatMessage]:
-    """OpenAI-style messages as gRPC ChatMessages. Raises ChatError naming the field at fault."""
-    return [pb.ChatMessage(role=m.role, content=m.content) for m in parse_messages(messages)]
+def chat_messages_proto(messages: Any, setup: ToolSetup | None = None) -> list[pb.ChatMessage]:
+    """OpenAI-style messages as the gRPC ChatMessages the engine renders: tool calls and tool
+    results written as text (`bridge.tools.render_messages`), every message checked
+    (`parse_messages`), and with callable tools (`setup`) the tool prompt first. The one path
+    from a REST conversation to the prompt, for chat (and so Responses) and /tokenize alike, so
+    that /tokenize counts exactly what chat does.
+
+    Raises:
+        ChatError: naming the client's field at fault (``messages[2].tool_calls[0].function.name``).
+    """
+    out = [pb.ChatMessage(role=m.role, content=m.content) for m in parse_messages(render_messages(messages))]
+    if setup is not None:
+        out.insert(0, pb.ChatMessage(role="system", content=setup.system_text()))
+    return out
 
 
 class TokenizeRequest(BaseModel):
-    """Body of POST /tokenize (vLLM's): a `prompt`, or chat `messages` rendered with the model's
-    template, tokenized exactly as a completion's prompt is counted."""
+    """Body of POST /tokenize (vLLM's): a `prompt`, or chat `messages` (with the `tools` the chat
+    request offers, as vLLM's tokenize takes them) rendered with the model's template, tokenized
+    exactly as a completion's or chat's prompt is counted."""
 
     model_config = ConfigDict(extra="forbid")
 
     model: StrictStr | None = None
     prompt: StrictStr | None = None
     messages: list[Any] | None = None
+    tools: list[Any] | None = None
     # Tokens are counted as generation counts them: the model's tokenizer adds what its file says.
     add_special_tokens: StrictBool | None = None
     add_generation_prompt: StrictBool | None = None   # true only: generation opens the assistant turn
@@ -475,13 +582,23 @@ class TokenizeRequest(BaseModel):
                                 "genserve renders conversations with the assistant's turn opened")
         if self.return_token_strs:
             return FieldRefused("return_token_strs", "'return_token_strs' is not supported yet")
+        if self.tools and self.prompt is not None:
+            return FieldRefused("tools", "'tools' go with 'messages' (the tool prompt is part of a conversation)")
         return None
 
     def to_proto(self) -> pb.TokenizeRequest:
-        """The gRPC request. Raises ChatError naming a bad message's field."""
+        """The gRPC request: the prompt, or the conversation as chat sends it
+        (`chat_messages_proto`: tool turns written as text, the tool prompt first when `tools`
+        are given, as a chat request with them and `tool_choice` auto, required or named).
+
+        Raises:
+            ChatError: naming a bad message's field.
+            ConstraintFieldError: naming a malformed tool (``tools[0]``).
+        """
         if self.prompt is not None:
             return pb.TokenizeRequest(prompt=self.prompt)
-        return pb.TokenizeRequest(chat=pb.ChatMessages(messages=chat_messages_proto(self.messages)))
+        setup = tool_setup(self.tools, None, None)
+        return pb.TokenizeRequest(chat=pb.ChatMessages(messages=chat_messages_proto(self.messages, setup)))
 
 
 class DetokenizeRequest(BaseModel):

@@ -328,10 +328,16 @@ class ResponseBuilder:
         self._seq += 1
         return event
 
+    def _status(self) -> str:
+        """The response's status once the sample has finished: "incomplete" when the token
+        limit cut it (`max_output_tokens`), else "completed". Every output item's final status
+        is this one, in its `response.output_item.done` event as in the final response."""
+        return "incomplete" if self._finish == "length" else "completed"
+
     def _message_item(self, status: str) -> dict:
         content = [{"type": "output_text", "text": "".join(self._text), "annotations": [], "logprobs": []}]
         return {"id": self.message_id, "type": "message", "status": status, "role": "assistant",
-                "content": content if status == "completed" or self._text else []}
+                "content": content if status != "in_progress" or self._text else []}
 
     def events_for(self, msg: pb.GenerateResponse) -> list[dict]:
         """Record one message; return the `response.*` events it makes."""
@@ -385,12 +391,12 @@ class ResponseBuilder:
         if not self._calls:                       # (each call's item closed with its arguments)
             events += self._open_message()        # an empty answer still has its message
             text = "".join(self._text)
+            item = self._message_item(self._status())
             events += [self._event("response.output_text.done", item_id=self.message_id, output_index=0,
                                    content_index=0, text=text, logprobs=[]),
                        self._event("response.content_part.done", item_id=self.message_id, output_index=0,
-                                   content_index=0, part={"type": "output_text", "text": text, "annotations": []}),
-                       self._event("response.output_item.done", output_index=0,
-                                   item=self._message_item("completed"))]
+                                   content_index=0, part=item["content"][0]),
+                       self._event("response.output_item.done", output_index=0, item=item)]
         final = self.response()
         kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
         return events + [self._event(kind, response=final)]
@@ -400,13 +406,13 @@ class ResponseBuilder:
         (completed; incomplete with reason max_output_tokens when cut by the token limit)."""
         incomplete = None
         if status is None:
-            status = "completed"
-            if self._finish == "length":
-                status, incomplete = "incomplete", {"reason": "max_output_tokens"}
+            status = self._status()
+            if status == "incomplete":
+                incomplete = {"reason": "max_output_tokens"}
         output: list[dict] = []
         if status != "in_progress":
             output = [dict(c, status="completed") for c in self._calls] if self._calls \
-                else [self._message_item("completed" if status == "completed" else "incomplete")]
+                else [self._message_item(status)]
         usage = None
         if status != "in_progress":
             u = self.chat.usage()
@@ -457,4 +463,18 @@ async def create_response(body: ResponsesRequest, request: Request,
         param = input_field(e.field, sources)
         raise ApiError(400, f"{param}: {e.message}", code="invalid_argument", param=param) from None
     builder = ResponseBuilder(body, model=state.model_name, tools=chat.tool_setup() is not None)
-    return await generate(request, state, ROUTE, proto, builder, bool(body.stream), constraint=constraint)
+    return await generate(request, state, ROUTE, proto, builder, bool(body.stream),
+                          fields=engine_fields(constraint, sources))
+
+
+def engine_fields(constraint: BodyConstraint | None, sources: list[str]) -> dict[str, str]:
+    """gRPC request field -> the Responses field it came from, for naming an engine error's field
+    (`bridge.errors.rename_param`): `max_tokens` is `max_output_tokens`, chat message k is the
+    input item it came from (`ResponsesRequest.messages`' sources), the messages as a whole
+    `input`, and the output constraint its field (``text.format.schema``, or ``tools`` for the
+    tool-call grammar)."""
+    names = {"max_tokens": "max_output_tokens", "messages": "input"}
+    names.update({f"messages[{k}]": source for k, source in enumerate(sources)})
+    if constraint is not None:
+        names.update(constraint.rest_fields())
+    return names

@@ -22,8 +22,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from opentelemetry.trace import SpanKind
 
-from bridge.constraints import BodyConstraint
-from bridge.errors import ApiError, from_grpc
+from bridge.errors import ApiError, from_grpc, rename_param
 from bridge.fanout import CallGroup
 from bridge.spans import SpanNotes, span_error
 from bridge.sse import (Builder, SSEResponse, cancel_on_disconnect, drain, read_cancelled_by_us, read_first,
@@ -49,11 +48,13 @@ def record_fields(span, fields: Mapping[str, Any], route: str) -> None:
 async def generate(request: Request, state: BridgeState, route: str,
                    protos: pb.GenerateRequest | Sequence[pb.GenerateRequest], builder: Builder, stream: bool,
                    recorded: Mapping[str, Any] | None = None,
-                   constraint: BodyConstraint | None = None) -> Response:
+                   fields: Mapping[str, str] | None = None) -> Response:
     """Run the Generate call (one per GenerateRequest in `protos`, read as one `CallGroup`) for
     `route` and answer with `builder`'s JSON or SSE events. `recorded`: fields to put on the span
-    and in the log (`record_fields`). `constraint`: the body's output constraint, whose REST field
-    an engine error about it names (`response_format.json_schema.schema`, not `json_schema`).
+    and in the log (`record_fields`). `fields`: gRPC request field -> the REST field the client
+    sent for it, so that an engine error names the client's field (`bridge.errors.rename_param`:
+    ``response_format.json_schema.schema``, not ``json_schema``; ``guided_choice[0]``, not
+    ``choice[0]``; ``max_completion_tokens``, not ``max_tokens``).
 
     Raises ApiError: the call failed before it started (its status mapped by `from_grpc`), or,
     without `stream`, while it ran.
@@ -123,10 +124,8 @@ async def generate(request: Request, state: BridgeState, route: str,
         return JSONResponse(builder.completion(), headers=headers)
     except BaseException as exc:
         call.cancel()  # never leave a request generating for nobody
-        if isinstance(exc, ApiError) and constraint is not None and exc.param == constraint.grpc_field:
-            exc.param = constraint.rest_field
-            exc.message = constraint.rest_field + exc.message.removeprefix(constraint.grpc_field)
         if isinstance(exc, ApiError):
+            rename_param(exc, fields or {})
             span_error(span, exc.status_code, exc.message)
         raise
     finally:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from genserve.common.json_schemas import close_objects, schema_text
+from genserve.common.json_schemas import JSON_OUTPUT_OPTIONS, close_objects, schema_text
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 # Bounds on what a request may ask: the text handed to the grammar compiler (a 64 KiB schema
@@ -31,8 +31,9 @@ MAX_SOURCE_CHARS = 65_536
 MAX_CHOICES = 256
 MAX_CHOICE_CHARS = 1_024
 # JSON output is compact (no whitespace between tokens outside strings): the answer is one line,
-# parses the same, and the model cannot spend its max_tokens on indentation.
-JSON_OPTIONS = {"whitespace_flexible": False}
+# parses the same, and the model cannot spend its max_tokens on indentation. The same options
+# hold for JSON embedded in a grammar (bridge/tools.py's tool calls).
+JSON_OPTIONS = JSON_OUTPUT_OPTIONS
 # OpenAI's json_object mode: any object.
 ANY_OBJECT_SCHEMA = {"type": "object"}
 

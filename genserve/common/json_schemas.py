@@ -1,5 +1,6 @@
-"""JSON Schemas as clients send them: one canonical text (`schema_text`), and closing a schema's
-objects for generation (`close_objects`): unlisted keys are not generated.
+"""JSON Schemas as clients send them: one canonical text (`schema_text`), closing a schema's
+objects for generation (`close_objects`): unlisted keys are not generated, and placing a schema
+inside another (`embed_schema`): its references still find their definitions.
 
 JSON Schema lets an object with `properties` carry any other key unless it says
 ``"additionalProperties": false``, and most schemas made from code (pydantic's, LangChain's tool
@@ -22,6 +23,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+# How generated JSON is written: compact, no whitespace between tokens outside strings (the answer
+# parses the same, and the model cannot spend its max_tokens on indentation or on blank space
+# inside an empty object). llguidance reads these options from a schema's "x-guidance" key.
+JSON_OUTPUT_OPTIONS = {"whitespace_flexible": False}
 # Keywords whose value is one schema, or a list of schemas, or a name → schema mapping.
 _ONE = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames",
         "additionalProperties", "unevaluatedItems")
@@ -72,4 +77,44 @@ def close_objects(schema: Any, *, close: bool = True) -> Any:
             out[key] = {name: close_objects(s) for name, s in out[key].items()}
     if close and isinstance(out.get("properties"), dict) and not any(k in out for k in _OPEN_KEYS):
         out["additionalProperties"] = False
+    return out
+
+
+def embed_schema(schema: Any, pointer: str) -> Any:
+    """A copy of `schema` fit to stand at `pointer` (a JSON pointer, "/anyOf/0/properties/x")
+    inside a larger schema: every local reference (``"$ref": "#/$defs/Item"``, or ``"#"`` for the
+    schema itself) is rewritten to point to the same place below `pointer`
+    (``"#/anyOf/0/properties/x/$defs/Item"``), since a ``#`` reference resolves against the
+    document's root, which is no longer this schema's. A root ``$id`` or ``$schema`` is dropped
+    (they mean something only at a document's root); references that are not local (a URI) are
+    left as they are.
+
+    pydantic (and so the openai SDK's `pydantic_function_tool`, LangChain and instructor) writes a
+    nested model as ``$defs`` plus ``$ref``; without this, a tool's parameters embedded into the
+    call grammar point to definitions that are not there.
+    """
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: v for k, v in schema.items() if k not in ("$id", "$schema")}
+    return _rebase(out, "#" + pointer)
+
+
+def _rebase(schema: Any, base: str) -> Any:
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    ref = out.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        out["$ref"] = base + ref[1:]
+    for key in _ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = _rebase(out[key], base)
+    for key in (*_MANY, "allOf"):
+        if isinstance(out.get(key), list):
+            out[key] = [_rebase(s, base) for s in out[key]]
+    if isinstance(out.get("items"), list):          # draft 4-7's tuple form
+        out["items"] = [_rebase(s, base) for s in out["items"]]
+    for key in _NAMED:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: _rebase(s, base) for name, s in out[key].items()}
     return out

@@ -34,7 +34,8 @@ BASE = {"/v1/completions": {"prompt": "Say hi", "max_tokens": 3},
 COMPANIONS = {"top_logprobs": {"logprobs": True}}
 ROUTES = list(SDK_TYPES)
 # Output constraints: compiled against a real vocabulary (tests/e2e/test_structured_outputs.py).
-CONSTRAINT_FIELDS = {"structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"}
+CONSTRAINT_FIELDS = {"structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                     "response_format"}
 
 
 def sdk_fields(union) -> set[str]:
