@@ -45,3 +45,40 @@ def test_what_the_closed_schema_admits_the_original_admits():
     else:
         raise AssertionError("an unlisted key passed the closed schema")
     jsonschema.validate({"name": "a", "description": "x"}, schema)
+
+
+def test_an_embedded_schema_keeps_its_references():
+    """A schema placed inside another (a tool's parameters in the call grammar's schema) has
+    every local reference rebased to where it now stands: pydantic's $defs/$ref, a recursive
+    "#", references inside $defs and anyOf; non-local references and the root's $id/$schema
+    are handled as the docstring says. The rebased schema, put in place, validates the same
+    instances as the original."""
+    from genserve.common.json_schemas import embed_schema
+
+    params = {"$schema": "https://json-schema.org/draft/2020-12/schema", "$id": "urn:person",
+              "$defs": {"Address": {"type": "object", "properties": {"city": {"type": "string"}},
+                                    "required": ["city"]},
+                        "Node": {"type": "object", "properties": {"next": {"anyOf": [{"$ref": "#/$defs/Node"},
+                                                                                     {"type": "null"}]}}}},
+              "type": "object",
+              "properties": {"home": {"$ref": "#/$defs/Address"}, "chain": {"$ref": "#/$defs/Node"},
+                             "boss": {"anyOf": [{"$ref": "#"}, {"type": "null"}]},
+                             "remote": {"$ref": "https://example.com/x.json"}},
+              "required": ["home"]}
+    embedded = embed_schema(params, "/anyOf/1/properties/arguments")
+    assert "$id" not in embedded and "$schema" not in embedded
+    assert embedded["properties"]["home"]["$ref"] == "#/anyOf/1/properties/arguments/$defs/Address"
+    assert embedded["properties"]["boss"]["anyOf"][0]["$ref"] == "#/anyOf/1/properties/arguments"
+    assert embedded["$defs"]["Node"]["properties"]["next"]["anyOf"][0]["$ref"] == \
+        "#/anyOf/1/properties/arguments/$defs/Node"
+    assert embedded["properties"]["remote"]["$ref"] == "https://example.com/x.json"
+    assert params["properties"]["home"]["$ref"] == "#/$defs/Address"          # the original is untouched
+    del embedded["properties"]["remote"], params["properties"]["remote"]
+    outer = {"anyOf": [{"type": "null"}, {"type": "object", "properties": {"arguments": embedded}}]}
+    good = {"home": {"city": "Paris"}, "chain": {"next": {"next": None}}, "boss": {"home": {"city": "Rome"}}}
+    bad = {"home": {"city": 3}}
+    del params["$id"]
+    jsonschema.validate(good, params)
+    jsonschema.validate({"arguments": good}, outer)
+    for schema, instance in ((params, bad), (outer, {"arguments": bad})):
+        assert not jsonschema.Draft202012Validator(schema).is_valid(instance)

@@ -143,3 +143,24 @@ async def test_cancel_running_request(client, fake):
     events = [json.loads(d) for _, d in parse_sse(body)[:-1]]
     assert events[-1]["finish_reason"] == "cancelled" and events[-1]["detail"] == "cancel"
     assert parse_sse(body)[-1] == (None, "[DONE]")
+
+
+def test_an_engine_field_becomes_the_field_the_client_sent():
+    """`client_field`: the longest engine field that is the error's field or starts it (followed
+    by `[` or `.`) is replaced by the client's; `rename_param` renames the message's field too."""
+    from bridge.errors import ApiError, client_field, rename_param
+
+    names = {"choice": "guided_choice", "messages": "input", "messages[1]": "input[3]",
+             "max_tokens": "max_output_tokens"}
+    assert client_field("choice", names) == "guided_choice"
+    assert client_field("choice[0]", names) == "guided_choice[0]"
+    assert client_field("choices", names) == "choices"                  # not a path below `choice`
+    assert client_field("messages[1].content", names) == "input[3].content"
+    assert client_field("messages[2].content", names) == "input[2].content"
+    assert client_field("max_tokens", names) == "max_output_tokens"
+    assert client_field("temperature", names) == "temperature"
+    error = ApiError(400, "choice[0]: must be a string of 1 to 1024 characters", code="invalid_argument",
+                     param="choice[0]")
+    rename_param(error, {"choice": "structured_outputs.choice"})
+    assert error.param == "structured_outputs.choice[0]"
+    assert error.message == "structured_outputs.choice[0]: must be a string of 1 to 1024 characters"

@@ -118,6 +118,65 @@ def test_function_tools_and_a_round_trip(client):
     assert follow.output[0].type == "message" and follow.output_text
 
 
+def _plain(value):
+    """An SDK object as JSON data, without the fields `responses.stream` adds when it parses the
+    final response (`parsed`, `parsed_arguments`)."""
+    if hasattr(value, "model_dump"):
+        value = value.model_dump()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items() if k not in ("parsed", "parsed_arguments")}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def test_every_streamed_items_done_event_matches_the_final_response(client):
+    """`responses.stream`: each `response.output_item.done` item (and the content part's done
+    event) is the final response's item, status included: "incomplete" when max_output_tokens
+    cuts the message, "completed" when it ends."""
+    for max_tokens, status in ((4, "incomplete"), (60, "completed")):
+        with client.responses.stream(model=MODEL, input="Name a colour.", temperature=0,
+                                     max_output_tokens=max_tokens) as stream:
+            events = list(stream)
+        final = events[-1].response
+        assert events[-1].type == f"response.{status}" and final.status == status
+        done = [e for e in events if e.type == "response.output_item.done"]
+        assert _plain([e.item for e in done]) == _plain(final.output) and done[0].item.status == status
+        part = next(e.part for e in events if e.type == "response.content_part.done")
+        assert _plain(part) == _plain(final.output[0].content[0]) and part.text == final.output_text
+        if status == "incomplete":
+            assert final.incomplete_details.reason == "max_output_tokens"
+
+
+class Address(BaseModel):
+    city: str = Field(max_length=20)
+    country: str = Field(max_length=20)
+
+
+class Person(BaseModel):
+    name: str = Field(max_length=20)
+    home: Address
+
+
+def test_function_tool_with_defs_and_ref(client):
+    """A function tool whose parameters are a pydantic schema with nested models ($defs/$ref)
+    is called, required and streamed; its arguments validate against the schema."""
+    parameters = openai.pydantic_function_tool(Person)["function"]["parameters"]
+    tool = {"type": "function", "name": "Person", "parameters": parameters, "strict": True}
+    ask = [{"role": "user", "content": "Record Ann, who lives in Paris, France."}]
+    reply = client.responses.create(model=MODEL, input=ask, tools=[tool], tool_choice="required",
+                                    temperature=0, max_output_tokens=100)
+    call = reply.output[0]
+    assert reply.status == "completed" and call.type == "function_call" and call.name == "Person"
+    assert Person.model_validate_json(call.arguments).home.city
+    with client.responses.stream(model=MODEL, input=ask, tools=[tool], tool_choice="required", temperature=0,
+                                 max_output_tokens=100) as stream:
+        events = list(stream)
+    done = next(e for e in events if e.type == "response.output_item.done")
+    assert done.item.arguments == call.arguments
+    assert _plain(done.item) == _plain(events[-1].response.output[0])
+
+
 @pytest.mark.parametrize(("body", "param", "words"), [
     ({"store": True}, "store", "stateless"),
     ({"previous_response_id": "resp_123"}, "previous_response_id", "stateless"),
@@ -130,6 +189,9 @@ def test_function_tools_and_a_round_trip(client):
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
      "input[0].content[0]", "text parts only"),
     ({"max_output_tokens": -1}, "max_output_tokens", "max_output_tokens"),
+    ({"max_output_tokens": 5000}, "max_output_tokens", "1000"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "object", "properties": {
+        "x": {"$ref": "#/$defs/Missing"}}}}], "tool_choice": "required"}, "tools", "Missing"),
     ({"frobnicate": 1}, "frobnicate", "unknown field"),
 ])
 def test_what_a_stateless_server_cannot_do_is_a_400_naming_the_field(server, body, param, words):
