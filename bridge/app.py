@@ -229,7 +229,7 @@ async def tokenize(body: TokenizeRequest, request: Request,
     """
     refused = body.policy_refusal()
     if refused is not None:
-        raise ApiError(400, refused.message, code="unsupported_parameter", param=refused.field)
+        raise ApiError(400, refused.message, code=refused.code, param=refused.field)
     try:
         proto = body.to_proto()
     except (ChatError, ConstraintFieldError) as e:

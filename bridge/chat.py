@@ -231,7 +231,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
     """
     refused = body.policy_refusal()
     if refused is not None:
-        raise ApiError(400, refused.message, code="unsupported_parameter", param=refused.field)
+        raise ApiError(400, refused.message, code=refused.code, param=refused.field)
     request_id = request.headers.get("x-request-id") or f"{CHAT_ID_PREFIX}{uuid.uuid4().hex}"
     try:
         proto = body.to_proto(request_id=request_id)

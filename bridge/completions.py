@@ -332,7 +332,7 @@ async def completions(body: CompletionRequest, request: Request,
     """
     refused = body.policy_refusal()
     if refused is not None:
-        raise ApiError(400, refused.message, code="unsupported_parameter", param=refused.field)
+        raise ApiError(400, refused.message, code=refused.code, param=refused.field)
     prompts = body.prompts
     echo = [await prompt_text(p, request, state) for p in prompts] if body.echo else None
     builder = CompletionBuilder(

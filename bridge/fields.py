@@ -70,12 +70,15 @@ class Rule:
 
 
 class FieldRefused(ValueError):
-    """A field's value that the policy refuses: a 400 naming the field."""
+    """A field's value that the policy refuses: a 400 naming the field, with `code`
+    "unsupported_parameter"; a value of the wrong shape (an empty `guided_choice`) is refused
+    the same way with `code` "invalid_argument"."""
 
-    def __init__(self, field: str, message: str) -> None:
+    def __init__(self, field: str, message: str, code: str = "unsupported_parameter") -> None:
         super().__init__(message)
         self.field = field
         self.message = message
+        self.code = code
 
 
 def _sampling(name: str, probe: Any, notes: str, origin: str = OPENAI) -> Rule:
@@ -140,9 +143,12 @@ _SHARED: dict[str, Rule] = {
     "return_tokens_as_token_ids": Rule(HONOURED, "with `logprobs`, each token and alternative is named "
                                        "`token_id:<id>` instead of by its text (chat's `bytes` stay the "
                                        "token's own)", True, origin=VLLM),
-    "prompt_logprobs": Rule(HONOURED, "0..5: each prompt token's logprob (`{\"<id>\": {logprob, rank, "
-                            "decoded_token}}`, the prompt token first, then the top alternatives; the "
-                            "first null); not with `stream`", 2, origin=VLLM, grpc="prompt_logprobs"),
+    "prompt_logprobs": Rule(HONOURED, "0..5 alternatives: each prompt token's logprob as vLLM reports it, "
+                            "on each choice (completions) or on the completion (chat): null for the first "
+                            "token, then `{\"<id>\": {logprob, rank, decoded_token}}`, the prompt token "
+                            "first (`rank` null when it is not among the alternatives), then the "
+                            "alternatives ranked from 1; not with `stream`", 2, origin=VLLM,
+                            grpc="prompt_logprobs"),
     "cache_salt": Rule(HONOURED, "cached prompt blocks are shared only by requests with the same salt "
                        "(and, by default, the same API key); up to 256 characters", "s1", origin=VLLM,
                        grpc="cache_salt"),

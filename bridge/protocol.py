@@ -238,8 +238,8 @@ class SamplingBody(BaseModel):
             self.constraint()
         except FieldRefused as refused:
             return refused
-        except ConstraintFieldError as e:
-            return FieldRefused(e.field, e.message)
+        except ConstraintFieldError as e:           # a malformed value, not an unsupported one
+            return FieldRefused(e.field, e.message, code="invalid_argument")
         return None
 
     def constraint(self) -> BodyConstraint | None:
@@ -298,8 +298,8 @@ def prompt_logprobs_refusal(prompt_logprobs: int | None, stream: bool | None) ->
     """`prompt_logprobs` with `stream` is refused, as vLLM refuses it (they are reported with the
     whole answer only); else None."""
     if prompt_logprobs is not None and stream:
-        return FieldRefused("prompt_logprobs", "'prompt_logprobs' is not available with 'stream': "
-                                               "they come with the whole answer; send stream: false")
+        return FieldRefused("prompt_logprobs", "'prompt_logprobs' is not supported with 'stream' (as in "
+                                               "vLLM): they come with the whole answer; send stream: false")
     return None
 
 

@@ -42,6 +42,7 @@ def test_an_engine_error_names_the_clients_field(server, route, body, param, lim
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and error["message"].startswith(param) and limit in error["message"], error
+    assert error["code"] == "invalid_argument", error         # a bad value, not an unsupported field
 
 
 def test_the_openai_sdk_sees_its_own_field_named(server):
