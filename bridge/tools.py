@@ -129,7 +129,8 @@ def render_messages(messages: Any) -> Any:
     """OpenAI messages with tool calls and tool results written as text (the generic format), one
     message for one, so that a later error about ``messages[k]`` still names the client's message
     k: an assistant message's ``tool_calls`` become call blocks after its text, a ``role: "tool"``
-    message a user message holding a ``<tool_response>``. Other messages are left as they are
+    message a user message holding a ``<tool_response>``. Other messages keep their fields but
+    those that are null (absent, as everywhere in a body) and an empty ``tool_calls``
     (`genserve.common.chat_messages.parse_messages` checks them); a value that is not a list is
     returned as is, for the same reason.
 
@@ -158,6 +159,10 @@ def render_messages(messages: Any) -> Any:
                 raise ChatError(f"{at}.tool_call_id", "must be the id of the call this answers (a string)")
             body = json.dumps({"tool_call_id": m["tool_call_id"], "content": _text(m.get("content"), f"{at}.content")})
             out.append({"role": "user", "content": f"<tool_response>{body}</tool_response>"})
+        elif isinstance(m, dict):
+            # null means absent (the openai SDK's `message.model_dump()` sends refusal, audio,
+            # annotations, function_call and tool_calls as null; an empty tool_calls is no call)
+            out.append({k: v for k, v in m.items() if v is not None and not (k == "tool_calls" and v == [])})
         else:
             out.append(m)
     return out

@@ -190,3 +190,23 @@ def test_a_malformed_tool_turn_is_a_400_naming_the_clients_field(server, route, 
         assert r.status_code == 400, r.text
         error = r.json()["error"]
         assert error["param"] == param and error["message"].startswith(param), error
+
+
+def test_an_sdk_message_sent_back_as_model_dump_is_accepted(server, client):
+    """A reply's message sent back with `model_dump()` (its null refusal, audio, annotations,
+    function_call and tool_calls fields included, as applications do) continues the
+    conversation, a tool-call reply included; /tokenize counts it as chat does."""
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    text = client.chat.completions.create(model=MODEL, messages=ask, temperature=0, max_tokens=8)
+    call = client.chat.completions.create(model=MODEL, messages=ask, tools=[WEATHER], tool_choice="required",
+                                          temperature=0, max_tokens=60)
+    dumped = call.choices[0].message.model_dump()
+    assert dumped["refusal"] is None and dumped["tool_calls"]
+    for messages in ([*ask, text.choices[0].message.model_dump(), {"role": "user", "content": "And Rome?"}],
+                     [*ask, dumped, {"role": "tool", "tool_call_id": dumped["tool_calls"][0]["id"],
+                                     "content": "18 degrees"}]):
+        reply = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], temperature=0,
+                                               max_tokens=1)
+        tokens = httpx.post(f"{server.base_url}/tokenize", timeout=60,
+                            json={"messages": messages, "tools": [WEATHER]}).json()
+        assert tokens["count"] == reply.usage.prompt_tokens
