@@ -216,6 +216,7 @@ class ResponsesRequest(BaseModel):
                     raise ConstraintFieldError(f"{where}.role", f"must be one of {', '.join(ROLES)}")
                 out.append({"role": role, "content": _text_of(item.get("content"), f"{where}.content")})
             elif kind == "function_call":
+                _check_call_item(item, where)
                 call = {"id": item.get("call_id"), "type": "function",
                         "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"}}
                 if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls"):
@@ -224,6 +225,8 @@ class ResponsesRequest(BaseModel):
                 else:
                     out.append({"role": "assistant", "content": None, "tool_calls": [call]})
             elif kind == "function_call_output":
+                if not isinstance(item.get("call_id"), str):
+                    raise ConstraintFieldError(f"{where}.call_id", "must be the call's id (a string)")
                 output = item.get("output")
                 out.append({"role": "tool", "tool_call_id": item.get("call_id"),
                             "content": output if isinstance(output, str) else json.dumps(output)})
@@ -256,6 +259,20 @@ class ResponsesRequest(BaseModel):
         if constraint is None and chat.tool_setup() is not None:
             constraint = chat.constraint()        # the tool-call grammar (rest field "tools")
         return chat, constraint, sources
+
+
+def _check_call_item(item: dict, where: str) -> None:
+    """A `function_call` input item's own fields, named as the client sent them (the chat checks
+    would name the tool call they become: ``messages[2].tool_calls[0].function.name``).
+
+    Raises:
+        ConstraintFieldError: `call_id` or `name` not a non-empty string, `arguments` not a string.
+    """
+    for name in ("call_id", "name"):
+        if not isinstance(item.get(name), str) or not item[name]:
+            raise ConstraintFieldError(f"{where}.{name}", "must be a non-empty string")
+    if item.get("arguments") is not None and not isinstance(item["arguments"], str):
+        raise ConstraintFieldError(f"{where}.arguments", "must be JSON text (a string)")
 
 
 def input_field(field: str, sources: list[str]) -> str:

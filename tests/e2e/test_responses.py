@@ -190,6 +190,10 @@ def test_function_tool_with_defs_and_ref(client):
      "input[0].content[0]", "text parts only"),
     ({"max_output_tokens": -1}, "max_output_tokens", "max_output_tokens"),
     ({"max_output_tokens": 5000}, "max_output_tokens", "1000"),
+    ({"input": [{"role": "user", "content": "hi"}, {"type": "function_call", "call_id": "c1", "arguments": "{}"}]},
+     "input[1].name", "non-empty"),
+    ({"input": [{"role": "user", "content": "hi"}, {"type": "function_call_output", "output": "1"}]},
+     "input[1].call_id", "call's id"),
     ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "object", "properties": {
         "x": {"$ref": "#/$defs/Missing"}}}}], "tool_choice": "required"}, "tools", "Missing"),
     ({"frobnicate": 1}, "frobnicate", "unknown field"),
