@@ -25,9 +25,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 PROMPT_TOKENS = 64
@@ -115,7 +117,9 @@ def smollm2() -> dict:
     from engine.config import EngineConfig
     from engine.runner.builder import build_engine
 
-    engine = build_engine(EngineConfig(device="cpu", num_blocks=1024), None, calibrate=False).engine
+    # no prefix caching: the measured prompt would otherwise find the warm-up's blocks
+    engine = build_engine(EngineConfig(device="cpu", num_blocks=1024, prefix_caching=False), None,
+                          calibrate=False).engine
     prefill_ms(engine)                       # warm-up: kernels, allocations
     out = {"prefill_512_ms": prefill_ms(engine)}
     for rows in (1, 32):
@@ -148,7 +152,8 @@ def families() -> list[dict]:
         engine = engine_from_weights(EngineConfig(device="cpu", dtype="bfloat16", num_blocks=512,
                                                   queue_budget_s=1e9), args, state)
         del state
-        params = sum(p.numel() for p in engine.executor.model.parameters())
+        storages = {p.untyped_storage().data_ptr(): p.numel() for p in engine.executor.model.parameters()}
+        params = sum(storages.values())                # a tied output matrix counted once
         full, windowed = kv_bytes_per_token(args)
         decode_tokens_per_s(engine, 1)                           # warm-up
         row = dict(shape=name, architecture=args.architecture, params_b=params / 1e9,
@@ -166,10 +171,14 @@ def smollm2_ab(old_tree: str, rounds: int) -> dict:
     """`smollm2()` in fresh processes on `old_tree`'s code and this tree's, alternately."""
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     runs: dict[str, list[dict]] = {"old": [], "new": []}
+    # this file run as a script from outside both trees (its own folder first on sys.path would
+    # make `engine` this folder's engine.py)
+    script = os.path.join(tempfile.mkdtemp(), "smollm2_steps.py")
+    shutil.copy(os.path.abspath(__file__), script)
     for _ in range(rounds):
         for label, tree in (("old", old_tree), ("new", here)):
             env = {**os.environ, "PYTHONPATH": tree}
-            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--smollm2"], cwd=tree,
+            out = subprocess.run([sys.executable, script, "--smollm2"], cwd=tree,
                                  env=env, capture_output=True, text=True, check=True)
             runs[label].append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(label, runs[label][-1], flush=True)

@@ -58,9 +58,10 @@ class RopeScaling:
         attention_factor: scale of cos and sin (yarn: 0.1·ln(factor) + 1 unless given; longrope:
             √(1 + ln(factor) / ln(original)) unless given); 1 for the other kinds.
         short_factor, long_factor: longrope's per-pair divisors, head_dim_rotary / 2 each. The
-            long ones serve when the server's context is longer than `original_max_context`
-            (llama.cpp's rule: a fixed choice per server, so every request, every batch and
-            the prefix cache see the same rotations).
+            long ones serve when the served context (`ModelArgs.max_context`, which the builder
+            lowers to `--max-context`) is longer than `original_max_context` (llama.cpp's rule:
+            a fixed choice per server, so every request, every batch and the prefix cache see
+            the same rotations; transformers chooses per forward by the sequence's length).
     """
 
     kind: str = "default"

@@ -38,19 +38,29 @@ def activation(config: dict[str, Any], source: str) -> str:
     return "gelu_tanh"
 
 
-def gemma_options(config: dict[str, Any], source: str, default_theta: float) -> dict[str, Any]:
-    """The options Gemma 2 and 3 share, as `ModelArgs` fields."""
+def gemma_options(config: dict[str, Any], source: str, default_theta: float,
+                  softcaps: tuple[float | None, float | None]) -> dict[str, Any]:
+    """The options Gemma 2 and 3 share, as `ModelArgs` fields; a key the config lacks takes
+    transformers' default (sliding_window 4096, query_pre_attn_scalar 256, the softcaps
+    `softcaps` = (attention, final)).
+
+    Raises:
+        ValueError: `use_bidirectional_attention` (EmbeddingGemma's encoder), an unsupported
+            activation or layer type.
+    """
+    if config.get("use_bidirectional_attention"):
+        raise unsupported(source, "use_bidirectional_attention (an encoder, not a causal LM)")
     n_layers = int(config["num_hidden_layers"])
-    window = config.get("sliding_window")
+    window = config.get("sliding_window", 4096)
     if "layer_types" not in config and window:
         config = {**config, "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention"
                                             for i in range(n_layers)]}
-    scalar = config.get("query_pre_attn_scalar")
+    scalar = config.get("query_pre_attn_scalar", 256)
     return dict(norm_offset=1.0, sandwich_norm=True, activation=activation(config, source),
                 embedding_scale=math.sqrt(int(config["hidden_size"])),
                 query_scale=float(scalar) ** -0.5 if scalar else 0.0,
-                attn_softcap=config.get("attn_logit_softcapping"),
-                final_softcap=config.get("final_logit_softcapping"),
+                attn_softcap=config.get("attn_logit_softcapping", softcaps[0]),
+                final_softcap=config.get("final_logit_softcapping", softcaps[1]),
                 layers=layer_kinds(config, n_layers, source, window, default_theta),
                 tie_embeddings=bool(config.get("tie_word_embeddings", True)))
 
@@ -61,4 +71,5 @@ def config_from_hf(config: dict[str, Any], source: str) -> ModelArgs:
     Raises:
         ValueError: an unsupported activation, RoPE scaling or layer type (named).
     """
-    return base_args(config, source, **gemma_options(config, source, default_theta=10000.0))
+    return base_args(config, source, **gemma_options(config, source, default_theta=10000.0,
+                                                     softcaps=(50.0, 30.0)))

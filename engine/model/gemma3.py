@@ -36,5 +36,6 @@ def config_from_hf(config: dict[str, Any], source: str) -> ModelArgs:
                 "rope_theta": params.get("rope_theta", config.get("rope_theta", 1e6))}
         local = {"rope_type": "default", "rope_theta": config.get("rope_local_base_freq", 10000.0)}
         config["rope_parameters"] = {"full_attention": full, "sliding_attention": local}
-    options = gemma_options(config, source, default_theta=1e6)
+    config.pop("rope_scaling", None)          # 4.x: the global layers' only, folded in above
+    options = gemma_options(config, source, default_theta=1e6, softcaps=(None, None))
     return base_args(config, source, qk_norm=True, **options)

@@ -35,8 +35,11 @@ def rope_scaling(params: dict[str, Any], config: dict[str, Any], source: str) ->
         raise unsupported(source, f"RoPE scaling {kind!r} (supported: default, linear, llama3, yarn, longrope)")
     if kind == "default":
         return RopeScaling()
-    original = int(params.get("original_max_position_embeddings")
-                   or config.get("original_max_position_embeddings") or 0)
+    # transformers' order: a top-level original_max_position_embeddings (Phi-3) first, then the
+    # RoPE parameters', then max_position_embeddings (modeling_rope_utils.standardize_rope_params)
+    original = int(config.get("original_max_position_embeddings")
+                   or params.get("original_max_position_embeddings")
+                   or config.get("max_position_embeddings") or 0)
     factor = params.get("factor")
     if factor is None:
         factor = (config["max_position_embeddings"] / original) if original else 1.0
@@ -59,11 +62,12 @@ def rope_for(config: dict[str, Any], layer_type: str, source: str,
     """(rope_theta, RopeScaling) of layers of `layer_type` ("full_attention" or
     "sliding_attention"), from `rope_parameters` (flat or per layer type) or the 4.x keys."""
     params = config.get("rope_parameters") or {}
-    if any(t in params for t in LAYER_TYPES):
+    if any(t in params for t in LAYER_TYPES):      # per layer type: complete as it is
         params = params.get(layer_type) or params.get("full_attention") or {}
-    legacy = config.get("rope_scaling") or {}
-    if legacy and params.get("rope_type", "default") == "default":
-        params = {**params, **legacy}          # a 4.x rope_scaling beside a plain rope_parameters
+    else:
+        legacy = config.get("rope_scaling") or {}
+        if legacy and params.get("rope_type", "default") == "default":
+            params = {**params, **legacy}      # a 4.x rope_scaling beside a plain rope_parameters
     theta = float(params.get("rope_theta", config.get("rope_theta", default_theta)))
     return theta, rope_scaling(params, config, source)
 
@@ -94,16 +98,33 @@ def layer_kinds(config: dict[str, Any], n_layers: int, source: str, window: int 
     return tuple(kinds)
 
 
+def window_layer_types(config: dict[str, Any], n_layers: int) -> dict[str, Any]:
+    """`config` with Qwen's `layer_types` filled in when it has none: with `use_sliding_window`,
+    layers from `max_window_layers` (transformers' default 28) on are sliding, as transformers'
+    Qwen2Config and Qwen3Config derive them; without it, every layer global."""
+    if config.get("layer_types") or not (config.get("use_sliding_window") and config.get("sliding_window")):
+        return config
+    first = int(config.get("max_window_layers", 28))
+    return {**config, "layer_types": ["sliding_attention" if i >= first else "full_attention"
+                                      for i in range(n_layers)]}
+
+
 def base_args(config: dict[str, Any], source: str, **options: Any) -> ModelArgs:
     """`ModelArgs` from the keys every family shares (sizes, norm epsilon, positions, tying,
     `partial_rotary_factor`, the first architecture's name), with the family's `options` (any
     `ModelArgs` field, `layers` included) on top. When `options` gives no `layers`, every layer
-    is global with the config's RoPE.
+    is global with the config's RoPE. Unless `options` sets the activation, `hidden_act` must
+    be SiLU (the gated MLP every Llama-like family uses).
 
     Raises:
-        KeyError: a required size is missing; ValueError: see `rope_for`, `ModelArgs`.
+        KeyError: a required size is missing; ValueError: another `hidden_act`, see `rope_for`,
+            `ModelArgs`.
     """
     n_heads = int(config["num_attention_heads"])
+    if "activation" not in options:         # the SwiGLU families: hidden_act must be SiLU
+        act = config.get("hidden_act") or "silu"
+        if act not in ("silu", "swish"):
+            raise unsupported(source, f"hidden_act {act!r} (supported: silu)")
     theta, scaling = rope_for(config, "full_attention", source)
     params = config.get("rope_parameters") or {}
     partial = float(config.get("partial_rotary_factor") or params.get("partial_rotary_factor") or 1.0)

@@ -45,6 +45,8 @@ def config_from_hf(config: dict[str, Any], source: str) -> ModelArgs:
     if int(config.get("pretraining_tp") or 1) != 1:
         raise unsupported(source, f"pretraining_tp {config['pretraining_tp']}")
     bias = bool(config.get("attention_bias", False))
-    window = config.get("sliding_window")
+    mistral = "MistralForCausalLM" in (config.get("architectures") or []) or config.get("model_type") == "mistral"
+    # transformers: MistralConfig's sliding_window defaults to 4096 (v0.1); LlamaConfig has none
+    window = config.get("sliding_window", 4096) if mistral else None
     layers = layer_kinds(config, int(config["num_hidden_layers"]), source, window, all_sliding=True)
     return base_args(config, source, qkv_bias=bias, o_bias=bias, layers=layers)

@@ -27,6 +27,10 @@ def config_from_hf(config: dict[str, Any], source: str) -> ModelArgs:
     Raises:
         ValueError: an unsupported RoPE scaling (named).
     """
+    for key in ("rope_parameters", "rope_scaling"):      # transformers' Phi3Config: "yarn" is LongRoPE
+        params = config.get(key) or {}
+        if params.get("rope_type", params.get("type")) == "yarn":
+            config = {**config, key: {**params, "rope_type": "longrope"}}
     window = config.get("sliding_window")
     layers = layer_kinds(config, int(config["num_hidden_layers"]), source, window, all_sliding=True)
     bias = bool(config.get("attention_bias", False))

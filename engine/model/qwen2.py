@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.model.config import ModelArgs
-from engine.model.hf_config import base_args, layer_kinds
+from engine.model.hf_config import base_args, layer_kinds, window_layer_types
 from engine.model.llama import HF_LAYER_NAMES
 
 ARCHITECTURES = ("Qwen2ForCausalLM",)
@@ -23,9 +23,5 @@ def config_from_hf(config: dict[str, Any], source: str) -> ModelArgs:
     """
     n_layers = int(config["num_hidden_layers"])
     window = config.get("sliding_window") if config.get("use_sliding_window") else None
-    if "layer_types" not in config and window:
-        first = int(config.get("max_window_layers", n_layers))
-        config = {**config, "layer_types": ["sliding_attention" if i >= first else "full_attention"
-                                            for i in range(n_layers)]}
-    layers = layer_kinds(config, n_layers, source, window, default_theta=1e6)
+    layers = layer_kinds(window_layer_types(config, n_layers), n_layers, source, window, default_theta=1e6)
     return base_args(config, source, qkv_bias=True, layers=layers)

@@ -1,13 +1,14 @@
 """Qwen3 (`Qwen3ForCausalLM`): Llama with a per-head RMSNorm of q and k before RoPE (weights
 [head_dim], `self_attn.q_norm` / `k_norm`), a head_dim independent of the width (128 at every
-size), and biases on all four attention projections only when `attention_bias` is set."""
+size), biases on all four attention projections only when `attention_bias` is set, and, with
+`use_sliding_window`, sliding layers from `max_window_layers` on (as Qwen2)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from engine.model.config import ModelArgs
-from engine.model.hf_config import base_args, layer_kinds
+from engine.model.hf_config import base_args, layer_kinds, window_layer_types
 from engine.model.llama import HF_LAYER_NAMES as LLAMA_NAMES
 
 ARCHITECTURES = ("Qwen3ForCausalLM",)
@@ -23,6 +24,6 @@ def config_from_hf(config: dict[str, Any], source: str) -> ModelArgs:
     """
     n_layers = int(config["num_hidden_layers"])
     window = config.get("sliding_window") if config.get("use_sliding_window") else None
-    layers = layer_kinds(config, n_layers, source, window, default_theta=1e6)
+    layers = layer_kinds(window_layer_types(config, n_layers), n_layers, source, window, default_theta=1e6)
     bias = bool(config.get("attention_bias", False))
     return base_args(config, source, qkv_bias=bias, o_bias=bias, qk_norm=True, layers=layers)

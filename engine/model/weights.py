@@ -165,6 +165,12 @@ def load_gguf(source: "str | pathlib.Path | gguf.GGUFReader | None" = None,
 
     family_for_gguf(meta("general.architecture"), path.name)     # ValueError unless registered
     tensors = {t.name: t for t in reader.tensors}
+    scaling = reader.fields.get("llama.rope.scaling.type")
+    if "rope_freqs.weight" in tensors or (scaling is not None and scaling.contents() not in ("none", "")):
+        # Llama 3.1+ files carry their RoPE scaling as per-pair divisors (rope_freqs) or as
+        # metadata; served without it, positions past the original context would rotate wrongly
+        raise ValueError(f"{path.name}: RoPE scaling in a GGUF (rope_freqs.weight, Llama 3.1+) "
+                         "is not supported yet; serve the Hugging Face checkpoint directory instead")
     if "token_embd.weight" not in tensors:
         raise KeyError(f"{path.name}: tensor 'token_embd.weight' missing")
     n_heads = int(meta("llama.attention.head_count"))
@@ -426,8 +432,9 @@ def _check_shapes(args: ModelArgs, state: dict[str, torch.Tensor], source: str) 
                              f"expected {shape} from the metadata")
 
 
-# Published shapes of other families, as their config.json holds them (random models of the
-# design's 7B-class scale for the CUDA path's checks: Qwen3-8B, Gemma-3-12B).
+# Shapes of other families at the design's 7B-class scale, for the CUDA path's checks, in
+# config.json form: Qwen3-8B as published; Gemma-3-12B's text model (published inside a
+# Gemma3ForConditionalGeneration checkpoint's text_config), in transformers 4.x spelling.
 _HF_SHAPES = {
     "qwen3-8b": dict(architectures=["Qwen3ForCausalLM"], hidden_size=4096, num_hidden_layers=36,
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=12288,
@@ -447,8 +454,8 @@ def random_shape(name: str) -> ModelArgs:
 
     "llama-2-7b" and "smollm2-135m" are ``ModelArgs.llama2_7b()`` / ``smollm2_135m()``; "tiny"
     (2 layers, dim 128, 4 query heads and 2 KV heads of 32, SwiGLU 256, vocabulary 512) is for
-    CPU dry runs and tests; "qwen3-8b" and "gemma-3-12b" are those models' published configs
-    read by their family modules (every option of the family on).
+    CPU dry runs and tests; "qwen3-8b" and "gemma-3-12b" are those models' text configs read by
+    their family modules (every option of the family on).
 
     Raises:
         ValueError: an unknown name (the message lists the known ones).

@@ -234,6 +234,10 @@ def build_engine(config: EngineConfig, model: str | pathlib.Path | None = None,
         log.warning("--max-context %d is more than %s's %d positions; serving %d", config.max_context,
                     source.served_name, args.max_context, args.max_context)
         config.max_context = args.max_context
+    elif config.max_context < args.max_context:
+        # the RoPE tables cover the served context, and LongRoPE picks its factors by it
+        # (short ones when it fits the original context, as llama.cpp and transformers do)
+        args = args.replace(max_context=config.max_context)
     network = model_from_weights(args, state, dtype, device)
     state.clear()                      # frees the unfused Q/K/V and gate/up matrices before sizing the pool
     attach_weights(config.weights, network, source, tokenizer)

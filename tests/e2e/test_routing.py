@@ -53,17 +53,34 @@ def opening(conversation: int) -> list[dict]:
             {"role": "user", "content": f"Tell me about the number {conversation}."}]
 
 
-def per_replica(server, name: str) -> list[float]:
-    """A counter summed over its labels, per replica (0, 1)."""
+SCRAPE_DEADLINE_S = 10.0
+
+
+def per_replica(server, name: str, replicas: tuple[int, ...] = (0, 1)) -> list[float]:
+    """A counter summed over its labels, per replica (0, 1), from one /metrics read in which
+    every replica of `replicas` answered the bridge's scrape (their `genserve_steps_total` is
+    there; the bridge leaves out an engine whose scrape failed or timed out, which would
+    otherwise read as 0). Polls until then, failing after SCRAPE_DEADLINE_S."""
+    deadline = time.monotonic() + SCRAPE_DEADLINE_S
+    while True:
+        metrics = server.metrics()
+        present = {int(key.split("replica=")[1].split(",")[0].rstrip("}"))
+                   for key in metrics if key.startswith("genserve_steps_total{") and "replica=" in key}
+        if present >= set(replicas):
+            break
+        assert time.monotonic() < deadline, \
+            f"replicas {sorted(set(replicas) - present)} missing from /metrics (scrape errors: " \
+            f"{metrics.get('genserve_bridge_engine_scrape_errors_total')})"
+        time.sleep(0.05)
     out = [0.0, 0.0]
-    for key, value in server.metrics().items():
+    for key, value in metrics.items():
         if key.startswith(name + "{") and "replica=" in key:
             out[int(key.split("replica=")[1].split(",")[0].rstrip("}"))] += value
     return out
 
 
-def finished(server) -> list[float]:
-    return per_replica(server, "genserve_requests_finished_total")
+def finished(server, replicas: tuple[int, ...] = (0, 1)) -> list[float]:
+    return per_replica(server, "genserve_requests_finished_total", replicas)
 
 
 def chat(server, messages: list[dict], key: str = "key-alice", max_tokens: int = 3) -> str:
@@ -115,8 +132,9 @@ def test_a_conversations_turns_land_on_one_replica_and_hit_its_cache(fleet):
         hits = [a - b for a, b in zip(per_replica(fleet, "genserve_prefix_cache_hit_tokens_total"), hits_before)]
         replicas.append(replica)
         if turn > 0:      # the earlier turns' blocks are on this replica: its cache answers them
-            why = (turn, replicas, hits, envoy_stats(fleet, r"engines_affinity\.(health_check|outlier|membership|lb_|upstream_rq_retry|upstream_cx_destroy)"),
-                   "".join(list(fleet.output)[-30:]))
+            envoy = envoy_stats(fleet, r"engines_affinity\.(health_check|outlier|membership|lb_"
+                                       r"|upstream_rq_retry|upstream_cx_destroy)")
+            why = (turn, replicas, hits, envoy, "".join(list(fleet.output)[-30:]))
             assert hits[replica] >= 128, why
             assert hits[1 - replica] == 0, why
         messages += [{"role": "assistant", "content": answer},
@@ -327,9 +345,9 @@ def test_a_killed_replicas_keys_move_to_the_survivor(fleet, alice_homes):
     # The killed replica's counters are gone from /metrics; every answer still comes (200), from
     # the survivor, for the victim's keys as for the survivor's own.
     for conversation in moved + [alice_homes.index(1 - victim)]:
-        before = finished(fleet)[1 - victim]
+        before = finished(fleet, (1 - victim,))[1 - victim]
         chat(fleet, opening(conversation))
         deadline = time.monotonic() + 5
-        while finished(fleet)[1 - victim] < before + 1:
+        while finished(fleet, (1 - victim,))[1 - victim] < before + 1:
             assert time.monotonic() < deadline, "the survivor did not serve the request"
             time.sleep(0.05)

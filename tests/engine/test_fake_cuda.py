@@ -486,6 +486,9 @@ def test_qwen3_and_gemma3_at_the_design_scale_on_the_device(shape, monkeypatch):
             windows = args.sliding_windows
             assert (args.head_dim, windows.count(1024), windows.count(None)) == (256, 40, 8)
             assert len(model.rope_freqs) == 2 and args.sandwich_norm and args.qk_norm
+            # linear x8 on the global layers only; the local ones at base 10,000 unscaled
+            assert [(args.layer(i).rope_theta, args.layer(i).rope_scaling.kind) for i in (0, 5)] == \
+                [(1e4, "default"), (1e6, "linear")]
             assert all(t.device.type == "cuda" for t in model.rope_freqs)
         else:
             assert (args.head_dim, args.qk_norm, args.plain_llama) == (128, True, False)

@@ -66,12 +66,12 @@ class Answer:
     num_cached: int
 
 
-def run(e: Engine, prompts: list[list[int]], **sampling) -> list[Answer]:
+def run(e: Engine, prompts: list[list[int]], max_tokens: int = NEW_TOKENS, **sampling) -> list[Answer]:
     """Submit every prompt at once (greedy, logprobs on, unless `sampling` says), step until
     idle; each request's `Answer`. The pool ends with every block free."""
     sampling = dict(temperature=0.0, logprobs=True, ignore_eos=True) | sampling
     events: list[list] = [[] for _ in prompts]
-    reqs = [new_request(p, NEW_TOKENS, ev, **sampling) for p, ev in zip(prompts, events)]
+    reqs = [new_request(p, max_tokens, ev, **sampling) for p, ev in zip(prompts, events)]
     for r in reqs:
         e.submit(r)
     e.run_until_idle()
@@ -190,3 +190,64 @@ def test_an_architecture_or_option_outside_the_registry_is_refused_by_name(tmp_p
         (directory / "config.json").write_text(json.dumps(config))
         with pytest.raises(ValueError, match=message):
             load_safetensors(directory)
+
+
+def test_config_spellings_and_defaults_follow_transformers():
+    """What configs say in ways the tiny checkpoints do not: transformers 4.x spellings, keys
+    left out (transformers' defaults), options a family reads from other keys."""
+    from engine.model.registry import family_for_config
+
+    def args(config: dict):
+        return family_for_config(config, "config.json").module.config_from_hf(config, "config.json")
+
+    base = dict(hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=128, vocab_size=320, max_position_embeddings=128)
+    # Gemma 3 in transformers 4.x: rope_scaling is the global layers' only; local base separate
+    gemma3 = args(dict(base, architectures=["Gemma3ForCausalLM"], head_dim=16, sliding_window=12,
+                       rope_theta=1e6, rope_local_base_freq=1e4,
+                       rope_scaling={"rope_type": "linear", "factor": 8.0}))
+    local, glob = gemma3.layer(0), gemma3.layer(5)
+    assert (local.sliding_window, local.rope_theta, local.rope_scaling.kind) == (12, 1e4, "default")
+    assert (glob.sliding_window, glob.rope_theta, glob.rope_scaling.kind, glob.rope_scaling.factor) == \
+        (None, 1e6, "linear", 8.0)
+    assert gemma3.scale == 256 ** -0.5 and gemma3.attn_softcap is None       # defaults: 256, none
+    # Gemma 2 without its softcap keys: transformers' 50 and 30; alternating sliding from layer 0
+    gemma2 = args(dict(base, architectures=["Gemma2ForCausalLM"], head_dim=16))
+    assert (gemma2.attn_softcap, gemma2.final_softcap) == (50.0, 30.0)
+    assert gemma2.sliding_windows == (4096, None) * 3
+    # Qwen: use_sliding_window makes layers from max_window_layers on sliding (Qwen2 and Qwen3)
+    for arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        qwen = args(dict(base, architectures=[arch], use_sliding_window=True, sliding_window=8,
+                         max_window_layers=4))
+        assert qwen.sliding_windows == (None,) * 4 + (8, 8), arch
+    # Mistral's window defaults to 4096 when the key is absent; Llama never has one
+    assert set(args(dict(base, architectures=["MistralForCausalLM"])).sliding_windows) == {4096}
+    assert set(args(dict(base, architectures=["LlamaForCausalLM"], sliding_window=8)).sliding_windows) == {None}
+    # Phi-3's "yarn" is LongRoPE; the top-level original context wins over the RoPE dict's
+    factors = [1.0] * 8
+    phi3 = args(dict(base, architectures=["Phi3ForCausalLM"], original_max_position_embeddings=16,
+                     rope_scaling={"type": "yarn", "short_factor": factors, "long_factor": factors,
+                                   "original_max_position_embeddings": 32}))
+    assert (phi3.rope_scaling.kind, phi3.rope_scaling.original_max_context) == ("longrope", 16)
+    with pytest.raises(ValueError, match="hidden_act 'gelu' .*supported: silu"):
+        args(dict(base, architectures=["LlamaForCausalLM"], hidden_act="gelu"))
+
+
+def test_longrope_serves_its_short_factors_within_the_original_context(family):
+    """Phi-3 served with --max-context 16 (its original context): the short factors, as
+    transformers uses for a sequence of at most 16 tokens."""
+    from engine.runner.builder import build_engine
+
+    name, directory = family
+    if not name.startswith("phi3"):
+        pytest.skip("LongRoPE is Phi-3's")
+    loaded = build_engine(EngineConfig(device="cpu", dtype="float32", num_blocks=16, max_context=16,
+                                       queue_budget_s=1e6), str(directory), calibrate=False)
+    assert loaded.engine.executor.model.args.max_context == 16
+    prompt = tokens(8, seed=11)
+    answer = run(loaded.engine, [prompt], max_tokens=8)[0]
+    assert len(answer.tokens) == 8                              # 8 + 8 = the whole context
+    ref = torch.log_softmax(reference_logits(directory, prompt + answer.tokens), dim=-1)
+    positions = range(7, 15)
+    assert answer.tokens == [int(ref[p].argmax()) for p in positions]
+    assert max(abs(a - ref[p, t].item()) for a, p, t in zip(answer.logprobs, positions, answer.tokens)) < 1e-4

@@ -181,10 +181,11 @@ def test_safetensors_dtype_and_errors(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="RoPE scaling 'dynamic' .*supported: default, linear, llama3, yarn, longrope"):
         load_safetensors(tmp_path)
-    config["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}       # yarn without its original context
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="yarn.*original_max_position_embeddings"):
-        load_safetensors(tmp_path)
+    config["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}       # yarn without its original context:
+    (tmp_path / "config.json").write_text(json.dumps(config))           # max_position_embeddings, as transformers
+    args, _ = load_safetensors(tmp_path)
+    assert (args.rope_scaling.kind, args.rope_scaling.factor, args.rope_scaling.original_max_context) == \
+        ("yarn", 4.0, config["max_position_embeddings"])
 
     config.pop("rope_scaling")
     config["num_hidden_layers"] = 3  # the file holds only 2 layers
