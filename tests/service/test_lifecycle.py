@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import grpc
 import pytest
@@ -139,7 +140,12 @@ async def test_a_reader_that_falls_behind_the_bounded_buffer_is_cancelled():
         ctx = FakeContext()
         stream = servicer.Generate(request("slow reader", max_tokens=500), ctx)
         assert (await stream.__anext__()).HasField("started")
-        await asyncio.sleep(0.3)             # the engine produces far more than 8 tokens meanwhile
+        # The reader waits while the engine fills the 8-event buffer (counted on this event loop
+        # as it overflows): a condition, not a fixed time, so a busy machine cannot outrun it.
+        deadline = time.monotonic() + 60
+        while srv.server.metrics.buffer_overflows._value.get() == before:
+            assert time.monotonic() < deadline, "the engine never filled the reader's buffer"
+            await asyncio.sleep(0.01)
         received = 0
         with pytest.raises(_Aborted):
             async for msg in stream:
