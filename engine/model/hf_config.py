@@ -98,15 +98,18 @@ def layer_kinds(config: dict[str, Any], n_layers: int, source: str, window: int 
     return tuple(kinds)
 
 
-def window_layer_types(config: dict[str, Any], n_layers: int) -> dict[str, Any]:
-    """`config` with Qwen's `layer_types` filled in when it has none: with `use_sliding_window`,
-    layers from `max_window_layers` (transformers' default 28) on are sliding, as transformers'
-    Qwen2Config and Qwen3Config derive them; without it, every layer global."""
-    if config.get("layer_types") or not (config.get("use_sliding_window") and config.get("sliding_window")):
-        return config
-    first = int(config.get("max_window_layers", 28))
-    return {**config, "layer_types": ["sliding_attention" if i >= first else "full_attention"
-                                      for i in range(n_layers)]}
+def qwen_layers(config: dict[str, Any], source: str) -> tuple[LayerAttention, ...]:
+    """Qwen2's and Qwen3's per-layer kinds: with `use_sliding_window`, layers from
+    `max_window_layers` (transformers' default 28) on slide over `sliding_window`, as
+    transformers' Qwen2Config and Qwen3Config derive `layer_types` when a config lists none;
+    without it, every layer global. RoPE base 1,000,000 unless the config says."""
+    n_layers = int(config["num_hidden_layers"])
+    window = config.get("sliding_window") if config.get("use_sliding_window") else None
+    if window and not config.get("layer_types"):
+        first = int(config.get("max_window_layers", 28))
+        config = {**config, "layer_types": ["sliding_attention" if i >= first else "full_attention"
+                                            for i in range(n_layers)]}
+    return layer_kinds(config, n_layers, source, window, default_theta=1e6)
 
 
 def base_args(config: dict[str, Any], source: str, **options: Any) -> ModelArgs:

@@ -7,12 +7,11 @@ from __future__ import annotations
 from typing import Any
 
 from engine.model.config import ModelArgs
-from engine.model.hf_config import base_args, layer_kinds, window_layer_types
-from engine.model.llama import HF_LAYER_NAMES
+from engine.model.hf_config import base_args, qwen_layers
+from engine.model.llama import HF_LAYER_NAMES  # Llama's names; the q/k/v biases come with them
 
 ARCHITECTURES = ("Qwen2ForCausalLM",)
 GGUF_ARCHITECTURES = ("qwen2",)
-HF_LAYER_NAMES = HF_LAYER_NAMES
 
 
 def config_from_hf(config: dict[str, Any], source: str) -> ModelArgs:
@@ -21,7 +20,5 @@ def config_from_hf(config: dict[str, Any], source: str) -> ModelArgs:
     Raises:
         ValueError: an unsupported RoPE scaling or layer type (named).
     """
-    n_layers = int(config["num_hidden_layers"])
-    window = config.get("sliding_window") if config.get("use_sliding_window") else None
-    layers = layer_kinds(window_layer_types(config, n_layers), n_layers, source, window, default_theta=1e6)
+    layers = qwen_layers(config, source)
     return base_args(config, source, qkv_bias=True, layers=layers)
