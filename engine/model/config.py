@@ -36,7 +36,7 @@ import dataclasses
 from dataclasses import dataclass
 
 ACTIVATIONS = ("silu", "gelu_tanh")
-ROPE_KINDS = ("default", "linear", "llama3", "yarn", "longrope")
+ROPE_KINDS = ("default", "linear", "llama3", "yarn", "longrope", "freq_factors")
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +47,8 @@ class RopeScaling:
     Attributes:
         kind: "default" (none), "linear" (positions / factor; Chen et al. 2023), "llama3"
             (Meta's wavelength-banded smoothing of Llama 3.1), "yarn" (Peng et al. 2023),
-            "longrope" (Ding et al. 2024, Phi-3).
+            "longrope" (Ding et al. 2024, Phi-3), "freq_factors" (per-pair divisors as a GGUF
+            stores them: llama.cpp writes Llama 3.1's scaling as the tensor `rope_freqs.weight`).
         factor: the context extension factor (linear, llama3, yarn; longrope's derived one).
         original_max_context: positions of the pre-training context (llama3, yarn, longrope).
         low_freq_factor, high_freq_factor: llama3's band edges (wavelengths longer than
@@ -62,6 +63,8 @@ class RopeScaling:
             lowers to `--max-context`) is longer than `original_max_context` (llama.cpp's rule:
             a fixed choice per server, so every request, every batch and the prefix cache see
             the same rotations; transformers chooses per forward by the sequence's length).
+        freq_factors: "freq_factors"' per-pair divisors, head_dim_rotary / 2 of them (θ_j is
+            divided by freq_factors[j]; ggml's `ggml_rope_ext` with `freq_factors`).
     """
 
     kind: str = "default"
@@ -75,6 +78,7 @@ class RopeScaling:
     attention_factor: float | None = None
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
+    freq_factors: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in ROPE_KINDS:
@@ -83,6 +87,8 @@ class RopeScaling:
             raise ValueError(f"RoPE scaling {self.kind!r} needs original_max_position_embeddings")
         if self.kind == "longrope" and not (self.short_factor and self.long_factor):
             raise ValueError("RoPE scaling 'longrope' needs short_factor and long_factor")
+        if self.kind == "freq_factors" and not self.freq_factors:
+            raise ValueError("RoPE scaling 'freq_factors' needs freq_factors")
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,7 @@ import math
 from typing import Any
 
 from engine.model.config import ModelArgs
+from engine.model.gguf_config import GGUFMetadata
 from engine.model.hf_config import base_args, layer_kinds, unsupported
 from engine.model.llama import HF_LAYER_NAMES as LLAMA_NAMES
 
@@ -73,3 +74,43 @@ def config_from_hf(config: dict[str, Any], source: str) -> ModelArgs:
     """
     return base_args(config, source, **gemma_options(config, source, default_theta=10000.0,
                                                      softcaps=(50.0, 30.0)))
+
+
+def gguf_layer_types(meta: GGUFMetadata, n_layers: int, default_pattern: int) -> list[str]:
+    """Gemma's layer kinds as llama.cpp reads them from a GGUF: `attention.sliding_window_pattern`
+    as a per-layer bool array, or as a period n (layer i slides unless i % n == n - 1; 0: every
+    layer slides), else `default_pattern` (llama.cpp's `load_swa_pattern` and
+    `llama_hparams::set_swa_pattern`)."""
+    pattern = meta.arch_get("attention.sliding_window_pattern", default_pattern)
+    if isinstance(pattern, (list, tuple)):
+        sliding = [bool(x) for x in pattern][:n_layers]
+    else:
+        n = int(pattern)
+        sliding = [n == 0 or i % n < n - 1 for i in range(n_layers)]
+    return ["sliding_attention" if s else "full_attention" for s in sliding]
+
+
+def gguf_query_scalar(config: dict[str, Any], big_layers: int) -> float:
+    """`query_pre_attn_scalar` as llama.cpp sets it (a GGUF does not store it): hidden / heads
+    for the 27B model (`big_layers` layers), the head size otherwise (llama.cpp's
+    `f_attention_scale`, after gemma_pytorch's config)."""
+    if int(config["num_hidden_layers"]) == big_layers:
+        return config["hidden_size"] // config["num_attention_heads"]
+    return int(config.get("head_dim") or 256)
+
+
+def gguf_config(meta: GGUFMetadata, config: dict[str, Any]) -> dict[str, Any]:
+    """A gemma2 GGUF's options on top of `common_config`'s, with llama.cpp's defaults where the
+    file is silent: window 4096, every other layer sliding, the softcaps (50, 30), the local
+    layers' RoPE base equal to the global one. Norm weights in the file already hold 1 + w
+    (llama.cpp's converter adds the 1)."""
+    n_layers = int(config["num_hidden_layers"])
+    config["sliding_window"] = int(meta.arch_get("attention.sliding_window", 4096))
+    config["layer_types"] = gguf_layer_types(meta, n_layers, 2)
+    config["attn_logit_softcapping"] = float(meta.arch_get("attn_logit_softcapping", 50.0))
+    config["final_logit_softcapping"] = float(meta.arch_get("final_logit_softcapping", 30.0))
+    config["query_pre_attn_scalar"] = gguf_query_scalar(config, big_layers=46)
+    local = meta.arch_get("rope.freq_base_swa", None)
+    if local is not None and float(local) != float(config.get("rope_theta", 10000.0)):
+        raise ValueError(f"{meta.source}: a separate RoPE base for Gemma 2's sliding layers is not supported")
+    return config

@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from engine.model.config import ModelArgs
-from engine.model.gemma2 import HF_LAYER_NAMES as GEMMA2_NAMES, gemma_options
+from engine.model.gemma2 import HF_LAYER_NAMES as GEMMA2_NAMES, gemma_options, gguf_layer_types, gguf_query_scalar
+from engine.model.gguf_config import GGUFMetadata, f32_metadata
 from engine.model.hf_config import base_args
 
 ARCHITECTURES = ("Gemma3ForCausalLM",)
@@ -39,3 +40,27 @@ def config_from_hf(config: dict[str, Any], source: str) -> ModelArgs:
     config.pop("rope_scaling", None)          # 4.x: the global layers' only, folded in above
     options = gemma_options(config, source, default_theta=1e6, softcaps=(None, None))
     return base_args(config, source, qk_norm=True, **options)
+
+
+def gguf_config(meta: GGUFMetadata, config: dict[str, Any]) -> dict[str, Any]:
+    """A gemma3 GGUF's options on top of `common_config`'s (RoPE base and linear scaling there
+    are the global layers'), as llama.cpp reads them: without `attention.sliding_window` every
+    layer is global; with it five sliding layers to one global unless
+    `attention.sliding_window_pattern` says otherwise, the sliding layers' RoPE base
+    `rope.freq_base_swa` or 10,000 and never scaled. No softcaps unless the file states a final
+    one. Norm weights in the file already hold 1 + w."""
+    n_layers = int(config["num_hidden_layers"])
+    window = int(meta.arch_get("attention.sliding_window", 0) or 0)
+    if window > 0:
+        config["sliding_window"] = window
+        config["layer_types"] = gguf_layer_types(meta, n_layers, 6)
+    else:
+        config["sliding_window"] = None
+        config["layer_types"] = ["full_attention"] * n_layers
+    config["rope_local_base_freq"] = f32_metadata(meta.arch_get("rope.freq_base_swa", 10000.0))
+    config["rope_theta"] = config.get("rope_theta", 1e6)
+    config["query_pre_attn_scalar"] = gguf_query_scalar(config, big_layers=62)
+    softcap = meta.arch_get("final_logit_softcapping", None)
+    if softcap:
+        config["final_logit_softcapping"] = float(softcap)
+    return config

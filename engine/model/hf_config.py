@@ -25,10 +25,15 @@ def rope_scaling(params: dict[str, Any], config: dict[str, Any], source: str) ->
     """`RopeScaling` from one RoPE parameter dict (transformers' `rope_parameters` or the older
     `rope_scaling`; `config` gives top-level fallbacks such as original_max_position_embeddings).
 
+    A GGUF's per-pair divisors (`rope_freqs.weight`) arrive as rope_type "freq_factors" with a
+    `freq_factors` list (`engine.model.gguf_config` writes them so).
+
     Raises:
         ValueError: a RoPE type genserve does not implement (named, with the supported ones).
     """
     kind = params.get("rope_type", params.get("type", "default")) or "default"
+    if kind == "freq_factors":
+        return RopeScaling(kind=kind, freq_factors=tuple(float(x) for x in params["freq_factors"]))
     if kind == "su":                      # Phi-3's first name for LongRoPE
         kind = "longrope"
     if kind not in ("default", "linear", "llama3", "yarn", "longrope"):

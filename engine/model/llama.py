@@ -15,10 +15,14 @@ from __future__ import annotations
 from typing import Any
 
 from engine.model.config import ModelArgs
+from engine.model.gguf_config import GGUFMetadata
 from engine.model.hf_config import base_args, layer_kinds, unsupported
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 GGUF_ARCHITECTURES = ("llama",)
+# llama.cpp's converter permutes a llama-architecture file's Q and K rows (weights and biases)
+# from rotate-half into interleaved pairs; the loader permutes them back.
+GGUF_PERMUTED_QK = True
 
 # Hugging Face leaf name -> the loader's, per layer (`model.layers.{i}.<leaf>.weight` / `.bias`).
 HF_LAYER_NAMES = {
@@ -50,3 +54,24 @@ def config_from_hf(config: dict[str, Any], source: str) -> ModelArgs:
     window = config.get("sliding_window", 4096) if mistral else None
     layers = layer_kinds(config, int(config["num_hidden_layers"]), source, window, all_sliding=True)
     return base_args(config, source, qkv_bias=bias, o_bias=bias, layers=layers)
+
+
+def gguf_config(meta: GGUFMetadata, config: dict[str, Any]) -> dict[str, Any]:
+    """A llama-architecture GGUF's options on top of `common_config`'s: attention biases when
+    the file has them, and Llama 3.1+'s RoPE scaling, which llama.cpp's converter writes as the
+    tensor `rope_freqs.weight` (per-pair divisors of θ_j, computed from the checkpoint's llama3
+    parameters) rather than as metadata. llama.cpp serves Mistral files under this architecture
+    too, without their sliding window; so does genserve.
+
+    Raises:
+        ValueError: RoPE over part of a head (`rope.dimension_count` below the head size).
+    """
+    head_dim = int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+    rope_dims = int(meta.arch_get("rope.dimension_count", head_dim))
+    if rope_dims != head_dim:
+        raise ValueError(f"{meta.source}: RoPE over {rope_dims} of {head_dim} head dims is not supported")
+    config["attention_bias"] = "blk.0.attn_q.bias" in meta.tensor_shapes
+    if "rope_freqs.weight" in meta.tensor_shapes:
+        config["rope_scaling"] = {"rope_type": "freq_factors",
+                                  "freq_factors": meta.read_tensor("rope_freqs.weight").tolist()}
+    return config

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.model.config import ModelArgs
+from engine.model.gguf_config import GGUFMetadata
 from engine.model.hf_config import base_args, qwen_layers
 from engine.model.llama import HF_LAYER_NAMES as LLAMA_NAMES
 
@@ -25,3 +26,10 @@ def config_from_hf(config: dict[str, Any], source: str) -> ModelArgs:
     layers = qwen_layers(config, source)
     bias = bool(config.get("attention_bias", False))
     return base_args(config, source, qkv_bias=bias, o_bias=bias, qk_norm=True, layers=layers)
+
+
+def gguf_config(meta: GGUFMetadata, config: dict[str, Any]) -> dict[str, Any]:
+    """A qwen3 GGUF's options on top of `common_config`'s (which reads the head size from
+    `attention.key_length`): attention biases when the file has them."""
+    config["attention_bias"] = "blk.0.attn_q.bias" in meta.tensor_shapes
+    return config

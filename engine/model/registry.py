@@ -10,7 +10,10 @@ one module (Mistral is Llama with a window). Every family module provides:
   explicit, refusing (ValueError naming it) any it cannot serve;
 * `HF_LAYER_NAMES`: Hugging Face leaf names of a layer (`model.layers.{i}.<leaf>`) → the
   loader's (`engine.model.weights`);
-* optionally `split_fused(state, args)`: turns fused checkpoint tensors into the loader's.
+* optionally `split_fused(state, args)`: turns fused checkpoint tensors into the loader's;
+* for GGUF files, optionally `gguf_config(meta, config) -> config` (its options on top of
+  `engine.model.gguf_config.common_config`), `GGUF_LAYER_NAMES` (leaf overrides) and
+  `GGUF_PERMUTED_QK` (llama.cpp permuted the Q/K rows).
 
 The network itself is shared (`engine.model.transformer.Transformer`): the families differ in
 options, not in code.
@@ -40,7 +43,8 @@ _MODEL_TYPES: dict[str, str] = {
 }
 # GGUF general.architecture -> family module
 _GGUF_ARCHITECTURES: dict[str, str] = {
-    "llama": "llama",
+    "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3",
+    "phi3": "phi3",
 }
 
 

