@@ -1,27 +1,17 @@
-"""Byte-level BPE tokenizer read from a GGUF file (SmolLM2: ``tokenizer.ggml.model = "gpt2"``).
+"""The model's tokenizer: text <-> token ids, and the exact bytes of every token.
 
-A GGUF carries no ``tokenizer.json``; it stores the vocabulary (``tokenizer.ggml.tokens``), the
-merges (``tokenizer.ggml.merges``, ``"a b"`` strings, best first), the token types
-(``tokenizer.ggml.token_type``: 1 normal, 3 control, 4 user-defined, 6 byte) and the special ids.
-This module rebuilds the Hugging Face ``tokenizers`` pipeline from them:
+:class:`Tokenizer` wraps a Hugging Face ``tokenizers`` pipeline, built from one of:
 
-* model: BPE over the GPT-2 byte alphabet (every byte mapped to a printable character, e.g.
-  space -> ``Ġ``, newline -> ``Ċ``), no unknown token, no dropout;
-* pre-tokenizer for ``tokenizer.ggml.pre = "smollm"``: split every digit on its own, then the GPT-2
-  regex ``'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+`` and
-  the byte map. This is llama.cpp's ``LLAMA_VOCAB_PRE_TYPE_SMOLLM`` (regexes ``\\p{N}`` then the
-  GPT-2 one, ``src/llama-vocab.cpp``) and SmolLM2's own ``tokenizer.json``
-  (``Digits(individual_digits=True)`` + ``ByteLevel``). For ``"gpt2"`` and unknown ``pre`` values the
-  digit split is left out (plain GPT-2);
-* control tokens (``<|im_start|>``, ``<|im_end|>`` ...) are added as special tokens, so they are
-  matched whole in the text, as transformers' ``GGUFGPTConverter`` / ``add_gguf_special_tokens`` do;
-* decoder: the byte map reversed.
+* a GGUF file's metadata (``Tokenizer.from_gguf``): byte-level BPE (``tokenizer.ggml.model =
+  "gpt2"``: SmolLM2, Llama 3, Qwen2 ...) or SentencePiece BPE (``"llama"``: Llama 2, Mistral 7B,
+  Gemma, Phi-3). The pipelines, which follow transformers' GGUF tokenizers, are built in
+  :mod:`engine.gguf_tokenizer`;
+* a Hugging Face checkpoint's ``tokenizer.json`` (``Tokenizer.from_hf_dir``): byte-level BPE, or
+  SentencePiece-style BPE as Llama-2's, with ``▁`` for a space and ``<0xNN>`` byte tokens.
 
-No BOS is added (the file says ``add_bos_token = false``).
-
-``Tokenizer.from_hf_dir`` reads a Hugging Face checkpoint's ``tokenizer.json`` instead (byte-level
-BPE as above, or SentencePiece-style BPE as Llama-2's, with ``▁`` for a space and ``<0xNN>`` byte
-tokens). ``ByteTokenizer`` is the byte-level fallback of random-initialised models.
+Control tokens (``<|im_start|>``, ``<start_of_turn>`` ...) are special: matched whole in text, and
+:meth:`Tokenizer.is_special` is true for them. ``ByteTokenizer`` is the byte-level fallback of
+random-initialised models.
 """
 
 from __future__ import annotations
@@ -30,43 +20,22 @@ import json
 import pathlib
 import re
 from collections.abc import Iterable
-from functools import lru_cache
 from typing import TYPE_CHECKING
 
-from tokenizers import AddedToken
 from tokenizers import Tokenizer as _HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers
+
+from engine.gguf_tokenizer import (TOKEN_BYTE, TOKEN_CONTROL, TOKEN_NORMAL,  # noqa: F401 (re-exported)
+                                   TOKEN_UNKNOWN, TOKEN_UNUSED, TOKEN_USER_DEFINED, bytes_to_unicode,
+                                   byte_level_bpe, tokenizer_from_metadata)
 
 if TYPE_CHECKING:
     import gguf
 
-TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
-
-# ``tokenizer.ggml.pre`` values whose digits are split one by one before the GPT-2 regex
-# (llama.cpp ``llama-vocab.cpp``: STARCODER, REFACT, COMMAND_R, SMOLLM, CODESHELL, EXAONE, MINERVA).
-_DIGIT_SPLIT_PRE = frozenset({"smollm", "starcoder", "refact", "command-r", "codeshell",
-                              "exaone", "minerva-7b"})
-
-
-@lru_cache(maxsize=1)
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character map (openai/gpt-2 ``encoder.py``).
-
-    Printable Latin-1 bytes (``!``..``~``, ``¡``..``¬``, ``®``..``ÿ``) map to themselves; the other
-    68 bytes map, in order, to ``chr(256)``, ``chr(257)`` ... (so space 0x20 -> ``Ġ`` U+0120).
-    """
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
-        + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
-
-
+# The metadata keys ``Tokenizer.from_gguf`` reads (the others, tensors' among them, stay unparsed).
+_GGUF_KEYS = ("general.architecture", "tokenizer.chat_template") + tuple(
+    f"tokenizer.ggml.{k}" for k in (
+        "model", "pre", "tokens", "scores", "token_type", "merges", "bos_token_id", "eos_token_id",
+        "unknown_token_id", "padding_token_id", "add_bos_token", "add_eos_token", "add_space_prefix"))
 
 
 def _control_tokens(token_bytes: list[bytes], token_types: list[int]
@@ -82,8 +51,26 @@ def _control_tokens(token_bytes: list[bytes], token_types: list[int]
 def _literal_copy(tk: _HFTokenizer) -> _HFTokenizer:
     """A copy of `tk` that reads special-token text as plain text (the library's
     `encode_special_tokens`), for `Tokenizer.encode_text`. A copy, so that `tk` itself never
-    changes mode and both can be used at once."""
-    copy = _HFTokenizer.from_str(tk.to_str())
+    changes mode and both can be used at once.
+
+    The copy shares `tk`'s model, normalizer, pre-tokenizer and decoder (the library holds them
+    behind reference-counted locks) and gets its own added tokens, which is what the mode changes:
+    ~10 ms for Gemma 3's 262,144 tokens, where a round trip through JSON takes ~1.3 s. A tokenizer
+    with truncation or padding set, or whose added tokens do not come back with their ids, is
+    copied through JSON."""
+    added = tk.get_added_tokens_decoder()
+    copy = None
+    if tk.truncation is None and tk.padding is None:
+        copy = _HFTokenizer(tk.model)
+        copy.normalizer, copy.pre_tokenizer = tk.normalizer, tk.pre_tokenizer
+        copy.post_processor, copy.decoder = tk.post_processor, tk.decoder
+        ordered = [added[i] for i in sorted(added)]
+        copy.add_special_tokens([t for t in ordered if t.special])
+        copy.add_tokens([t for t in ordered if not t.special])
+        if copy.get_added_tokens_decoder() != added:
+            copy = None
+    if copy is None:
+        copy = _HFTokenizer.from_str(tk.to_str())
     copy.encode_special_tokens = True
     return copy
 
@@ -103,21 +90,31 @@ def hf_chat_template(directory: pathlib.Path, tok_config: dict) -> str | None:
     return template if isinstance(template, str) else None
 
 class Tokenizer:
-    """Text <-> token ids for a byte-level BPE GGUF, plus the exact bytes of each token.
+    """Text <-> token ids, plus the exact bytes of each token.
 
     Attributes:
         vocab_size: number of token ids (49,152 for SmolLM2), ids are ``0 .. vocab_size - 1``.
-        bos_token_id: ``tokenizer.ggml.bos_token_id`` (1, ``<|im_start|>``), or None.
-        eos_token_id: ``tokenizer.ggml.eos_token_id`` (2, ``<|im_end|>``), or None.
-        chat_template: the file's Jinja chat template, or None.
-        add_bos_token: whether :meth:`encode` prepends ``bos_token_id`` (False for SmolLM2).
+        bos_token_id: the BOS id (SmolLM2: 1, ``<|im_start|>``), or None.
+        eos_token_id: the EOS id (SmolLM2: 2, ``<|im_end|>``), or None.
+        unk_token_id, pad_token_id: the unknown and padding ids, or None.
+        chat_template: the Jinja chat template (a GGUF's ``tokenizer.chat_template``, a Hugging
+            Face checkpoint's :func:`hf_chat_template`), or None; ``service.chat.template_for``
+            reads it.
+        add_bos_token: whether :meth:`encode` prepends ``bos_token_id`` (False for SmolLM2, True
+            for SentencePiece files unless they say otherwise).
+        add_eos_token: whether :meth:`encode` appends ``eos_token_id``.
     """
+
+    unk_token_id: int | None = None
+    pad_token_id: int | None = None
+    add_eos_token: bool = False
 
     def __init__(self, tokens: list[str], merges: list[str], token_types: list[int] | None = None,
                  *, pre: str = "gpt2", bos_token_id: int | None = None,
                  eos_token_id: int | None = None, chat_template: str | None = None,
                  add_bos_token: bool = False):
-        """Build from GGUF-style vocabulary arrays.
+        """Build a byte-level BPE tokenizer from GGUF-style vocabulary arrays
+        (:func:`engine.gguf_tokenizer.byte_level_bpe`).
 
         Args:
             tokens: token strings indexed by id, spelled in the GPT-2 byte alphabet (control
@@ -126,14 +123,16 @@ class Tokenizer:
             token_types: GGUF token types per id (1 normal, 3 control, 4 user-defined, 6 byte);
                 None means all normal.
             pre: ``tokenizer.ggml.pre``; ``"smollm"`` (and the other StarCoder-style values)
-                split digits individually.
+                split digits individually, ``"llama-bpe"``, ``"qwen2"`` ... use their family's
+                split regex (:func:`engine.gguf_tokenizer.byte_level_pre_tokenizer`).
             bos_token_id, eos_token_id: special ids from the file.
             chat_template: ``tokenizer.chat_template`` from the file.
             add_bos_token: ``tokenizer.ggml.add_bos_token``; when true, :meth:`encode` prepends
                 ``bos_token_id`` (false for SmolLM2).
 
         Raises:
-            ValueError: ``token_types`` length differs from ``tokens``, or a special id is out of range.
+            ValueError: ``token_types`` length differs from ``tokens``, a special id is out of
+                range, or ``add_bos_token`` without a ``bos_token_id``.
         """
         token_types = list(token_types) if token_types is not None else [TOKEN_NORMAL] * len(tokens)
         if len(token_types) != len(tokens):
@@ -141,63 +140,34 @@ class Tokenizer:
         for name, tid in (("bos", bos_token_id), ("eos", eos_token_id)):
             if tid is not None and not 0 <= tid < len(tokens):
                 raise ValueError(f"{name}_token_id {tid} outside the vocabulary of {len(tokens)}")
-        self.vocab_size = len(tokens)
-        self.add_bos_token = add_bos_token
-        self.bos_token_id = bos_token_id
-        self.eos_token_id = eos_token_id
-        self.chat_template = chat_template
         if add_bos_token and bos_token_id is None:
             raise ValueError("add_bos_token is set but there is no bos_token_id")
-        self._bos = [bos_token_id] if add_bos_token else []
-        self._types = token_types
-
-        byte_decoder = {c: b for b, c in bytes_to_unicode().items()}
-        alphabet = set(byte_decoder)
-
-        def raw_bytes(token: str, kind: int) -> bytes:
-            if kind == TOKEN_BYTE and token.startswith("<0x") and token.endswith(">"):
-                return bytes([int(token[3:-1], 16)])  # sentencepiece-style byte token
-            if kind in (TOKEN_CONTROL, TOKEN_USER_DEFINED) or not set(token) <= alphabet:
-                return token.encode("utf-8")
-            return bytes(byte_decoder[c] for c in token)
-
-        self._bytes = [raw_bytes(t, k) for t, k in zip(tokens, token_types)]
-
-        vocab = {t: i for i, t in enumerate(tokens)}
-        bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges],
-                         dropout=None, continuing_subword_prefix="", end_of_word_suffix="",
-                         fuse_unk=False, byte_fallback=False)
-        tk = _HFTokenizer(bpe)
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
-        if pre in _DIGIT_SPLIT_PRE:
-            tk.pre_tokenizer = pre_tokenizers.Sequence(
-                [pre_tokenizers.Digits(individual_digits=True), byte_level])
-        else:
-            tk.pre_tokenizer = byte_level
-        tk.decoder = decoders.ByteLevel()
-        specials = [AddedToken(t, normalized=False, special=True)
-                    for t, k in zip(tokens, token_types) if k == TOKEN_CONTROL]
-        user = [AddedToken(t, normalized=False, special=False)
-                for t, k in zip(tokens, token_types) if k == TOKEN_USER_DEFINED]
-        tk.add_special_tokens(specials)
-        tk.add_tokens(user)
-        if tk.get_vocab_size(with_added_tokens=True) != self.vocab_size:
-            raise ValueError("added tokens grew the vocabulary: a control/user token is not in it")
-        self._tk = tk
-        self._tk_text = _literal_copy(tk)
-        self._control = _control_tokens(self._bytes, self._types)
+        tk, token_bytes = byte_level_bpe(tokens, merges, token_types, pre=pre)
+        types = [TOKEN_CONTROL if t == TOKEN_UNKNOWN else t for t in token_types]
+        self._setup(tk, token_bytes, types, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+                    chat_template=chat_template, add_bos_token=add_bos_token)
 
     @classmethod
     def from_gguf(cls, source: "str | pathlib.Path | gguf.GGUFReader | None" = None) -> "Tokenizer":
-        """Read the tokenizer metadata of a GGUF file (default: the embedded SmolLM2 model).
+        """Read the tokenizer a GGUF file describes (default: the embedded SmolLM2 model).
+
+        Byte-level BPE (``tokenizer.ggml.model = "gpt2"``, with the pre-tokenizer
+        ``tokenizer.ggml.pre`` names) and SentencePiece BPE (``"llama"``: Llama 2 / Mistral,
+        Gemma, Phi-3), built as transformers builds them from the same file
+        (:mod:`engine.gguf_tokenizer` has the rules and their sources). The special ids, the
+        ``add_bos_token`` / ``add_eos_token`` flags and ``tokenizer.chat_template`` come from the
+        file. Deriving a SentencePiece file's merges from its vocabulary (Gemma 3: 262,144 tokens)
+        takes about a second.
 
         ``source`` is a path, a reader from ``engine.model.weights.open_gguf`` (share one with
         ``load_gguf``: parsing SmolLM2's ~98k strings takes 1.5-2 s), or None for the default file.
 
         Raises:
             FileNotFoundError: no file at ``path`` (or the default package is missing).
-            KeyError: the file has no ``tokenizer.ggml.tokens`` / ``merges``.
-            ValueError: ``tokenizer.ggml.model`` is not ``"gpt2"`` (byte-level BPE).
+            KeyError: the file has no ``tokenizer.ggml.model`` / ``tokens``, or no merges (and, for
+                SentencePiece, no scores to derive them from).
+            ValueError: ``tokenizer.ggml.model`` is neither ``"gpt2"`` nor ``"llama"`` (the
+                message names the file and the value), or the token arrays disagree in length.
         """
         import gguf
 
@@ -205,27 +175,13 @@ class Tokenizer:
 
         reader = source if isinstance(source, gguf.GGUFReader) else open_gguf(source)
         path = pathlib.Path(getattr(reader.data, "filename", None) or "model.gguf")
-        fields = reader.fields
-
-        def meta(key: str, required: bool = False):
-            if key not in fields:
-                if required:
-                    raise KeyError(f"{path.name}: metadata key {key!r} missing")
-                return None
-            return fields[key].contents()
-
-        kind = meta("tokenizer.ggml.model", required=True)
-        if kind != "gpt2":
-            raise ValueError(f"{path.name}: tokenizer model {kind!r}, only byte-level BPE 'gpt2' "
-                             "is supported")
-        return cls(meta("tokenizer.ggml.tokens", required=True),
-                   meta("tokenizer.ggml.merges", required=True),
-                   meta("tokenizer.ggml.token_type"),
-                   pre=meta("tokenizer.ggml.pre") or "gpt2",
-                   bos_token_id=meta("tokenizer.ggml.bos_token_id"),
-                   eos_token_id=meta("tokenizer.ggml.eos_token_id"),
-                   chat_template=meta("tokenizer.chat_template"),
-                   add_bos_token=bool(meta("tokenizer.ggml.add_bos_token")))
+        meta = {key: reader.fields[key].contents() for key in _GGUF_KEYS if key in reader.fields}
+        parts = tokenizer_from_metadata(meta, path.name)
+        return cls._from_parts(parts.tokenizer, parts.token_bytes, parts.token_types,
+                               bos_token_id=parts.bos_token_id, eos_token_id=parts.eos_token_id,
+                               unk_token_id=parts.unk_token_id, pad_token_id=parts.pad_token_id,
+                               chat_template=parts.chat_template, add_bos_token=parts.add_bos_token,
+                               add_eos_token=parts.add_eos_token)
 
     @classmethod
     def from_hf_dir(cls, directory: str | pathlib.Path, vocab_size: int | None = None) -> "Tokenizer":
@@ -296,39 +252,74 @@ class Tokenizer:
     @classmethod
     def _from_parts(cls, tk: _HFTokenizer, token_bytes: list[bytes], token_types: list[int], *,
                     bos_token_id: int | None, eos_token_id: int | None, chat_template: str | None,
-                    add_bos_token: bool) -> "Tokenizer":
+                    add_bos_token: bool, add_eos_token: bool = False,
+                    unk_token_id: int | None = None, pad_token_id: int | None = None) -> "Tokenizer":
         self = cls.__new__(cls)
+        self._setup(tk, token_bytes, token_types, bos_token_id=bos_token_id,
+                    eos_token_id=eos_token_id, chat_template=chat_template,
+                    add_bos_token=add_bos_token, add_eos_token=add_eos_token,
+                    unk_token_id=unk_token_id, pad_token_id=pad_token_id)
+        return self
+
+    def _setup(self, tk: _HFTokenizer, token_bytes: list[bytes], token_types: list[int], *,
+               bos_token_id: int | None, eos_token_id: int | None, chat_template: str | None,
+               add_bos_token: bool, add_eos_token: bool = False,
+               unk_token_id: int | None = None, pad_token_id: int | None = None) -> None:
+        """Set every attribute; ``token_types`` marks the special ids ``TOKEN_CONTROL``."""
         self.vocab_size = len(token_bytes)
         self.add_bos_token = add_bos_token
+        self.add_eos_token = add_eos_token
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
+        self.unk_token_id = unk_token_id
+        self.pad_token_id = pad_token_id
         self.chat_template = chat_template
         self._bos = [bos_token_id] if add_bos_token and bos_token_id is not None else []
+        self._eos = [eos_token_id] if add_eos_token and eos_token_id is not None else []
         self._types = token_types
         self._bytes = token_bytes
         self._tk = tk
         self._tk_text = _literal_copy(tk)
-        self._control = _control_tokens(token_bytes, token_types)
-        return self
+        self._control: tuple[re.Pattern[str] | None, dict[str, int]] | None = None  # on first use
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``. No BOS is added unless the file says so (SmolLM2 does not).
-        Control-token text such as ``<|im_end|>`` becomes its single id (as in transformers and
-        llama.cpp with special parsing)."""
-        return self._bos + self._tk.encode(text, add_special_tokens=False).ids
+        """Token ids of ``text``: a BOS first when ``add_bos_token`` (SmolLM2: no; SentencePiece
+        files: yes unless they say otherwise), an EOS last when ``add_eos_token``, as
+        transformers' ``encode`` with special tokens. Control-token text such as ``<|im_end|>``
+        becomes its single id (as in transformers and llama.cpp with special parsing)."""
+        return self._bos + self._tk.encode(text, add_special_tokens=False).ids + self._eos
 
     def encode_text(self, text: str) -> list[int]:
         """Token ids of ``text`` read as plain text: control-token text such as ``<|im_end|>`` is
-        tokenized like any other characters and never becomes a control id; no BOS. For text a
-        user wrote inside a chat message (service/chat.py), which must not open or close turns."""
+        tokenized like any other characters and never becomes a control id; no BOS, no EOS. For
+        text a user wrote inside a chat message (service/chat.py), which must not open or close
+        turns."""
         return self._tk_text.encode(text, add_special_tokens=False).ids
 
     def encode_pieces(self, pieces: Iterable[tuple[str, bool]]) -> list[int]:
         """Token ids of the text the pieces join to, where control-token text is matched only
         in pieces whose flag is False (a chat template's own text), never in those flagged True
-        (message text). Between two control tokens the text is tokenized as one run, as
-        `encode` of the joined text would, so text without control-token spellings gives
-        exactly `encode("".join(texts))`. A BOS as `encode` adds it."""
+        (message text). A BOS as `encode` adds it, never an EOS (the ids are a prompt to
+        continue).
+
+        When no message piece holds control-token text this is `encode` of the joined text (without
+        its EOS). Otherwise the text between two control tokens of the template is tokenized as
+        one run with those spellings read as plain text; a SentencePiece tokenizer then puts its
+        ``▁`` prefix before each run, where `encode` would put it before the first only."""
+        pieces = list(pieces)
+        joined = "".join(text for text, _ in pieces)
+        encoding = self._tk.encode(joined, add_special_tokens=False)
+        spans, pos = [], 0
+        for text, is_message in pieces:
+            if is_message and text:
+                spans.append((pos, pos + len(text)))
+            pos += len(text)
+        if not any(self._types[i] == TOKEN_CONTROL and start < end_span and start_span < end
+                   for i, (start, end) in zip(encoding.ids, encoding.offsets)
+                   for start_span, end_span in spans):
+            return self._bos + encoding.ids
+        if self._control is None:  # ~0.5 s to compile for Gemma's 6,000 control tokens
+            self._control = _control_tokens(self._bytes, self._types)
         pattern, ids_of = self._control
         ids = list(self._bos)
         run: list[str] = []
@@ -347,7 +338,7 @@ class Tokenizer:
 
     def encode_batch(self, texts: Iterable[str]) -> list[list[int]]:
         """``[encode(t) for t in texts]``, run in parallel by the Rust library."""
-        return [self._bos + e.ids
+        return [self._bos + e.ids + self._eos
                 for e in self._tk.encode_batch(list(texts), add_special_tokens=False)]
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
@@ -356,8 +347,10 @@ class Tokenizer:
         return self._tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def token_bytes(self, token_id: int) -> bytes:
-        """The exact bytes ``token_id`` stands for (the GPT-2 byte map reversed; control tokens
-        give their UTF-8 text). One token may hold part of a multi-byte character.
+        """The exact bytes ``token_id`` stands for: byte-level BPE, the GPT-2 byte map reversed;
+        SentencePiece, the piece with ``▁`` as a space and a ``<0xNN>`` token as byte NN; control
+        and user-defined tokens, their UTF-8 text. One token may hold part of a multi-byte
+        character.
 
         Raises:
             IndexError: ``token_id`` outside ``0 .. vocab_size - 1``.
@@ -367,7 +360,9 @@ class Tokenizer:
         return self._bytes[token_id]
 
     def is_special(self, token_id: int) -> bool:
-        """True for control tokens (``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>`` ...).
+        """True for control tokens (``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>`` ...) and
+        a GGUF's unknown token (``<unk>``, type 2): the tokens matched whole in text and left out
+        of a stream by ``skip_special_tokens``.
 
         Raises:
             IndexError: ``token_id`` outside ``0 .. vocab_size - 1``.
@@ -377,7 +372,8 @@ class Tokenizer:
         return self._types[token_id] == TOKEN_CONTROL
 
     def id_to_token(self, token_id: int) -> str:
-        """The vocabulary string of ``token_id`` (byte-alphabet spelling, e.g. ``ĠParis``)."""
+        """The vocabulary string of ``token_id``: byte-alphabet spelling for byte-level BPE (e.g.
+        ``ĠParis``), the piece for SentencePiece (e.g. ``▁Paris``, ``<0x0A>``)."""
         return self._tk.id_to_token(token_id)
 
     def __len__(self) -> int:
@@ -401,8 +397,11 @@ class ByteTokenizer:
 
     bos_token_id = None
     eos_token_id = None
+    unk_token_id = None
+    pad_token_id = None
     chat_template = None
     add_bos_token = False
+    add_eos_token = False
 
     def __init__(self, vocab_size: int) -> None:
         if vocab_size < 256:
