@@ -18,7 +18,7 @@ from engine.config import EngineConfig
 from engine.model.weights import load_gguf
 from engine.runner.builder import engine_from_weights
 from tests.engine.test_model_families import check_logprobs_close, run
-from tests.gguf_assets import gemma3_270m_gguf
+from tests.gguf_assets import gemma3_270m_gguf, gemma3_270m_transformers
 
 PROMPTS = [
     "The capital of France is",
@@ -36,13 +36,7 @@ NEW_TOKENS = 64
 @pytest.fixture(scope="module")
 def gemma3():
     """(path, transformers model, transformers tokenizer) for the Gemma 3 270M file."""
-    import transformers as tf
-
-    path = gemma3_270m_gguf()
-    model = tf.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
-                                                    attn_implementation="eager").eval()
-    tokenizer = tf.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    return path, model, tokenizer
+    return (gemma3_270m_gguf(), *gemma3_270m_transformers())
 
 
 def test_gemma3_270m_gguf_greedy_and_logprobs_match_transformers_on_the_same_file(gemma3):
