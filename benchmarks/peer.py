@@ -415,7 +415,7 @@ def markdown(report: dict) -> str:
         "",
         f"- Date: {meta['date']} (UTC). Host: {meta['cpus']} CPU cores; {_host_line(host)}; load average "
         f"(1 min) {meta['loadavg_1min'][0]:.2f} at the start, {meta['loadavg_1min'][1]:.2f} at the end.",
-        f"- Model: `{pathlib.Path(meta['gguf']).name}` (the same file for both; the embedded model).",
+        f"- Model: `{pathlib.Path(meta['gguf']).name}` (the same file for both).",
         f"- genserve: `genserve serve --threads {meta['threads']}"
         f"{(' ' + meta['serve_args']) if meta['serve_args'] else ''}` (commit {meta['genserve_commit']}).",
         f"- {peer}: `{' '.join(peer_args)}` ({peer_version}).",
@@ -476,8 +476,10 @@ def llama_server_argv(binary: pathlib.Path, gguf: pathlib.Path, port: int, threa
 def genserve_args(opts: argparse.Namespace) -> list[str]:
     """Flags for `genserve serve` after the ports: `--threads`, a ready timeout as long as this
     benchmark's start timeout (genserve prints its ready line only if ready within its own timeout,
-    and a first start may compile the CPU kernels for minutes), then `--serve-args`."""
-    return ["--threads", str(opts.threads), "--ready-timeout-s", f"{START_TIMEOUT_S:g}",
+    and a first start may compile the CPU kernels for minutes), `--model` when given, then
+    `--serve-args`."""
+    model = ["--model", str(opts.model)] if opts.model is not None else []
+    return ["--threads", str(opts.threads), "--ready-timeout-s", f"{START_TIMEOUT_S:g}", *model,
             *shlex.split(opts.serve_args)]
 
 
@@ -569,6 +571,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", type=int, default=256,
                    help="prompt tokens per stream (genserve's tokenizer); 1250 for the design's mean prompt")
     p.add_argument("--threads", type=int, default=2, help="threads of each server (genserve --threads, llama.cpp -t)")
+    p.add_argument("--model", type=pathlib.Path, default=None,
+                   help="the GGUF both servers serve (default: the embedded SmolLM2-135M; e.g. the path "
+                        "`make gemma3-270m` prints)")
     p.add_argument("--serve-args", default="", help="more flags for genserve serve, one string (e.g. '--weights q4')")
     p.add_argument("--peer", choices=PEERS, default=LLAMA_CPP,
                    help=f"the other server: llama.cpp (installed by {INSTALL_SCRIPT}) or vllm (vLLM's CPU "
@@ -597,6 +602,8 @@ def check_options(p: argparse.ArgumentParser, opts: argparse.Namespace) -> pathl
         value = getattr(opts, name)
         if not low <= value <= high:
             p.error(f"--{name} must be {low}..{high}, got {value}")
+    if opts.model is not None and not opts.model.is_file():
+        p.error(f"--model {opts.model} is not a file")
     if opts.peer == VLLM:
         return find_vllm(p)
     binary = opts.llama_server or default_llama_server()
@@ -670,7 +677,7 @@ def main(argv: list[str] | None = None) -> int:
     from genserve.common.model_name import DEFAULT_MODEL_NAME
     from loadgen.live_server import LiveServer
 
-    gguf = default_gguf_path()
+    gguf = opts.model if opts.model is not None else default_gguf_path()
     tokenizer = Tokenizer.from_gguf(gguf)
     slots = max(opts.streams)
     peer = opts.peer
