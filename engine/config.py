@@ -93,9 +93,16 @@ class EngineConfig:
             of CPU (docs/benchmarks/int8.md; `engine.runner.builder.auto_weights`);
             "int8": every block matrix's product on int8 arithmetic with per-row scales
             (`engine.model.int8`; CPU only): faster prefill, not the bf16 products' bits;
-            "q4q8": the GGUF's Q4_1 blocks exact, each input rounded to 8 bits per row and block
-            of 32 (llama.cpp's arithmetic for such a file, `engine.model.quant.attach_q4q8`;
-            CPUs with AVX512-VNNI or AVX2): not the bf16 products' bits.
+            "q4q8": the GGUF's own blocks exact, each input rounded to 8 bits: llama.cpp's
+            arithmetic for the file, product by product (`engine.model.quant.attach_q4q8`; CPUs
+            with AVX512-VNNI or AVX2): Q4_1 matrices times inputs rounded per row and block of
+            32 (Q4_1 x Q8_1, `q4q8_linear`), Q4_K and Q6_K matrices (a Q4_K_M file's) times
+            inputs rounded per row and block of 256 (Q4_K / Q6_K x Q8_K, `qk_linear`,
+            `engine.model.kquant`), a Q8_0 output projection as Q8_0 x Q8_0; a matrix of any
+            other type, or a K-quant one whose input is not a multiple of 256, keeps its bf16
+            product. One mode rather than one per type because it is one contract, "the file's
+            blocks as llama.cpp multiplies them", which a mixed file (Q4_K_M is Q4_K and Q6_K)
+            needs whole. Not the bf16 products' bits; rows still independent of the batch.
         kv_cache_dtype: how the KV pool stores keys and values (`KV_CACHE_DTYPES`, vLLM's
             `--kv-cache-dtype`): "auto" (default): in the model dtype; "int8": the 8-bit format
             of `engine.attention.kv_quant` (int8 with a power-of-two scale per 32 numbers, OCP MX's

@@ -33,6 +33,15 @@
   (`engine.model.quant.attach_q4q8`) runs every block matrix on it. The same file's
   `torch.ops.genserve.q8q8_linear` takes Q8_0 weights (`engine.model.quant.q8q8_pack`) times the
   same 8-bit rows: llama.cpp's Q8_0 x Q8_0, for the output projection under `--weights q4q8`.
+* `engine/kernels/csrc/qk_linear.cpp`: x @ Wᵀ from W's Q4_K and Q6_K blocks (a Q4_K_M GGUF's
+  types; re-grouped at load by `engine.model.kquant.q4_k_pack` / `q6_k_pack`, a matrix as row
+  segments of one type each) with x rounded to Q8_K inside the call (int8 per row and block of
+  256, ggml's `quantize_row_q8_K_ref`), exact integer sums per sub-block scaled in fp32:
+  llama.cpp's arithmetic for these types, `torch.ops.genserve.qk_linear`. Every build has its
+  three paths (AVX512-VNNI, AVX2, scalar; each compiled with its own target attribute), the best
+  one this CPU runs picked at run time (`qk_paths()`; the op's `path` argument or
+  GENSERVE_QK_PATH forces one), all with the same bits. `--weights q4q8`
+  (`engine.model.quant.attach_q4q8`) runs the GGUF's Q4_K / Q6_K matrices on it.
 * `engine/kernels/csrc/fma_linear.cpp`: x @ Wᵀ with the bf16 weights in 16-column panels widened to
   fp32 in registers, one fp32 FMA chain over k per output (`torch.ops.genserve.fma_linear`): the
   products on CPUs without bf16 arithmetic (AVX2 alone); built where the compiler targets AVX2
@@ -79,9 +88,9 @@ SOURCES = [pathlib.Path(__file__).with_name("csrc") / name
            for name in ("decode_attention.cpp", "prefill_attention.cpp", "layer_ops.cpp",
                         "packed_linear.cpp", "q4_linear.cpp", "amx_linear.cpp",
                         "int8_linear.cpp", "q4q8_linear.cpp", "fma_linear.cpp", "decode_layers.cpp",
-                         "greedy.cpp")]
+                        "greedy.cpp", "qk_linear.cpp")]
 OPS = ("paged_decode", "rms_norm", "add_rms_norm_", "rope_store_kv", "silu_mul", "int8_linear",
-       "decode_layers", "argmax_rows")
+       "decode_layers", "argmax_rows", "qk_linear")
 AVX512_BF16_OPS = ("packed_linear", "q4_linear")     # built only where the CPU has AVX512-BF16
 PREFILL_OPS = ("paged_prefill", "paged_prefill_pieces")   # built where the compiler targets AVX512-BF16, or AVX2 and FMA
 AMX_OPS = ("q4_amx_linear", "q8_amx_linear")   # built only where the compiler targets AMX-BF16
@@ -275,3 +284,26 @@ def q4q8_linear_available() -> bool:
         log.info("q4q8_linear unavailable in this build (%s)", str(exc).splitlines()[0])
         return False
     return True
+
+
+QK_PATH_NAMES = {0: "scalar", 1: "avx2", 2: "avx512"}   # `qk_linear`'s `path` argument
+
+
+@functools.cache
+def qk_paths() -> list[int]:
+    """The code paths of `torch.ops.genserve.qk_linear` (engine/kernels/csrc/qk_linear.cpp) this
+    CPU runs, ascending (0 scalar, 1 AVX2 with FMA and F16C, 2 AVX512-VNNI with BW and VL; each
+    build has all three and picks at run time, so every CPU runs the scalar one and an AVX512-VNNI
+    CPU all three), each checked with a 1-row product over zero Q4_K weights; empty where the
+    kernels did not build."""
+    if not available():
+        return []
+    runs = []
+    for path in QK_PATH_NAMES:
+        try:
+            torch.ops.genserve.qk_linear(torch.zeros(1, 256, dtype=torch.bfloat16),
+                                         [torch.zeros(16, 148, dtype=torch.uint8)], [12], path)
+        except RuntimeError:
+            continue
+        runs.append(path)
+    return runs

@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from engine import kernels
 from engine.model.int8 import Int8Weight, int8_linear
+
+if TYPE_CHECKING:
+    from engine.model.kquant import QKWeight
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +81,10 @@ class PackedWeight:
         q8q8: None, or the weight's Q8_0 blocks in `q8q8_linear`'s layout (uint8, `engine.model.
             quant.q8q8_pack`): then every product runs `torch.ops.genserve.q8q8_linear` (the
             8-bit weights exact, the input rounded as for `q4q8`: ggml's Q8_0 x Q8_0).
+        qk: None, or the weight's Q4_K / Q6_K blocks in `qk_linear`'s layout (`engine.model.
+            kquant.QKWeight`, row segments of one kind each): then every product runs
+            `torch.ops.genserve.qk_linear` (the weights exact, the input rounded to Q8_K, 8 bits
+            per row and block of 256: ggml's Q4_K / Q6_K x Q8_K; rows independent of the batch).
         i8: None, or the weight quantized to int8 per output row (`engine.model.int8`): then
             every product runs `int8_linear` (int8 arithmetic, not the bf16 product's bits).
         f32: None, or the weight as fp32 [out, in] (exact: every bf16 is an fp32), on CPUs whose
@@ -98,6 +106,7 @@ class PackedWeight:
     i8: Int8Weight | None = None
     q4q8: torch.Tensor | None = None
     q8q8: torch.Tensor | None = None
+    qk: QKWeight | None = None
     f32: torch.Tensor | None = None
     call_rows: tuple[int, ...] = ()
     fma: bool = False
@@ -107,9 +116,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
            packed: PackedWeight | None = None) -> torch.Tensor:
     """`x @ weight.T` whose rows do not depend on how many rows there are.
 
-    With `packed` (`pack_weights`) the product reads the packed copy: from its Q4_1 or Q8_0 blocks
-    times 8-bit inputs when it has them (`q4q8_linear`, `q8q8_linear`: llama.cpp's arithmetic,
-    rows independent of the batch); on int8 arithmetic when it has an int8 copy (`engine.model.int8.int8_linear`, rows still independent of the batch, but
+    With `packed` (`pack_weights`) the product reads the packed copy: from its Q4_1, Q8_0, Q4_K or
+    Q6_K blocks times 8-bit inputs when it has them (`q4q8_linear`, `q8q8_linear`, `qk_linear`:
+    llama.cpp's arithmetic, rows independent of the batch); on int8 arithmetic when it has an int8 copy (`engine.model.int8.int8_linear`, rows still independent of the batch, but
     not the bf16 product's bits); from its 8-bit blocks when
     it has them (`q8_amx_linear`, oneDNN's AMX bits); up to `packed.max_rows`
     rows from its 4-bit blocks when it has them (`q4_linear`, engine/kernels/csrc/q4_linear.cpp, the
@@ -138,6 +147,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
         return torch.ops.genserve.q4q8_linear(x.contiguous(), packed.q4q8, weight.shape[0])
     if packed is not None and packed.q8q8 is not None:
         return torch.ops.genserve.q8q8_linear(x.contiguous(), packed.q8q8, weight.shape[0])
+    if packed is not None and packed.qk is not None:
+        return torch.ops.genserve.qk_linear(x.contiguous(), list(packed.qk.blocks),
+                                            list(packed.qk.kinds), -1)
     if packed is not None and packed.i8 is not None:
         return int8_linear(x, packed.i8)
     if packed is not None and packed.q8 is not None:

@@ -34,8 +34,10 @@ products above the row limit and for the checks.
 `torch.ops.genserve.q4q8_linear` (engine/kernels/csrc/q4q8_linear.cpp: the same Q4_1 blocks times
 activations rounded to int8 per block of 32, llama.cpp's arithmetic, on AVX512-VNNI or AVX2),
 which `attach_q4q8` gives the model; it also gives the output projection its Q8_0 blocks for
-`torch.ops.genserve.q8q8_linear` (`q8q8_pack`, the same file: llama.cpp's Q8_0 × Q8_0), so
-`--weights q4q8` is llama.cpp's arithmetic for every product.
+`torch.ops.genserve.q8q8_linear` (`q8q8_pack`, the same file: llama.cpp's Q8_0 × Q8_0), and the
+file's Q4_K / Q6_K matrices (a Q4_K_M file's) to `torch.ops.genserve.qk_linear`
+(`engine.model.kquant`: llama.cpp's Q4_K / Q6_K × Q8_K), so `--weights q4q8` is llama.cpp's
+arithmetic for every product it serves (a matrix of another type keeps its bf16 product).
 """
 
 from __future__ import annotations
@@ -415,42 +417,50 @@ def q8_output_weight(packed: PackedWeight, weight: torch.Tensor, blocks: torch.T
 
 def attach_q4q8(model: Transformer, source: str | pathlib.Path | gguf.GGUFReader | None = None
                 ) -> None:
-    """Serve `model`'s block matrices with `torch.ops.genserve.q4q8_linear` over the GGUF's Q4_1
-    blocks (`PackedWeight.q4q8`): the weights exact, each input rounded to 8 bits per row and
-    block of 32 (ggml's Q4_1 x Q8_1). The C++ decode loop runs them too
-    (`engine.runner.decode_loop.DecodeLoop.from_model` passes the blocks on).
+    """Serve `model`'s matrix products from the GGUF's own blocks, exact, times inputs rounded to
+    8 bits: llama.cpp's arithmetic for the file (`--weights q4q8`).
 
-    Where the file stores the output projection as Q8_0 (the embedded one does), that product runs
-    `q8q8_linear` over those blocks (`PackedWeight.q8q8`): llama.cpp's Q8_0 x Q8_0, so `q4q8` is
-    llama.cpp's arithmetic for every product. It reads half the bytes of the bf16 matrix, which is
-    what a one-row step waits for, and its int8 sums outrun the bf16 product at 32 rows on
-    AVX512-VNNI as on AVX2 (docs/benchmarks/linear.md).
+    Each block matrix whose file tensors are Q4_1 runs `torch.ops.genserve.q4q8_linear` over them
+    (`PackedWeight.q4q8`: each input rounded per row and block of 32, ggml's Q4_1 x Q8_1); one
+    whose tensors are Q4_K or Q6_K (a Q4_K_M file's; a fused matrix may mix the two) runs
+    `torch.ops.genserve.qk_linear` (`PackedWeight.qk`: each input rounded per row and block of
+    256, ggml's Q4_K / Q6_K x Q8_K, `engine.model.kquant`); any other type keeps its bf16 product
+    (`engine.model.kquant.attach_gguf_blocks` decides and logs which). Where the file stores the
+    output projection as Q8_0 (the embedded one does), that product runs `q8q8_linear` over those
+    blocks (`PackedWeight.q8q8`: llama.cpp's Q8_0 x Q8_0); as Q4_K or Q6_K, `qk_linear`. The C++
+    decode loop runs these products too where every block matrix has one
+    (`engine.runner.decode_loop.DecodeLoop.from_model` passes the blocks on). It reads about a
+    quarter of the bf16 matrix's bytes, which is what a one-row step waits for, and its int8 sums
+    outrun the bf16 product at 32 rows on AVX512-VNNI as on AVX2 (docs/benchmarks/linear.md,
+    docs/benchmarks/kquant.md).
 
     Args:
         model: a bf16 CPU model built from `source` (packed or not).
         source: the `.gguf` file, a reader, or None for the embedded model.
     Raises:
-        ValueError: the model is not bf16 on the CPU, the op cannot run here (neither
-            AVX512-VNNI nor AVX2),
-            or a block matrix of the file is not Q4_1 or has another row count.
+        ValueError: the model is not bf16 on the CPU, genserve's kernels are not built, the file
+            has Q4_1 matrices and `q4q8_linear` cannot run here (neither AVX512-VNNI nor AVX2),
+            no block matrix of the file is Q4_1, Q4_K or Q6_K (with K a multiple of 256), or a
+            block matrix of the file has another row count than the model's.
     """
+    from engine.model.kquant import attach_gguf_blocks
+    from engine.model.weights import open_gguf
+
     if model.dtype != torch.bfloat16 or model.output.device.type != "cpu":
         raise ValueError(f"weights 'q4q8' needs a bfloat16 model on the CPU, got {model.dtype} on "
                          f"{model.output.device.type}")
-    if not kernels.q4q8_linear_available():
-        raise ValueError("weights 'q4q8' needs genserve's q4q8_linear kernel (AVX512-VNNI or AVX2, and g++)")
-    for module, name, blocks in q4_1_block_matrices(model, source, "q4q8"):
-        packed = getattr(module, name + "_packed") or PackedWeight(getattr(module, name), 0)
-        setattr(module, name + "_packed", dataclasses.replace(packed, q4q8=q4q8_pack(blocks)))
-    output = load_gguf_output_q8_0(source)
-    if output is not None and output.shape[0] % Q4Q8_PANEL_N == 0:
-        packed = model.output_packed or PackedWeight(model.output, 0)
-        model.output_packed = dataclasses.replace(packed, q8q8=q8q8_pack(output))
-    log.info("weights q4q8: every block matrix as the GGUF's Q4_1 blocks times 8-bit inputs "
-             "(Q4_1 x Q8_1); output projection %s",
-             "as its Q8_0 blocks times 8-bit inputs (Q8_0 x Q8_0)"
-             if model.output_packed is not None and model.output_packed.q8q8 is not None
-             else "unchanged")
+    if not kernels.available():
+        raise ValueError("weights 'q4q8' needs genserve's kernels (g++)")
+    import gguf
+
+    reader = source if isinstance(source, gguf.GGUFReader) else open_gguf(source)
+    try:
+        counts = attach_gguf_blocks(model, reader)
+    except ValueError as exc:
+        raise ValueError(f"weights 'q4q8': {exc}") from None
+    if not counts["q4q8"] and not counts["qk"]:
+        raise ValueError("weights 'q4q8': no block matrix of the file is Q4_1, or Q4_K / Q6_K "
+                         "with an input size that is a multiple of 256")
 
 
 def describe(packed: PackedWeight) -> str:

@@ -131,12 +131,17 @@ def load_weights(source: ModelSource, dtype: torch.dtype, device: torch.device
 def auto_weights(network: Transformer, source: ModelSource) -> tuple[str, str]:
     """What `EngineConfig.weights` "auto" serves `network` with, and why (for the log).
 
-    "q4q8" (llama.cpp's Q4_1 x Q8_1 arithmetic) where the CPU has AVX512-VNNI and no AMX, or
-    AVX2 alone: there it prefills and runs 32-row steps faster than "q4" at +0.09 % perplexity
-    against the exact bf16 products, within llama.cpp's own +0.11 % for this file
-    (docs/benchmarks/int8.md). "q4" (the GGUF's 4-bit blocks with the bf16 products' bits) where
-    AMX is usable: there `q4_amx_linear` is the faster of the two, and exact. "bf16" for a model
-    that is not a GGUF, not bf16 on a CPU, or where neither kernel runs.
+    "q4q8" (the GGUF's own blocks exact times 8-bit inputs: llama.cpp's Q4_1 x Q8_1 and
+    Q4_K / Q6_K x Q8_K arithmetic) where the CPU has AVX512-VNNI and no AMX, or AVX2 alone: there
+    it prefills and runs 32-row steps faster than "q4" at +0.09 % perplexity against the exact
+    bf16 products, within llama.cpp's own +0.11 % for the embedded Q4_1 file
+    (docs/benchmarks/int8.md), and a Q4_K_M file's products (Llama 3.2 1B's block matrices) ran
+    2.84x faster than bf16 at one row and 1.61x at 32 on one Zen 4 thread
+    (docs/benchmarks/kquant.md). "q4" (the GGUF's 4-bit blocks
+    with the bf16 products' bits) where AMX is usable: there `q4_amx_linear` is the faster of the
+    two, and exact; it takes Q4_1 files only, so a K-quant file stays "bf16" there (not measured
+    on AMX: `--weights q4q8` serves it). "bf16" for a model that is not a GGUF, not bf16 on a
+    CPU, or where neither kernel runs.
 
     Returns:
         (weights, reason): weights one of "q4q8", "q4", "bf16"; reason in words.
@@ -148,7 +153,8 @@ def auto_weights(network: Transformer, source: ModelSource) -> tuple[str, str]:
     if kernels.q4_amx_available():
         return "q4", "AMX: q4_amx_linear, the bf16 products' bits"
     if kernels.q4q8_linear_available():
-        return "q4q8", "AVX512-VNNI or AVX2 without AMX: Q4_1 x Q8_1, llama.cpp's arithmetic"
+        return "q4q8", ("AVX512-VNNI or AVX2 without AMX: the GGUF's Q4_1 / Q4_K / Q6_K blocks "
+                        "times 8-bit inputs, llama.cpp's arithmetic")
     if kernels.q4_linear_available():
         return "q4", "AVX512-BF16: q4_linear, the bf16 products' bits"
     return "bf16", "no 4-bit kernel in this build"
@@ -159,10 +165,10 @@ def attach_weights(weights: str, network: Transformer, source: ModelSource,
     """Serve `network`'s block matrices as `weights` asks (`EngineConfig.weights`): "q4" from the
     GGUF's 4-bit blocks (`engine.model.quant.attach_q4`), "int8" on int8 arithmetic
     (`engine.model.int8_weights.attach_int8`, its outlier channels chosen on the fixed text of
-    `engine.runner.int8_calibration` with `tokenizer`, none without), "q4q8" on the GGUF's Q4_1
-    blocks times 8-bit inputs (`engine.model.quant.attach_q4q8`), "bf16" as loaded, "auto" as
-    `auto_weights` chooses (falling back to "bf16" if the file's matrices are not Q4_1); the
-    choice is logged.
+    `engine.runner.int8_calibration` with `tokenizer`, none without), "q4q8" on the GGUF's Q4_1,
+    Q4_K and Q6_K blocks times 8-bit inputs (`engine.model.quant.attach_q4q8`; matrices of other
+    types keep bf16), "bf16" as loaded, "auto" as `auto_weights` chooses (falling back to "bf16"
+    where the chosen weights cannot serve the file); the choice is logged.
 
     Raises:
         ValueError: "q4", "int8" or "q4q8" where it cannot run (the reason is in the message).
@@ -177,7 +183,8 @@ def attach_weights(weights: str, network: Transformer, source: ModelSource,
         attach_int8(network, None if tokenizer is None else int8_calibration(network, tokenizer))
         return
     if source.kind not in ("embedded", "gguf"):
-        raise ValueError(f"--weights {weights} needs a GGUF model with Q4_1 matrices; "
+        raise ValueError(f"--weights {weights} needs a GGUF model with "
+                         f"{'Q4_1, Q4_K or Q6_K' if weights == 'q4q8' else 'Q4_1'} matrices; "
                          f"--model is {source.kind}")
     try:
         if weights == "q4q8":

@@ -38,8 +38,13 @@ class DecodeLoop:
         i8: empty, or every block matrix's int8 copy (`PackedWeight.i8`: q, scale, outliers,
             outlier_q), in the same order: then every product runs `int8_linear`.
         q4q8: empty, or every block matrix's Q4_1 blocks in `q4q8_linear`'s layout
-            (`PackedWeight.q4q8`, `engine.model.quant.attach_q4q8`), in the same order: then
-            every product runs `q4q8_linear` (llama.cpp's Q4_1 x Q8_1 arithmetic).
+            (`PackedWeight.q4q8`, `engine.model.quant.attach_q4q8`), in the same order, an empty
+            tensor for a matrix without: then those products run `q4q8_linear` (llama.cpp's
+            Q4_1 x Q8_1 arithmetic).
+        qk, qk_kinds, qk_counts: empty, or every block matrix's Q4_K / Q6_K row segments in
+            `qk_linear`'s layout (`PackedWeight.qk`, `engine.model.kquant.QKWeight`) one after
+            another in the same order, each segment's kind, and per matrix its segment count (0:
+            none): then those products run `qk_linear` (llama.cpp's Q4_K / Q6_K x Q8_K).
     """
 
     wqkv: list[torch.Tensor]
@@ -57,6 +62,9 @@ class DecodeLoop:
     q4: list[torch.Tensor] = dataclasses.field(default_factory=list)
     i8: list[torch.Tensor] = dataclasses.field(default_factory=list)
     q4q8: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    qk: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    qk_kinds: list[int] = dataclasses.field(default_factory=list)
+    qk_counts: list[int] = dataclasses.field(default_factory=list)
 
     @classmethod
     def from_model(cls, model: Transformer) -> DecodeLoop | None:
@@ -64,8 +72,9 @@ class DecodeLoop:
         every block matrix packed, with no oneDNN calls of fixed size and no fp32 copies (which
         the C++ loop does not run) unless its 4-bit blocks run every product (`fma_linear`'s
         panels it runs: the C++ `linear` tells them by their 3 dimensions), with int8 copies
-        (`engine.model.int8`, row scales) on every block matrix or none, and with Q4_1 blocks
-        for `q4q8_linear` (`attach_q4q8`) on every block matrix or none."""
+        (`engine.model.int8`, row scales) on every block matrix or none, and with the GGUF's
+        blocks for `q4q8_linear` (Q4_1) or `qk_linear` (Q4_K / Q6_K; `attach_q4q8`) on every
+        block matrix or none."""
         if not model.args.plain_llama:
             return None             # the C++ loop is the plain Llama block only
         layers = model.layers
@@ -73,12 +82,20 @@ class DecodeLoop:
                   [layer.attention.wo_packed for layer in layers],
                   [layer.feed_forward.w13_packed for layer in layers],
                   [layer.feed_forward.w2_packed for layer in layers]]
-        with_q4q8 = [w is not None and w.q4q8 is not None for ws in packed for w in ws]
-        if any(with_q4q8):
-            if not all(with_q4q8):
-                return None         # the C++ loop takes Q4_1 x Q8_1 products for every matrix or none
-            return cls.from_weights(model, packed, k_chunks=[0, 0, 0, 0], max_rows=0,
-                                    q4q8=[ws[i].q4q8 for i in range(len(layers)) for ws in packed])
+        order = [ws[i] for i in range(len(layers)) for ws in packed]      # wqkv, wo, w13, w2 per layer
+        with_q4q8 = [w is not None and w.q4q8 is not None for w in order]
+        with_qk = [w is not None and w.qk is not None for w in order]
+        if any(with_q4q8) or any(with_qk):
+            if not all(a or b for a, b in zip(with_q4q8, with_qk)):
+                return None         # the C++ loop takes the GGUF's blocks for every matrix or none
+            none = torch.empty(0, dtype=torch.uint8)
+            return cls.from_weights(
+                model, packed, k_chunks=[0, 0, 0, 0], max_rows=0,
+                q4q8=[w.q4q8 if w.q4q8 is not None else none for w in order] if any(with_q4q8) else [],
+                qk=[b for w in order if w.qk is not None for b in w.qk.blocks],
+                qk_kinds=[k for w in order if w.qk is not None for k in w.qk.kinds],
+                qk_counts=[len(w.qk.blocks) if w.qk is not None else 0 for w in order]
+                if any(with_qk) else [])
         with_i8 = [w is not None and w.i8 is not None for ws in packed for w in ws]
         if any(with_i8):
             if not all(with_i8) or any(w.i8.block for ws in packed for w in ws):
@@ -129,4 +146,4 @@ class DecodeLoop:
             h, x, self.wqkv, self.wo, self.w13, self.w2, self.ffn_norm, self.next_norm, self.eps,
             model.rope, positions, kv_layers, meta.slots, meta.decode_blocks.view(meta.num_decode, -1),
             meta.decode_lens, self.n_heads, self.n_kv_heads, self.scale, self.k_chunks,
-            self.max_rows, self.q4, self.i8, self.q4q8)
+            self.max_rows, self.q4, self.i8, self.q4q8, self.qk, self.qk_kinds, self.qk_counts)

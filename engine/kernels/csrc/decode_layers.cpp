@@ -1,7 +1,8 @@
 // Every block of a pure-decode step in one call: the same ops, in the same order, on the same
 // tensors as `Transformer.forward`'s Python loop with `KernelLayerOps` — the packed matrix
-// products as `linear.linear` runs them (`q4q8_linear` on every product where the model was
-// loaded with its Q4_1 blocks for llama.cpp's arithmetic, `fma_linear` on every product where
+// products as `linear.linear` runs them (`q4q8_linear` on the products whose matrix the model
+// took as its Q4_1 blocks for llama.cpp's arithmetic, `qk_linear` on those it took as Q4_K / Q6_K
+// blocks, `fma_linear` on every product where
 // the weights are in its panels (CPUs without bf16 arithmetic), genserve's `q4_linear` over the 4-bit blocks up to
 // `max_rows` rows where the model was loaded with them, `int8_linear` on every product where it
 // runs on int8 arithmetic, else `packed_linear` up to `max_rows`
@@ -18,6 +19,8 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <vector>
+
 #include "genserve_ops.h"
 
 namespace {
@@ -26,12 +29,16 @@ namespace {
 // k chunk is `k_chunk` (0: none), whose 4-bit blocks are `q4` (undefined: none; with k
 // chunk 0, the AMX kernel's products) and whose int8 copy is `i8` (null: none; else its q,
 // scale, outliers and outlier_q, `engine.model.int8.Int8Weight`, which then run every product)
-// and whose Q4_1 blocks in `q4q8_linear`'s layout are `q4q8` (undefined: none; else they run
-// every product). A 3-D `packed` is `fma_linear`'s bf16 panels, which run every other product.
+// and whose Q4_1 blocks in `q4q8_linear`'s layout are `q4q8` (undefined or empty: none; else
+// they run every product), whose Q4_K / Q6_K row segments in `qk_linear`'s layout are `qk` with
+// kinds `qk_kinds` (empty: none; else they run every product). A 3-D `packed` is `fma_linear`'s
+// bf16 panels, which run every other product.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& q4,
                   int64_t k_chunk, int64_t max_rows, const at::Tensor* i8,
-                  const at::Tensor& q4q8) {
-  if (q4q8.defined()) return genserve::q4q8_linear(x.contiguous(), q4q8, q4q8.size(0));
+                  const at::Tensor& q4q8, at::TensorList qk, at::IntArrayRef qk_kinds) {
+  if (q4q8.defined() && q4q8.numel() > 0)
+    return genserve::q4q8_linear(x.contiguous(), q4q8, q4q8.size(0));
+  if (!qk.empty()) return genserve::qk_linear(x.contiguous(), qk, qk_kinds, -1);
   if (i8 != nullptr) return genserve::int8_linear(x.contiguous(), i8[0], i8[1], i8[2], i8[3]);
 #ifdef GENSERVE_FMA_LINEAR
   if (packed.dim() == 3) return genserve::fma_linear(x, packed);   // `panel_pack`'s panels
@@ -67,7 +74,9 @@ at::Tensor decode_layers(at::Tensor h, at::Tensor x, at::TensorList wqkv, at::Te
                          const at::Tensor& slots, const at::Tensor& tables,
                          const at::Tensor& lens, int64_t n_heads, int64_t n_kv_heads,
                          double scale, at::IntArrayRef k_chunks, int64_t max_rows,
-                         at::TensorList q4, at::TensorList i8, at::TensorList q4q8) {
+                         at::TensorList q4, at::TensorList i8, at::TensorList q4q8,
+                         at::TensorList qk, at::IntArrayRef qk_kinds,
+                         at::IntArrayRef qk_counts) {
   const size_t layers = wqkv.size();
   TORCH_CHECK(wo.size() == layers && w13.size() == layers && w2.size() == layers &&
                   ffn_norm.size() == layers && next_norm.size() == layers &&
@@ -80,10 +89,28 @@ at::Tensor decode_layers(at::Tensor h, at::Tensor x, at::TensorList wqkv, at::Te
   TORCH_CHECK(i8.empty() || i8.size() == 16 * layers,
               "i8: none, or q, scale, outliers, outlier_q of wqkv, wo, w13, w2 of every layer");
   TORCH_CHECK(q4q8.empty() || q4q8.size() == 4 * layers,
-              "q4q8: none, or the Q4_1 blocks of wqkv, wo, w13, w2 of every layer in turn");
+              "q4q8: none, or the Q4_1 blocks (empty: none) of wqkv, wo, w13, w2 of every layer in turn");
+  TORCH_CHECK(qk_counts.empty() || qk_counts.size() == 4 * layers,
+              "qk_counts: none, or the Q4_K / Q6_K segment count of wqkv, wo, w13, w2 of every layer");
+  TORCH_CHECK(qk.size() == qk_kinds.size(), "qk: one kind per segment");
+  // Where matrix `m` (4 i + kind) starts in `qk`.
+  std::vector<size_t> qk_first(qk_counts.size() + 1, 0);
+  for (size_t m = 0; m < qk_counts.size(); ++m) qk_first[m + 1] = qk_first[m] + qk_counts[m];
+  TORCH_CHECK(qk_first.back() == qk.size(), "qk: the segments qk_counts counts");
   // The Q4_1 blocks for `q4q8_linear` of kind `kind` of layer `i`, or an undefined tensor.
   const auto q4_1 = [&](size_t i, size_t kind) {
     return q4q8.empty() ? at::Tensor() : q4q8[4 * i + kind];
+  };
+  // The Q4_K / Q6_K segments (and their kinds) of kind `kind` of layer `i`; empty: none.
+  const auto k_segments = [&](size_t i, size_t kind) {
+    const size_t m = 4 * i + kind;
+    if (qk_counts.empty()) return at::TensorList();
+    return qk.slice(qk_first[m], qk_first[m + 1] - qk_first[m]);
+  };
+  const auto k_kinds = [&](size_t i, size_t kind) {
+    const size_t m = 4 * i + kind;
+    if (qk_counts.empty()) return at::IntArrayRef();
+    return qk_kinds.slice(qk_first[m], qk_first[m + 1] - qk_first[m]);
   };
   // The 4-bit blocks of kind `kind` of layer `i`, or an undefined tensor.
   const auto blocks = [&](size_t i, size_t kind) {
@@ -96,17 +123,21 @@ at::Tensor decode_layers(at::Tensor h, at::Tensor x, at::TensorList wqkv, at::Te
   const int64_t rows = h.size(0);
   for (size_t i = 0; i < layers; ++i) {
     const at::Tensor qkv =
-        linear(x, wqkv[i], blocks(i, 0), k_chunks[0], max_rows, int8(i, 0), q4_1(i, 0));
+        linear(x, wqkv[i], blocks(i, 0), k_chunks[0], max_rows, int8(i, 0), q4_1(i, 0),
+               k_segments(i, 0), k_kinds(i, 0));
     const at::Tensor q = genserve::rope_store_kv(qkv, rope, positions, caches[i], slots, n_heads,
                                                  n_kv_heads);
     const at::Tensor o = genserve::paged_decode(q, caches[i][0], caches[i][1], tables, lens, scale);
     const at::Tensor attn_out = linear(o.reshape({rows, -1}), wo[i], blocks(i, 1), k_chunks[1],
-                                       max_rows, int8(i, 1), q4_1(i, 1));
+                                       max_rows, int8(i, 1), q4_1(i, 1), k_segments(i, 1),
+                                       k_kinds(i, 1));
     x = genserve::add_rms_norm_(h, attn_out, ffn_norm[i], eps);
     const at::Tensor act = genserve::silu_mul(
-        linear(x, w13[i], blocks(i, 2), k_chunks[2], max_rows, int8(i, 2), q4_1(i, 2)));
+        linear(x, w13[i], blocks(i, 2), k_chunks[2], max_rows, int8(i, 2), q4_1(i, 2),
+               k_segments(i, 2), k_kinds(i, 2)));
     const at::Tensor ffn_out =
-        linear(act, w2[i], blocks(i, 3), k_chunks[3], max_rows, int8(i, 3), q4_1(i, 3));
+        linear(act, w2[i], blocks(i, 3), k_chunks[3], max_rows, int8(i, 3), q4_1(i, 3),
+               k_segments(i, 3), k_kinds(i, 3));
     x = genserve::add_rms_norm_(h, ffn_out, next_norm[i], eps);
   }
   return x;
@@ -119,7 +150,8 @@ TORCH_LIBRARY_FRAGMENT(genserve, m) {
         "Tensor[] w2, Tensor[] ffn_norm, Tensor[] next_norm, float eps, Tensor rope, "
         "Tensor positions, Tensor[] caches, Tensor slots, Tensor tables, Tensor lens, "
         "int n_heads, int n_kv_heads, float scale, int[] k_chunks, int max_rows, "
-        "Tensor[] q4, Tensor[] i8, Tensor[] q4q8) -> Tensor");
+        "Tensor[] q4, Tensor[] i8, Tensor[] q4q8, Tensor[] qk, int[] qk_kinds, "
+        "int[] qk_counts) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(genserve, CPU, m) { m.impl("decode_layers", &decode_layers); }

@@ -26,6 +26,10 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
                        const at::Tensor& outliers, const at::Tensor& outlier_q);
 // Always defined; raises where the build does not target AVX512-VNNI (q4q8_linear.cpp).
 at::Tensor q4q8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n);
+// x [M, K] bf16 or fp32 @ W^T, W in Q4_K / Q6_K row segments (qk_linear.cpp); every build, every
+// CPU (the path is chosen at run time; -1: the best this CPU runs).
+at::Tensor qk_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRef kinds,
+                     int64_t path);
 
 #if defined(__AVX2__) && defined(__FMA__)
 #define GENSERVE_FMA_LINEAR 1
