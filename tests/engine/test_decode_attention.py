@@ -21,7 +21,7 @@ def _kernels_built():
         pytest.skip("genserve's CPU kernels did not build here (g++/ninja missing?)")
 
 
-@pytest.fixture(params=["default", "vdpbf16ps", "avx2"])
+@pytest.fixture(params=["default", "vdpbf16ps", pytest.param("avx2", marks=pytest.mark.slow)])
 def decode(request, monkeypatch) -> Callable:
     """paged_decode(q, k_pool, v_pool, tables, lens) at scale 1/√64, by each way it runs: this
     host's build (AMX scores where this CPU and OS have them, else the same as the next),

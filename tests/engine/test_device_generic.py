@@ -23,6 +23,8 @@ from tests.engine.attention_oracle import step_metadata
 from tests.engine.conftest import generate, new_request
 from tests.engine.test_model import PARAGRAPH
 
+pytestmark = pytest.mark.slow
+
 NO_CUDA = "needs a CUDA device (none here): {}"
 
 

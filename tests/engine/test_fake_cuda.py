@@ -32,6 +32,8 @@ from engine.runner.inputs import StepInputs
 from engine.runner.model_runner import ModelRunner
 from tests.engine.fake_cuda import FakeCuda, Transfer, default_reply, install_cuda_guard
 
+pytestmark = pytest.mark.slow
+
 MODEL = "random:llama-2-7b"
 BLOCK = 16
 

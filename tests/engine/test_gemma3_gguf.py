@@ -20,6 +20,8 @@ from engine.runner.builder import engine_from_weights
 from tests.engine.test_model_families import check_logprobs_close, run
 from tests.gguf_assets import gemma3_270m_gguf, gemma3_270m_transformers
 
+pytestmark = pytest.mark.slow
+
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):\n    ",

@@ -235,11 +235,13 @@ def check_same_as_transformers(ours: Tokenizer, theirs, texts: list[str]) -> Non
 # --- Gemma 3 ------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("text", TEXTS + GEMMA_SPECIAL_TEXTS)
 def test_gemma3_ids_and_decoding_equal_transformers(gemma, text):
     check_same_as_transformers(*gemma, [text])
 
 
+@pytest.mark.slow
 def test_gemma3_metadata_and_token_bytes(gemma):
     tok, theirs = gemma
     assert tok.vocab_size == len(tok) == 262144
@@ -257,6 +259,7 @@ def test_gemma3_metadata_and_token_bytes(gemma):
     assert tok.chat_template is None and theirs.chat_template is None  # this file carries none
 
 
+@pytest.mark.slow
 def test_gemma3_round_trips(gemma):
     """Without a prefix space, every text comes back from its ids, and from its tokens' bytes.
     (Not a text with "▁" in it: SentencePiece reads that as a space, transformers too.)"""
@@ -273,6 +276,7 @@ def test_gemma3_round_trips(gemma):
         assert b"".join(tok.token_bytes(i) for i in ids[1:]).decode("utf-8") == text
 
 
+@pytest.mark.slow
 def test_gemma3_merges_are_transformers_generate_merges(gemma_reader):
     """No merges in the file: derived from the vocabulary, ranked by file position, exactly as
     transformers' generate_merges (and fast: ~1-2 s for 514,906 merges)."""

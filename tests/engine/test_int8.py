@@ -155,6 +155,7 @@ def test_calibration_text_is_fixed_and_apart_from_the_start_of_the_topics(gguf_t
     assert len(gguf_tokenizer.encode_text(topics_text())) > 20 * CALIBRATION_TOKENS
 
 
+@pytest.mark.slow
 def test_calibration_chooses_the_same_outliers_every_time(int8_model, gguf_weights,
                                                           gguf_tokenizer):
     args, state = gguf_weights

@@ -165,6 +165,7 @@ def int8_engine(gguf_weights):
     return engine_from_weights(EngineConfig(num_blocks=1024, kv_cache_dtype="int8"), args, state)
 
 
+@pytest.mark.slow
 def test_int8_engine_tokens_are_identical_alone_and_in_a_batch(int8_engine, gguf_tokenizer):
     assert int8_engine.executor.kv.layers[0].dtype == torch.int8
     prompts = mixed_prompts(gguf_tokenizer)
@@ -173,6 +174,7 @@ def test_int8_engine_tokens_are_identical_alone_and_in_a_batch(int8_engine, gguf
     assert together == alone
 
 
+@pytest.mark.slow
 def test_int8_cache_keeps_the_bf16_cache_next_token_and_logits_close(int8_engine, bf16_engine,
                                                                      gguf_tokenizer):
     """Parity with the bf16 cache, teacher-forced: both engines read the same token sequence
@@ -205,6 +207,7 @@ def test_int8_cache_keeps_the_bf16_cache_next_token_and_logits_close(int8_engine
     assert worst < 0.25
 
 
+@pytest.mark.slow
 def test_int8_preempted_requests_produce_the_tokens_of_an_unpreempted_run(gguf_weights, gguf_tokenizer,
                                                                           int8_engine):
     check_preemption_keeps_tokens(int8_engine, gguf_weights, mixed_prompts(gguf_tokenizer)[:6],

@@ -25,6 +25,7 @@ def mixed_prompts(tokenizer) -> list[list[int]]:
     return prompts
 
 
+@pytest.mark.slow
 def test_logits_and_greedy_tokens_match_transformers(fp32_engine, hf_reference_model, gguf_tokenizer,
                                                      kernels):
     hf, _ = hf_reference_model
@@ -51,6 +52,7 @@ def test_logits_and_greedy_tokens_match_transformers(fp32_engine, hf_reference_m
     assert ours_tokens == ref_tokens
 
 
+@pytest.mark.slow
 def test_greedy_tokens_identical_alone_and_in_a_batch(bf16_engine, gguf_tokenizer):
     prompts = mixed_prompts(gguf_tokenizer)
     alone = [generate(bf16_engine, [p], 24, temperature=0.0, ignore_eos=True)[0] for p in prompts]
@@ -59,6 +61,7 @@ def test_greedy_tokens_identical_alone_and_in_a_batch(bf16_engine, gguf_tokenize
     assert all(len(t) == 24 for t in alone) and len({tuple(t) for t in alone}) >= 6
 
 
+@pytest.mark.slow
 def test_seeded_sampling_repeats_alone_and_in_batch_and_seeds_differ(bf16_engine, gguf_tokenizer):
     prompts = mixed_prompts(gguf_tokenizer)
     settings = dict(temperature=0.9, top_k=50, top_p=0.95, ignore_eos=True)
@@ -96,6 +99,7 @@ def test_blocks_return_to_the_pool_after_mixed_run_with_cancels(bf16_engine, ggu
     assert len(finals) == len(reqs)
 
 
+@pytest.mark.slow
 def test_preempted_requests_produce_the_tokens_of_an_unpreempted_run(gguf_weights, gguf_tokenizer, bf16_engine):
     check_preemption_keeps_tokens(bf16_engine, gguf_weights, mixed_prompts(gguf_tokenizer)[:6])
 

@@ -93,6 +93,7 @@ def test_off_means_no_reuse():
     assert engine.stats().prefix_queried_tokens == 0
 
 
+@pytest.mark.slow
 def test_cached_tokens_are_bit_identical_to_computed_ones(gguf_weights, gguf_tokenizer):
     """Greedy and seeded samples of prompts that share a long prefix: with the cache (the second
     and later requests take the prefix) equal to a cache-less engine computing every token."""

@@ -300,6 +300,7 @@ def test_config_and_builder_reject_q4_where_it_cannot_run():
                      calibrate=False)
 
 
+@pytest.mark.slow
 def test_auto_serves_the_4_bit_blocks_where_they_can_run_and_bf16_elsewhere(q4_model):
     def matrices(loaded, kind: str) -> int:
         """Block matrices whose `PackedWeight` has `kind` ("q4" or "q4q8") blocks."""

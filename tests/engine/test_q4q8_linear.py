@@ -180,6 +180,7 @@ def test_real_first_layer_blocks(gguf_reader):
             assert_close_to_reference(torch.ops.genserve.q4q8_linear(x, packed, n), x, w)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_avx2_build_gives_the_avx512_builds_bits(avx2_products, n, k):
     """Both builds run the same operations in the same order (the file's header), so the AVX2

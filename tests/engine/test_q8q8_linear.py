@@ -110,6 +110,7 @@ def test_bad_shapes_raise():
     assert op(torch.zeros(0, 64, dtype=torch.bfloat16), packed, 64).shape == (0, 64)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n,k", [(1536, 576), (576, 1536)])
 def test_avx2_build_gives_the_avx512_builds_bits(avx2_products, n, k):
     """The AVX2 kernel (|q| unsigned, xq with q's sign; vpmaddubsw / vpmaddwd) and the AVX512 one
@@ -133,6 +134,7 @@ def test_real_output_blocks(gguf_reader):
         assert_close_to_reference(torch.ops.genserve.q8q8_linear(x, q8q8_pack(part), 2048), x, part)
 
 
+@pytest.mark.slow
 def test_q4q8_takes_the_q8_0_output(gguf_weights):
     # attach_q4q8 gives the output projection its Q8_0 blocks on every host whose kernels have the
     # op (AVX512-VNNI or AVX2), and the logits follow them

@@ -18,6 +18,7 @@ def repeats(tokens: list[int]) -> int:
     return len(tokens) - len(set(tokens))
 
 
+@pytest.mark.slow
 def test_presence_and_frequency_penalties_cut_repetition_and_zero_is_the_baseline(bf16_engine,
                                                                                   gguf_tokenizer):
     prompt = gguf_tokenizer.encode(REPETITIVE)
@@ -96,6 +97,7 @@ MIXED = [dict(temperature=0.0), dict(temperature=0.0, presence_penalty=1.5),
          dict(temperature=0.8, seed=14, top_p=0.9)]
 
 
+@pytest.mark.slow
 def test_a_batch_of_32_with_mixed_controls_gives_each_row_its_tokens_alone(bf16_engine,
                                                                             gguf_tokenizer):
     prompts = mixed_prompts(gguf_tokenizer)[:6]
@@ -114,6 +116,7 @@ def test_a_batch_of_32_with_mixed_controls_gives_each_row_its_tokens_alone(bf16_
     assert len({tuple(r.generated) for r in reqs}) >= 8
 
 
+@pytest.mark.slow
 def test_penalized_rows_keep_their_tokens_through_preemption(bf16_engine, gguf_weights, gguf_tokenizer):
     settings = [dict(temperature=0.0, presence_penalty=1.0, frequency_penalty=0.5),
                 dict(temperature=0.8, seed=5, repetition_penalty=1.2, logit_bias=((13, 2.0),)),

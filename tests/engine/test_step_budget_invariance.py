@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
+
 from engine.config import EngineConfig
 from engine.runner.builder import engine_from_weights
 from tests.engine.conftest import generate
 from tests.engine.test_model import mixed_prompts
 
 
+@pytest.mark.slow
 def test_greedy_tokens_under_time_sized_steps_equal_each_prompt_alone(gguf_weights, bf16_engine, gguf_tokenizer):
     args, state = gguf_weights
     # A 64-token cap and 40 ms / 60 ms targets with the design's cost model: a step with 8

@@ -81,6 +81,7 @@ def _constrained(prompt, grammar, max_tokens=80, **sampling):
     return req
 
 
+@pytest.mark.slow
 def test_constrained_rows_are_valid_and_batch_invariant_beside_31_others(bf16_engine, compiler, prompt,
                                                                          gguf_tokenizer):
     grammar = compiler.compile(ConstraintSpec.json_schema(PERSON))
