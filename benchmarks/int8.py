@@ -12,7 +12,7 @@ Engines over the embedded SmolLM2-135M, from one load of the GGUF:
 * ``bf16``: `EngineConfig.weights` "bf16" (the exact products);
 * ``q4``: "q4", the default where it runs: the bf16 products' bits from the 4-bit blocks;
 * ``int8``: "int8" (`engine.model.int8`);
-* ``q4q8``: "q4q8" (`engine.model.quant.attach_q4q8`: the Q4_1 blocks exact times inputs rounded
+* ``q4q8``: "q4q8" (`engine.model.gguf_blocks.attach_q4q8`: the Q4_1 blocks exact times inputs rounded
   to 8 bits per row and block of 32, the output projection's Q8_0 blocks times the same 8-bit
   inputs; its decode steps run the Python block loop);
 * ``q4q8-exact-output``: the same with the output projection on its bf16 product, so the two
@@ -68,7 +68,8 @@ from engine.core.engine import Engine
 from engine.core.request import Request, SamplingParams
 from engine.model.int8_weights import attach_int8
 from engine.model.transformer import Transformer
-from engine.model.quant import attach_q4, attach_q4q8
+from engine.model.gguf_blocks import attach_q4q8
+from engine.model.quant import attach_q4
 from engine.model.weights import load_gguf, open_gguf
 from engine.runner.builder import engine_from_model, int8_calibration, model_from_weights, set_threads
 from engine.runner.int8_calibration import topics_text

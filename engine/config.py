@@ -94,7 +94,7 @@ class EngineConfig:
             "int8": every block matrix's product on int8 arithmetic with per-row scales
             (`engine.model.int8`; CPU only): faster prefill, not the bf16 products' bits;
             "q4q8": the GGUF's own blocks exact, each input rounded to 8 bits: llama.cpp's
-            arithmetic for the file, product by product (`engine.model.quant.attach_q4q8`; CPUs
+            arithmetic for the file, product by product (`engine.model.gguf_blocks.attach_q4q8`; CPUs
             with AVX512-VNNI or AVX2): Q4_1 matrices times inputs rounded per row and block of
             32 (Q4_1 x Q8_1, `q4q8_linear`), Q4_K and Q6_K matrices (a Q4_K_M file's) times
             inputs rounded per row and block of 256 (Q4_K / Q6_K x Q8_K, `qk_linear`,

@@ -30,7 +30,7 @@
   vpmaddwd, the same bits): llama.cpp's arithmetic, not the bf16 engine's bits;
   `torch.ops.genserve.q4q8_linear` — the op always exists but raises where the build targets
   neither; `q4q8_linear_available()` says whether it runs. `--weights q4q8`
-  (`engine.model.quant.attach_q4q8`) runs every block matrix on it. The same file's
+  (`engine.model.gguf_blocks.attach_q4q8`) runs every block matrix on it. The same file's
   `torch.ops.genserve.q8q8_linear` takes Q8_0 weights (`engine.model.quant.q8q8_pack`) times the
   same 8-bit rows: llama.cpp's Q8_0 x Q8_0, for the output projection under `--weights q4q8`.
 * `engine/kernels/csrc/qk_linear.cpp`: x @ Wᵀ from W's Q4_K and Q6_K blocks (a Q4_K_M GGUF's
@@ -41,7 +41,7 @@
   three paths (AVX512-VNNI, AVX2, scalar; each compiled with its own target attribute), the best
   one this CPU runs picked at run time (`qk_paths()`; the op's `path` argument or
   GENSERVE_QK_PATH forces one), all with the same bits. `--weights q4q8`
-  (`engine.model.quant.attach_q4q8`) runs the GGUF's Q4_K / Q6_K matrices on it.
+  (`engine.model.gguf_blocks.attach_q4q8`) runs the GGUF's Q4_K / Q6_K matrices on it.
 * `engine/kernels/csrc/fma_linear.cpp`: x @ Wᵀ with the bf16 weights in 16-column panels widened to
   fp32 in registers, one fp32 FMA chain over k per output (`torch.ops.genserve.fma_linear`): the
   products on CPUs without bf16 arithmetic (AVX2 alone); built where the compiler targets AVX2

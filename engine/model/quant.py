@@ -415,54 +415,6 @@ def q8_output_weight(packed: PackedWeight, weight: torch.Tensor, blocks: torch.T
     return dataclasses.replace(packed, q8=grouped)
 
 
-def attach_q4q8(model: Transformer, source: str | pathlib.Path | gguf.GGUFReader | None = None
-                ) -> None:
-    """Serve `model`'s matrix products from the GGUF's own blocks, exact, times inputs rounded to
-    8 bits: llama.cpp's arithmetic for the file (`--weights q4q8`).
-
-    Each block matrix whose file tensors are Q4_1 runs `torch.ops.genserve.q4q8_linear` over them
-    (`PackedWeight.q4q8`: each input rounded per row and block of 32, ggml's Q4_1 x Q8_1); one
-    whose tensors are Q4_K or Q6_K (a Q4_K_M file's; a fused matrix may mix the two) runs
-    `torch.ops.genserve.qk_linear` (`PackedWeight.qk`: each input rounded per row and block of
-    256, ggml's Q4_K / Q6_K x Q8_K, `engine.model.kquant`); any other type keeps its bf16 product
-    (`engine.model.kquant.attach_gguf_blocks` decides and logs which). Where the file stores the
-    output projection as Q8_0 (the embedded one does), that product runs `q8q8_linear` over those
-    blocks (`PackedWeight.q8q8`: llama.cpp's Q8_0 x Q8_0); as Q4_K or Q6_K, `qk_linear`. The C++
-    decode loop runs these products too where every block matrix has one
-    (`engine.runner.decode_loop.DecodeLoop.from_model` passes the blocks on). It reads about a
-    quarter of the bf16 matrix's bytes, which is what a one-row step waits for, and its int8 sums
-    outrun the bf16 product at 32 rows on AVX512-VNNI as on AVX2 (docs/benchmarks/linear.md,
-    docs/benchmarks/kquant.md).
-
-    Args:
-        model: a bf16 CPU model built from `source` (packed or not).
-        source: the `.gguf` file, a reader, or None for the embedded model.
-    Raises:
-        ValueError: the model is not bf16 on the CPU, genserve's kernels are not built, the file
-            has Q4_1 matrices and `q4q8_linear` cannot run here (neither AVX512-VNNI nor AVX2),
-            no block matrix of the file is Q4_1, Q4_K or Q6_K (with K a multiple of 256), or a
-            block matrix of the file has another row count than the model's.
-    """
-    from engine.model.kquant import attach_gguf_blocks
-    from engine.model.weights import open_gguf
-
-    if model.dtype != torch.bfloat16 or model.output.device.type != "cpu":
-        raise ValueError(f"weights 'q4q8' needs a bfloat16 model on the CPU, got {model.dtype} on "
-                         f"{model.output.device.type}")
-    if not kernels.available():
-        raise ValueError("weights 'q4q8' needs genserve's kernels (g++)")
-    import gguf
-
-    reader = source if isinstance(source, gguf.GGUFReader) else open_gguf(source)
-    try:
-        counts = attach_gguf_blocks(model, reader)
-    except ValueError as exc:
-        raise ValueError(f"weights 'q4q8': {exc}") from None
-    if not counts["q4q8"] and not counts["qk"]:
-        raise ValueError("weights 'q4q8': no block matrix of the file is Q4_1, or Q4_K / Q6_K "
-                         "with an input size that is a multiple of 256")
-
-
 def describe(packed: PackedWeight) -> str:
     """Which kernel runs a `q4_weight`'s products and whose bits they are, in words."""
     if not packed.k_chunk:

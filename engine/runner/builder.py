@@ -19,7 +19,8 @@ from engine.core.request import Request, SamplingParams
 from engine.model.config import ModelArgs
 from engine.model.transformer import Transformer
 from engine.model.int8_weights import attach_int8
-from engine.model.quant import attach_q4, attach_q4q8
+from engine.model.gguf_blocks import attach_q4q8
+from engine.model.quant import attach_q4
 from engine.runner.int8_calibration import calibration_config, calibration_tokens, run_calibration
 from engine.model.weights import load_gguf, load_safetensors, open_gguf, random_shape, random_weights
 from engine.runner.kv_cache import KVCache, device_pool_size
@@ -166,7 +167,7 @@ def attach_weights(weights: str, network: Transformer, source: ModelSource,
     GGUF's 4-bit blocks (`engine.model.quant.attach_q4`), "int8" on int8 arithmetic
     (`engine.model.int8_weights.attach_int8`, its outlier channels chosen on the fixed text of
     `engine.runner.int8_calibration` with `tokenizer`, none without), "q4q8" on the GGUF's Q4_1,
-    Q4_K and Q6_K blocks times 8-bit inputs (`engine.model.quant.attach_q4q8`; matrices of other
+    Q4_K and Q6_K blocks times 8-bit inputs (`engine.model.gguf_blocks.attach_q4q8`; matrices of other
     types keep bf16), "bf16" as loaded, "auto" as `auto_weights` chooses (falling back to "bf16"
     where the chosen weights cannot serve the file); the choice is logged.
 

@@ -38,7 +38,7 @@ class DecodeLoop:
         i8: empty, or every block matrix's int8 copy (`PackedWeight.i8`: q, scale, outliers,
             outlier_q), in the same order: then every product runs `int8_linear`.
         q4q8: empty, or every block matrix's Q4_1 blocks in `q4q8_linear`'s layout
-            (`PackedWeight.q4q8`, `engine.model.quant.attach_q4q8`), in the same order, an empty
+            (`PackedWeight.q4q8`, `engine.model.gguf_blocks.attach_q4q8`), in the same order, an empty
             tensor for a matrix without: then those products run `q4q8_linear` (llama.cpp's
             Q4_1 x Q8_1 arithmetic).
         qk, qk_kinds, qk_counts: empty, or every block matrix's Q4_K / Q6_K row segments in

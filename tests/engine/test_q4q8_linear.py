@@ -198,7 +198,7 @@ def test_avx2_build_gives_the_avx512_builds_bits(avx2_products, n, k):
 @pytest.fixture(scope="module")
 def q4q8_engine(gguf_weights):
     from engine.config import EngineConfig
-    from engine.model.quant import attach_q4q8
+    from engine.model.gguf_blocks import attach_q4q8
     from engine.runner.builder import engine_from_model, model_from_weights
     args, state = gguf_weights
     model = model_from_weights(args, state, torch.bfloat16)

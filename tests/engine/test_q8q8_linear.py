@@ -139,7 +139,7 @@ def test_q4q8_takes_the_q8_0_output(gguf_weights):
     # attach_q4q8 gives the output projection its Q8_0 blocks on every host whose kernels have the
     # op (AVX512-VNNI or AVX2), and the logits follow them
     from engine.model.linear import linear
-    from engine.model.quant import attach_q4q8
+    from engine.model.gguf_blocks import attach_q4q8
     from engine.runner.builder import model_from_weights
     args, state = gguf_weights
     model = model_from_weights(args, state, torch.bfloat16)

@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from engine import kernels as genserve_kernels
-from engine.model import kquant
+from engine.model import gguf_blocks, kquant
 from engine.model.kquant import (Q4_K, Q6_K, QK_PATHS, fma32, q8_k_round, qk_dequantize,
                                  qk_linear_reference, qk_pack, qk_weight)
 
@@ -303,9 +303,9 @@ def test_bad_shapes_are_refused():
     with pytest.raises(ValueError, match="neither"):
         qk_pack(blocks, 2)
     # a K-quant matrix whose input is not whole super-blocks keeps its bf16 product
-    assert kquant.native_product([(Q4_K, blocks)], 640) is None
-    assert kquant.native_product([(Q4_K, blocks)], 512) == "qk"
-    assert kquant.native_product([(Q4_K, blocks), (8, blocks)], 512) is None      # with Q8_0
+    assert gguf_blocks.native_product([(Q4_K, blocks)], 640) is None
+    assert gguf_blocks.native_product([(Q4_K, blocks)], 512) == "qk"
+    assert gguf_blocks.native_product([(Q4_K, blocks), (8, blocks)], 512) is None      # with Q8_0
 
 
 def test_a_path_this_cpu_lacks_is_refused(monkeypatch):
@@ -356,9 +356,9 @@ def test_real_gemma_file_keeps_what_it_cannot_serve(gemma_reader):
     """Gemma 3 270M's dim 640 is not whole super-blocks: its attn_q/k/v and gate/up take 640
     inputs (and are Q5_0 / Q8_0 there); only attn_output (1,024 in) and ffn_down (2,048 in) are
     K-quants a native product takes."""
-    blocks = kquant.gguf_layer_blocks(gemma_reader)
+    blocks = gguf_blocks.gguf_layer_blocks(gemma_reader)
     assert len(blocks) == 18 * 7
-    served = {name: kquant.native_product([part], part[1].shape[1] // kquant.BLOCK_BYTES.get(part[0], 1) * 256)
+    served = {name: gguf_blocks.native_product([part], part[1].shape[1] // kquant.BLOCK_BYTES.get(part[0], 1) * 256)
               for name, part in blocks.items() if part[0] in (Q4_K, Q6_K)}
     assert served and set(served.values()) == {"qk"}
     assert all(name.endswith(("attention.wo.weight", "feed_forward.w2.weight")) for name in served)
@@ -406,7 +406,7 @@ def write_kquant_gguf(path: pathlib.Path) -> None:
 
 @pytest.fixture(scope="module")
 def kquant_model(tmp_path_factory):
-    from engine.model.quant import attach_q4q8
+    from engine.model.gguf_blocks import attach_q4q8
     from engine.model.weights import load_gguf, open_gguf
     from engine.runner.builder import model_from_weights
     path = tmp_path_factory.mktemp("kquant") / "tiny-q4_k_m.gguf"
@@ -426,7 +426,7 @@ def _matrices(model):
 def test_every_matrix_runs_qk_linear_in_the_models_row_order(kquant_model):
     from engine.model.linear import linear
     model, reader = kquant_model
-    fused = kquant._fused_parts(kquant.gguf_layer_blocks(reader), model)
+    fused = gguf_blocks._fused_parts(gguf_blocks.gguf_layer_blocks(reader), model)
     for (module, name), (_, _, parts) in zip(_matrices(model), fused):
         packed = getattr(module, name + "_packed")
         assert packed.qk is not None and packed.q4q8 is None

@@ -1,0 +1,254 @@
+"""A GGUF's own blocks as a model's matrix products (`--weights q4q8`): which matrices of the file
+have a native product (Q4_1: `q4q8_linear`, `engine.model.quant`; Q4_K and Q6_K: `qk_linear`,
+`engine.model.kquant`), reading their raw blocks without dequantizing, ordering them as the
+model's fused matrices, and attaching them; matrices of other types keep their dequantized
+products.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import pathlib
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from engine import kernels
+from engine.model.kquant import GROUP_N, KIND_NAMES, Q4_1, Q4_K, Q6_K, Q8_0, QK_K, qk_weight
+from engine.model.linear import PackedWeight
+from engine.model.quant import Q4Q8_PANEL_N, q4q8_pack, q8q8_pack
+from engine.model.rope import interleave_rope_rows, unpermute_rope_rows
+from engine.model.transformer import Transformer, block_matrices
+from engine.model.weights import _GGUF_LAYER_NAMES, open_gguf
+
+if TYPE_CHECKING:
+    import gguf
+
+log = logging.getLogger(__name__)
+
+
+def attach_q4q8(model: Transformer, source: str | pathlib.Path | gguf.GGUFReader | None = None
+                ) -> None:
+    """Serve `model`'s matrix products from the GGUF's own blocks, exact, times inputs rounded to
+    8 bits: llama.cpp's arithmetic for the file (`--weights q4q8`).
+
+    Each block matrix whose file tensors are Q4_1 runs `torch.ops.genserve.q4q8_linear` over them
+    (`PackedWeight.q4q8`: each input rounded per row and block of 32, ggml's Q4_1 x Q8_1); one
+    whose tensors are Q4_K or Q6_K (a Q4_K_M file's; a fused matrix may mix the two) runs
+    `torch.ops.genserve.qk_linear` (`PackedWeight.qk`: each input rounded per row and block of
+    256, ggml's Q4_K / Q6_K x Q8_K, `engine.model.kquant`); any other type keeps its bf16 product
+    (`attach_gguf_blocks` decides and logs which). Where the file stores the
+    output projection as Q8_0 (the embedded one does), that product runs `q8q8_linear` over those
+    blocks (`PackedWeight.q8q8`: llama.cpp's Q8_0 x Q8_0); as Q4_K or Q6_K, `qk_linear`. The C++
+    decode loop runs these products too where every block matrix has one
+    (`engine.runner.decode_loop.DecodeLoop.from_model` passes the blocks on). It reads about a
+    quarter of the bf16 matrix's bytes, which is what a one-row step waits for, and its int8 sums
+    outrun the bf16 product at 32 rows on AVX512-VNNI as on AVX2 (docs/benchmarks/linear.md,
+    docs/benchmarks/kquant.md).
+
+    Args:
+        model: a bf16 CPU model built from `source` (packed or not).
+        source: the `.gguf` file, a reader, or None for the embedded model.
+    Raises:
+        ValueError: the model is not bf16 on the CPU, genserve's kernels are not built, the file
+            has Q4_1 matrices and `q4q8_linear` cannot run here (neither AVX512-VNNI nor AVX2),
+            no block matrix of the file is Q4_1, Q4_K or Q6_K (with K a multiple of 256), or a
+            block matrix of the file has another row count than the model's.
+    """
+
+    if model.dtype != torch.bfloat16 or model.output.device.type != "cpu":
+        raise ValueError(f"weights 'q4q8' needs a bfloat16 model on the CPU, got {model.dtype} on "
+                         f"{model.output.device.type}")
+    if not kernels.available():
+        raise ValueError("weights 'q4q8' needs genserve's kernels (g++)")
+    import gguf
+
+    reader = source if isinstance(source, gguf.GGUFReader) else open_gguf(source)
+    try:
+        counts = attach_gguf_blocks(model, reader)
+    except ValueError as exc:
+        raise ValueError(f"weights 'q4q8': {exc}") from None
+    if not counts["q4q8"] and not counts["qk"]:
+        raise ValueError("weights 'q4q8': no block matrix of the file is Q4_1, or Q4_K / Q6_K "
+                         "with an input size that is a multiple of 256")
+
+
+
+def gguf_layer_blocks(reader: gguf.GGUFReader, layer_names: dict[str, str] | None = None,
+                      unpermute_qk: bool | None = None) -> dict[str, tuple[int, torch.Tensor]]:
+    """Every block matrix of a GGUF as (GGML type, raw blocks) under our names
+    (`engine.model.weights` table: ``layers.{i}.attention.wq.weight`` ...), read from `reader`'s
+    tensors without dequantizing: uint8 [out, bytes per row] (a copy) for the types a native
+    product takes (Q4_1, Q4_K, Q6_K), uint8 [out, 0] for any other (its rows counted, its bytes
+    not read). Q and K rows of a llama-architecture file are un-permuted
+    (`engine.model.rope.unpermute_rope_rows`, whole rows, so exact on blocks).
+
+    Args:
+        reader: the open file; layer_names: GGUF leaf → our leaf (default:
+            `engine.model.weights._GGUF_LAYER_NAMES`); unpermute_qk: whether the file's Q/K
+            rows are in llama.cpp's permuted order (None: where `general.architecture` is
+            "llama", whose converter permutes them).
+    Raises:
+        ValueError: a block matrix is missing from the file (phi3 files fuse Q|K|V).
+    """
+
+    layer_names = _GGUF_LAYER_NAMES if layer_names is None else layer_names
+    fields = reader.fields
+
+    def field(key: str, default=None):
+        return fields[key].contents() if key in fields else default
+
+    arch = field("general.architecture", "llama")
+    if unpermute_qk is None:
+        unpermute_qk = arch == "llama"
+    n_layers = int(field(f"{arch}.block_count"))
+    n_heads = int(field(f"{arch}.attention.head_count"))
+    n_kv_heads = int(field(f"{arch}.attention.head_count_kv", n_heads))
+    tensors = {t.name: t for t in reader.tensors}
+    out: dict[str, tuple[int, torch.Tensor]] = {}
+    for i in range(n_layers):
+        for leaf, ours in layer_names.items():
+            if ours.endswith("norm"):
+                continue
+            name = f"blk.{i}.{leaf}.weight"
+            if name not in tensors:
+                raise ValueError(f"tensor {name!r} missing (a fused file, e.g. phi3's attn_qkv, keeps "
+                             "its dequantized products)")
+            t = tensors[name]
+            if int(t.tensor_type) in (Q4_1, Q4_K, Q6_K):
+                w = torch.from_numpy(np.array(t.data, dtype=np.uint8, copy=True))
+            else:                       # no native product: its rows count, its bytes are not read
+                w = torch.empty(t.data.shape[0], 0, dtype=torch.uint8)
+            if unpermute_qk and leaf in ("attn_q", "attn_k"):
+                w = unpermute_rope_rows(w, n_heads if leaf == "attn_q" else n_kv_heads)
+            out[f"layers.{i}.{ours}.weight"] = (int(t.tensor_type), w)
+    return out
+
+
+def _fused_parts(blocks: dict[str, tuple[int, torch.Tensor]], model: Transformer
+                 ) -> list[tuple[object, str, list[tuple[int, torch.Tensor]]]]:
+    """(module, attribute, [(type, raw blocks)] row parts in the fused matrix's order) of every
+    block matrix (`engine.model.transformer.block_matrices` order), the Q and K rows moved to
+    interleaved-RoPE order as `fused_block_matrices` moves them."""
+
+    args = model.args
+    rot = args.rotary_dim
+    out = []
+    for module, name in block_matrices(model):
+        i = next(j for j, layer in enumerate(model.layers)
+                 if module is layer.attention or module is layer.feed_forward)
+        p = f"layers.{i}."
+        if name == "wqkv":
+            q, k, v = (blocks[p + f"attention.w{c}.weight"] for c in "qkv")
+            parts = [(q[0], interleave_rope_rows(q[1], args.n_heads, rot)),
+                     (k[0], interleave_rope_rows(k[1], args.n_kv_heads, rot)), v]
+        elif name == "wo":
+            parts = [blocks[p + "attention.wo.weight"]]
+        elif name == "w13":
+            parts = [blocks[p + "feed_forward.w1.weight"], blocks[p + "feed_forward.w3.weight"]]
+        else:
+            parts = [blocks[p + "feed_forward.w2.weight"]]
+        out.append((module, name, parts))
+    return out
+
+
+def native_product(parts: list[tuple[int, torch.Tensor]], in_features: int) -> str | None:
+    """Which native product serves a matrix of these row parts (GGML type, raw blocks): "q4q8"
+    (every part Q4_1, `q4q8_linear`), "qk" (every part Q4_K or Q6_K, K a multiple of 256 and
+    every part's rows a multiple of 16, `qk_linear`), or None (it keeps its bf16 product)."""
+    kinds = {kind for kind, _ in parts}
+    if kinds == {Q4_1}:
+        return "q4q8"
+    if kinds <= {Q4_K, Q6_K} and in_features % QK_K == 0 and \
+            all(b.shape[0] % GROUP_N == 0 for _, b in parts):
+        return "qk"
+    return None
+
+
+def attach_gguf_blocks(model: Transformer, reader: gguf.GGUFReader,
+                       layer_names: dict[str, str] | None = None,
+                       unpermute_qk: bool | None = None) -> dict[str, int]:
+    """Serve each of `model`'s block matrices from the GGUF's own blocks where a native product
+    takes them, llama.cpp's arithmetic: Q4_1 matrices on `q4q8_linear` (`PackedWeight.q4q8`,
+    `engine.model.quant.q4q8_pack`), Q4_K / Q6_K matrices (a fused one may mix the two) on
+    `qk_linear` (`PackedWeight.qk`); any other type (Q5_0, Q8_0, F16 ...), a mix with one, or a
+    K-quant matrix whose input is not a multiple of 256 keeps its bf16 product. The output
+    projection (`output.weight`, or a tied model's `token_embd.weight`) likewise: Q8_0 on
+    `q8q8_linear`, Q4_K / Q6_K on `qk_linear`. A model runner made afterwards reads the blocks
+    into its C++ decode loop where every block matrix has them (`engine.runner.decode_loop`).
+
+    Args:
+        model: a bf16 CPU model built from this file (packed or not).
+        reader: the open GGUF; layer_names, unpermute_qk: as `gguf_layer_blocks`.
+    Returns:
+        {"q4q8": matrices, "qk": matrices, "bf16": matrices} (block matrices only), also logged.
+    Raises:
+        ValueError: a matrix's rows in the file are not the model's, or a native product is due
+            and this build cannot run it (q4q8_linear needs AVX512-VNNI or AVX2).
+        ValueError: a block matrix is missing from the file (phi3 files fuse Q|K|V).
+    """
+
+    counts = {"q4q8": 0, "qk": 0, "bf16": 0}
+    left: dict[str, int] = {}
+    plan = []
+    for module, name, parts in _fused_parts(gguf_layer_blocks(reader, layer_names, unpermute_qk), model):
+        weight = getattr(module, name)
+        rows = sum(b.shape[0] for _, b in parts)
+        if rows != weight.shape[0]:
+            raise ValueError(f"{name}: {rows} rows of blocks in the file, the model {weight.shape[0]}")
+        product = native_product(parts, weight.shape[1])
+        if product == "q4q8" and weight.shape[0] % Q4Q8_PANEL_N:
+            product = None
+        counts[product or "bf16"] += 1
+        if product is None:          # the bf16 product stays, and so does its PackedWeight
+            key = f"{name} " + "+".join(sorted({_type_name(kind) for kind, _ in parts}))
+            left[key] = left.get(key, 0) + 1
+        else:
+            plan.append((module, name, parts, product))
+    if counts["q4q8"] and not kernels.q4q8_linear_available():
+        raise ValueError("the file's Q4_1 blocks need genserve's q4q8_linear kernel (AVX512-VNNI "
+                         "or AVX2, and g++)")
+    for module, name, parts, product in plan:
+        packed = getattr(module, name + "_packed") or PackedWeight(getattr(module, name), 0)
+        if product == "q4q8":
+            packed = dataclasses.replace(packed, q4q8=q4q8_pack(torch.cat([b for _, b in parts])))
+        else:
+            packed = dataclasses.replace(packed, qk=qk_weight(parts))
+        setattr(module, name + "_packed", packed)
+    output = _output_blocks(reader)
+    out_kind = "unchanged (bf16)"
+    if output is not None and output[1].shape[0] == model.output.shape[0]:
+        kind, blocks = output
+        packed = model.output_packed or PackedWeight(model.output, 0)
+        if kind == Q8_0 and blocks.shape[0] % Q4Q8_PANEL_N == 0 and kernels.q4q8_linear_available():
+            model.output_packed = dataclasses.replace(packed, q8q8=q8q8_pack(blocks))
+            out_kind = "Q8_0 x Q8_0 (q8q8_linear)"
+        elif native_product([output], model.output.shape[1]) == "qk":
+            model.output_packed = dataclasses.replace(packed, qk=qk_weight([output]))
+            out_kind = f"{KIND_NAMES[kind]} x Q8_K (qk_linear)"
+    log.info("GGUF blocks served natively: %d block matrices Q4_1 x Q8_1 (q4q8_linear), %d Q4_K/Q6_K "
+             "x Q8_K (qk_linear), %d in bf16%s; output projection %s", counts["q4q8"], counts["qk"],
+             counts["bf16"], f" ({', '.join(f'{v}x {k}' for k, v in sorted(left.items()))})" if left else "",
+             out_kind)
+    return counts
+
+
+def _type_name(kind: int) -> str:
+    import gguf
+
+    try:
+        return gguf.GGMLQuantizationType(kind).name
+    except ValueError:
+        return str(kind)
+
+
+def _output_blocks(reader: gguf.GGUFReader) -> tuple[int, torch.Tensor] | None:
+    """(type, raw blocks uint8 [vocab, bytes]) of the output projection (`output.weight`, else
+    the tied `token_embd.weight`) where it is Q8_0, Q4_K or Q6_K; None otherwise."""
+    tensors = {t.name: t for t in reader.tensors}
+    t = tensors.get("output.weight") or tensors.get("token_embd.weight")
+    if t is None or int(t.tensor_type) not in (Q8_0, Q4_K, Q6_K):
+        return None
+    return int(t.tensor_type), torch.from_numpy(np.array(t.data, dtype=np.uint8, copy=True))
