@@ -50,6 +50,32 @@ def genserve_logits(path: pathlib.Path) -> torch.Tensor:
     return torch.cat(rows)
 
 
+def rewrite_gguf(source: pathlib.Path, target: pathlib.Path, value=None, tensor=None) -> pathlib.Path:
+    """Copy the GGUF `source` to `target`, each metadata value through `value(name, v)` and each
+    tensor through `tensor(t)`, which gives (data, GGML type or None for F32 numpy data) or None
+    to drop it (defaults: unchanged). Returns `target`."""
+    reader = open_gguf(source)
+    w = gguf.GGUFWriter(str(target), reader.fields["general.architecture"].contents())
+    for field in reader.fields.values():
+        if not field.name.startswith(("GGUF.", "general.architecture")):
+            v = field.contents() if value is None else value(field.name, field.contents())
+            w.add_key_value(field.name, v, field.types[0],
+                            field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)
+    for t in reader.tensors:
+        out = (np.array(t.data), t.tensor_type) if tensor is None else tensor(t)
+        if out is not None:
+            data, qtype = out
+            if qtype in (None, Q.F32):
+                w.add_tensor(t.name, data)
+            else:
+                w.add_tensor(t.name, data, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return target
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_an_f32_gguf_gives_transformers_logits_on_its_checkpoint(family, tmp_path):
     path = write_gguf(family, tmp_path / "ckpt", tmp_path / "model.gguf")
@@ -95,20 +121,8 @@ def test_a_llama3_gguf_serves_the_rope_scaling_it_stores_as_rope_freqs(tmp_path)
     ref = reference_logits(tmp_path / "ckpt", TOKENS.tolist())
     assert (genserve_logits(path) - ref).abs().max().item() < 1e-4
     # the same file without the tensor: what a loader ignoring it computes
-    reader = open_gguf(path)
-    plain = tmp_path / "plain.gguf"
-    w = gguf.GGUFWriter(str(plain), "llama")
-    for field in reader.fields.values():
-        if not field.name.startswith(("GGUF.", "general.architecture")):
-            w.add_key_value(field.name, field.contents(), field.types[0],
-                            field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)
-    for t in reader.tensors:
-        if t.name != "rope_freqs.weight":
-            w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    plain = rewrite_gguf(path, tmp_path / "plain.gguf",
+                         tensor=lambda t: None if t.name == "rope_freqs.weight" else (np.array(t.data), t.tensor_type))
     assert load_gguf(plain)[0].rope_scaling.kind == "default"
     assert (genserve_logits(plain) - ref).abs().max().item() > 1e-2
 
@@ -135,38 +149,27 @@ def test_every_dequantizable_tensor_type_loads(qtype, tmp_path):
     file's bytes (random block bytes, redrawn until every value is finite), so K-quants, IQ and
     TQ types load as llama.cpp's reference dequantizer reads them."""
     path = write_gguf("qwen2", tmp_path / "ckpt", tmp_path / "f32.gguf", intermediate_size=256)
-    reader = open_gguf(path)
     block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
     rng = np.random.default_rng(int(qtype))
-    out = tmp_path / "typed.gguf"
-    w = gguf.GGUFWriter(str(out), "qwen2")
-    for field in reader.fields.values():
-        if not field.name.startswith(("GGUF.", "general.architecture")):
-            w.add_key_value(field.name, field.contents(), field.types[0],
-                            field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)
     expected = {}
-    for t in reader.tensors:
+
+    def typed(t):
         shape = tuple(int(d) for d in reversed(t.shape))
-        if len(shape) == 2 and shape[1] % block == 0:
-            raw = rng.integers(0, 256, size=(shape[0], shape[1] // block * nbytes), dtype=np.uint8)
-            # finite scales: redraw any block whose dequantized values are not finite
+        if len(shape) != 2 or shape[1] % block:
+            return np.array(t.data), None
+        raw = rng.integers(0, 256, size=(shape[0], shape[1] // block * nbytes), dtype=np.uint8)
+        values = gguf.quants.dequantize(raw, qtype)
+        for _ in range(50):              # redraw the blocks whose values are not all finite
+            bad = ~np.isfinite(values).reshape(shape[0], -1, block).all(axis=2)
+            if not bad.any():
+                break
+            for r, b in zip(*np.nonzero(bad)):
+                raw[r, b * nbytes:(b + 1) * nbytes] = rng.integers(0, 256, nbytes, dtype=np.uint8)
             values = gguf.quants.dequantize(raw, qtype)
-            for _ in range(50):
-                bad = ~np.isfinite(values).reshape(shape[0], -1, block).all(axis=2)
-                if not bad.any():
-                    break
-                rows, blocks = np.nonzero(bad)
-                for r, b in zip(rows, blocks):
-                    raw[r, b * nbytes:(b + 1) * nbytes] = rng.integers(0, 256, nbytes, dtype=np.uint8)
-                values = gguf.quants.dequantize(raw, qtype)
-            w.add_tensor(t.name, raw, raw_dtype=qtype)
-            expected[t.name] = values
-        else:
-            w.add_tensor(t.name, np.array(t.data))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        expected[t.name] = values
+        return raw, qtype
+
+    out = rewrite_gguf(path, tmp_path / "typed.gguf", tensor=typed)
     assert "blk.0.ffn_down.weight" in expected
     _, state = load_gguf(out)
     got = state["layers.0.feed_forward.w2.weight"].numpy()
@@ -215,22 +218,8 @@ def test_an_unknown_tensor_type_is_refused_at_load(tmp_path):
 
 def test_a_tensor_whose_shape_disagrees_with_the_metadata_is_refused_by_name(tmp_path):
     good = write_gguf("qwen2", tmp_path / "ckpt", tmp_path / "good.gguf")
-    reader = open_gguf(good)
-    bad = tmp_path / "bad.gguf"
-    w = gguf.GGUFWriter(str(bad), "qwen2")
-    for field in reader.fields.values():
-        if not field.name.startswith(("GGUF.", "general.architecture")):
-            value = field.contents()
-            if field.name == "qwen2.feed_forward_length":
-                value = 96                                     # the file's matrices say 128
-            w.add_key_value(field.name, value, field.types[0],
-                            field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)
-    for t in reader.tensors:
-        w.add_tensor(t.name, np.array(t.data))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    # the file's matrices say 128
+    bad = rewrite_gguf(good, tmp_path / "bad.gguf", value=lambda name, v: 96 if name == "qwen2.feed_forward_length" else v)
     with pytest.raises(ValueError, match=r"bad.gguf: layers.0.feed_forward.w1.weight has shape \(128, 64\), expected \(96, 64\)"):
         load_gguf(bad)
 
