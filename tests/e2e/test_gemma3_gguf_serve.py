@@ -42,5 +42,5 @@ def test_a_served_gemma3_gguf_completes_text_as_transformers_does(server):
                                    min_new_tokens=NEW_TOKENS)[0, len(ids):].tolist()
     assert ours == reference
     assert body["choices"][0]["text"] == tokenizer.decode(reference)
-    # served under the file's general.name
+    # served under the file's stem without its quantisation tag (gemma-3-270m-q4_k_m.gguf)
     assert body["model"] == "gemma-3-270m" and body["usage"]["prompt_tokens"] == len(ids)
