@@ -58,11 +58,6 @@ class KVCacheManager:
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
 
-    @property
-    def enable_caching(self) -> bool:
-        """True when the pool keeps a prefix cache."""
-        return self.pool.prefix_caching
-
     def cache_scope(self, req: Request) -> bytes:
         """The salt of `req`'s first block hash: a digest of its API key (scope "key") and its
         `cache_salt`; empty for the global scope without a salt (the unscoped hashes)."""

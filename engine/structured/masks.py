@@ -92,11 +92,6 @@ class MaskStats:
     wait_s: float = 0.0
     apply_s: float = 0.0
 
-    @property
-    def compute_us_per_row(self) -> float:
-        """Mean worker time per constrained row and step, microseconds."""
-        return self.compute_s * 1e6 / self.rows if self.rows else 0.0
-
 
 class PendingMasks:
     """The masks of one step's constrained draws, being computed (see `GrammarMasks.start`)."""

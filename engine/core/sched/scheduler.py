@@ -44,13 +44,12 @@ from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.outputs import FinishReason, PromptLogprobs, SampledTokens, TokenEvent
 from engine.core.plan import Segment, StepPlan
 from engine.core.request import Request, RequestState
-from engine.core.sched.admission import AdmissionControl, AdmissionRejected
+from engine.core.sched.admission import AdmissionControl
 from engine.core.sched.batching import batching_for
 from engine.core.sched.fair_queue import FairQueue, KeyUsage
 from engine.core.sched.step_budget import RequestAverages, StepBudget
 
-# AdmissionRejected lives in admission.py; it stays importable from here for older callers.
-__all__ = ["AdmissionRejected", "Scheduler", "SchedulerStats"]
+__all__ = ["Scheduler", "SchedulerStats"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -314,16 +313,6 @@ class Scheduler:
     def prefix_hit_tokens(self) -> int:
         """... of which the cache held (not computed again)."""
         return self.kv_cache.prefix_hit_tokens
-
-    @property
-    def avg_prompt_tokens(self) -> float:
-        """Average prompt length the estimates assume, tokens (`RequestAverages`)."""
-        return self.averages.prompt_tokens
-
-    @property
-    def avg_output_tokens(self) -> float:
-        """Average answer length the estimates assume, tokens (`RequestAverages`)."""
-        return self.averages.output_tokens
 
     def stats(self) -> SchedulerStats:
         """Gauges and counters for /metrics (call under the engine lock)."""
