@@ -24,25 +24,10 @@ from engine.core.engine import Engine
 from engine.core.sim_executor import SimExecutor
 from engine.runner.builder import LoadedEngine
 from genserve.v1 import generate_pb2 as pb, generate_pb2_grpc as pb_grpc
+from engine.tokenizer import ByteTokenizer
 from service.server import EngineServer
 
 VOCAB = 32000
-
-
-class ByteTokenizer:
-    """Text ↔ ids without a model: a prompt's UTF-8 bytes are its ids; ids ≥ 256 print as a letter."""
-
-    vocab_size = VOCAB
-    eos_token_id = None
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def token_bytes(self, token_id: int) -> bytes:
-        return bytes([token_id]) if token_id < 256 else bytes([97 + token_id % 26])
-
-    def is_special(self, token_id: int) -> bool:
-        return False
 
 
 class PacedExecutor:
@@ -63,7 +48,7 @@ def sim_builder(step_s: float = 0.005, gate: threading.Event | None = None) -> C
         if gate is not None:
             gate.wait(30)
         engine = Engine(config, PacedExecutor(step_s))
-        return LoadedEngine(engine, ByteTokenizer(), SimpleNamespace(vocab_size=VOCAB), "sim")
+        return LoadedEngine(engine, ByteTokenizer(VOCAB), SimpleNamespace(vocab_size=VOCAB), "sim")
     return build
 
 
