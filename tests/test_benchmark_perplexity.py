@@ -116,6 +116,8 @@ def test_plan_refuses_what_cannot_be_measured(n_tokens, n_ctx, chunks, needle):
     (["--model", str(GGUF_STANDIN), "--url", "http://x", "--serve-args=--no-envoy"],
      "--serve-args configures the server this module starts"),
     (["--model", str(GGUF_STANDIN), "--llama-perplexity", "/nonexistent"], "is not an executable file"),
+    (["--model", str(GGUF_STANDIN), "--token-ids", "/nonexistent"], "--token-ids /nonexistent is not a file"),
+    (["--model", str(GGUF_STANDIN), "--token-ids", str(GGUF_STANDIN)], "is not a JSON list of token ids"),
 ])
 def test_bad_options_exit_2_naming_the_option(argv, needle, capsys):
     p = bp.parser()
@@ -128,3 +130,24 @@ def test_bad_options_exit_2_naming_the_option(argv, needle, capsys):
 def test_the_default_text_is_the_committed_one():
     """The fixed text ships with the repository (Python 3.11's LICENSE.txt), byte for byte."""
     assert bp.sha256(bp.DEFAULT_TEXT) == "3b2f81fe21d181c499c59a256c8e1968455d6689d269aa85373bfb6af41da3bf"
+
+
+def test_the_text_is_read_as_llama_cpp_reads_a_file(tmp_path):
+    """llama.cpp's -f drops one trailing newline (common/arg.cpp); so does the module."""
+    f = tmp_path / "t.txt"
+    f.write_bytes("a\nb\n\n".encode())
+    assert bp.read_text(f) == "a\nb\n"
+    f.write_bytes(b"ab")
+    assert bp.read_text(f) == "ab"
+
+
+def test_token_ids_files_and_differences(tmp_path):
+    f = tmp_path / "ids.txt"
+    f.write_text("some log line\n[2, 5, 6]\n")
+    assert bp.read_token_ids(f) == [2, 5, 6]
+    f.write_text("[2, -1]\n")
+    with pytest.raises(ValueError, match="not a JSON list of token ids"):
+        bp.read_token_ids(f)
+    diff = bp.token_differences([2, 9, 9, 7, 8], [2, 10, 7, 8], decode=lambda ids: "".join(map(str, ids)))
+    assert diff == [{"at": 1, "their_at": 1, "ours": [9, 9], "theirs": [10], "our_text": "99", "their_text": "10"}]
+    assert bp.token_differences([1, 2], [1, 2]) == []
