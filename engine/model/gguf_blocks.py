@@ -38,12 +38,14 @@ def attach_q4q8(model: Transformer, source: str | pathlib.Path | gguf.GGUFReader
     (`PackedWeight.q4q8`: each input rounded per row and block of 32, ggml's Q4_1 x Q8_1); one
     whose tensors are Q4_K or Q6_K (a Q4_K_M file's; a fused matrix may mix the two) runs
     `torch.ops.genserve.qk_linear` (`PackedWeight.qk`: each input rounded per row and block of
-    256, ggml's Q4_K / Q6_K x Q8_K, `engine.model.kquant`); any other type keeps its bf16 product
-    (`attach_gguf_blocks` decides and logs which). Where the file stores the
+    256, ggml's Q4_K / Q6_K x Q8_K, `engine.model.kquant`); one whose tensors are Q8_0 runs
+    `torch.ops.genserve.q8q8_linear` (`PackedWeight.q8q8`, ggml's Q8_0 x Q8_0); any other type
+    keeps its bf16 product (`attach_gguf_blocks` decides and logs which). Where the file stores the
     output projection as Q8_0 (the embedded one does), that product runs `q8q8_linear` over those
     blocks (`PackedWeight.q8q8`: llama.cpp's Q8_0 x Q8_0); as Q4_K or Q6_K, `qk_linear`. The C++
-    decode loop runs these products too where every block matrix has one
-    (`engine.runner.decode_loop.DecodeLoop.from_model` passes the blocks on). It reads about a
+    decode loop runs the Q4_1 and K-quant products too where every block matrix has one
+    (`engine.runner.decode_loop.DecodeLoop.from_model` passes the blocks on; with Q8_0 block
+    matrices it stays off). It reads about a
     quarter of the bf16 matrix's bytes, which is what a one-row step waits for, and its int8 sums
     outrun the bf16 product at 32 rows on AVX512-VNNI as on AVX2 (docs/benchmarks/linear.md,
     docs/benchmarks/kquant.md).
@@ -54,7 +56,7 @@ def attach_q4q8(model: Transformer, source: str | pathlib.Path | gguf.GGUFReader
     Raises:
         ValueError: the model is not bf16 on the CPU, genserve's kernels are not built, the file
             has Q4_1 matrices and `q4q8_linear` cannot run here (neither AVX512-VNNI nor AVX2),
-            no block matrix of the file is Q4_1, Q4_K or Q6_K (with K a multiple of 256), or a
+            no block matrix of the file is Q4_1, Q8_0, Q4_K or Q6_K (K a multiple of 256), or a
             block matrix of the file has another row count than the model's.
     """
 
@@ -70,8 +72,8 @@ def attach_q4q8(model: Transformer, source: str | pathlib.Path | gguf.GGUFReader
         counts = attach_gguf_blocks(model, reader)
     except ValueError as exc:
         raise ValueError(f"weights 'q4q8': {exc}") from None
-    if not counts["q4q8"] and not counts["qk"]:
-        raise ValueError("weights 'q4q8': no block matrix of the file is Q4_1, or Q4_K / Q6_K "
+    if not counts["q4q8"] and not counts["qk"] and not counts["q8q8"]:
+        raise ValueError("weights 'q4q8': no block matrix of the file is Q4_1, Q8_0, or Q4_K / Q6_K "
                          "with an input size that is a multiple of 256")
 
 
@@ -81,7 +83,7 @@ def gguf_layer_blocks(reader: gguf.GGUFReader, layer_names: dict[str, str] | Non
     """Every block matrix of a GGUF as (GGML type, raw blocks) under our names
     (`engine.model.weights` table: ``layers.{i}.attention.wq.weight`` ...), read from `reader`'s
     tensors without dequantizing: uint8 [out, bytes per row] (a copy) for the types a native
-    product takes (Q4_1, Q4_K, Q6_K), uint8 [out, 0] for any other (its rows counted, its bytes
+    product takes (Q4_1, Q4_K, Q6_K, Q8_0), uint8 [out, 0] for any other (its rows counted, its bytes
     not read). Q and K rows of a llama-architecture file are un-permuted
     (`engine.model.rope.unpermute_rope_rows`, whole rows, so exact on blocks).
 
@@ -117,7 +119,7 @@ def gguf_layer_blocks(reader: gguf.GGUFReader, layer_names: dict[str, str] | Non
                 raise ValueError(f"tensor {name!r} missing (a fused file, e.g. phi3's attn_qkv, keeps "
                              "its dequantized products)")
             t = tensors[name]
-            if int(t.tensor_type) in (Q4_1, Q4_K, Q6_K):
+            if int(t.tensor_type) in (Q4_1, Q4_K, Q6_K, Q8_0):
                 w = torch.from_numpy(np.array(t.data, dtype=np.uint8, copy=True))
             else:                       # no native product: its rows count, its bytes are not read
                 w = torch.empty(t.data.shape[0], 0, dtype=torch.uint8)
@@ -156,11 +158,13 @@ def _fused_parts(blocks: dict[str, tuple[int, torch.Tensor]], model: Transformer
 
 def native_product(parts: list[tuple[int, torch.Tensor]], in_features: int) -> str | None:
     """Which native product serves a matrix of these row parts (GGML type, raw blocks): "q4q8"
-    (every part Q4_1, `q4q8_linear`), "qk" (every part Q4_K or Q6_K, K a multiple of 256 and
+    (every part Q4_1, `q4q8_linear`), "q8q8" (every part Q8_0, `q8q8_linear`), "qk" (every part Q4_K or Q6_K, K a multiple of 256 and
     every part's rows a multiple of 16, `qk_linear`), or None (it keeps its bf16 product)."""
     kinds = {kind for kind, _ in parts}
     if kinds == {Q4_1}:
         return "q4q8"
+    if kinds == {Q8_0}:
+        return "q8q8"
     if kinds <= {Q4_K, Q6_K} and in_features % QK_K == 0 and \
             all(b.shape[0] % GROUP_N == 0 for _, b in parts):
         return "qk"
@@ -172,9 +176,11 @@ def attach_gguf_blocks(model: Transformer, reader: gguf.GGUFReader,
                        unpermute_qk: bool | None = None) -> dict[str, int]:
     """Serve each of `model`'s block matrices from the GGUF's own blocks where a native product
     takes them, llama.cpp's arithmetic: Q4_1 matrices on `q4q8_linear` (`PackedWeight.q4q8`,
-    `engine.model.quant.q4q8_pack`), Q4_K / Q6_K matrices (a fused one may mix the two) on
-    `qk_linear` (`PackedWeight.qk`); any other type (Q5_0, Q8_0, F16 ...), a mix with one, or a
-    K-quant matrix whose input is not a multiple of 256 keeps its bf16 product. The output
+    `engine.model.quant.q4q8_pack`), Q8_0 matrices on `q8q8_linear` (`PackedWeight.q8q8`, ggml's
+    Q8_0 x Q8_0; the Python block loop only: the C++ decode loop then stays off), Q4_K / Q6_K
+    matrices (a fused one may mix the two) on `qk_linear` (`PackedWeight.qk`); any other type
+    (Q5_0, F16 ...), a mix of types other than Q4_K with Q6_K, or a K-quant matrix whose input is not a
+    multiple of 256 keeps its bf16 product. The output
     projection (`output.weight`, or a tied model's `token_embd.weight`) likewise: Q8_0 on
     `q8q8_linear`, Q4_K / Q6_K on `qk_linear`. A model runner made afterwards reads the blocks
     into its C++ decode loop where every block matrix has them (`engine.runner.decode_loop`).
@@ -183,14 +189,15 @@ def attach_gguf_blocks(model: Transformer, reader: gguf.GGUFReader,
         model: a bf16 CPU model built from this file (packed or not).
         reader: the open GGUF; layer_names, unpermute_qk: as `gguf_layer_blocks`.
     Returns:
-        {"q4q8": matrices, "qk": matrices, "bf16": matrices} (block matrices only), also logged.
+        {"q4q8": matrices, "q8q8": matrices, "qk": matrices, "bf16": matrices} (block matrices
+        only), also logged.
     Raises:
         ValueError: a matrix's rows in the file are not the model's, or a native product is due
             and this build cannot run it (q4q8_linear needs AVX512-VNNI or AVX2).
         ValueError: a block matrix is missing from the file (phi3 files fuse Q|K|V).
     """
 
-    counts = {"q4q8": 0, "qk": 0, "bf16": 0}
+    counts = {"q4q8": 0, "q8q8": 0, "qk": 0, "bf16": 0}
     left: dict[str, int] = {}
     plan = []
     for module, name, parts in _fused_parts(gguf_layer_blocks(reader, layer_names, unpermute_qk), model):
@@ -199,7 +206,7 @@ def attach_gguf_blocks(model: Transformer, reader: gguf.GGUFReader,
         if rows != weight.shape[0]:
             raise ValueError(f"{name}: {rows} rows of blocks in the file, the model {weight.shape[0]}")
         product = native_product(parts, weight.shape[1])
-        if product == "q4q8" and weight.shape[0] % Q4Q8_PANEL_N:
+        if product in ("q4q8", "q8q8") and weight.shape[0] % Q4Q8_PANEL_N:
             product = None
         counts[product or "bf16"] += 1
         if product is None:          # the bf16 product stays, and so does its PackedWeight
@@ -207,13 +214,15 @@ def attach_gguf_blocks(model: Transformer, reader: gguf.GGUFReader,
             left[key] = left.get(key, 0) + 1
         else:
             plan.append((module, name, parts, product))
-    if counts["q4q8"] and not kernels.q4q8_linear_available():
-        raise ValueError("the file's Q4_1 blocks need genserve's q4q8_linear kernel (AVX512-VNNI "
-                         "or AVX2, and g++)")
+    if (counts["q4q8"] or counts["q8q8"]) and not kernels.q4q8_linear_available():
+        raise ValueError("the file's Q4_1 / Q8_0 blocks need genserve's q4q8_linear kernels "
+                         "(AVX512-VNNI or AVX2, and g++)")
     for module, name, parts, product in plan:
         packed = getattr(module, name + "_packed") or PackedWeight(getattr(module, name), 0)
         if product == "q4q8":
             packed = dataclasses.replace(packed, q4q8=q4q8_pack(torch.cat([b for _, b in parts])))
+        elif product == "q8q8":
+            packed = dataclasses.replace(packed, q8q8=q8q8_pack(torch.cat([b for _, b in parts])))
         else:
             packed = dataclasses.replace(packed, qk=qk_weight(parts))
         setattr(module, name + "_packed", packed)
@@ -228,8 +237,9 @@ def attach_gguf_blocks(model: Transformer, reader: gguf.GGUFReader,
         elif native_product([output], model.output.shape[1]) == "qk":
             model.output_packed = dataclasses.replace(packed, qk=qk_weight([output]))
             out_kind = f"{KIND_NAMES[kind]} x Q8_K (qk_linear)"
-    log.info("GGUF blocks served natively: %d block matrices Q4_1 x Q8_1 (q4q8_linear), %d Q4_K/Q6_K "
-             "x Q8_K (qk_linear), %d in bf16%s; output projection %s", counts["q4q8"], counts["qk"],
+    log.info("GGUF blocks served natively: %d block matrices Q4_1 x Q8_1 (q4q8_linear), %d Q8_0 x "
+             "Q8_0 (q8q8_linear), %d Q4_K/Q6_K x Q8_K (qk_linear), %d in bf16%s; output projection %s",
+             counts["q4q8"], counts["q8q8"], counts["qk"],
              counts["bf16"], f" ({', '.join(f'{v}x {k}' for k, v in sorted(left.items()))})" if left else "",
              out_kind)
     return counts

@@ -154,7 +154,7 @@ def auto_weights(network: Transformer, source: ModelSource) -> tuple[str, str]:
     if kernels.q4_amx_available():
         return "q4", "AMX: q4_amx_linear, the bf16 products' bits"
     if kernels.q4q8_linear_available():
-        return "q4q8", ("AVX512-VNNI or AVX2 without AMX: the GGUF's Q4_1 / Q4_K / Q6_K blocks "
+        return "q4q8", ("AVX512-VNNI or AVX2 without AMX: the GGUF's Q4_1 / Q8_0 / Q4_K / Q6_K blocks "
                         "times 8-bit inputs, llama.cpp's arithmetic")
     if kernels.q4_linear_available():
         return "q4", "AVX512-BF16: q4_linear, the bf16 products' bits"
@@ -185,7 +185,7 @@ def attach_weights(weights: str, network: Transformer, source: ModelSource,
         return
     if source.kind not in ("embedded", "gguf"):
         raise ValueError(f"--weights {weights} needs a GGUF model with "
-                         f"{'Q4_1, Q4_K or Q6_K' if weights == 'q4q8' else 'Q4_1'} matrices; "
+                         f"{'Q4_1, Q8_0, Q4_K or Q6_K' if weights == 'q4q8' else 'Q4_1'} matrices; "
                          f"--model is {source.kind}")
     try:
         if weights == "q4q8":

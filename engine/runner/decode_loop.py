@@ -74,7 +74,7 @@ class DecodeLoop:
         panels it runs: the C++ `linear` tells them by their 3 dimensions), with int8 copies
         (`engine.model.int8`, row scales) on every block matrix or none, and with the GGUF's
         blocks for `q4q8_linear` (Q4_1) or `qk_linear` (Q4_K / Q6_K; `attach_q4q8`) on every
-        block matrix or none."""
+        block matrix or none (Q8_0 block matrices, on `q8q8_linear`: none)."""
         if not model.args.plain_llama:
             return None             # the C++ loop is the plain Llama block only
         layers = model.layers
@@ -83,6 +83,8 @@ class DecodeLoop:
                   [layer.feed_forward.w13_packed for layer in layers],
                   [layer.feed_forward.w2_packed for layer in layers]]
         order = [ws[i] for i in range(len(layers)) for ws in packed]      # wqkv, wo, w13, w2 per layer
+        if any(w is not None and w.q8q8 is not None for w in order):
+            return None             # Q8_0 block matrices (`q8q8_linear`): the C++ loop has no such product
         with_q4q8 = [w is not None and w.q4q8 is not None for w in order]
         with_qk = [w is not None and w.qk is not None for w in order]
         if any(with_q4q8) or any(with_qk):

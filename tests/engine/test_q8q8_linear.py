@@ -151,3 +151,36 @@ def test_q4q8_takes_the_q8_0_output(gguf_weights):
     assert torch.equal(logits, torch.ops.genserve.q8q8_linear(hidden, q8q8_pack(blocks),
                                                               args.vocab_size))
     assert_close_to_reference(logits, hidden, blocks)
+
+
+def test_a_q8_0_gguf_serves_every_block_matrix_from_its_blocks(tmp_path):
+    """A llama-architecture file of Q8_0 matrices (a common download): `attach_q4q8` gives every
+    block matrix `q8q8_linear` over the file's blocks in the model's fused row order (the blocks
+    dequantize to the model's own weights, Q and K rows un-permuted and interleaved as they are),
+    and each product is the Q8_0 x Q8_0 reference of those blocks; the C++ decode loop, which
+    has no such product, stays off."""
+    import gguf
+
+    from engine.model import gguf_blocks
+    from engine.model.linear import linear
+    from engine.model.transformer import Transformer, block_matrices
+    from engine.model.weights import load_gguf, open_gguf
+    from engine.runner.decode_loop import DecodeLoop
+    from tests.engine.gguf_families import write_gguf
+
+    path = write_gguf("llama3", tmp_path / "ckpt", tmp_path / "q8.gguf", gguf.GGMLQuantizationType.Q8_0)
+    args, state = load_gguf(path)
+    model = Transformer.from_state_dict(args, state, torch.bfloat16)
+    model.pack()
+    reader = open_gguf(path)
+    counts = gguf_blocks.attach_gguf_blocks(model, reader)        # what attach_q4q8 runs
+    assert counts["q8q8"] == 4 * args.n_layers and counts["bf16"] == 0
+    fused = gguf_blocks._fused_parts(gguf_blocks.gguf_layer_blocks(reader), model)
+    assert [(m, n) for m, n, _ in fused] == block_matrices(model)
+    for module, name, parts in fused:
+        blocks = torch.cat([b for _, b in parts])
+        weight = getattr(module, name)
+        assert torch.equal(q8_0_dequantize(blocks).to(torch.bfloat16), weight), name
+        x = random_x(5, weight.shape[1], seed=4)
+        assert_close_to_reference(linear(x, weight, getattr(module, name + "_packed")), x, blocks)
+    assert DecodeLoop.from_model(model) is None
