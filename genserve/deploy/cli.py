@@ -115,10 +115,22 @@ def bridge_argv(args: argparse.Namespace) -> list[str]:
 
 def resolve_ports(args: argparse.Namespace) -> None:
     """Pick the ports left to the supervisor (0: a free port now): --bridge-port and
-    --envoy-admin-port. A restarted child gets the same ports."""
-    if not args.no_envoy:
-        args.bridge_port = args.bridge_port or free_port()
-        args.envoy_admin_port = args.envoy_admin_port or free_port()
+    --envoy-admin-port, each free now and none of the ports the flags name (the public port and
+    the engines' not yet bound: the OS could hand one of them out as free) nor each other. A
+    restarted child gets the same ports."""
+    if args.no_envoy:
+        return
+    taken = {args.port, *engine_ports(args), *engine_metrics_ports(args),
+             args.bridge_port, args.envoy_admin_port} - {0, None}
+
+    def pick() -> int:
+        while (port := free_port()) in taken:
+            pass
+        taken.add(port)
+        return port
+
+    args.bridge_port = args.bridge_port or pick()
+    args.envoy_admin_port = args.envoy_admin_port or pick()
 
 
 def listeners(args: argparse.Namespace) -> list[tuple[str, str, int]]:

@@ -45,6 +45,38 @@ class Server:
             raise AssertionError(str(e)) from None
 
 
+def reserve_ports(*counts: int) -> list[int]:
+    """The first port of each of `len(counts)` runs of `counts[i]` consecutive ports free on
+    127.0.0.1 now, no two runs sharing a port: every port stays bound until all are chosen, so
+    the OS cannot hand one out twice (separate `free_port` calls can: each releases its port
+    before the next pick)."""
+    held: list[socket.socket] = []
+    firsts: list[int] = []
+    try:
+        for n in counts:
+            while True:
+                run = [socket.socket()]
+                try:
+                    run[0].bind(("127.0.0.1", 0))
+                    first = run[0].getsockname()[1]
+                    if first + n - 1 > 65535:
+                        raise OSError("past the last port")
+                    for port in range(first + 1, first + n):
+                        run.append(socket.socket())
+                        run[-1].bind(("127.0.0.1", port))
+                except OSError:
+                    for s in run:
+                        s.close()
+                    continue
+                held += run
+                firsts.append(first)
+                break
+        return firsts
+    finally:
+        for s in held:
+            s.close()
+
+
 def free_ports(n: int) -> int:
     """The first of `n` consecutive ports free on 127.0.0.1 now (engine replicas take consecutive
     ports)."""
@@ -65,7 +97,7 @@ def start_server(*extra: str, env: dict[str, str] | None = None, replicas: int =
                  kv_pool_gib: float = 0.5):
     """Start `genserve serve` on free ports with `replicas` engines; yields a Server, stops it
     afterwards."""
-    port, grpc_port, metrics_port = free_port(), free_ports(replicas), free_ports(replicas)
+    port, grpc_port, metrics_port = reserve_ports(1, replicas, replicas)
     proc = subprocess.Popen(
         [sys.executable, "-m", "genserve.deploy.cli", "serve", "--port", str(port), "--grpc-port", str(grpc_port),
          "--metrics-port", str(metrics_port), "--kv-pool-gib", str(kv_pool_gib),

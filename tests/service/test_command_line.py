@@ -143,3 +143,13 @@ def test_the_supervisor_announces_readiness_that_comes_after_its_timeout(tmp_pat
     finally:
         proc.terminate()
         assert proc.wait(30) == 0
+
+
+def test_the_supervisors_ports_avoid_the_ports_the_flags_name(monkeypatch):
+    """The bridge's and Envoy admin's ports are picked free now, but the engines' ports are not
+    bound yet, so the OS may offer one of them (or the same port twice): those picks are skipped."""
+    args = cli.build_parser().parse_args(["serve", "--grpc-port", "41000", "--metrics-port", "41100"])
+    offers = iter([41000, 8000, 41100, 42000, 42000, 42001])
+    monkeypatch.setattr(cli, "free_port", lambda: next(offers))
+    cli.resolve_ports(args)
+    assert (args.bridge_port, args.envoy_admin_port) == (42000, 42001)
