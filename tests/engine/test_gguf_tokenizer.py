@@ -369,7 +369,11 @@ def test_sentencepiece_chat_prompt_equals_transformers_apply_chat_template(spm_p
                                                                 return_dict=False)]
         assert ids[:2] == [1, 1]
         if "<s>" in content:
-            assert 1 not in ids[2:] and 1 in expected[1:]
+            # ours: the message's "<s>" is text (no BOS id after the first; it decodes back as the
+            # message's own characters); transformers' string encoding turns it into a BOS
+            assert 1 not in ids[2:], ids
+            assert content in tok.decode(ids[1:]), tok.decode(ids[1:])
+            assert expected.count(1) == 2
         else:
             assert ids[1:] == expected
 
