@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2
 
 from genserve.common.ports import PortInUse, check_ports_free, port_is_free
 from genserve.deploy.supervisor import free_port
+from tests.ports import reserve_ports
 
 EXIT_PORT_IN_USE = 3
 RUN_TIMEOUT_S = 120
@@ -49,7 +50,7 @@ def test_port_probe_sees_a_listener_and_a_bound_socket():
 def test_check_ports_free_names_the_taken_port_and_duplicates():
     with occupied() as port:
         with pytest.raises(PortInUse) as info:
-            check_ports_free([("bridge", "127.0.0.1", free_port()), ("engine 0 gRPC", "127.0.0.1", port)])
+            check_ports_free([("bridge", "127.0.0.1", reserve_ports(1)[0]), ("engine 0 gRPC", "127.0.0.1", port)])
     assert info.value.port == port and info.value.what == "engine 0 gRPC"
     assert f"port {port} on 127.0.0.1 is already in use (engine 0 gRPC)" in str(info.value)
     with pytest.raises(ValueError, match="port 8123 is given twice: to bridge and to Envoy admin"):
@@ -65,7 +66,7 @@ def test_engine_exits_when_its_grpc_port_is_taken():
 
 def test_engine_exits_when_its_metrics_port_is_taken():
     with occupied() as metrics_port:
-        proc = run("-m", "service", "--port", str(free_port()), "--metrics-port", str(metrics_port))
+        proc = run("-m", "service", "--port", str(reserve_ports(1)[0]), "--metrics-port", str(metrics_port))
     assert proc.returncode == EXIT_PORT_IN_USE, proc.stderr[-2000:]
     assert f"port {metrics_port} on 127.0.0.1 is already in use (engine metrics)" in proc.stderr
 
@@ -87,8 +88,8 @@ async def test_a_second_engine_server_cannot_share_the_port():
 def test_genserve_serve_checks_every_port_before_starting(which):
     """Nothing starts (exit within seconds, no engine loaded) and the message names the port."""
     with occupied() as taken:
-        ports = {"public": free_port(), "grpc": free_port(), "metrics": free_port(),
-                 "bridge": free_port(), "envoy-admin": free_port()}
+        names = ("public", "grpc", "metrics", "bridge", "envoy-admin")
+        ports = dict(zip(names, reserve_ports(1, 1, 1, 1, 1)))
         ports[which] = taken
         what = {"public": "Envoy listener", "grpc": "engine 0 gRPC", "metrics": "engine 0 metrics",
                 "bridge": "bridge", "envoy-admin": "Envoy admin"}[which]
@@ -109,8 +110,9 @@ def test_genserve_serve_checks_the_second_replica_port():
             except OSError:
                 continue                     # first + 1 is taken by someone else: pick again
             sock.listen()
-            proc = run("-m", "genserve.deploy.cli", "serve", "--port", str(free_port()), "--grpc-port", str(first),
-                       "--replicas", "2", "--metrics-port", str(free_port()))
+            public, metrics = reserve_ports(1, 2)
+            proc = run("-m", "genserve.deploy.cli", "serve", "--port", str(public), "--grpc-port", str(first),
+                       "--replicas", "2", "--metrics-port", str(metrics))
             break
     assert proc.returncode == EXIT_PORT_IN_USE, proc.stderr[-2000:]
     assert f"port {first + 1} on 127.0.0.1 is already in use (engine 1 gRPC)" in proc.stderr

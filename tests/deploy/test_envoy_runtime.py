@@ -33,6 +33,7 @@ from genserve.deploy.supervisor import free_port
 from genserve.v1 import generate_pb2 as pb, generate_pb2_grpc as pb_grpc
 from service.load_report import HEADER as LOAD_REPORT_HEADER, Load, report_text
 from tests.deploy.helpers import tool
+from tests.ports import reserve_ports
 
 SERVICE = "genserve.v1.GenerateService"
 START_TIMEOUT_S = 15.0
@@ -197,7 +198,7 @@ def start_envoy(tmp_path, bridge_port: int, engine_ports: list[int],
     `engine_values`: more chart values of `envoy.engines`."""
     envoy_binary = tool("envoy")
     tool("helm")
-    port, admin_port = free_port(), free_port()
+    port, admin_port = reserve_ports(1, 1)
     text = envoy.render_envoy_config(
         listen_host="127.0.0.1", listen_port=port, admin_port=admin_port,
         bridge=[("127.0.0.1", bridge_port)], engines=[("127.0.0.1", p) for p in engine_ports],
@@ -438,7 +439,8 @@ def test_sse_is_not_buffered(fleet):
 def test_envoys_own_503_has_retry_after(tmp_path):
     """With nothing listening upstream, Envoy answers itself: 503 plus Retry-After over REST,
     UNAVAILABLE with retry-after metadata over gRPC (what the bridge turns into a 503)."""
-    proxy = start_envoy(tmp_path, free_port(), [free_port(), free_port()])
+    bridge, engine_a, engine_b = reserve_ports(1, 1, 1)     # nothing listens on them
+    proxy = start_envoy(tmp_path, bridge, [engine_a, engine_b])
     try:
         reply = httpx.get(proxy.url + "/v1/models", timeout=5)
         assert reply.status_code == 503

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -14,8 +13,8 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from genserve.deploy.supervisor import free_port
 from loadgen.metrics import scrape_metrics, wait_idle
+from tests.ports import reserve_ports
 
 START_TIMEOUT_S = 240.0
 KEYED_MAX_BODY_BYTES = 65_536   # keyed_server's body limit
@@ -43,54 +42,6 @@ class Server:
             return wait_idle(self.base_url, timeout_s, settle_s)
         except TimeoutError as e:
             raise AssertionError(str(e)) from None
-
-
-def reserve_ports(*counts: int) -> list[int]:
-    """The first port of each of `len(counts)` runs of `counts[i]` consecutive ports free on
-    127.0.0.1 now, no two runs sharing a port: every port stays bound until all are chosen, so
-    the OS cannot hand one out twice (separate `free_port` calls can: each releases its port
-    before the next pick)."""
-    held: list[socket.socket] = []
-    firsts: list[int] = []
-    try:
-        for n in counts:
-            while True:
-                run = [socket.socket()]
-                try:
-                    run[0].bind(("127.0.0.1", 0))
-                    first = run[0].getsockname()[1]
-                    if first + n - 1 > 65535:
-                        raise OSError("past the last port")
-                    for port in range(first + 1, first + n):
-                        run.append(socket.socket())
-                        run[-1].bind(("127.0.0.1", port))
-                except OSError:
-                    for s in run:
-                        s.close()
-                    continue
-                held += run
-                firsts.append(first)
-                break
-        return firsts
-    finally:
-        for s in held:
-            s.close()
-
-
-def free_ports(n: int) -> int:
-    """The first of `n` consecutive ports free on 127.0.0.1 now (engine replicas take consecutive
-    ports)."""
-    while True:
-        first = free_port()
-        if first + n - 1 > 65535:
-            continue
-        try:
-            for port in range(first + 1, first + n):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-            return first
-        except OSError:
-            continue
 
 
 def start_server(*extra: str, env: dict[str, str] | None = None, replicas: int = 1,
