@@ -27,6 +27,7 @@ option                         used by
                                Qwen (yarn)
 `partial_rotary`               Phi-4-mini (0.75)
 `tie_embeddings`               Llama 3.2, Qwen small sizes, Gemma
+`moe`                          Qwen3-MoE (top-8 of 128), Mixtral (top-2 of 8)
 =============================  =====================================================
 """
 
@@ -117,6 +118,35 @@ class LayerAttention:
 
 
 @dataclass(frozen=True, slots=True)
+class MoEArgs:
+    """A sparse mixture-of-experts MLP (Shazeer et al. 2017; Mixtral, Jiang et al. 2024): a
+    router picks `top_k` of `n_experts` gated MLPs per token and adds their outputs, each weighted
+    by its routing probability (`engine.model.mlp.MoEFeedForward`).
+
+    Attributes:
+        n_experts: experts per MoE layer (Qwen3-30B-A3B: 128, Mixtral: 8).
+        top_k: experts each token runs (8 / 2).
+        expert_size: each expert's gated MLP hidden size (`moe_intermediate_size`: 768; Mixtral's
+            `intermediate_size`: 14,336).
+        norm_topk_prob: the top-k probabilities are divided by their sum (Mixtral always,
+            Qwen3-MoE where the config says); otherwise they are the softmax over all experts.
+        sparse_layers: per layer, True where the MLP is the MoE one, False where it is the dense
+            MLP of `ModelArgs.intermediate_size` (Qwen3-MoE's `mlp_only_layers` and
+            `decoder_sparse_step`).
+    """
+
+    n_experts: int
+    top_k: int
+    expert_size: int
+    norm_topk_prob: bool
+    sparse_layers: tuple[bool, ...]
+
+    def __post_init__(self) -> None:
+        if not 0 < self.top_k <= self.n_experts:
+            raise ValueError(f"top-{self.top_k} routing over {self.n_experts} experts")
+
+
+@dataclass(frozen=True, slots=True)
 class ModelArgs:
     """A decoder-only transformer, every option explicit (the module docstring's table).
 
@@ -148,6 +178,7 @@ class ModelArgs:
         partial_rotary: the fraction of each head's dimensions RoPE rotates (the first ones).
         layers: per-layer attention kinds, n_layers of them; empty means every layer global
             with `rope_theta` and `rope_scaling`.
+        moe: the mixture-of-experts MLP and the layers that have it; None: every MLP dense.
     """
 
     dim: int
@@ -175,6 +206,7 @@ class ModelArgs:
     rope_scaling: RopeScaling = RopeScaling()
     partial_rotary: float = 1.0
     layers: tuple[LayerAttention, ...] = ()
+    moe: MoEArgs | None = None
 
     def __post_init__(self) -> None:
         if not self.head_dim:
@@ -188,6 +220,8 @@ class ModelArgs:
         plain = LayerAttention(None, self.rope_theta, self.rope_scaling)
         if self.layers and all(layer == plain for layer in self.layers):
             object.__setattr__(self, "layers", ())       # one spelling of "every layer global"
+        if self.moe is not None and len(self.moe.sparse_layers) != self.n_layers:
+            raise ValueError(f"{len(self.moe.sparse_layers)} MoE layer flags for {self.n_layers} layers")
         if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
             raise ValueError(f"partial_rotary {self.partial_rotary} of head_dim {self.head_dim} "
                              "is not an even number of dimensions")
@@ -217,14 +251,19 @@ class ModelArgs:
     def plain_llama(self) -> bool:
         """True when the network is the 2023 Llama block genserve's fused CPU kernels and C++
         decode loop implement: no bias, no q/k norm, no sandwich norms, SwiGLU, no softcaps,
-        the default score scale, no embedding scale, full rotary and every layer global. Any
+        the default score scale, no embedding scale, full rotary, every layer global and every
+        MLP dense. Any
         other model runs the torch ops (`engine.runner.model_runner`), which implement every
         option."""
         return (not (self.qkv_bias or self.o_bias or self.qk_norm or self.sandwich_norm)
                 and self.activation == "silu" and self.embedding_scale == 1.0
                 and self.attn_softcap is None and self.final_softcap is None
                 and self.query_scale in (0.0, self.head_dim ** -0.5) and self.partial_rotary == 1.0
-                and all(w is None for w in self.sliding_windows))
+                and all(w is None for w in self.sliding_windows) and self.moe is None)
+
+    def is_sparse(self, i: int) -> bool:
+        """Whether layer i's MLP is the mixture of experts (`moe`)."""
+        return self.moe is not None and self.moe.sparse_layers[i]
 
     def replace(self, **changes) -> "ModelArgs":
         """A copy with `changes` (`dataclasses.replace`; head_dim recomputed if dim or heads change

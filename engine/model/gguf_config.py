@@ -36,6 +36,10 @@ GGUF_LAYER_NAMES: dict[str, str] = {
     "ffn_gate": "feed_forward.w1",
     "ffn_up": "feed_forward.w3",
     "ffn_down": "feed_forward.w2",
+    "ffn_gate_inp": "feed_forward.router",            # mixture-of-experts layers
+    "ffn_gate_exps": "feed_forward.experts_w1_stacked",
+    "ffn_up_exps": "feed_forward.experts_w3_stacked",
+    "ffn_down_exps": "feed_forward.experts_w2_stacked",
 }
 
 _MISSING = object()

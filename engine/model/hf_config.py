@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.model.config import LayerAttention, ModelArgs, RopeScaling
+from engine.model.config import LayerAttention, ModelArgs, MoEArgs, RopeScaling
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -154,3 +154,35 @@ def base_args(config: dict[str, Any], source: str, **options: Any) -> ModelArgs:
     )
     fields.update(options)
     return ModelArgs(**fields)
+
+
+def moe_args(config: dict[str, Any], source: str, expert_size: int, norm_topk_prob: bool,
+             sparse_layers: tuple[bool, ...]) -> MoEArgs:
+    """`MoEArgs` from a mixture-of-experts config: the expert count (`num_experts`, or
+    `num_local_experts` as transformers 5 and Mixtral write it) and `num_experts_per_tok`, with
+    the family's expert size, normalization and sparse layers.
+
+    Raises:
+        ValueError: no experts, or a top k outside 1..experts (named).
+    """
+    n_experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
+    top_k = int(config.get("num_experts_per_tok") or 0)
+    if n_experts < 1:
+        raise ValueError(f"{source}: a mixture-of-experts model with no experts (num_experts)")
+    if not 0 < top_k <= n_experts:
+        raise ValueError(f"{source}: num_experts_per_tok {top_k} must be 1..{n_experts}")
+    return MoEArgs(n_experts, top_k, expert_size, norm_topk_prob, sparse_layers)
+
+
+def expert_layer_names(n_experts: int, router: str, experts: str, leaves: dict[str, str]) -> dict[str, str]:
+    """A mixture-of-experts layer's Hugging Face leaves -> the loader's: the router (`router`,
+    e.g. "mlp.gate"), each expert's matrices (`experts` + ".{e}." + a key of `leaves`, e.g.
+    "mlp.experts.3.gate_proj" -> "feed_forward.experts.3.w1"), and transformers 5's stacked
+    tensors under `experts` ("gate_up_proj" [E, 2·F, dim], "down_proj" [E, dim, F])."""
+    names = {router: "feed_forward.router",
+             f"{experts}.gate_up_proj": "feed_forward.experts_w13_stacked",
+             f"{experts}.down_proj": "feed_forward.experts_w2_stacked"}
+    for e in range(n_experts):
+        for leaf, ours in leaves.items():
+            names[f"{experts}.{e}.{leaf}"] = f"feed_forward.experts.{e}.{ours}"
+    return names

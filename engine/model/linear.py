@@ -355,14 +355,24 @@ def _fp32_call(x: torch.Tensor, weight32: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight32)
 
 
+def pack_fp32(weight: torch.Tensor) -> PackedWeight | None:
+    """An fp32 CPU matrix [out, in] for `linear` on fp32 inputs with rows independent of the
+    batch: `fp32_linear`'s fixed-size calls, the call sizes probed for this shape as `_fp32_copy`
+    probes them (the MoE router: fp32 logits whatever the serving dtype). None where no size
+    passes the probe or the weight is not an fp32 CPU tensor (then `linear` runs `F.linear`)."""
+    if weight.dtype != torch.float32 or weight.device.type != "cpu":
+        return None
+    return _fp32_copy(weight, {})
+
+
 def _fp32_copy(weight: torch.Tensor, call_rows: dict[tuple[int, int], tuple[int, ...]]
                ) -> PackedWeight | None:
-    """`weight` (bf16, CPU) with its fp32 copy for `fp32_linear`, or None if no call count of
+    """`weight` (bf16 or fp32, CPU) with its fp32 copy for `fp32_linear`, or None if no call count of
     `FP32_CALL_ROWS` passes the probe. The counts are probed once per shape (`call_rows`, shape →
     counts, filled in here; the BLAS picks its kernel by shape, not values): on random rows, a call
     of each count must give every row the bits of the largest count's call on the same rows, with
-    the rows at shifted positions too. Costs 4 · out · in bytes."""
-    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+    the rows at shifted positions too. Costs 4 · out · in bytes (none for an fp32 weight)."""
+    if weight.dtype not in (torch.bfloat16, torch.float32) or weight.device.type != "cpu":
         return None
     wide = weight.float()
     shape = (weight.shape[0], weight.shape[1])

@@ -61,7 +61,8 @@ def gguf_config(meta: GGUFMetadata, config: dict[str, Any]) -> dict[str, Any]:
     the file has them, and Llama 3.1+'s RoPE scaling, which llama.cpp's converter writes as the
     tensor `rope_freqs.weight` (per-pair divisors of θ_j, computed from the checkpoint's llama3
     parameters) rather than as metadata. llama.cpp serves Mistral files under this architecture
-    too, without their sliding window; so does genserve.
+    too, without their sliding window; so does genserve. A file with `expert_count` is Mixtral
+    (its config is marked `MixtralForCausalLM`, which `engine.model.mixtral` serves).
 
     Raises:
         ValueError: RoPE over part of a head (`rope.dimension_count` below the head size).
@@ -71,6 +72,10 @@ def gguf_config(meta: GGUFMetadata, config: dict[str, Any]) -> dict[str, Any]:
     if rope_dims != head_dim:
         raise ValueError(f"{meta.source}: RoPE over {rope_dims} of {head_dim} head dims is not supported")
     config["attention_bias"] = "blk.0.attn_q.bias" in meta.tensor_shapes
+    if int(meta.arch_get("expert_count", 0) or 0):       # Mixtral: engine.model.mixtral serves it
+        config["architectures"] = ["MixtralForCausalLM"]
+        config["num_local_experts"] = int(meta.arch_get("expert_count"))
+        config["num_experts_per_tok"] = int(meta.arch_get("expert_used_count"))
     if "rope_freqs.weight" in meta.tensor_shapes:
         config["rope_scaling"] = {"rope_type": "freq_factors",
                                   "freq_factors": meta.read_tensor("rope_freqs.weight").tolist()}

@@ -9,7 +9,8 @@ one module (Mistral is Llama with a window). Every family module provides:
 * `config_from_hf(config: dict, source: str) -> ModelArgs`: the checkpoint's options, every one
   explicit, refusing (ValueError naming it) any it cannot serve;
 * `HF_LAYER_NAMES`: Hugging Face leaf names of a layer (`model.layers.{i}.<leaf>`) → the
-  loader's (`engine.model.weights`);
+  loader's (`engine.model.weights`), or `hf_layer_names(args, i)` where layers differ (the
+  mixture-of-experts families: a sparse layer's router and experts);
 * optionally `split_fused(state, args)`: turns fused checkpoint tensors into the loader's;
 * for GGUF files, optionally `gguf_config(meta, config) -> config` (its options on top of
   `engine.model.gguf_config.common_config`), `GGUF_LAYER_NAMES` (leaf overrides) and
@@ -34,17 +35,19 @@ _HF_ARCHITECTURES: dict[str, str] = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "Phi3ForCausalLM": "phi3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 # config.json model_type -> architectures name, for a config that lists no architectures
 _MODEL_TYPES: dict[str, str] = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-    "phi3": "Phi3ForCausalLM",
+    "phi3": "Phi3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
 }
 # GGUF general.architecture -> family module
 _GGUF_ARCHITECTURES: dict[str, str] = {
     "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3",
-    "phi3": "phi3",
+    "phi3": "phi3", "qwen3moe": "qwen3_moe",
 }
 
 

@@ -10,8 +10,9 @@ A block is pre-norm attention and a gated MLP, each added to the residual stream
 Attention: one fused Q | K | V projection (+ bias: Qwen2), per-head q/k RMSNorm (Qwen3, Gemma 3),
 RoPE from the layer's table (its base, scaling and rotary share), K and V stored in the paged
 pool, then the backend's paged attention with the layer's `AttentionSpec` (score scale, sliding
-window, softcap; None for the plain case, which every backend's fast path serves). MLP:
-down(act(gate(x)) · up(x)), gate | up fused, act SiLU (SwiGLU) or tanh-GELU (GeGLU).
+window, softcap; None for the plain case, which every backend's fast path serves). MLP
+(`engine.model.mlp`): down(act(gate(x)) · up(x)), gate | up fused, act SiLU (SwiGLU) or tanh-GELU
+(GeGLU); in a mixture-of-experts layer (Qwen3-MoE, Mixtral) a router's top-k of such experts.
 
 The plain Llama block (`ModelArgs.plain_llama`) takes exactly the path it always took, so
 genserve's fused CPU kernels (`engine.model.layer_ops.KernelLayerOps`) and the C++ decode loop
@@ -22,13 +23,13 @@ runner decides).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.base import AttentionMetadata, AttentionSpec
 from engine.model.config import ModelArgs
 from engine.model.layer_ops import TorchLayerOps
 from engine.model.linear import PackedWeight, linear, pack_weights
+from engine.model.mlp import FeedForward, MoEFeedForward
 from engine.model.rope import interleave_rope_rows, rope_tables
 
 
@@ -51,7 +52,8 @@ def fused_block_matrices(state: dict[str, torch.Tensor], args: ModelArgs) -> dic
     interleaved-RoPE order (`interleave_rope_rows`, whole rows moved, so it serves the GGUF's
     4-bit blocks as well as numbers), `attention.wo`, `feed_forward.w13` = gate | up rows,
     `feed_forward.w2`; with `args.qkv_bias` `attention.bqkv` in the same row order, with
-    `args.o_bias` `attention.bo`. Raises KeyError on a missing tensor."""
+    `args.o_bias` `attention.bo`. A mixture-of-experts layer has `feed_forward.router` and each
+    expert's `feed_forward.experts.{e}.w13` / `w2` instead. Raises KeyError on a missing tensor."""
     fused: dict[str, torch.Tensor] = {}
     rot = args.rotary_dim
     for i in range(args.n_layers):
@@ -69,9 +71,14 @@ def fused_block_matrices(state: dict[str, torch.Tensor], args: ModelArgs) -> dic
                 state[a + "wv.bias"]])
         if args.o_bias:
             fused[a + "bo"] = state[a + "wo.bias"]
-        fused[p + "feed_forward.w13"] = torch.cat([state[p + "feed_forward.w1.weight"],
-                                                   state[p + "feed_forward.w3.weight"]])
-        fused[p + "feed_forward.w2"] = state[p + "feed_forward.w2.weight"]
+        if args.is_sparse(i):
+            fused[p + "feed_forward.router"] = state[p + "feed_forward.router.weight"]
+            mlps = [f"{p}feed_forward.experts.{e}." for e in range(args.moe.n_experts)]
+        else:
+            mlps = [p + "feed_forward."]
+        for m in mlps:
+            fused[m + "w13"] = torch.cat([state[m + "w1.weight"], state[m + "w3.weight"]])
+            fused[m + "w2"] = state[m + "w2.weight"]
     return fused
 
 
@@ -134,29 +141,6 @@ class Attention(nn.Module):
         return torch.cat([q, k, v], dim=-1)
 
 
-class FeedForward(nn.Module):
-    """Gated MLP: down(act(gate(x)) · up(x)), gate and up fused (Shazeer 2020); act SiLU
-    (SwiGLU) or tanh-approximated GELU (GeGLU, Gemma)."""
-
-    def __init__(self, args: ModelArgs) -> None:
-        super().__init__()
-        self.ffn = args.intermediate_size
-        self.gelu = args.activation == "gelu_tanh"
-        self.w13 = nn.Parameter(torch.empty(2 * args.intermediate_size, args.dim))
-        self.w2 = nn.Parameter(torch.empty(args.dim, args.intermediate_size))
-        self.w13_packed: PackedWeight | None = None
-        self.w2_packed: PackedWeight | None = None
-
-    def forward(self, x: torch.Tensor, ops: type[TorchLayerOps]) -> torch.Tensor:    # x: [T, dim]
-        gate_up = linear(x, self.w13, self.w13_packed)                               # [T, 2·ffn]
-        if self.gelu:
-            gate, up = gate_up.chunk(2, dim=-1)
-            hidden = F.gelu(gate, approximate="tanh").mul_(up)
-        else:
-            hidden = ops.silu_mul(gate_up)
-        return linear(hidden, self.w2, self.w2_packed)                               # [T, dim]
-
-
 class Block(nn.Module):
     """Pre-norm transformer block: h + attn(norm(h)), then + ffn(norm(h)); with sandwich norms
     (Gemma) each output is normed again before its add.
@@ -171,7 +155,8 @@ class Block(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args, layer_spec(args, i), rope_index)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args)
+        self.feed_forward = MoEFeedForward(args) if args.is_sparse(i) else \
+            FeedForward(args.dim, args.intermediate_size, args.activation)
         self.post_attention_norm = RMSNorm(args.dim, args.norm_eps) if args.sandwich_norm else None
         self.post_ffn_norm = RMSNorm(args.dim, args.norm_eps) if args.sandwich_norm else None
 
@@ -239,8 +224,8 @@ class Transformer(nn.Module):
         Q, K, V are concatenated into `wqkv` [(H + 2·KVH)·hd, dim] (Q and K rows reordered for
         interleaved RoPE, see `rope_tables`; attention scores are unchanged since q and k share
         the order; the q/k norm weights reordered alike) and gate, up into `w13` [2·ffn, dim].
-        Norm weights stay fp32 (they scale fp32 activations); the RoPE tables stay complex64.
-        Every tensor goes to `device` (None: where the loader's output weight is; packed copies
+        Norm weights and MoE routers stay fp32 (they scale fp32 activations; router logits are
+        fp32); the RoPE tables stay complex64. Every tensor goes to `device` (None: where the loader's output weight is; packed copies
         exist on the CPU only, see `pack`). Raises KeyError on a missing tensor.
         """
         with torch.device("meta"):
@@ -262,11 +247,13 @@ class Transformer(nn.Module):
                 for norm in ("q_norm", "k_norm"):
                     weight = state[p + f"attention.{norm}.weight"]
                     fused[p + f"attention.{norm}.weight"] = interleave_rope_rows(weight, 1, args.rotary_dim)
-        fused = {k: (t.float() if k.endswith("norm.weight") else t.to(dtype)).to(device).contiguous()
+        fused = {k: (t.float() if k.endswith(("norm.weight", "router")) else t.to(dtype)).to(device).contiguous()
                  for k, t in fused.items()}
         model.load_state_dict(fused, strict=True, assign=True)
         for k, table in enumerate(model.make_rope_tables(device)):
             setattr(model, f"rope_freqs_{k}", table)
+        for moe in model.moe_layers:
+            moe.expert_rows = torch.zeros_like(moe.expert_rows, device=device)
         model = model.eval().requires_grad_(False)
         model.pack()
         return model
@@ -281,6 +268,13 @@ class Transformer(nn.Module):
         packed = pack_weights(weights) if on_cpu else [None] * len(weights)
         for (module, name), p in zip(owners, packed):
             setattr(module, name + "_packed", p)
+        for moe in self.moe_layers:
+            moe.pack_router()
+
+    @property
+    def moe_layers(self) -> list[MoEFeedForward]:
+        """The mixture-of-experts MLPs, in layer order (empty for a dense model)."""
+        return [layer.feed_forward for layer in self.layers if isinstance(layer.feed_forward, MoEFeedForward)]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -343,8 +337,8 @@ class Transformer(nn.Module):
 
 
 def block_matrices(model: Transformer) -> list[tuple[nn.Module, str]]:
-    """(module, attribute name) of every block matrix of `model`: wqkv, wo, w13, w2 of each layer
-    in turn (each has a `<name>_packed` beside it)."""
+    """(module, attribute name) of every block matrix of `model`: wqkv, wo, then the MLP's w13, w2
+    (a mixture-of-experts layer: each expert's w13, w2 in expert order) of each layer in turn
+    (each has a `<name>_packed` beside it)."""
     return [(m, n) for layer in model.layers
-            for m, n in ((layer.attention, "wqkv"), (layer.attention, "wo"),
-                         (layer.feed_forward, "w13"), (layer.feed_forward, "w2"))]
+            for m, n in [(layer.attention, "wqkv"), (layer.attention, "wo"), *layer.feed_forward.matrices()]]

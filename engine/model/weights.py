@@ -31,6 +31,14 @@ and ``layers.{i}.post_ffn_norm.weight`` (``post_feedforward_layernorm``; there
 ``pre_feedforward_layernorm`` is ``ffn_norm``). Norm weights hold w of w·x̂: a checkpoint's
 ``norm_offset`` (Gemma's 1 + w) is added at load.
 
+A mixture-of-experts layer (``ModelArgs.moe``) has, instead of ``feed_forward.w{1,2,3}``, the
+router ``layers.{i}.feed_forward.router.weight`` ``[n_experts, dim]`` (``ffn_gate_inp`` /
+``mlp.gate``, ``block_sparse_moe.gate``) and each expert's
+``layers.{i}.feed_forward.experts.{e}.w{1,2,3}.weight`` (``[expert_size, dim]``, ``[dim,
+expert_size]``). Checkpoints that stack the experts (a GGUF's ``ffn_{gate,up,down}_exps``
+``[n_experts, out, in]``, transformers 5's ``mlp.experts.gate_up_proj`` / ``down_proj``) are split
+per expert at load (``split_stacked_experts``).
+
 For a tied model (``ModelArgs.tie_embeddings``) ``output.weight`` is the same tensor object as
 ``tok_embeddings.weight``.
 """
@@ -185,6 +193,8 @@ def load_gguf(source: "str | pathlib.Path | gguf.GGUFReader | None" = None,
     config = common_config(meta, module.ARCHITECTURES[0])
     if hasattr(module, "gguf_config"):
         config = module.gguf_config(meta, config)
+    if config["architectures"][0] not in module.ARCHITECTURES:    # llama files with experts: Mixtral
+        module = family_for_config(config, path.name).module
     args = module.config_from_hf(config, path.name)
     layer_names = {**GGUF_LAYER_NAMES, **getattr(module, "GGUF_LAYER_NAMES", {})}
     permuted = getattr(module, "GGUF_PERMUTED_QK", False)
@@ -212,6 +222,7 @@ def load_gguf(source: "str | pathlib.Path | gguf.GGUFReader | None" = None,
                               else load("output.weight"))
     if hasattr(module, "split_fused"):
         module.split_fused(state, args)
+    split_stacked_experts(state, args, path.name)
     missing = sorted(name for name, _ in expected_shapes(args) if name not in state)
     if missing:
         raise KeyError(f"{path.name}: {len(missing)} tensors missing, e.g. {missing[:3]}")
@@ -362,15 +373,17 @@ def load_safetensors(directory: str | pathlib.Path, dtype: torch.dtype = torch.b
     config = json.loads(config_path.read_text())
     family = family_for_config(config, str(config_path))
     args = family.module.config_from_hf(config, str(config_path))
-    layer_names = family.module.HF_LAYER_NAMES
 
     wanted = {"model.embed_tokens.weight": "tok_embeddings.weight",
               "model.norm.weight": "norm.weight",
               "lm_head.weight": "output.weight"}
     for i in range(args.n_layers):
+        layer_names = (family.module.hf_layer_names(args, i) if hasattr(family.module, "hf_layer_names")
+                       else family.module.HF_LAYER_NAMES)
         for leaf, ours in layer_names.items():
             for kind in ("weight", "bias"):
                 wanted[f"model.layers.{i}.{leaf}.{kind}"] = f"layers.{i}.{ours}.{kind}"
+            wanted[f"model.layers.{i}.{leaf}"] = f"layers.{i}.{ours}"   # stacked experts: no suffix
 
     state: dict[str, torch.Tensor] = {}
     for shard in shards:
@@ -386,6 +399,7 @@ def load_safetensors(directory: str | pathlib.Path, dtype: torch.dtype = torch.b
                     state[name] = tensor.to(device)
     if hasattr(family.module, "split_fused"):
         family.module.split_fused(state, args)
+    split_stacked_experts(state, args, str(directory))
     if args.tie_embeddings and "tok_embeddings.weight" in state:
         state["output.weight"] = state["tok_embeddings.weight"]  # a tied checkpoint may omit lm_head
     missing = sorted(name for name, _ in expected_shapes(args) if name not in state)
@@ -395,11 +409,40 @@ def load_safetensors(directory: str | pathlib.Path, dtype: torch.dtype = torch.b
     return args, state
 
 
+# Stacked-expert tensors the loaders read ([n_experts, out, in]) -> the per-expert leaves they hold.
+_STACKED_EXPERTS = {"experts_w1_stacked": ("w1",), "experts_w3_stacked": ("w3",),
+                    "experts_w2_stacked": ("w2",), "experts_w13_stacked": ("w1", "w3")}
+
+
+def split_stacked_experts(state: dict[str, torch.Tensor], args: ModelArgs, source: str) -> None:
+    """Split stacked expert tensors into per-expert matrices, in place:
+    ``layers.{i}.feed_forward.experts_w{1,3,2}_stacked`` ``[n_experts, out, in]`` (a GGUF's
+    ``ffn_{gate,up,down}_exps``) and ``experts_w13_stacked`` ``[n_experts, 2·expert_size, dim]``
+    (gate rows then up rows: transformers 5's ``mlp.experts.gate_up_proj``) become
+    ``layers.{i}.feed_forward.experts.{e}.w{1,3,2}.weight``.
+
+    Raises:
+        ValueError: a stacked tensor's expert count is not ``args.moe.n_experts`` (named).
+    """
+    for name in [n for n in state if "_stacked" in n]:
+        prefix, _, leaf = name.removesuffix(".weight").rpartition(".")
+        stacked = state.pop(name)
+        n_experts = args.moe.n_experts if args.moe is not None else 0
+        if stacked.dim() != 3 or stacked.shape[0] != n_experts:
+            raise ValueError(f"{source}: {name} has shape {tuple(stacked.shape)}, expected "
+                             f"[{n_experts}, out, in] from the config")
+        parts = _STACKED_EXPERTS[leaf]
+        for e, matrix in enumerate(stacked.unbind(0)):
+            for part, rows in zip(parts, matrix.chunk(len(parts))):
+                state[f"{prefix}.experts.{e}.{part}.weight"] = rows.contiguous()
+
+
 def expected_shapes(args: ModelArgs) -> Iterator[tuple[str, tuple[int, ...]]]:
     """Every state-dict name with the shape ``args`` implies (module docstring table), the
     options' tensors included: Q/K/V biases (``qkv_bias``), the output projection's bias
-    (``o_bias``), per-head q/k norms [head_dim] (``qk_norm``) and the sandwich norms
-    (``layers.{i}.post_attention_norm.weight``, ``post_ffn_norm``)."""
+    (``o_bias``), per-head q/k norms [head_dim] (``qk_norm``), the sandwich norms
+    (``layers.{i}.post_attention_norm.weight``, ``post_ffn_norm``) and a mixture-of-experts
+    layer's router and experts (``moe``) in place of its dense MLP."""
     hd, ffn = args.head_dim, args.intermediate_size
     yield "tok_embeddings.weight", (args.vocab_size, args.dim)
     for i in range(args.n_layers):
@@ -422,9 +465,15 @@ def expected_shapes(args: ModelArgs) -> Iterator[tuple[str, tuple[int, ...]]]:
         if args.sandwich_norm:
             yield p + "post_attention_norm.weight", (args.dim,)
             yield p + "post_ffn_norm.weight", (args.dim,)
-        yield p + "feed_forward.w1.weight", (ffn, args.dim)
-        yield p + "feed_forward.w3.weight", (ffn, args.dim)
-        yield p + "feed_forward.w2.weight", (args.dim, ffn)
+        if args.is_sparse(i):
+            yield p + "feed_forward.router.weight", (args.moe.n_experts, args.dim)
+            mlps = [(f"{p}feed_forward.experts.{e}.", args.moe.expert_size) for e in range(args.moe.n_experts)]
+        else:
+            mlps = [(p + "feed_forward.", ffn)]
+        for m, hidden in mlps:
+            yield m + "w1.weight", (hidden, args.dim)
+            yield m + "w3.weight", (hidden, args.dim)
+            yield m + "w2.weight", (args.dim, hidden)
     yield "norm.weight", (args.dim,)
     yield "output.weight", (args.vocab_size, args.dim)
 

@@ -12,6 +12,9 @@
 * Phi-3 files: `attn_qkv` and the gate|up `ffn_up` kept fused, LongRoPE as the tensors
   `rope_factors_long/short.weight` with `rope.scaling.original_context_length` and
   `rope.scaling.attn_factor`;
+* mixture-of-experts files (qwen3moe; Mixtral under `llama`): `expert_count`, `expert_used_count`
+  (qwen3moe: `expert_feed_forward_length`), the router as `ffn_gate_inp` (F32: llama-quantize
+  leaves it unquantized) and the experts stacked as `ffn_{gate,up,down}_exps` [experts, out, in];
 * matrices in `qtype` (any type `gguf.quants.quantize` writes), 1-D tensors in F32, as llama.cpp
   keeps norms and biases.
 
@@ -33,10 +36,15 @@ from safetensors.numpy import load_file, save_file
 from tests.engine.hf_families import build_checkpoint
 
 GGUF_ARCH = {"llama3": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-             "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3", "phi3_partial": "phi3"}
+             "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3", "phi3_partial": "phi3",
+             "qwen3_moe": "qwen3moe", "mixtral": "llama"}
 # checkpoint settings a GGUF cannot state, set to what llama.cpp serves instead
 GGUF_OVERRIDES = {"mistral": dict(sliding_window=None), "gemma2": dict(query_pre_attn_scalar=16),
-                  "gemma3": dict(query_pre_attn_scalar=16)}
+                  "gemma3": dict(query_pre_attn_scalar=16), "mixtral": dict(sliding_window=None),
+                  "qwen3_moe": dict(norm_topk_prob=True)}
+_ROUTERS = ("mlp.gate", "block_sparse_moe.gate")
+_EXPERTS = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj": "ffn_up_exps",
+            "w3": "ffn_up_exps", "down_proj": "ffn_down_exps", "w2": "ffn_down_exps"}
 
 _LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.qkv_proj": "attn_qkv",
@@ -84,7 +92,8 @@ def write_gguf(family: str, directory: pathlib.Path, path: pathlib.Path,
         # the checkpoint becomes the file's exact twin: each matrix as the quantized file holds
         # it, so transformers on the directory is the reference for the quantized file
         tensors = {name: (gguf.quants.dequantize(gguf.quants.quantize(t, qtype), qtype).reshape(t.shape)
-                          if t.ndim == 2 else t) for name, t in tensors.items()}
+                          if t.ndim == 2 and not name.endswith(tuple(r + ".weight" for r in _ROUTERS))
+                          else t) for name, t in tensors.items()}
         save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     arch = GGUF_ARCH[family]
     n_heads, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
@@ -129,6 +138,12 @@ def write_gguf(family: str, directory: pathlib.Path, path: pathlib.Path,
         w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1 else 1.0)
         extra["rope_factors_long.weight"] = np.array(rope["long_factor"], dtype=np.float32)
         extra["rope_factors_short.weight"] = np.array(rope["short_factor"], dtype=np.float32)
+    n_experts = config.get("num_experts") or config.get("num_local_experts")
+    if n_experts:
+        w.add_expert_count(n_experts)
+        w.add_expert_used_count(config["num_experts_per_tok"])
+        if arch == "qwen3moe":
+            w.add_expert_feed_forward_length(config["moe_intermediate_size"])
     w.add_file_type(int(qtype) if qtype != gguf.GGMLQuantizationType.F32 else 0)
 
     gemma = arch.startswith("gemma")
@@ -141,6 +156,7 @@ def write_gguf(family: str, directory: pathlib.Path, path: pathlib.Path,
         else:
             w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
 
+    stacked: dict[str, dict[int, np.ndarray]] = {}      # blk.{i}.ffn_*_exps -> expert -> matrix
     for hf_name, data in tensors.items():
         if gemma and hf_name.endswith("norm.weight"):
             data = data + 1.0                      # norm_shift: the file holds 1 + w
@@ -154,10 +170,19 @@ def write_gguf(family: str, directory: pathlib.Path, path: pathlib.Path,
         else:
             parts = hf_name.split(".")             # model.layers.{i}.<leaf...>.<weight|bias>
             i, leaf, kind = parts[2], ".".join(parts[3:-1]), parts[-1]
+            if leaf in _ROUTERS:
+                w.add_tensor(f"blk.{i}.ffn_gate_inp.weight", np.ascontiguousarray(data, dtype=np.float32))
+                continue
+            if ".experts." in leaf:                # <mlp|block_sparse_moe>.experts.{e}.<matrix>
+                e, matrix = int(parts[-3]), parts[-2]
+                stacked.setdefault(f"blk.{i}.{_EXPERTS[matrix]}.weight", {})[e] = data
+                continue
             gg = names[leaf]
             if arch == "llama" and gg in ("attn_q", "attn_k"):
                 data = _permute(data, n_heads if gg == "attn_q" else n_kv)
             add(f"blk.{i}.{gg}.{kind}", data)
+    for name, experts in stacked.items():
+        add(name, np.stack([experts[e] for e in sorted(experts)]))
     for name, data in extra.items():
         add(name, data)
     w.write_header_to_file()

@@ -22,7 +22,7 @@ import torch
 import transformers as tf
 
 FAMILIES: tuple[str, ...] = ("llama3", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3",
-                             "phi3_partial")
+                             "phi3_partial", "qwen3_moe", "mixtral")
 
 # Shared shape: hidden 64, 4 query heads over 2 KV heads (GQA), vocab 320 (the test tokenizer's
 # 269 tokens fit, tests/engine/checkpoint.py's `sentencepiece_tokenizer`).
@@ -86,6 +86,19 @@ def _config_and_class(family: str, seed: int) -> tuple[tf.PreTrainedConfig, type
         return tf.Phi3Config(**c, original_max_position_embeddings=16, sliding_window=None,
                              rope_parameters=rope, partial_rotary_factor=partial,
                              tie_word_embeddings=family == "phi3_partial"), tf.Phi3ForCausalLM
+    if family == "qwen3_moe":  # 3 layers, the middle one dense; top-2 of 8 not renormalized
+        c.update(num_hidden_layers=3)
+        return tf.Qwen3MoeConfig(**c, head_dim=32, moe_intermediate_size=32, num_experts=8,
+                                 num_experts_per_tok=2, norm_topk_prob=False, decoder_sparse_step=1,
+                                 mlp_only_layers=[1], tie_word_embeddings=False, use_sliding_window=False,
+                                 rope_parameters=dict(rope_type="default", rope_theta=1e6)), \
+            tf.Qwen3MoeForCausalLM
+    if family == "mixtral":  # top-2 of 4 (renormalized), a window of 12 on every layer
+        c.update(intermediate_size=32)
+        return tf.MixtralConfig(**c, num_local_experts=4, num_experts_per_tok=2, sliding_window=12,
+                                tie_word_embeddings=False,
+                                rope_parameters=dict(rope_type="default", rope_theta=1e6)), \
+            tf.MixtralForCausalLM
     raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
 
 
