@@ -62,6 +62,17 @@ class _SchedulerGauges(Collector):
                                   "Tokens computed for requests after they were cancelled.",
                                   value=s.num_cancelled_tokens)
         yield CounterMetricFamily("genserve_steps", "Forward passes run.", value=self.engine.num_steps)
+        expert_load = getattr(self.engine.executor, "expert_load", None)
+        layers = expert_load() if expert_load is not None else []
+        if layers:
+            family = CounterMetricFamily(
+                "genserve_moe_expert_tokens",
+                "Tokens routed to each expert of each mixture-of-experts layer (routing skew).",
+                labels=["layer", "expert"])
+            for layer, counts in layers:
+                for expert, n in enumerate(counts):
+                    family.add_metric([str(layer), str(expert)], n)
+            yield family
 
 
 class EngineMetrics:

@@ -261,6 +261,13 @@ class ModelArgs:
                 and self.query_scale in (0.0, self.head_dim ** -0.5) and self.partial_rotary == 1.0
                 and all(w is None for w in self.sliding_windows) and self.moe is None)
 
+    @property
+    def plain_llama_attention(self) -> bool:
+        """`plain_llama` but for the MLP, which may be a mixture of experts (Mixtral): genserve's
+        fused CPU kernels (attention, norms, RoPE, SiLU) serve such a model; the C++ decode loop,
+        which implements the dense MLP, needs `plain_llama`."""
+        return self.replace(moe=None).plain_llama
+
     def is_sparse(self, i: int) -> bool:
         """Whether layer i's MLP is the mixture of experts (`moe`)."""
         return self.moe is not None and self.moe.sparse_layers[i]

@@ -28,6 +28,7 @@ from engine.core.outputs import SampledTokens
 from engine.core.plan import StepPlan
 from engine.core.request import Request
 from engine.model.layer_ops import KernelLayerOps, TorchLayerOps
+from engine.model.mlp import MoEFeedForward
 from engine.model.transformer import Transformer
 from engine.runner.cuda_graphs import DecodeGraphs
 from engine.runner.decode_loop import DecodeLoop
@@ -103,7 +104,7 @@ class ModelRunner:
             model.pack()                  # moved after packing: drop the CPU-only copies
         if kernels is None:
             kernels = (model.args.head_dim == 64 and on_cpu and genserve_kernels.available())
-        if kernels and not model.args.plain_llama:
+        if kernels and not model.args.plain_llama_attention:
             log.info("%s: options beyond the plain Llama block (bias, q/k norm, softcap, window ...): "
                      "the torch ops run, not genserve's fused CPU kernels", model.args.architecture)
             kernels = False
@@ -125,6 +126,13 @@ class ModelRunner:
         self.graphs = DecodeGraphs(model, kv) if cuda_graphs else None
         self.grammar = GrammarMasks()        # constrained rows' token masks (engine/structured)
 
+    def expert_load(self) -> list[tuple[int, list[int]]]:
+        """Routing of the mixture-of-experts layers since the model was built: (layer index,
+        tokens each expert took, in expert order) per sparse layer; empty for a dense model.
+        A prefill token counts once per expert it ran on (top_k per token in all)."""
+        return [(i, layer.feed_forward.expert_rows.tolist()) for i, layer in enumerate(self.model.layers)
+                if isinstance(layer.feed_forward, MoEFeedForward)]
+
     @property
     def kernels(self) -> bool:
         """Whether genserve's CPU kernels run (False on any other device)."""
@@ -133,7 +141,7 @@ class ModelRunner:
     @kernels.setter
     def kernels(self, on: bool) -> None:
         args = self.model.args
-        self._kernels = bool(on) and self.device.type == "cpu" and args.plain_llama
+        self._kernels = bool(on) and self.device.type == "cpu" and args.plain_llama_attention
         specs = any(layer.attention.spec is not None for layer in self.model.layers)
         self.attention: AttentionBackend = choose_backend(
             self.device, self.model.dtype, self.kv.block_size, args.n_heads, args.n_kv_heads,

@@ -1,0 +1,179 @@
+"""The mixture-of-experts MLP (engine/model/mlp.py) beyond the family parity tests
+(tests/engine/test_model_families.py runs Qwen3-MoE and Mixtral against transformers):
+
+* a token's output bits do not depend on its batch: a batch where every token routes to the same
+  experts, one where no two tokens share one, and a random one, each row against its run alone,
+  in bf16 over the packed products; the values against the formula written out in fp32;
+* the engine's batch-invariance check passes for a bf16 MoE model;
+* the expert load each layer reports (and /metrics exports) counts top_k experts per token;
+* transformers 5's stacked expert tensors load as the per-expert ones do; bad configs are
+  refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+import torch
+from prometheus_client import generate_latest
+from safetensors.torch import load_file, save_file
+
+from engine.config import EngineConfig
+from engine.model.config import ModelArgs, MoEArgs
+from engine.model.mlp import MoEFeedForward
+from engine.model.layer_ops import TorchLayerOps
+from engine.model.transformer import Transformer
+from engine.model.weights import load_safetensors, random_weights
+from engine.runner.builder import engine_from_weights
+from engine.runner.invariance import check_batch_invariance
+from tests.engine.hf_families import build_checkpoint
+
+DIM, EXPERTS, TOP_K = 128, 8, 2
+
+
+def moe_args(n_layers: int = 2, norm_topk_prob: bool = True) -> ModelArgs:
+    """A small bf16-packable MoE model: every layer sparse, 8 experts of 64, top 2."""
+    return ModelArgs(dim=DIM, n_layers=n_layers, n_heads=4, n_kv_heads=2, intermediate_size=256,
+                     vocab_size=512, max_context=1024,
+                     moe=MoEArgs(EXPERTS, TOP_K, 64, norm_topk_prob, (True,) * n_layers))
+
+
+@pytest.fixture(scope="module")
+def model() -> Transformer:
+    args = moe_args()
+    return Transformer.from_state_dict(args, random_weights(args, torch.bfloat16, std=0.05), torch.bfloat16)
+
+
+def reference(moe: MoEFeedForward, x: torch.Tensor) -> torch.Tensor:
+    """The block written out token by token in fp32: softmax of x·Rᵀ, top k renormalized,
+    Σ p_e · down(silu(gate(x)) · up(x))."""
+    out = []
+    for row in x.float():
+        probs = torch.softmax(moe.router.float() @ row, dim=-1)
+        weights, ids = probs.topk(moe.top_k)
+        weights = weights / weights.sum()
+        acc = torch.zeros(x.shape[1])
+        for w, e in zip(weights, ids.tolist()):
+            expert = moe.experts[e]
+            gate, up = (expert.w13.float() @ row).chunk(2)
+            acc += w * (expert.w2.float() @ (torch.nn.functional.silu(gate) * up))
+        out.append(acc)
+    return torch.stack(out)
+
+
+def steer(moe: MoEFeedForward, groups: list[list[int]], rows: int, seed: int) -> torch.Tensor:
+    """Set the router so that a row built around direction g chooses experts `groups[g]` (the
+    first the most), and return `rows` bf16 inputs, row r around direction r % len(groups)."""
+    g = torch.Generator().manual_seed(seed)
+    router = torch.zeros(EXPERTS, DIM)
+    for direction, experts in enumerate(groups):
+        for rank, e in enumerate(experts):
+            router[e, direction] = 3.0 - rank
+    moe.router.copy_(router)
+    moe.pack_router()
+    x = 0.05 * torch.randn(rows, DIM, generator=g)
+    x[torch.arange(rows), torch.arange(rows) % len(groups)] += 4.0
+    return x.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("batch", ["shared", "disjoint", "random"])
+def test_each_tokens_bits_are_its_own_whatever_experts_its_batch_shares(model, batch):
+    moe = model.layers[0].feed_forward
+    saved = moe.router.clone()
+    try:
+        if batch == "shared":            # every row: experts 5 then 2
+            x = steer(moe, [[5, 2]], 24, seed=1)
+        elif batch == "disjoint":        # row r: its own two experts, no two rows share one
+            x = steer(moe, [[0, 1], [2, 3], [4, 5], [6, 7]], 4, seed=2)
+        else:
+            x = (torch.randn(37, DIM, generator=torch.Generator().manual_seed(3))).to(torch.bfloat16)
+        _, ids = moe.route(x)
+        chosen = [set(r) for r in ids.tolist()]
+        if batch == "shared":
+            assert chosen == [{5, 2}] * 24
+        elif batch == "disjoint":
+            assert chosen == [{0, 1}, {2, 3}, {4, 5}, {6, 7}]
+        else:
+            assert len(set().union(*chosen)) == EXPERTS     # the random batch touches every expert
+        together = moe(x, TorchLayerOps)
+        for r in range(x.shape[0]):
+            assert torch.equal(moe(x[r:r + 1], TorchLayerOps)[0], together[r]), r
+        want = reference(moe, x)
+        assert (together.float() - want).abs().max() <= 0.02 * want.abs().max()
+    finally:
+        moe.router.copy_(saved)
+        moe.pack_router()
+
+
+def test_a_bf16_moe_engine_is_batch_invariant():
+    args = moe_args()
+    state = random_weights(args, torch.bfloat16, std=0.05)
+    engine = engine_from_weights(EngineConfig(device="cpu", dtype="bfloat16", num_blocks=256,
+                                              queue_budget_s=1e6), args, state)
+    result = check_batch_invariance(engine, batch=12, max_tokens=8, checked=3)
+    assert result.identical, f"rows {result.mismatched} differ at {result.first_difference}"
+    assert result.distinct > 1
+
+
+def test_expert_load_counts_top_k_per_token_and_reaches_metrics():
+    from service.metrics import EngineMetrics
+    from tests.engine.conftest import new_request
+
+    args = moe_args()
+    engine = engine_from_weights(EngineConfig(device="cpu", dtype="bfloat16", num_blocks=64,
+                                              queue_budget_s=1e6), args, random_weights(args, torch.bfloat16))
+    metrics = EngineMetrics(engine)
+    prompts = [[11 + i for i in range(n)] for n in (7, 20)]
+    for p in prompts:
+        engine.submit(new_request(p, 5, [], temperature=0.0, ignore_eos=True))
+    engine.run_until_idle()
+    # every prompt token and every generated token but the last ran the layers once
+    tokens = sum(len(p) + 5 - 1 for p in prompts)
+    load = engine.executor.expert_load()
+    assert [layer for layer, _ in load] == [0, 1]
+    assert all(len(counts) == EXPERTS and sum(counts) == tokens * TOP_K for _, counts in load)
+    text = generate_latest(metrics.registry).decode()
+    samples = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+               if line.startswith("genserve_moe_expert_tokens_total{")}
+    assert len(samples) == 2 * EXPERTS
+    assert samples['genserve_moe_expert_tokens_total{expert="3",layer="1"}'] == load[1][1][3]
+    assert sum(samples.values()) == 2 * tokens * TOP_K
+
+
+def test_stacked_expert_tensors_load_as_the_per_expert_ones(tmp_path):
+    """transformers 5 keeps Qwen3-MoE's experts stacked in memory (`mlp.experts.gate_up_proj`
+    [E, 2F, dim], `down_proj` [E, dim, F]); a checkpoint saved that way loads the same."""
+    directory = build_checkpoint("qwen3_moe", tmp_path / "split")
+    _, want = load_safetensors(directory, torch.float32)
+    tensors = load_file(str(directory / "model.safetensors"))
+    stacked = {k: v for k, v in tensors.items() if ".experts." not in k}
+    config = json.loads((directory / "config.json").read_text())
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}.mlp.experts."
+        if p + "0.gate_proj.weight" not in tensors:
+            continue                                       # the dense layer
+        n = config["num_local_experts"]
+        stacked[p + "gate_up_proj"] = torch.stack([torch.cat([tensors[f"{p}{e}.gate_proj.weight"],
+                                                              tensors[f"{p}{e}.up_proj.weight"]]) for e in range(n)])
+        stacked[p + "down_proj"] = torch.stack([tensors[f"{p}{e}.down_proj.weight"] for e in range(n)])
+    other = pathlib.Path(tmp_path / "stacked")
+    other.mkdir()
+    save_file(stacked, str(other / "model.safetensors"))
+    (other / "config.json").write_text(json.dumps(config))
+    _, got = load_safetensors(other, torch.float32)
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(num_experts_per_tok=9), "num_experts_per_tok 9 must be 1..8"),
+    (dict(num_experts=0, num_local_experts=0), "no experts"),
+])
+def test_a_bad_moe_config_is_refused_by_name(tmp_path, change, message):
+    directory = build_checkpoint("qwen3_moe", tmp_path)
+    config = json.loads((directory / "config.json").read_text()) | change
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        load_safetensors(directory, torch.float32)
