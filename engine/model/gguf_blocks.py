@@ -78,6 +78,23 @@ def attach_q4q8(model: Transformer, source: str | pathlib.Path | gguf.GGUFReader
 
 
 
+# A mixture-of-experts layer's stacked GGUF tensors -> each expert's matrix (its dense
+# ffn_gate / ffn_up / ffn_down are absent).
+_STACKED_EXPERTS = {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"}
+_DENSE_MLP = ("ffn_gate", "ffn_up", "ffn_down")
+
+
+def _raw_rows(t: gguf.ReaderTensor) -> torch.Tensor:
+    """A GGUF tensor's rows as raw blocks: uint8 [rows, bytes per row] (a copy; a stacked
+    [experts, out, in] tensor's rows expert by expert) for the types a native product takes
+    (Q4_1, Q4_K, Q6_K, Q8_0), uint8 [rows, 0] for any other (its rows counted, its bytes not
+    read)."""
+    rows = int(np.prod([int(d) for d in t.shape[1:]]))
+    if int(t.tensor_type) in (Q4_1, Q4_K, Q6_K, Q8_0):
+        return torch.from_numpy(np.array(t.data, dtype=np.uint8, copy=True)).reshape(rows, -1)
+    return torch.empty(rows, 0, dtype=torch.uint8)
+
+
 def gguf_layer_blocks(reader: gguf.GGUFReader, layer_names: dict[str, str] | None = None,
                       unpermute_qk: bool | None = None) -> dict[str, tuple[int, torch.Tensor]]:
     """Every block matrix of a GGUF as (GGML type, raw blocks) under our names
@@ -85,7 +102,9 @@ def gguf_layer_blocks(reader: gguf.GGUFReader, layer_names: dict[str, str] | Non
     tensors without dequantizing: uint8 [out, bytes per row] (a copy) for the types a native
     product takes (Q4_1, Q4_K, Q6_K, Q8_0), uint8 [out, 0] for any other (its rows counted, its bytes
     not read). Q and K rows of a llama-architecture file are un-permuted
-    (`engine.model.rope.unpermute_rope_rows`, whole rows, so exact on blocks).
+    (`engine.model.rope.unpermute_rope_rows`, whole rows, so exact on blocks). A
+    mixture-of-experts layer (one with `ffn_gate_inp`) gives each expert's matrices
+    (``layers.{i}.feed_forward.experts.{e}.w1.weight`` ...) from the stacked `ffn_*_exps`.
 
     Args:
         reader: the open file; layer_names: GGUF leaf → our leaf (default:
@@ -111,21 +130,31 @@ def gguf_layer_blocks(reader: gguf.GGUFReader, layer_names: dict[str, str] | Non
     tensors = {t.name: t for t in reader.tensors}
     out: dict[str, tuple[int, torch.Tensor]] = {}
     for i in range(n_layers):
+        sparse = f"blk.{i}.ffn_gate_inp.weight" in tensors        # a mixture-of-experts layer
         for leaf, ours in layer_names.items():
-            if ours.endswith("norm"):
+            if ours.endswith("norm") or (sparse and leaf in _DENSE_MLP):
                 continue
             name = f"blk.{i}.{leaf}.weight"
             if name not in tensors:
                 raise ValueError(f"tensor {name!r} missing (a fused file, e.g. phi3's attn_qkv, keeps "
                              "its dequantized products)")
             t = tensors[name]
-            if int(t.tensor_type) in (Q4_1, Q4_K, Q6_K, Q8_0):
-                w = torch.from_numpy(np.array(t.data, dtype=np.uint8, copy=True))
-            else:                       # no native product: its rows count, its bytes are not read
-                w = torch.empty(t.data.shape[0], 0, dtype=torch.uint8)
+            w = _raw_rows(t)
             if unpermute_qk and leaf in ("attn_q", "attn_k"):
                 w = unpermute_rope_rows(w, n_heads if leaf == "attn_q" else n_kv_heads)
             out[f"layers.{i}.{ours}.weight"] = (int(t.tensor_type), w)
+        if sparse:
+            for leaf, ours in _STACKED_EXPERTS.items():
+                name = f"blk.{i}.{leaf}.weight"
+                if name not in tensors:
+                    raise ValueError(f"tensor {name!r} missing")
+                t = tensors[name]
+                n_experts = int(t.shape[-1]) if len(t.shape) == 3 else 0
+                if not n_experts:
+                    raise ValueError(f"tensor {name!r} is not [experts, out, in]")
+                rows = _raw_rows(t)
+                for e, w in enumerate(rows.reshape(n_experts, -1, rows.shape[-1]).unbind(0)):
+                    out[f"layers.{i}.feed_forward.experts.{e}.{ours}.weight"] = (int(t.tensor_type), w)
     return out
 
 
@@ -137,21 +166,25 @@ def _fused_parts(blocks: dict[str, tuple[int, torch.Tensor]], model: Transformer
 
     args = model.args
     rot = args.rotary_dim
+    prefixes: dict[int, str] = {}          # id(module) -> its names' prefix
+    for i, layer in enumerate(model.layers):
+        prefixes[id(layer.attention)] = f"layers.{i}.attention."
+        prefixes[id(layer.feed_forward)] = f"layers.{i}.feed_forward."
+        for e, expert in enumerate(getattr(layer.feed_forward, "experts", ())):
+            prefixes[id(expert)] = f"layers.{i}.feed_forward.experts.{e}."
     out = []
     for module, name in block_matrices(model):
-        i = next(j for j, layer in enumerate(model.layers)
-                 if module is layer.attention or module is layer.feed_forward)
-        p = f"layers.{i}."
+        p = prefixes[id(module)]
         if name == "wqkv":
-            q, k, v = (blocks[p + f"attention.w{c}.weight"] for c in "qkv")
+            q, k, v = (blocks[p + f"w{c}.weight"] for c in "qkv")
             parts = [(q[0], interleave_rope_rows(q[1], args.n_heads, rot)),
                      (k[0], interleave_rope_rows(k[1], args.n_kv_heads, rot)), v]
         elif name == "wo":
-            parts = [blocks[p + "attention.wo.weight"]]
+            parts = [blocks[p + "wo.weight"]]
         elif name == "w13":
-            parts = [blocks[p + "feed_forward.w1.weight"], blocks[p + "feed_forward.w3.weight"]]
+            parts = [blocks[p + "w1.weight"], blocks[p + "w3.weight"]]
         else:
-            parts = [blocks[p + "feed_forward.w2.weight"]]
+            parts = [blocks[p + "w2.weight"]]
         out.append((module, name, parts))
     return out
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import pathlib
 
+import numpy as np
 import pytest
 import torch
 from prometheus_client import generate_latest
@@ -27,7 +28,7 @@ from engine.model.layer_ops import TorchLayerOps
 from engine.model.transformer import Transformer
 from engine.model.weights import load_safetensors, random_weights
 from engine.runner.builder import engine_from_weights
-from engine.runner.invariance import check_batch_invariance
+from engine.runner.invariance import check_batch_invariance, invariance_prompts
 from tests.engine.hf_families import build_checkpoint
 
 DIM, EXPERTS, TOP_K = 128, 8, 2
@@ -177,3 +178,106 @@ def test_a_bad_moe_config_is_refused_by_name(tmp_path, change, message):
     (directory / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=message):
         load_safetensors(directory, torch.float32)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_a_q8_0_moe_gguf_serves_every_expert_from_its_blocks(family, tmp_path):
+    """Each expert's matrices come out of the file's stacked `ffn_*_exps` blocks (Mixtral's
+    llama file: Q and K rows un-permuted too) onto `q8q8_linear`: the blocks hold the model's
+    own weights, each product is the Q8_0 x Q8_0 reference, and the engine stays batch
+    invariant on them."""
+    import gguf
+
+    from engine.config import EngineConfig
+    from engine.model import gguf_blocks
+    from engine.model.linear import linear
+    from engine.model.transformer import block_matrices
+    from engine.model.weights import load_gguf, open_gguf
+    from engine.runner.builder import engine_from_model
+    from tests.engine.gguf_families import write_gguf
+    from tests.engine.test_q8q8_linear import assert_close_to_reference, q8_0_dequantize, random_x
+
+    path = write_gguf(family, tmp_path / "ckpt", tmp_path / "q8.gguf", gguf.GGMLQuantizationType.Q8_0)
+    args, state = load_gguf(path)
+    model = Transformer.from_state_dict(args, state, torch.bfloat16)
+    reader = open_gguf(path)
+    counts = gguf_blocks.attach_gguf_blocks(model, reader)
+    sparse = sum(args.is_sparse(i) for i in range(args.n_layers))
+    assert counts["q8q8"] == 2 * args.n_layers + 2 * (args.n_layers - sparse) + 2 * args.moe.n_experts * sparse
+    assert counts["bf16"] == 0
+    fused = gguf_blocks._fused_parts(gguf_blocks.gguf_layer_blocks(reader), model)
+    assert [(m, n) for m, n, _ in fused] == block_matrices(model)
+    for module, name, parts in fused:
+        blocks = torch.cat([b for _, b in parts])
+        weight = getattr(module, name)
+        assert torch.equal(q8_0_dequantize(blocks).to(torch.bfloat16), weight), name
+        x = random_x(3, weight.shape[1], seed=5)
+        assert_close_to_reference(linear(x, weight, getattr(module, name + "_packed")), x, blocks)
+    engine = engine_from_model(EngineConfig(num_blocks=256, prefix_caching=False), model)
+    prompts = invariance_prompts(8, 300, lengths=(5, 17, 40, 9))      # the tiny model has 128 positions
+    result = check_batch_invariance(engine, max_tokens=6, checked=2, prompts=prompts)
+    assert result.identical, f"rows {result.mismatched} differ at {result.first_difference}"
+
+
+def test_a_q4_k_m_moe_gguf_runs_its_experts_on_qk_linear(tmp_path):
+    """A qwen3moe file with a Q4_K_M file's expert types (gate and up Q4_K, down Q6_K, stacked;
+    the router F32): every expert matrix runs `qk_linear` over its own slice of the stacked
+    blocks, exactly the Q4_K / Q6_K x Q8_K reference of those blocks."""
+    import gguf
+
+    from engine.model import gguf_blocks
+    from engine.model.kquant import Q4_K, Q6_K, qk_dequantize, qk_linear_reference
+    from engine.model.linear import linear
+    from engine.model.weights import load_gguf, open_gguf
+    from tests.engine.test_qk_linear import random_blocks
+
+    dim, hidden, experts, layers, vocab = 256, 256, 4, 2, 320
+    g = torch.Generator().manual_seed(41)
+    path = tmp_path / "moe-q4_k_m.gguf"
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    for add, value in ((w.add_block_count, layers), (w.add_context_length, 256), (w.add_embedding_length, dim),
+                       (w.add_feed_forward_length, 512), (w.add_head_count, 4), (w.add_head_count_kv, 2),
+                       (w.add_key_length, 64), (w.add_value_length, 64), (w.add_rope_freq_base, 1e6),
+                       (w.add_layer_norm_rms_eps, 1e-6), (w.add_expert_count, experts),
+                       (w.add_expert_used_count, 2), (w.add_expert_feed_forward_length, hidden)):
+        add(value)
+    w.add_tensor("token_embd.weight", (torch.randn(vocab, dim, generator=g) * 0.5).numpy())
+    w.add_tensor("output_norm.weight", np.ones(dim, np.float32))
+    w.add_tensor("output.weight", (torch.randn(vocab, dim, generator=g) * 0.05).numpy())
+    Q = gguf.GGMLQuantizationType
+    seed = 200
+    for i in range(layers):
+        for norm, size in (("attn_norm", dim), ("ffn_norm", dim), ("attn_q_norm", 64), ("attn_k_norm", 64)):
+            w.add_tensor(f"blk.{i}.{norm}.weight", np.ones(size, np.float32))
+        for leaf, rows in (("attn_q", 256), ("attn_k", 128), ("attn_v", 128), ("attn_output", dim)):
+            w.add_tensor(f"blk.{i}.{leaf}.weight", (torch.randn(rows, 256, generator=g) * 0.05).numpy())
+        w.add_tensor(f"blk.{i}.ffn_gate_inp.weight", torch.randn(experts, dim, generator=g).numpy())
+        for leaf, kind, rows, cols in (("ffn_gate_exps", Q4_K, hidden, dim), ("ffn_up_exps", Q4_K, hidden, dim),
+                                       ("ffn_down_exps", Q6_K, dim, hidden)):
+            stacked = []
+            for _ in range(experts):
+                seed += 1
+                stacked.append(random_blocks(kind, rows, cols, seed=seed).numpy())
+            w.add_tensor(f"blk.{i}.{leaf}.weight", np.stack(stacked), raw_dtype=Q(kind))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    args, state = load_gguf(path)
+    assert (args.moe.n_experts, args.moe.top_k, args.moe.expert_size, args.moe.norm_topk_prob) == \
+        (experts, 2, hidden, True)
+    model = Transformer.from_state_dict(args, state, torch.bfloat16)
+    reader = open_gguf(path)
+    counts = gguf_blocks.attach_gguf_blocks(model, reader)
+    assert counts["qk"] == 2 * experts * layers and counts["bf16"] == 2 * layers   # attention stays F32-born bf16
+    for module, name, parts in gguf_blocks._fused_parts(gguf_blocks.gguf_layer_blocks(reader), model):
+        packed = getattr(module, name + "_packed")
+        if name in ("wqkv", "wo"):
+            continue
+        assert packed.qk.kinds == {"w13": (Q4_K,), "w2": (Q6_K,)}[name]
+        values = torch.cat([qk_dequantize(b, kind) for kind, b in parts]).to(torch.bfloat16)
+        assert torch.equal(values, getattr(module, name))
+        x = (torch.randn(3, values.shape[1], generator=g)).to(torch.bfloat16)
+        want = torch.cat([qk_linear_reference(x, b, kind) for kind, b in parts], dim=1)
+        assert torch.equal(linear(x, getattr(module, name), packed), want.to(torch.bfloat16))
