@@ -257,7 +257,7 @@ def simulate(items: Sequence[WorkItem], config: EngineConfig | None = None,
         sched = engine.scheduler
         _, _, context, pairs = plan.features().as_tuple()
         steps.append(StepRow(clock.now - sim.last_step_s, sim.last_step_s, len(plan.segments), plan.num_decode_rows,
-                             plan.num_prefill_tokens, len(sched.running), sched.queue_depth,
+                             plan.num_prefill_tokens, len(sched.running), sched.queue.depth,
                              pool.num_free, plan.num_preempted, context, pairs))
 
     engine.step_listeners.append(on_step)
@@ -351,7 +351,7 @@ def simulate(items: Sequence[WorkItem], config: EngineConfig | None = None,
         unfinished += 1
     sched = engine.scheduler
     return SimResult(records, steps, config, num_preemptions=sched.num_preemptions,
-                     num_rejected=sched.num_rejected, num_cancelled_tokens=sched.num_cancelled_tokens,
+                     num_rejected=sched.admission.num_rejected, num_cancelled_tokens=sched.num_cancelled_tokens,
                      kv_blocks_free_end=pool.num_free, virtual_s=clock.now,
                      wall_s=time.perf_counter() - wall0, unfinished=unfinished,
                      extra={"tokens_after_disconnect": after_disconnect})

@@ -256,3 +256,25 @@ class Request:
     def finished(self) -> bool:
         """True once the request left the engine (DONE or CANCELLED)."""
         return self.state in (RequestState.DONE, RequestState.CANCELLED)
+
+
+def final_event(req: Request, now: float, token: int | None = None, logprob: float | None = None,
+                top: tuple[tuple[int, float], ...] = ()) -> TokenEvent:
+    """The last event of a finished request (`finish_reason` and `finish_detail` already set on
+    it), with its token if it ended on one, its token counts and its latencies in ms measured from
+    arrival: queue wait (to admission, or to `now` if never admitted), TTFT, end to end (to `now`,
+    seconds on the engine's clock) and TPOT, the mean gap between its tokens after the first
+    ((last − first) / (n − 1); None below two tokens)."""
+    ms = lambda t: None if t is None else (t - req.arrival_s) * 1000.0  # noqa: E731
+    n = len(req.generated)
+    tpot_ms = None
+    if n > 1 and req.first_token_s is not None and req.last_token_s is not None:
+        tpot_ms = (req.last_token_s - req.first_token_s) * 1000.0 / (n - 1)
+    return TokenEvent(
+        req.group_id, index=req.index, token_id=token, logprob=logprob, top_logprobs=top,
+        position=max(0, n - 1), finish_reason=req.finish_reason, finish_detail=req.finish_detail,
+        num_prompt_tokens=req.num_prompt, num_completion_tokens=n,
+        num_cached_tokens=(req.parent or req).num_cached,
+        queue_ms=ms(req.admitted_s) if req.admitted_s is not None else ms(now),
+        ttft_ms=ms(req.first_token_s), e2e_ms=ms(now), tpot_ms=tpot_ms,
+        max_gap_ms=req.max_gap_s * 1000.0, steps_after_cancel=req.steps_after_cancel)

@@ -104,8 +104,8 @@ def read_scheduler(scheduler, steps: int) -> SchedulerState:
         running[req.api_key] = running.get(req.api_key, 0) + 1
         if req.is_prefilling:
             prefill_rows += 1
-    keys = sorted(set(running) | {k for k, q in scheduler.waiting.items() if q})
-    queues = tuple(KeyQueue(k, len(scheduler.waiting.get(k, ())), running.get(k, 0)) for k in keys)
+    keys = sorted(set(running) | {k for k, q in scheduler.queue.waiting.items() if q})
+    queues = tuple(KeyQueue(k, len(scheduler.queue.waiting.get(k, ())), running.get(k, 0)) for k in keys)
     states = bytearray(min(pool.ref_count(b), BLOCK_SHARED) for b in range(pool.num_blocks))
     cached_unused = pool.cached_unused_blocks()
     for b in cached_unused:
@@ -114,10 +114,10 @@ def read_scheduler(scheduler, steps: int) -> SchedulerState:
     return SchedulerState(
         steps=steps, running_rows=len(scheduler.running), prefill_rows=prefill_rows,
         max_rows=scheduler.config.max_rows, queues=queues,
-        queued_device_s=scheduler.queued_device_ms / 1000.0,
+        queued_device_s=scheduler.queue.queued_device_ms / 1000.0,
         queue_budget_s=scheduler.config.queue_budget_s, block_size=pool.block_size,
         kv_block_states=bytes(states), kv_blocks_free=pool.num_free - cached, kv_blocks_cached=cached,
-        rejected_total=scheduler.num_rejected, preemptions_total=scheduler.num_preemptions,
+        rejected_total=scheduler.admission.num_rejected, preemptions_total=scheduler.num_preemptions,
         finished_total=scheduler.num_finished)
 
 

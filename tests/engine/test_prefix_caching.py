@@ -28,7 +28,7 @@ def test_a_repeated_prompt_computes_only_past_its_cached_whole_pieces():
     engine, _ = sim_engine(prefix_caching=True)
     first = make_request(300, 4, api_key="k")
     assert sum(_prefill_tokens(engine, first)) == 300
-    served_after_first = engine.scheduler.usage["k"].weighted_tokens_served
+    served_after_first = engine.scheduler.queue.usage["k"].weighted_tokens_served
     second = make_request(300, 4, api_key="k")
     # 18 full blocks (288 tokens) are cached; whole 64-token pieces of them are taken: 256.
     assert _prefill_tokens(engine, second) == [44]
@@ -37,7 +37,7 @@ def test_a_repeated_prompt_computes_only_past_its_cached_whole_pieces():
     assert (stats.prefix_queried_tokens, stats.prefix_hit_tokens) == (600, 256)
     # Fairness charges what was computed: 44 prompt tokens (+ the outputs), not 300.
     w = engine.config.output_token_weight
-    assert engine.scheduler.usage["k"].weighted_tokens_served - served_after_first == 44 + 4 * w
+    assert engine.scheduler.queue.usage["k"].weighted_tokens_served - served_after_first == 44 + 4 * w
     engine.pool.check_all_free()                # cached-but-unused blocks count as free
     assert stats.kv_blocks_cached == 16 and stats.kv_blocks_free == engine.pool.num_blocks
 

@@ -138,11 +138,11 @@ def test_over_cap_key_is_preempted_when_another_key_waits_for_room():
     for _ in range(12):
         engine.submit(make_request(20, 200, api_key="a"))
     engine.step()
-    assert engine.scheduler.usage["a"].running_rows == 12
+    assert engine.scheduler.queue.usage["a"].running_rows == 12
     engine.submit(make_request(20, 5, api_key="b"))
     engine.step()
-    assert engine.scheduler.usage["b"].running_rows == 1
-    assert engine.scheduler.usage["a"].running_rows == 11
+    assert engine.scheduler.queue.usage["b"].running_rows == 1
+    assert engine.scheduler.queue.usage["a"].running_rows == 11
     assert engine.scheduler.num_preemptions == 1
 
 
@@ -387,7 +387,7 @@ def test_the_row_wait_counts_for_a_key_at_its_cap_and_not_for_a_lighter_one():
             engine.submit(make_request(20, 250 + 10 * i, api_key=key))
     for _ in range(10):
         engine.step()
-    assert [engine.scheduler.usage[k].running_rows for k in "abcd"] == [8, 8, 8, 8]
+    assert [engine.scheduler.queue.usage[k].running_rows for k in "abcd"] == [8, 8, 8, 8]
     engine.submit(make_request(20, 300, api_key="a"))     # nothing queued: admitted
     # a key at its cap waits behind the full rows: refused
     with pytest.raises(AdmissionRejected, match="until running rows leave"):

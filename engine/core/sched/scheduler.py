@@ -34,7 +34,6 @@ so its cache — and its later tokens — are bit-identical to a run without pre
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
@@ -43,10 +42,10 @@ from engine.core.cost_model import CostModel, StepFeatures
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.outputs import FinishReason, PromptLogprobs, SampledTokens, TokenEvent
 from engine.core.plan import Segment, StepPlan
-from engine.core.request import Request, RequestState
+from engine.core.request import Request, RequestState, final_event
 from engine.core.sched.admission import AdmissionControl
 from engine.core.sched.batching import batching_for
-from engine.core.sched.fair_queue import FairQueue, KeyUsage
+from engine.core.sched.fair_queue import FairQueue
 from engine.core.sched.step_budget import RequestAverages, StepBudget
 
 __all__ = ["Scheduler", "SchedulerStats"]
@@ -216,44 +215,50 @@ class Scheduler:
         prompt_logprobs = {(p.request_id, p.first_position): p for p in sampled.prompt_logprobs}
         i = 0
         for seg in plan.segments:
-            req = seg.request
-            draws = seg.sample_requests
-            tokens = sampled.token_ids[i:i + len(draws)]
-            logprobs = (sampled.logprobs[i:i + len(draws)] if sampled.logprobs is not None
-                        else [None] * len(draws))
-            tops = (sampled.top_logprobs[i:i + len(draws)] if sampled.top_logprobs is not None
-                    else [()] * len(draws))
-            i += len(draws)
-            if req.finished or req.state == RequestState.PREEMPTED:
-                continue
-            if req.cancel_requested:
-                req.steps_after_cancel += 1
-            prefilled = req.is_prefilling           # this segment was a prompt piece
-            if prefilled and req.sampling.prompt_logprobs is not None:
-                self._record_prompt_logprobs(req, prompt_logprobs.get((req.request_id, seg.start + 1)))
-            if prefilled:
-                self.queue.charge(req.api_key, seg.length)
-            req.num_computed = seg.end
-            if prefilled:
-                self.kv_cache.cache_piece(req, seg.start, seg.length, self.config.prefill_piece)
-            if not tokens:
-                continue
-            if req.cancel_requested:
-                self.num_cancelled_tokens += len(tokens)
-                self._finish(req, FinishReason.CANCELLED, "cancelled", now, events)
-                continue
-            if req.stop_requested:          # a stop string matched: this token is past it
-                self._finish(req, FinishReason.STOP, "stop string", now, events)
-                continue
-            if req.forks_now:
-                for child in req.children:
-                    self._activate_fork(req, child)
-            if req.prompt_logprob_entries is not None and not req.generated:
-                events.append(TokenEvent(req.group_id, index=req.index, prompt_logprobs=tuple(
-                    entry or (float("nan"), ()) for entry in req.prompt_logprob_entries)))
-            for r, token, logprob, top in zip(draws, tokens, logprobs, tops):
-                self._accept(r, token, logprob, tuple(top), now, events)
+            n = len(seg.sample_requests)
+            draws = list(zip(seg.sample_requests, sampled.token_ids[i:i + n],
+                             sampled.logprobs[i:i + n] if sampled.logprobs is not None else [None] * n,
+                             sampled.top_logprobs[i:i + n] if sampled.top_logprobs is not None else [()] * n))
+            i += n
+            piece = prompt_logprobs.get((seg.request.request_id, seg.start + 1))
+            self._advance(seg, draws, piece, now, events)
         return events
+
+    def _advance(self, seg: Segment, draws: list[tuple[Request, int, float | None, tuple]],
+                 piece: PromptLogprobs | None, now: float, events: list[TokenEvent]) -> None:
+        """One executed segment: its request's computed tokens (charged to its key, prompt pieces
+        offered to the prefix cache, prompt logprobs kept), then its sampled tokens (request,
+        token, logprob, top alternatives), unless it was cancelled, stopped or preempted."""
+        req = seg.request
+        if req.finished or req.state == RequestState.PREEMPTED:
+            return
+        if req.cancel_requested:
+            req.steps_after_cancel += 1
+        prefilled = req.is_prefilling           # this segment was a prompt piece
+        if prefilled and req.sampling.prompt_logprobs is not None:
+            self._record_prompt_logprobs(req, piece)
+        if prefilled:
+            self.queue.charge(req.api_key, seg.length)
+        req.num_computed = seg.end
+        if prefilled:
+            self.kv_cache.cache_piece(req, seg.start, seg.length, self.config.prefill_piece)
+        if not draws:
+            return
+        if req.cancel_requested:
+            self.num_cancelled_tokens += len(draws)
+            self._finish(req, FinishReason.CANCELLED, "cancelled", now, events)
+            return
+        if req.stop_requested:          # a stop string matched: this token is past it
+            self._finish(req, FinishReason.STOP, "stop string", now, events)
+            return
+        if req.forks_now:
+            for child in req.children:
+                self._activate_fork(req, child)
+        if req.prompt_logprob_entries is not None and not req.generated:
+            events.append(TokenEvent(req.group_id, index=req.index, prompt_logprobs=tuple(
+                entry or (float("nan"), ()) for entry in req.prompt_logprob_entries)))
+        for r, token, logprob, top in draws:
+            self._accept(r, token, logprob, tuple(top), now, events)
 
     @staticmethod
     def _record_prompt_logprobs(req: Request, piece: PromptLogprobs | None) -> None:
@@ -275,54 +280,20 @@ class Scheduler:
 
     # -- queries ------------------------------------------------------------------------------
     @property
-    def waiting(self) -> dict[str, deque[Request]]:
-        """API key → its queued requests (`FairQueue.waiting`; read, do not change)."""
-        return self.queue.waiting
-
-    @property
-    def usage(self) -> dict[str, KeyUsage]:
-        """API key → its fair-queueing account (`FairQueue.usage`)."""
-        return self.queue.usage
-
-    @property
-    def queue_depth(self) -> int:
-        """Requests waiting to be admitted (including preempted ones)."""
-        return self.queue.depth
-
-    @property
-    def queued_device_ms(self) -> float:
-        """Estimated device time of every queued request, ms (`FairQueue.queued_device_ms`)."""
-        return self.queue.queued_device_ms
-
-    @property
     def has_work(self) -> bool:
         """True while any request is queued or running."""
-        return bool(self.running) or self.queue_depth > 0
-
-    @property
-    def num_rejected(self) -> int:
-        """Requests refused with AdmissionRejected so far."""
-        return self.admission.num_rejected
-
-    @property
-    def prefix_queried_tokens(self) -> int:
-        """Prompt tokens looked up in the prefix cache at admission (`KVCacheManager`)."""
-        return self.kv_cache.prefix_queried_tokens
-
-    @property
-    def prefix_hit_tokens(self) -> int:
-        """... of which the cache held (not computed again)."""
-        return self.kv_cache.prefix_hit_tokens
+        return bool(self.running) or self.queue.depth > 0
 
     def stats(self) -> SchedulerStats:
         """Gauges and counters for /metrics (call under the engine lock)."""
         return SchedulerStats(
-            queue_depth=self.queue_depth, queued_device_s=self.queued_device_ms / 1000.0,
+            queue_depth=self.queue.depth, queued_device_s=self.queue.queued_device_ms / 1000.0,
             running_rows=len(self.running), kv_blocks_free=self.pool.num_free,
             kv_blocks_total=self.pool.num_blocks, num_preemptions=self.num_preemptions,
-            num_cancelled_tokens=self.num_cancelled_tokens, num_rejected=self.num_rejected,
+            num_cancelled_tokens=self.num_cancelled_tokens, num_rejected=self.admission.num_rejected,
             num_finished=self.num_finished, kv_blocks_cached=self.pool.num_cached_unused,
-            prefix_queried_tokens=self.prefix_queried_tokens, prefix_hit_tokens=self.prefix_hit_tokens)
+            prefix_queried_tokens=self.kv_cache.prefix_queried_tokens,
+            prefix_hit_tokens=self.kv_cache.prefix_hit_tokens)
 
     # -- leave and join -----------------------------------------------------------------------
     def _leave(self, now: float, events: list[TokenEvent]) -> None:
@@ -509,19 +480,7 @@ class Scheduler:
         self.num_finished += 1
         if reason != FinishReason.CANCELLED:
             self.averages.observe_answer(len(req.generated))
-        ms = lambda t: None if t is None else (t - req.arrival_s) * 1000.0  # noqa: E731
-        n = len(req.generated)
-        tpot_ms = None
-        if n > 1 and req.first_token_s is not None and req.last_token_s is not None:
-            tpot_ms = (req.last_token_s - req.first_token_s) * 1000.0 / (n - 1)
-        events.append(TokenEvent(
-            req.group_id, index=req.index, token_id=token, logprob=logprob, top_logprobs=top,
-            position=max(0, len(req.generated) - 1), finish_reason=reason, finish_detail=detail,
-            num_prompt_tokens=req.num_prompt, num_completion_tokens=len(req.generated),
-            num_cached_tokens=(req.parent or req).num_cached,
-            queue_ms=ms(req.admitted_s) if req.admitted_s is not None else ms(now),
-            ttft_ms=ms(req.first_token_s), e2e_ms=ms(now), tpot_ms=tpot_ms,
-            max_gap_ms=req.max_gap_s * 1000.0, steps_after_cancel=req.steps_after_cancel))
+        events.append(final_event(req, now, token, logprob, top))
         if req.forks_now:
             for child in req.children:
                 if not child.finished:
