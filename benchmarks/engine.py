@@ -104,7 +104,8 @@ from engine.core.request import Request, SamplingParams
 from engine.model.layer_ops import KernelLayerOps, TorchLayerOps
 from engine.model.linear import linear
 from engine.model.config import ModelArgs
-from engine.model.weights import default_gguf_path, load_gguf, open_gguf
+from engine.gguf_file import default_gguf_path, open_gguf
+from engine.model.weights import load_gguf
 from engine.runner.builder import engine_from_weights, set_threads
 from engine.structured.compiler import GrammarCompiler
 from engine.structured.spec import ConstraintSpec

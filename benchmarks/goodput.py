@@ -432,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
                                    prompt=max(m.prompt_max for m in mixes), streams=[64])
     found = peer_mod.check_options(p, peer_opts)
 
-    from engine.model.weights import default_gguf_path
+    from engine.gguf_file import default_gguf_path
     from engine.tokenizer import Tokenizer
     from genserve.common.model_name import DEFAULT_MODEL_NAME
     from loadgen.live_server import LiveServer

@@ -70,7 +70,8 @@ from engine.model.int8_weights import attach_int8
 from engine.model.transformer import Transformer
 from engine.model.gguf_blocks import attach_q4q8
 from engine.model.quant import attach_q4
-from engine.model.weights import load_gguf, open_gguf
+from engine.gguf_file import open_gguf
+from engine.model.weights import load_gguf
 from engine.runner.builder import engine_from_model, int8_calibration, model_from_weights, set_threads
 from engine.runner.int8_calibration import topics_text
 from engine.tokenizer import Tokenizer

@@ -29,7 +29,8 @@ import torch
 
 from benchmarks.q4 import decode_in_turn
 from engine.config import EngineConfig
-from engine.model.weights import load_gguf, open_gguf
+from engine.gguf_file import open_gguf
+from engine.model.weights import load_gguf
 from engine.runner.builder import attach_weights, engine_from_model, model_from_weights, set_threads
 from engine.runner.kv_cache import bytes_per_block
 from genserve.common.model_source import parse_model_source

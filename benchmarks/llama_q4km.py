@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     opts = p.parse_args(argv)
     if opts.tokenizer_from is None:
-        from engine.model.weights import default_gguf_path
+        from engine.gguf_file import default_gguf_path
         opts.tokenizer_from = pathlib.Path(default_gguf_path())
     opts.out.parent.mkdir(parents=True, exist_ok=True)
     write(opts.out, opts.tokenizer_from, opts.seed)

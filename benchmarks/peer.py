@@ -672,7 +672,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = p.parse_args(argv)
     found = check_options(p, opts)
 
-    from engine.model.weights import default_gguf_path
+    from engine.gguf_file import default_gguf_path
     from engine.tokenizer import Tokenizer
     from genserve.common.model_name import DEFAULT_MODEL_NAME
     from loadgen.live_server import LiveServer

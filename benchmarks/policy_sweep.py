@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     if not rates or min(rates) <= 0 or max(rates) > 100:
         p.error(f"--rates must be in (0, 100] req/s, got {opts.rates!r}")
 
-    from engine.model.weights import default_gguf_path
+    from engine.gguf_file import default_gguf_path
     from engine.tokenizer import Tokenizer
     from loadgen.live_server import LiveServer
 

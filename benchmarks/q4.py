@@ -44,7 +44,8 @@ from engine.core.request import Request, SamplingParams
 from engine.model.linear import ANY_ROWS
 from engine.model.transformer import Transformer, block_matrices
 from engine.model.quant import attach_q4, bf16_twin
-from engine.model.weights import Q4_1_BLOCK_BYTES, Q8_0_BLOCK_BYTES, load_gguf, open_gguf
+from engine.gguf_file import open_gguf
+from engine.model.weights import Q4_1_BLOCK_BYTES, Q8_0_BLOCK_BYTES, load_gguf
 from engine.runner.builder import engine_from_model, model_from_weights, set_threads
 
 

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer as _HFTokenizer
 
+from engine.gguf_file import open_gguf
 from engine.gguf_tokenizer import (TOKEN_BYTE, TOKEN_CONTROL, TOKEN_NORMAL,  # noqa: F401 (re-exported)
                                    TOKEN_UNKNOWN, TOKEN_UNUSED, TOKEN_USER_DEFINED, bytes_to_unicode,
                                    byte_level_bpe, tokenizer_from_metadata)
@@ -159,7 +160,7 @@ class Tokenizer:
         file. Deriving a SentencePiece file's merges from its vocabulary (Gemma 3: 262,144 tokens)
         takes about a second.
 
-        ``source`` is a path, a reader from ``engine.model.weights.open_gguf`` (share one with
+        ``source`` is a path, a reader from ``engine.gguf_file.open_gguf`` (share one with
         ``load_gguf``: parsing SmolLM2's ~98k strings takes 1.5-2 s), or None for the default file.
 
         Raises:
@@ -170,8 +171,6 @@ class Tokenizer:
                 message names the file and the value), or the token arrays disagree in length.
         """
         import gguf
-
-        from engine.model.weights import open_gguf
 
         reader = source if isinstance(source, gguf.GGUFReader) else open_gguf(source)
         path = pathlib.Path(getattr(reader.data, "filename", None) or "model.gguf")

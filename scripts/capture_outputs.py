@@ -28,7 +28,8 @@ def capture_model(kernels: bool) -> dict:
 
     from engine.config import EngineConfig
     from engine.core.request import Request, SamplingParams
-    from engine.model.weights import default_gguf_path, load_gguf, open_gguf
+    from engine.gguf_file import default_gguf_path, open_gguf
+    from engine.model.weights import load_gguf
     from engine.runner.builder import engine_from_weights
     from engine.runner.invariance import invariance_prompts
     torch.manual_seed(0)

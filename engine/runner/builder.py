@@ -22,7 +22,8 @@ from engine.model.int8_weights import attach_int8
 from engine.model.gguf_blocks import attach_q4q8
 from engine.model.quant import attach_q4
 from engine.runner.int8_calibration import calibration_config, calibration_tokens, run_calibration
-from engine.model.weights import load_gguf, load_safetensors, open_gguf, random_shape, random_weights
+from engine.gguf_file import open_gguf
+from engine.model.weights import load_gguf, load_safetensors, random_shape, random_weights
 from engine.runner.kv_cache import KVCache, device_pool_size
 from engine.runner.model_runner import ModelRunner
 from engine.tokenizer import ByteTokenizer, Tokenizer

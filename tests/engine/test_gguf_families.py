@@ -18,7 +18,8 @@ import transformers as tf
 
 from engine.model.layer_ops import TorchLayerOps
 from engine.model.transformer import Transformer
-from engine.model.weights import load_gguf, open_gguf
+from engine.gguf_file import open_gguf
+from engine.model.weights import load_gguf
 from engine.runner.kv_cache import KVCache
 from tests.engine.attention_oracle import step_metadata
 from tests.engine.gguf_families import GGUF_ARCH, write_gguf

