@@ -12,6 +12,11 @@ per step and experts no token chose are not read at all. Every token's output is
 expert order and rounded once, and each product's rows are independent of the other rows
 (`engine.model.linear.linear`), so a token's bits do not depend on which other tokens share its
 experts or how many there are.
+
+On a CUDA device whose torch has a grouped GEMM for it (`grouped_mm_device`: `torch._grouped_mm`,
+bf16 on sm_90 / sm_100) the experts' matrices are one stacked tensor per layer and the step runs
+both products of every expert in one call each (`MoEFeedForward.forward_grouped`), without
+reading the group sizes back to the host; elsewhere, the loop over the experts that have tokens.
 """
 
 from __future__ import annotations
@@ -20,9 +25,35 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.config import ModelArgs
+from engine.model.config import ModelArgs, MoEArgs
 from engine.model.layer_ops import TorchLayerOps
 from engine.model.linear import PackedWeight, linear, pack_fp32
+
+# torch._grouped_mm's bf16 CUTLASS kernel (aten/src/ATen/native/cuda/GroupedBlas.cpp) runs on
+# compute capability 9.x and 10.x; elsewhere torch falls back to a loop over the groups that reads
+# the offsets back to the host (`offs.cpu()`), once per product. It takes fewer than 1,024 groups,
+# and rows whose length is a multiple of 16 bytes.
+GROUPED_MM_CAPABILITIES = (9, 10)
+GROUPED_MM_MAX_GROUPS = 1024
+
+
+def grouped_mm_device(moe: MoEArgs, dim: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the mixture-of-experts layers of a model of width `dim` in `dtype` on `device` run
+    their experts through `torch._grouped_mm` (over stacked expert matrices): a CUDA device of
+    compute capability 9.x or 10.x (Hopper, Blackwell), bf16, fewer than 1,024 experts, and
+    `dim` and the expert size multiples of 8 (16-byte rows). False when this torch has no
+    `_grouped_mm`."""
+    return (device.type == "cuda" and dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+            and moe.n_experts < GROUPED_MM_MAX_GROUPS and dim % 8 == 0 and moe.expert_size % 8 == 0
+            and torch.cuda.get_device_capability(device)[0] in GROUPED_MM_CAPABILITIES)
+
+
+def gated(gate_up: torch.Tensor, gelu: bool, ops: type[TorchLayerOps]) -> torch.Tensor:
+    """act(gate) · up for gate_up [N, 2·F] (gate columns, then up): [N, F], SiLU or tanh-GELU."""
+    if gelu:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh").mul_(up)
+    return ops.silu_mul(gate_up)
 
 
 class FeedForward(nn.Module):
@@ -46,11 +77,7 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor, ops: type[TorchLayerOps]) -> torch.Tensor:    # x: [T, dim]
         gate_up = linear(x, self.w13, self.w13_packed)                               # [T, 2·ffn]
-        if self.gelu:
-            gate, up = gate_up.chunk(2, dim=-1)
-            hidden = F.gelu(gate, approximate="tanh").mul_(up)
-        else:
-            hidden = ops.silu_mul(gate_up)
+        hidden = gated(gate_up, self.gelu, ops)                                      # [T, ffn]
         return linear(hidden, self.w2, self.w2_packed)                               # [T, dim]
 
     def matrices(self) -> list[tuple[nn.Module, str]]:
@@ -70,6 +97,12 @@ class MoEFeedForward(nn.Module):
         experts: n_experts `FeedForward`s of `expert_size`.
         expert_rows: int64 [n_experts], how many tokens each expert has taken since the model was
             built (the metrics' expert load; a non-persistent buffer).
+        w13_stacked: [n_experts, 2·expert_size, dim] in the model dtype, every expert's w13
+            (gate rows, then up rows), and w2_stacked [n_experts, dim, expert_size] every w2;
+            each expert's `w13` / `w2` is then a view of its slice, so the weights exist once
+            (`stack_experts`). Non-persistent buffers, None unless the model was built for the
+            grouped GEMM (`grouped_mm_device`); `forward` takes `forward_grouped` when they are
+            set and on the input's device.
     """
 
     def __init__(self, args: ModelArgs) -> None:
@@ -79,9 +112,20 @@ class MoEFeedForward(nn.Module):
         self.top_k, self.norm_topk_prob = moe.top_k, moe.norm_topk_prob
         self.router = nn.Parameter(torch.empty(moe.n_experts, args.dim))
         self.router_packed: PackedWeight | None = None
+        self.gelu = args.activation == "gelu_tanh"
         self.experts = nn.ModuleList(FeedForward(args.dim, moe.expert_size, args.activation)
                                      for _ in range(moe.n_experts))
         self.register_buffer("expert_rows", torch.zeros(moe.n_experts, dtype=torch.int64), persistent=False)
+        self.register_buffer("w13_stacked", None, persistent=False)
+        self.register_buffer("w2_stacked", None, persistent=False)
+
+    @staticmethod
+    def stack_experts(matrices: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """One tensor [n_experts, rows, cols] holding `matrices` (n_experts of [rows, cols], one
+        per expert, in expert order) and a view of it per expert, to load in their place (the
+        experts' own tensors can then be freed: the weights exist once)."""
+        stacked = torch.stack(matrices)
+        return stacked, list(stacked.unbind(0))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's experts: (weights fp32 [T, k], expert ids int64 [T, k]) for x [T, dim],
@@ -94,6 +138,9 @@ class MoEFeedForward(nn.Module):
         return weights, ids
 
     def forward(self, x: torch.Tensor, ops: type[TorchLayerOps]) -> torch.Tensor:    # x: [T, dim]
+        stacked = self.w13_stacked
+        if stacked is not None and stacked.device == x.device:
+            return self.forward_grouped(x, ops)
         weights, ids = self.route(x)
         flat = ids.flatten()                                                         # [T·k] pairs
         counts = torch.bincount(flat, minlength=len(self.experts))
@@ -108,6 +155,38 @@ class MoEFeedForward(nn.Module):
                 y = self.experts[e].forward(x[rows], ops)                            # [n, dim]
                 out.index_add_(0, rows, y.float() * pair_weights[start:start + n, None])
                 start += n
+        return out.to(x.dtype)
+
+    def forward_grouped(self, x: torch.Tensor, ops: type[TorchLayerOps]) -> torch.Tensor:
+        """`forward` through `torch._grouped_mm` over the stacked experts, with no read back to
+        the host: x [T, dim] bf16 on the device of `w13_stacked` → [T, dim] bf16.
+
+        The T·k (token, expert) pairs are sorted by expert (tokens ascending within one); group e
+        ends at offsets[e] = Σ_{e' ≤ e} counts[e'] (int32 [E], computed on the device), so both
+        products take every expert at once: [T·k, dim] x [E, dim, 2F] -> [T·k, 2F], the gate,
+        then [T·k, F] x [E, F, dim] -> [T·k, dim] (the stacked matrices transposed: views, as the
+        kernel wants them). Each token's k products are then added in fp32 in expert-id order, as
+        the loop adds them: k gathers and adds of [T, dim], in a fixed order (no atomics, unlike
+        `index_add_` on CUDA), rounded once to the model dtype.
+        """
+        weights, ids = self.route(x)                                     # fp32 [T, k], int64 [T, k]
+        t, k = ids.shape
+        flat = ids.flatten()                                             # [T·k] pairs, token-major
+        counts = torch.zeros(self.expert_rows.shape, dtype=torch.int64, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))              # int64 [E]
+        self.expert_rows += counts
+        offsets = counts.cumsum(0, dtype=torch.int32)                    # int32 [E]: group ends
+        order = torch.argsort(flat, stable=True)                         # pairs grouped by expert
+        rows = x[order // k]                                             # [T·k, dim]
+        gate_up = torch._grouped_mm(rows, self.w13_stacked.transpose(1, 2), offs=offsets)  # [T·k, 2F]
+        y = torch._grouped_mm(gated(gate_up, self.gelu, ops), self.w2_stacked.transpose(1, 2),
+                              offs=offsets)                              # [T·k, dim]
+        where = torch.empty_like(order).scatter_(0, order, torch.arange(t * k, device=x.device))
+        at, pick = where.view(t, k).sort(dim=-1)     # each token's rows of y, in expert-id order
+        pair_weights = weights.gather(1, pick)                           # fp32 [T, k]
+        out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
+        for j in range(k):
+            out += y[at[:, j]].float() * pair_weights[:, j, None]
         return out.to(x.dtype)
 
     def matrices(self) -> list[tuple[nn.Module, str]]:

@@ -29,7 +29,7 @@ from engine.attention.base import AttentionMetadata, AttentionSpec
 from engine.model.config import ModelArgs
 from engine.model.layer_ops import TorchLayerOps
 from engine.model.linear import PackedWeight, linear, pack_weights
-from engine.model.mlp import FeedForward, MoEFeedForward
+from engine.model.mlp import FeedForward, MoEFeedForward, grouped_mm_device
 from engine.model.rope import interleave_rope_rows, rope_tables
 
 
@@ -226,7 +226,11 @@ class Transformer(nn.Module):
         the order; the q/k norm weights reordered alike) and gate, up into `w13` [2·ffn, dim].
         Norm weights and MoE routers stay fp32 (they scale fp32 activations; router logits are
         fp32); the RoPE tables stay complex64. Every tensor goes to `device` (None: where the loader's output weight is; packed copies
-        exist on the CPU only, see `pack`). Raises KeyError on a missing tensor.
+        exist on the CPU only, see `pack`). Where the experts run through the grouped GEMM
+        (`engine.model.mlp.grouped_mm_device`: bf16 on a Hopper or Blackwell GPU) each MoE
+        layer's expert matrices are stacked, `w13_stacked` [E, 2·F, dim] and `w2_stacked`
+        [E, dim, F], and every expert's `w13` / `w2` is a view of its slice (one copy of the
+        weights). Raises KeyError on a missing tensor.
         """
         with torch.device("meta"):
             model = cls(args)
@@ -249,7 +253,18 @@ class Transformer(nn.Module):
                     fused[p + f"attention.{norm}.weight"] = interleave_rope_rows(weight, 1, args.rotary_dim)
         fused = {k: (t.float() if k.endswith(("norm.weight", "router")) else t.to(dtype)).to(device).contiguous()
                  for k, t in fused.items()}
+        stacked: dict[str, torch.Tensor] = {}
+        if args.moe is not None and grouped_mm_device(args.moe, args.dim, dtype, device):
+            for i in range(args.n_layers):
+                for name in ("w13", "w2") if args.is_sparse(i) else ():
+                    keys = [f"layers.{i}.feed_forward.experts.{e}.{name}" for e in range(args.moe.n_experts)]
+                    whole, views = MoEFeedForward.stack_experts([fused.pop(key) for key in keys])
+                    fused.update(zip(keys, views))       # a layer at a time: its copies freed
+                    stacked[f"layers.{i}.feed_forward.{name}_stacked"] = whole
         model.load_state_dict(fused, strict=True, assign=True)
+        for key, whole in stacked.items():
+            owner, _, name = key.rpartition(".")
+            setattr(model.get_submodule(owner), name, whole)
         for k, table in enumerate(model.make_rope_tables(device)):
             setattr(model, f"rope_freqs_{k}", table)
         for moe in model.moe_layers:

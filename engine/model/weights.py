@@ -433,7 +433,9 @@ def _check_shapes(args: ModelArgs, state: dict[str, torch.Tensor], source: str) 
 
 # Shapes of other families at the design's 7B-class scale, for the CUDA path's checks, in
 # config.json form: Qwen3-8B as published; Gemma-3-12B's text model (published inside a
-# Gemma3ForConditionalGeneration checkpoint's text_config), in transformers 4.x spelling.
+# Gemma3ForConditionalGeneration checkpoint's text_config), in transformers 4.x spelling;
+# Qwen3-30B-A3B as published (48 layers, every MLP a mixture of 128 experts of 768, top 8:
+# 30.5 x 10^9 parameters, 3.3 x 10^9 active per token).
 _HF_SHAPES = {
     "qwen3-8b": dict(architectures=["Qwen3ForCausalLM"], hidden_size=4096, num_hidden_layers=36,
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=12288,
@@ -445,6 +447,12 @@ _HF_SHAPES = {
                         sliding_window_pattern=6, query_pre_attn_scalar=256, rope_theta=1e6,
                         rope_local_base_freq=10000.0, rope_scaling=dict(rope_type="linear", factor=8.0),
                         rms_norm_eps=1e-6),
+    "qwen3-30b-a3b": dict(architectures=["Qwen3MoeForCausalLM"], hidden_size=2048, num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                          intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+                          num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+                          mlp_only_layers=[], vocab_size=151936, max_position_embeddings=40960,
+                          rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False),
 }
 
 
@@ -453,8 +461,9 @@ def random_shape(name: str) -> ModelArgs:
 
     "llama-2-7b" and "smollm2-135m" are ``ModelArgs.llama2_7b()`` / ``smollm2_135m()``; "tiny"
     (2 layers, dim 128, 4 query heads and 2 KV heads of 32, SwiGLU 256, vocabulary 512) is for
-    CPU dry runs and tests; "qwen3-8b" and "gemma-3-12b" are those models' text configs read by
-    their family modules (every option of the family on).
+    CPU dry runs and tests; "qwen3-8b", "gemma-3-12b" and "qwen3-30b-a3b" (mixture of experts:
+    128 of 768, top 8, in all 48 layers) are those models' text configs read by their family
+    modules (every option of the family on).
 
     Raises:
         ValueError: an unknown name (the message lists the known ones).

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from genserve.common.model_name import DEFAULT_MODEL_NAME
 
 # Shapes a random model can take (engine.model.weights.random_shape builds their ModelArgs).
-RANDOM_SHAPES = ("llama-2-7b", "smollm2-135m", "tiny", "qwen3-8b", "gemma-3-12b")
+RANDOM_SHAPES = ("llama-2-7b", "smollm2-135m", "tiny", "qwen3-8b", "gemma-3-12b", "qwen3-30b-a3b")
 RANDOM_PREFIX = "random:"
 KINDS = ("embedded", "gguf", "safetensors", "random")
 

@@ -47,12 +47,16 @@ counts while any tensor of it is alive); `live_bytes()` is the sum over live sto
 `peak_bytes` its maximum since `reset_peak()`. This is torch's `memory_allocated`, not what the
 caching allocator reserves (no rounding to its 512-byte blocks, no fragmentation).
 
+Ops. The ledger counts every op that reaches it (`ledger.op_calls`, by `OpOverload`), so a test
+can say which kernels a step ran (the mixture-of-experts layers' `aten._grouped_mm`).
+
 Dtypes. Meta kernels of the matrix products do not all check that both operands have one dtype;
 the ledger does, for the products and attention ops (`DTYPE_CHECKED`), and raises on a mix.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import pathlib
@@ -98,7 +102,7 @@ DTYPE_CHECKED = frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default
                  aten._scaled_dot_product_flash_attention_for_cpu.default,
                  aten.scaled_dot_product_attention.default, aten._efficient_attention_forward.default,
                  aten._flash_attention_forward.default, aten.index_copy_.default,
-                 aten.index_copy.default, aten.index_put_.default})
+                 aten.index_copy.default, aten.index_put_.default, aten._grouped_mm.default})
 
 
 def install_cuda_guard(build_dir: pathlib.Path) -> str | None:
@@ -183,9 +187,10 @@ def _is_cuda(x: Any) -> bool:
 
 @dataclass(eq=False)
 class _Ledger(TorchDispatchMode):
-    """The dispatch-level half of `FakeCuda`: transfers, pinning, memory, dtype checks."""
+    """The dispatch-level half of `FakeCuda`: transfers, pinning, memory, dtype checks, op counts."""
 
     transfers: list[Transfer] = field(default_factory=list)
+    op_calls: collections.Counter = field(default_factory=collections.Counter)   # OpOverload → calls
     live: dict[int, int] = field(default_factory=dict)          # storage key → nbytes
     total: int = 0
     peak_bytes: int = 0
@@ -196,6 +201,7 @@ class _Ledger(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        self.op_calls[func] += 1
         if func in (aten.pin_memory.default, aten._pin_memory.default):
             storage = args[0].untyped_storage()
             self.pinned[storage._cdata] = storage

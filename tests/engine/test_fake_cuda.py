@@ -11,6 +11,10 @@ and preempted requests included.
 
 Memory (`test_activation_peak_fits_the_reserve`, docs/gpu.md "Memory on the device") counts
 the bytes of every live fake CUDA tensor by category.
+
+Other families run the same steps in bf16: Qwen3-8B, Gemma-3-12B, and Qwen3-30B-A3B's
+mixture-of-experts layers, whose experts run as grouped products (`aten._grouped_mm`, counted by
+the ledger) over stacked expert matrices, with no read back to the host.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from engine.runner.builder import build_engine
 from engine.runner.cuda_graphs import DecodeGraphs, _Graph, decode_forward, pad_decode_step
 from engine.runner.inputs import StepInputs
 from engine.runner.model_runner import ModelRunner
-from tests.engine.fake_cuda import FakeCuda, Transfer, default_reply, install_cuda_guard
+from tests.engine.fake_cuda import DEVICE, FakeCuda, Transfer, default_reply, install_cuda_guard
 
 pytestmark = pytest.mark.slow
 
@@ -512,6 +516,95 @@ def test_qwen3_and_gemma3_at_the_design_scale_on_the_device(shape, monkeypatch):
     plans = [r.plan for r in script.records if r.plan is not None]
     assert any(p.num_decode_rows and p.num_prefill_tokens for p in plans)
     assert any(p.num_decode_rows == 32 and not p.num_prefill_tokens for p in plans)
+    assert cached.num_cached == 192
+    for r in [long, cached, *others]:
+        assert r.generated == expected_tokens(r), r.request_id
+    engine.pool.check_all_free()
+
+
+def qwen3_moe_parameters(args) -> tuple[int, int]:
+    """(bf16 matrix entries, fp32 vector entries) of a Qwen3-MoE shape whose every layer is
+    sparse: embeddings and output untied; per layer Q | K | V and O, the router (fp32) and E
+    experts of gate | up [2F, dim] and down [dim, F]; the norms (two per layer, q/k per head,
+    the final one) in fp32."""
+    moe, hd = args.moe, args.head_dim
+    matrices = 2 * args.vocab_size * args.dim + args.n_layers * (
+        (args.n_heads + 2 * args.n_kv_heads) * hd * args.dim + args.dim * args.n_heads * hd
+        + moe.n_experts * 3 * moe.expert_size * args.dim)
+    vectors = args.n_layers * (2 * args.dim + 2 * hd + moe.n_experts * args.dim) + args.dim
+    return matrices, vectors
+
+
+def test_qwen3_30b_a3b_experts_run_as_one_grouped_product_per_matrix(monkeypatch):
+    """Qwen3-30B-A3B's layer shape (dim 2,048, 32 query and 4 KV heads of 128, 128 experts of 768,
+    top 8), cut to 2 layers, random bf16 on the fake device through the real builder, scheduler
+    and runner with SDPA: mixed steps, a prefix-cache hit and a 32-row decode step, each request
+    ending with the ids the device handed back. Every MoE layer runs its experts as two
+    `aten._grouped_mm` calls over the stacked experts (the gate | up product, then the down one),
+    8 rows per token of the step, with no read back to the host (each step's only device-to-host
+    copy is the sampled ids, `check_transfers`); the weights take exactly the bytes of the shape's
+    parameters, each expert's matrices a view of its layer's stacked tensor."""
+    import engine.runner.builder as builder
+    from engine.model.weights import random_shape
+
+    full = random_shape("qwen3-30b-a3b")
+    assert (full.n_layers, full.dim, full.moe.n_experts, full.moe.top_k, full.moe.expert_size,
+            full.moe.norm_topk_prob, all(full.moe.sparse_layers)) == (48, 2048, 128, 8, 768, True, True)
+    matrices, vectors = qwen3_moe_parameters(full)
+    assert matrices + vectors == 30_532_122_624                  # "30.5B" as published
+    shape = dataclasses.replace(full, n_layers=2,
+                                moe=dataclasses.replace(full.moe, sparse_layers=full.moe.sparse_layers[:2]))
+    monkeypatch.setattr(builder, "random_shape", lambda name: shape)
+    rows: list[int] = []
+    grouped_mm = torch._grouped_mm
+
+    def recording(mat_a, mat_b, *args, **kwargs):
+        offs = kwargs["offs"]
+        assert (offs.dtype, offs.device, offs.shape) == (torch.int32, DEVICE, (128,))
+        rows.append(mat_a.shape[0])
+        return grouped_mm(mat_a, mat_b, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_grouped_mm", recording)
+    grouped = torch.ops.aten._grouped_mm.default
+    with FakeCuda() as fake:
+        monkeypatch.setenv("GENSERVE_ATTENTION", "sdpa")
+        cfg = EngineConfig(device="cuda", dtype="bfloat16", num_threads=1, num_blocks=512)
+        loaded = build_engine(cfg, "random:qwen3-30b-a3b", calibrate=False)
+        engine, model = loaded.engine, loaded.engine.executor.model
+        assert engine.executor.attention.name == "sdpa" and not engine.executor.kernels
+        # the builder serves EngineConfig.max_context (8,192) of the 40,960 positions
+        assert loaded.args == dataclasses.replace(shape, max_context=8192) and len(model.moe_layers) == 2
+        for moe in model.moe_layers:
+            assert moe.w13_stacked.shape == (128, 2 * 768, 2048) and moe.w2_stacked.shape == (128, 2048, 768)
+            assert moe.w13_stacked.dtype == torch.bfloat16 and moe.w13_stacked.device == DEVICE
+            for name in ("w13", "w2"):
+                storage = getattr(moe, f"{name}_stacked").untyped_storage()._cdata
+                assert all(getattr(e, name).untyped_storage()._cdata == storage for e in moe.experts)
+        matrices, vectors = qwen3_moe_parameters(shape)
+        rope = 8192 * shape.head_dim // 2 * 8                          # complex64 table
+        weights = storages_bytes([*model.parameters(), *model.buffers()])
+        assert weights == matrices * 2 + vectors * 4 + rope + 2 * 128 * 8   # + expert_rows, int64
+        assert fake.live_bytes() == weights + storages_bytes(engine.executor.kv.layers)
+        before = fake.ledger.op_calls[grouped]
+        script = Script(engine, fake)
+        long = request("long", "a", prompt_of(200, 1), 5, temperature=0.0)
+        engine.submit(long)
+        script.step()
+        cached = request("cached", "a", long.prompt_ids[:192] + prompt_of(30, 3), 5, temperature=0.0)
+        others = [request(f"u{i}", f"key{i}", prompt_of(8, 10 + i), 2,
+                          **({"temperature": 0.0} if i % 2 else {"temperature": 0.7, "seed": i}))
+                  for i in range(31)]
+        for r in [cached, *others]:
+            engine.submit(r)
+        script.run()
+        calls = fake.ledger.op_calls[grouped] - before
+        assert fake.ledger.op_calls[torch.ops.aten.bincount.default] == 0
+    plans = [r.plan for r in script.records if r.plan is not None]
+    assert any(p.num_decode_rows and p.num_prefill_tokens for p in plans)
+    assert any(p.num_decode_rows == 32 and not p.num_prefill_tokens for p in plans)
+    assert calls == len(rows) == 4 * len(plans)                     # 2 layers x 2 products a step
+    assert rows == [8 * p.num_tokens for p in plans for _ in range(4)]
+    assert 8 * 32 in rows
     assert cached.num_cached == 192
     for r in [long, cached, *others]:
         assert r.generated == expected_tokens(r), r.request_id

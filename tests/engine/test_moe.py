@@ -7,7 +7,10 @@
 * the engine's batch-invariance check passes for a bf16 MoE model;
 * the expert load each layer reports (and /metrics exports) counts top_k experts per token;
 * transformers 5's stacked expert tensors load as the per-expert ones do; bad configs are
-  refused by name.
+  refused by name;
+* the GPU path's grouped expert product (`MoEFeedForward.forward_grouped`, `torch._grouped_mm`
+  over stacked experts), run on the CPU where torch has a fallback kernel for it: each expert's
+  matrices are views of the stacked ones, and the outputs and expert counts are the loop's.
 """
 
 from __future__ import annotations
@@ -283,3 +286,43 @@ def test_a_q4_k_m_moe_gguf_runs_its_experts_on_qk_linear(tmp_path):
         x = (torch.randn(3, values.shape[1], generator=g)).to(torch.bfloat16)
         want = torch.cat([qk_linear_reference(x, b, kind) for kind, b in parts], dim=1)
         assert torch.equal(linear(x, getattr(module, name), packed), want.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_grouped_expert_product_gives_the_loops_outputs(dtype, monkeypatch):
+    """The model built as for the grouped GEMM (`grouped_mm_device` forced true: on the CPU
+    `torch._grouped_mm` runs torch's fallback, a product per group): every expert's w13 / w2 is a
+    view of the layer's stacked tensor (one storage), and `forward` takes the grouped path, whose
+    outputs are the loop's (same products, fp32 sums in the same expert order) and whose expert
+    counts are the loop's, for 37 random rows, one row and a step where every row shares two
+    experts."""
+    import engine.model.transformer as transformer
+
+    args = moe_args()
+    state = random_weights(args, dtype, std=0.05)
+    plain = Transformer.from_state_dict(args, state, dtype)
+    monkeypatch.setattr(transformer, "grouped_mm_device", lambda *a: True)
+    grouped = Transformer.from_state_dict(args, state, dtype)
+    for moe in grouped.moe_layers:
+        assert moe.w13_stacked.shape == (EXPERTS, 2 * 64, DIM) and moe.w2_stacked.shape == (EXPERTS, DIM, 64)
+        for e, expert in enumerate(moe.experts):
+            for name in ("w13", "w2"):
+                whole = getattr(moe, f"{name}_stacked")
+                assert getattr(expert, name).untyped_storage()._cdata == whole.untyped_storage()._cdata
+                assert torch.equal(getattr(expert, name), whole[e])
+    assert all(moe.w13_stacked is None for moe in plain.moe_layers)
+    calls = []
+    grouped_mm = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(a[0].shape) or grouped_mm(*a, **k))
+    loop, fast = plain.moe_layers[0], grouped.moe_layers[0]
+    shared = steer(fast, [[5, 2]], 24, seed=1)
+    loop.router.copy_(fast.router)
+    loop.pack_router()
+    x = torch.randn(37, DIM, generator=torch.Generator().manual_seed(3)).to(dtype)
+    for rows in (x, x[:1], shared.to(dtype)):
+        want, got = loop(rows, TorchLayerOps), fast(rows, TorchLayerOps)
+        assert (got.float() - want.float()).abs().max() <= (1e-6 if dtype == torch.float32 else 0.01) * \
+            want.float().abs().max()
+    assert calls == [(74, DIM), (74, 64), (2, DIM), (2, 64), (48, DIM), (48, 64)]
+    assert torch.equal(fast.expert_rows, loop.expert_rows) and int(fast.expert_rows.sum()) == 2 * (37 + 1 + 24)
+    assert fast.expert_rows[[2, 5]].tolist() >= [24, 24]
