@@ -5,7 +5,7 @@ Run from the repository root (the peer installed once, see `benchmarks.peer`)::
     python -m benchmarks.goodput [--peer vllm] [--mix design|long|short|both] [--rates 1,2,3,4] [--requests 48]
                                  [--ttft-slo-ms 1000] [--tpot-slo-ms 100] [--serve-args ARGS ...] [--vllm-bind all]
                                  [--vllm-dtype bfloat16|float32]
-                                 [--out docs/benchmarks/goodput]
+                                 [--out benchmarks/results/goodput/NAME]
 
 The method is the design's load test (docs/design.md): requests arrive as a Poisson process at a fixed
 rate (open loop: a slow server does not slow the arrivals), not from a fixed number of users.

@@ -1,6 +1,6 @@
 """Calibrate the simulator on this machine and check it against the live server, in one command.
 
-    .venv/bin/python -m loadgen.calibrate --out docs/benchmarks
+    .venv/bin/python -m loadgen.calibrate --out docs/benchmarks/scheduler
 
 1. **Measure** the embedded model's step times (SmolLM2-135M, the server's own `EngineConfig`
    defaults) in this process: `engine.runner.builder.build_engine` and `Engine.step_listeners`, on a grid
@@ -364,7 +364,7 @@ def _rps(x):
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loadgen.calibrate", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("docs/benchmarks"))
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("docs/benchmarks/scheduler"))
     parser.add_argument("--scale", type=float, default=0.064, help="length mix scale (0.064: prompts 16..512)")
     parser.add_argument("--duration", type=float, default=120.0, help="seconds of arrivals per live rate")
     parser.add_argument("--rates", default=None,

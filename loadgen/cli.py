@@ -248,7 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     e.add_argument("--prefill-ms-per-token", type=float, default=0.1, help="prefill cost, ms per token")
     e.add_argument("--cost-model", type=pathlib.Path, default=None,
                    help="measured cost model JSON (SimExecutor.from_json; e.g. "
-                        "docs/benchmarks/cost_model_cpu.json), replacing the three costs above")
+                        "docs/benchmarks/scheduler/cost_model_cpu.json), replacing the three costs above")
     e.add_argument("--batching", choices=list(BATCHING_MODES), default="continuous",
                    help="batch formation (EngineConfig.batching)")
     e.add_argument("--dynamic-window-ms", type=float, default=10.0, help="dynamic batching window, ms")

@@ -1,7 +1,7 @@
 """Two configurations of the step policy on the live server, in one run, with the simulator's error
 for each, one command:
 
-    .venv/bin/python -m loadgen.live_policies --out docs/benchmarks/live_policies
+    .venv/bin/python -m loadgen.live_policies --out docs/benchmarks/scheduler/live_policies
 
 1. **Measure and fit** this machine's step times as `loadgen.calibrate` does (`measure_grid`, whose
    grid includes 32 rows at ≈ 1,500-token contexts for the attention term; `fit_cost_model`), or
@@ -215,7 +215,7 @@ def _rps(x: float | None) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loadgen.live_policies", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("docs/benchmarks/live_policies"))
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("docs/benchmarks/scheduler/live_policies"))
     parser.add_argument("--rates", default=",".join(f"{r:g}" for r in DEFAULT_RATES), help="requests/s, comma separated")
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per rate")
     parser.add_argument("--scale", type=float, default=0.064, help="length mix scale (0.064: prompts 16..512)")

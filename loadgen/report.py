@@ -1,6 +1,6 @@
 """The scheduler comparison, in virtual time at the design's scale: one command regenerates it.
 
-    .venv/bin/python -m loadgen.report --out docs/benchmarks
+    .venv/bin/python -m loadgen.report --out docs/benchmarks/scheduler
 
 writes ``README.md`` (the report), ``results.json`` (every number in it) and three PNG plots.
 Every run is `loadgen.sim.simulate`: the real `Scheduler`, block pool, admission control and
@@ -464,7 +464,7 @@ def _policy_section(results, summary, meta) -> list[str]:
           "requests/s run, per configuration (same trace)."]
     live = meta.get("live_policies")
     L += ["", "Caps alone and the default on the live server of this machine, in one run, with the simulator's "
-              "error for each: `python -m loadgen.live_policies --out docs/benchmarks/live_policies` "
+              "error for each: `python -m loadgen.live_policies --out docs/benchmarks/scheduler/live_policies` "
               + (f"([live_policies/summary.md](live_policies/summary.md), run {live['date']}). At this machine's "
                  f"scaled SLOs (TTFT ≤ {live['slo']['ttft_ms']:.0f} ms, TPOT ≤ {live['slo']['tpot_ms']:.0f} ms) "
                  f"and {', '.join(f'{r:g}' for r in live['rates'])} requests/s, live goodput "
@@ -501,7 +501,7 @@ def markdown(results, summary, meta, images) -> str:
           "of the queued work that waits for rows or KV blocks ahead of it, itself included (a request the "
           "next step would admit adds nothing), plus the prompt tokens running rows have still to prefill "
           "before its prompt's turn (those with no more tokens left than its whole prompt).",
-          "- **Cost model**: the reference deployment's assumptions ([../design.md](../design.md)), `SimExecutor()` defaults: a decode step takes "
+          "- **Cost model**: the reference deployment's assumptions ([../../design.md](../../design.md)), `SimExecutor()` defaults: a decode step takes "
           "25 ms for 1 row and 40 ms for 32 (linear between), plus 0.1 ms per prefill token; no context term. "
           "A model measured on this machine (CPU, SmolLM2-135M) is in [calibration.md](calibration.md).",
           f"- **Trace**: the design's length mix (`LengthMix.design()`: prompts 50..8,000 tokens, mean ≈ 1,250; "
@@ -652,7 +652,7 @@ def markdown(results, summary, meta, images) -> str:
                   f"Live goodput on this machine at its scaled SLOs: {_rps(cal.get('live_goodput_rps'))} "
                   "(of the rates tested)."]
     else:
-        L += ["Not run yet: `python -m loadgen.calibrate --out docs/benchmarks`."]
+        L += ["Not run yet: `python -m loadgen.calibrate --out docs/benchmarks/scheduler`."]
     L += ["", "## Caveats", "",
           "- The step costs are the design's assumptions, not measurements of a 7B model on a GPU; "
           "`SimExecutor.from_json` loads a measured model (`genserve-loadgen sim --cost-model FILE`), and the "
@@ -677,7 +677,7 @@ def _live_policies(path: pathlib.Path) -> dict[str, Any] | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loadgen.report", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("docs/benchmarks"))
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("docs/benchmarks/scheduler"))
     parser.add_argument("--minutes", type=float, default=10.0, help="virtual minutes of arrivals per point")
     parser.add_argument("--rates", default=",".join(f"{r:g}" for r in RATES), help="requests/s, comma separated")
     parser.add_argument("--rows", default=",".join(map(str, SWEEP_ROWS)), help="sweep: row caps")

@@ -1,6 +1,7 @@
 """benchmarks.goodput without servers: its arrivals, what meets the SLO, a rate's summary, the
 comparison of best goodput, the page, and its options (the live run needs vLLM installed and a quiet
-machine; its figures are in docs/benchmarks/goodput/)."""
+machine; the current result is docs/benchmarks/goodput.md, each run's
+folder is under benchmarks/results/goodput/)."""
 
 from __future__ import annotations
 

@@ -44,7 +44,7 @@ later. Admission keeps the prefill waiting ahead of a new prompt within the budg
 for a key within its fair share, `AdmissionControl.over_budget`), so a prompt still unfinished
 after twice the budget has been passed over by shorter prompts that joined after it. Past the
 knee shortest-first alone let such prompts wait 13–17 s in the simulator (1,000–2,000-token
-prompts at 1–1.5 req/s); docs/benchmarks/goodput.md, run 20, has what the bound changes."""
+prompts at 1–1.5 req/s); benchmarks/results/goodput/runs.md, run 20, has what the bound changes."""
 
 
 @dataclass(slots=True)
