@@ -6,7 +6,7 @@ not): every key must be classified in the policy table, so a field OpenAI adds f
 is. Each field is sent with its probe value, and must be accepted (and, where the field travels
 over gRPC, arrive there); with null, which means absent; and, where the policy refuses values,
 with one of them, which must be a 400 saying "not supported" and naming it, before any engine
-call. The schemas have exactly the table's fields, and README.md's table is the table.
+call. The schemas have exactly the table's fields, and docs/api.md's table is the table.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from bridge.app import create_app
 from bridge.protocol import ChatCompletionRequest, CompletionRequest
 from tests.service.harness import running_server
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+API_DOC = Path(__file__).resolve().parents[2] / "docs" / "api.md"
 SDK_TYPES = {"/v1/completions": openai.types.CompletionCreateParams,
              "/v1/chat/completions": openai.types.chat.CompletionCreateParams}
 SCHEMAS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
@@ -80,8 +80,8 @@ def test_the_schema_has_exactly_the_policys_fields(route):
 
 
 def test_readme_holds_the_policy_table():
-    assert fields.markdown_table() in README.read_text(), \
-        "README.md's field table is stale: paste `python -m bridge.fields` into it"
+    assert fields.markdown_table() in API_DOC.read_text(), \
+        "docs/api.md's field table is stale: run `python scripts/api_fields.py`"
 
 
 @pytest.mark.parametrize("route", ROUTES)

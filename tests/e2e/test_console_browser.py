@@ -6,7 +6,7 @@ hit ratio in the Replicas panel as /metrics counts it, and see 429s arrive on it
 
 Skips when Chromium, chromium-driver or selenium is missing (`apt-get install chromium
 chromium-driver`; .ci/run installs them where apt-get works). With GENSERVE_CONSOLE_SCREENSHOTS
-set to a folder (docs/console to refresh the README's), each view's screenshot is written there.
+set to a folder (docs/console to refresh docs/console.md's), each view's screenshot is written there.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Every 400 names the field the client sent (README: "`param` the field"), including the errors
+"""Every 400 names the field the client sent (docs/api.md: "`param` the field"), including the errors
 the engine finds after the bridge has translated the body into gRPC fields of other names:
 vLLM's choice constraints (`guided_choice[0]`, not the engine's `choice[0]`), chat's
 `max_completion_tokens` and `top_logprobs`, completions' `best_of` and token-id `prompt`, the

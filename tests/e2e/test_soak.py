@@ -7,7 +7,7 @@ engine's and bridge's RSS flat after the warm-up.
 
 The RSS bound depends on the length. Over the first minutes the engine's RSS still rises while
 native caches fill (oneDNN's primitive cache gains an entry per new matmul shape, the allocator's
-arenas grow to the peak batch; docs/architecture.md): a 2-minute run is held to 25 % growth after
+arenas grow to the peak batch; docs/testing.md, the soak row): a 2-minute run is held to 25 % growth after
 a 60 s warm-up, which still catches a per-request leak; the hour-long run to 5 % after 10 minutes.
 The figures and plot go to GENSERVE_SOAK_OUT when set.
 """

@@ -9,7 +9,7 @@ and what it then waits for is those prompts. When every row is taken and its key
 its cap or more, the time until enough running rows leave to seat the waiting requests and it
 (`row_wait_ms`) counts instead where it is longer.
 Over the budget a key whose own waiting work is within its fair share is still admitted
-(`over_budget`). docs/architecture.md, "Admission and fairness".
+(`over_budget`). docs/scheduling.md, "Admission and fairness".
 
 `waiting_work_ms` replays the join's order and room on a tally of its own, not the join's
 predicates: it is an estimate, and it differs from `Scheduler._fits` on purpose (see its

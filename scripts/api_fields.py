@@ -1,7 +1,7 @@
-"""Rewrite README.md's field table from bridge/fields.py (`markdown_table()`), in place.
+"""Rewrite docs/api.md's field table from bridge/fields.py (`markdown_table()`), in place.
 
-Run from the repository root: ``python scripts/readme_fields.py``. The table is the block of lines
-starting at its header row; tests/bridge/test_field_policy.py checks README.md holds it.
+Run from the repository root: ``python scripts/api_fields.py``. The table is the block of lines
+starting at its header row; tests/bridge/test_field_policy.py checks docs/api.md holds it.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ HEADER = "| field | /v1/completions | /v1/chat/completions | notes |"
 
 
 def main() -> None:
-    path = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+    path = pathlib.Path(__file__).resolve().parents[1] / "docs" / "api.md"
     lines = path.read_text().split("\n")
     start = lines.index(HEADER)
     end = start
