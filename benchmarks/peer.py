@@ -77,7 +77,7 @@ from benchmarks.vllm_peer import INSTALL_SCRIPT as VLLM_INSTALL_SCRIPT
 from benchmarks.vllm_peer import (VLLM, PausableServer, VllmInstall, all_cores, vllm_argv, vllm_env, vllm_server,
                                   wait_for_health)
 from engine.model.linear import bf16_arithmetic
-from genserve.deploy.supervisor import free_port
+from genserve.common.ports import free_port
 
 GENSERVE = "genserve"
 LLAMA_CPP = "llama.cpp"

@@ -45,7 +45,7 @@ import subprocess
 import sys
 import time
 
-from genserve.deploy.supervisor import free_port
+from genserve.common.ports import free_port
 from loadgen.clients import RestClient, run_open_loop
 from loadgen.live_server import LiveServer
 from loadgen.workload import WorkItem

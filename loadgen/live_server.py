@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from genserve.deploy.supervisor import free_port
+from genserve.common.ports import free_port
 from loadgen.metrics import scrape_metrics, wait_idle
 
 QUEUE_BUDGET_S = 60.0          # --queue-budget-s unless told: long enough that nothing is refused

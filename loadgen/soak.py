@@ -407,7 +407,7 @@ def serve(extra: Sequence[str] = (), timeout_s: float = 300.0) -> Iterator[Targe
     Raises:
         RuntimeError: it did not print "genserve ready" within `timeout_s`.
     """
-    from genserve.deploy.supervisor import free_port
+    from genserve.common.ports import free_port
 
     port, grpc_port, metrics_port = free_port(), free_port(), free_port()
     proc = subprocess.Popen(

@@ -15,7 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from genserve.common.ports import PortInUse, check_ports_free, port_is_free
-from genserve.deploy.supervisor import free_port
+from genserve.common.ports import free_port
 from tests.ports import reserve_ports
 
 EXIT_PORT_IN_USE = 3

@@ -3,7 +3,8 @@
 gRPC servers (and Envoy's listeners) set SO_REUSEPORT by default, so a second server on a taken
 port binds it silently and the kernel splits new connections between the two. genserve's engine
 binds exclusively instead (`service.server`), and `genserve serve` checks every port it will open
-with `check_ports_free` before it starts a child. Imports nothing beyond the standard library.
+with `check_ports_free` before it starts a child; `free_port` picks one. Imports nothing beyond
+the standard library.
 """
 
 from __future__ import annotations
@@ -75,3 +76,10 @@ def check_ports_free(listeners: Iterable[tuple[str, str, int]]) -> None:
         seen[port] = what
         if not port_is_free(host, port):
             raise PortInUse(host, port, what)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` now (the OS's pick; another process may take it before use)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

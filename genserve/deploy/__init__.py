@@ -3,5 +3,5 @@ children (supervisor), and Envoy's configuration rendered from the Helm chart (e
 
 The top layer: cli imports service/ (the engine's command-line options) and genserve.common.
 Import the submodules; this package imports none of them, so `genserve.deploy.supervisor` (which
-imports no torch and no service/) stays cheap for the benchmarks and tools that use `free_port`.
+imports no torch and no service/) stays cheap for the tools that use it.
 """

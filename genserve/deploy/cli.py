@@ -34,9 +34,9 @@ import tempfile
 import time
 
 from genserve.common.model_source import parse_model_source
-from genserve.common.ports import PortInUse, check_ports_free
+from genserve.common.ports import PortInUse, check_ports_free, free_port
 from genserve.deploy import envoy
-from genserve.deploy.supervisor import (STOP_TIMEOUT_S, Child, free_port, supervise, wait_engine_ready,
+from genserve.deploy.supervisor import (STOP_TIMEOUT_S, Child, supervise, wait_engine_ready,
                                         wait_http_ok)
 from service.command_line import (HelpFormatter, add_engine_args, config_from_args, options_from_args,
                                   service_argv)

@@ -10,7 +10,6 @@ then SIGKILL. Imports no torch.
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -27,13 +26,6 @@ HEALTHY_RUN_S = 60.0          # a child that ran this long restarts with the ini
 # While the service is not ready after the timeout, how long each supervision pass polls it (s).
 LATE_READY_POLL_S = 0.5
 STOP_TIMEOUT_S = 15.0         # after SIGTERM (and the engine's drain grace): then SIGKILL
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on `host` now (the OS's pick; another process may take it before use)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -29,7 +29,7 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from genserve.deploy import envoy
-from genserve.deploy.supervisor import free_port
+from genserve.common.ports import free_port
 from genserve.v1 import generate_pb2 as pb, generate_pb2_grpc as pb_grpc
 from service.load_report import HEADER as LOAD_REPORT_HEADER, Load, report_text
 from tests.deploy.helpers import tool
