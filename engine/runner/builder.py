@@ -24,7 +24,7 @@ from engine.model.quant import attach_q4
 from engine.runner.int8_calibration import calibration_config, calibration_tokens, run_calibration
 from engine.gguf_file import open_gguf
 from engine.model.weights import load_gguf, load_safetensors, random_shape, random_weights
-from engine.runner.kv_cache import KVCache, device_pool_size
+from engine.runner.kv_cache import KVCache, device_pool_size, model_pool_size
 from engine.runner.model_runner import ModelRunner
 from engine.tokenizer import ByteTokenizer, Tokenizer
 from genserve.common.model_source import ModelSource, parse_model_source
@@ -280,10 +280,9 @@ def kv_pool_blocks(config: EngineConfig, args: ModelArgs, dtype: torch.dtype,
         size = device_pool_size(args, config.block_size, dtype, device, config.activation_reserve_bytes)
         log.info("%s", size.describe())
         return size.num_blocks
-    n = KVCache.num_blocks_for_budget(args, config.block_size, dtype, config.kv_pool_bytes)
-    log.info("KV pool: %d blocks of %d tokens (%d tokens; --kv-pool-gib %.2f)", n, config.block_size,
-             n * config.block_size, config.kv_pool_bytes / 1024**3)
-    return n
+    size = model_pool_size(args, config.block_size, dtype, config.kv_pool_bytes)
+    log.info("%s (--kv-pool-gib %.2f)", size.describe(), config.kv_pool_bytes / 1024**3)
+    return size.num_blocks
 
 
 def engine_from_model(config: EngineConfig, model: Transformer) -> Engine:

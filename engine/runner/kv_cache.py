@@ -112,9 +112,23 @@ def kv_pool_size(memory_bytes: int, weight_bytes: int, reserve_bytes: int, *, n_
     size = KVPoolSize(int(memory_bytes), int(weight_bytes), int(reserve_bytes), pool, per_token,
                       block_size, max(pool, 0) // (block_size * per_token))
     if size.num_blocks < 2:
-        raise ValueError(f"{size.describe()}: fewer than 2 blocks fit; free device memory or lower "
-                         "the activation reserve")
+        raise ValueError(f"{size.describe()}: fewer than 2 blocks fit; give the pool more memory "
+                         "(free device memory, lower the activation reserve, or raise --kv-pool-gib)")
     return size
+
+
+def model_pool_size(args: ModelArgs, block_size: int, dtype: torch.dtype, memory_bytes: int,
+                    weight_bytes: int = 0, reserve_bytes: int = 0) -> KVPoolSize:
+    """`kv_pool_size` for `args`'s layers and KV heads with rows as the pool stores them in `dtype`
+    (`stored_row`: the 8-bit format's rows carry their scales): the one sizing rule of the CPU
+    budget (`--kv-pool-gib`) and the CUDA device's free memory alike.
+
+    Raises:
+        ValueError: fewer than 2 blocks fit (the message gives the arithmetic).
+    """
+    width, elem = stored_row(args.head_dim, dtype)
+    return kv_pool_size(memory_bytes, weight_bytes, reserve_bytes, n_layers=args.n_layers,
+                        n_kv_heads=args.n_kv_heads, head_dim=width, dtype_bytes=elem, block_size=block_size)
 
 
 def device_pool_size(args: ModelArgs, block_size: int, dtype: torch.dtype, device: torch.device,
@@ -129,9 +143,7 @@ def device_pool_size(args: ModelArgs, block_size: int, dtype: torch.dtype, devic
         raise ValueError(f"device pool sizing needs a CUDA device, got {device}")
     torch.cuda.empty_cache()
     free, _total = torch.cuda.mem_get_info(device)
-    width, elem = stored_row(args.head_dim, dtype)
-    return kv_pool_size(free, 0, reserve_bytes, n_layers=args.n_layers, n_kv_heads=args.n_kv_heads,
-                        head_dim=width, dtype_bytes=elem, block_size=block_size)
+    return model_pool_size(args, block_size, dtype, free, 0, reserve_bytes)
 
 
 def _element_size(dtype: torch.dtype) -> int:
@@ -189,12 +201,3 @@ class KVCache:
         """Copy block `src`'s K and V into block `dst` in every layer (copy-on-write)."""
         for layer in self.layers:
             layer[:, dst].copy_(layer[:, src])
-
-    @staticmethod
-    def num_blocks_for_budget(args: ModelArgs, block_size: int, dtype: torch.dtype,
-                              budget_bytes: int) -> int:
-        """Blocks that fit in `budget_bytes` (floor); raises ValueError if fewer than 2."""
-        n = budget_bytes // bytes_per_block(args, block_size, dtype)
-        if n < 2:
-            raise ValueError(f"KV budget of {budget_bytes} bytes holds {n} blocks; need >= 2")
-        return int(n)

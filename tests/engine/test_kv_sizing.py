@@ -73,3 +73,18 @@ def test_cuda_pool_takes_the_free_memory_after_the_reserve():
     free, _ = torch.cuda.mem_get_info(device)
     size = device_pool_size(args, 16, torch.bfloat16, device, reserve_bytes=free // 2)
     assert size.num_blocks == (size.memory_bytes - free // 2) // 368_640
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int8])
+def test_the_cpu_budget_and_the_device_size_the_pool_by_one_rule(dtype):
+    """`--kv-pool-gib` on the CPU and the free memory on CUDA both go through `model_pool_size`:
+    its block is `bytes_per_block` (the 8-bit format's scales included)."""
+    from engine.runner.kv_cache import model_pool_size
+
+    args = ModelArgs.smollm2_135m()
+    size = model_pool_size(args, 16, dtype, 2 * 1024**3)
+    assert size.block_bytes == bytes_per_block(args, 16, dtype)
+    assert size.num_blocks == 2 * 1024**3 // bytes_per_block(args, 16, dtype)
+    assert kv_pool_blocks(EngineConfig(), args, dtype, torch.device("cpu")) == size.num_blocks
+    with pytest.raises(ValueError, match="fewer than 2 blocks fit"):
+        model_pool_size(args, 16, dtype, bytes_per_block(args, 16, dtype) * 2 - 1)
