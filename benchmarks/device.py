@@ -76,9 +76,9 @@ DESIGN_DECODE_MS = {1: 25.0, 32: 40.0}
 H200_BANDWIDTH_B_PER_S = 4.8e12
 H200_FP16_FLOP_PER_S = 989e12
 # pytest files run on the device by --pytest (those that need no GGUF, transformers or fastapi).
-DEVICE_TEST_FILES = ("tests/engine/test_device_generic.py", "tests/engine/test_attention_backends.py",
-                     "tests/engine/test_kv_sizing.py", "tests/engine/test_checkpoints.py",
-                     "tests/engine/test_sampler.py", "tests/engine/test_scheduler.py")
+DEVICE_TEST_FILES = ("tests/engine/runner/test_device_generic.py", "tests/engine/attention/test_attention_backends.py",
+                     "tests/engine/runner/test_kv_sizing.py", "tests/engine/model/test_checkpoints.py",
+                     "tests/engine/runner/test_sampler.py", "tests/engine/core/test_scheduler.py")
 
 
 @dataclass(frozen=True, slots=True)

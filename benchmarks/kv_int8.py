@@ -13,7 +13,7 @@ times, so load from other processes falls on both alike. Counted: pure-decode st
 count, the executor's time (forward, logits, sampling); printed: the median per engine, the
 ratio, and the K/V bytes a step reads at the mean context. Also printed: tokens a 2 GiB pool holds
 in each format. The tokens the two engines generate differ (the 8-bit cache rounds every key and
-value); tests/engine/test_kv_int8.py measures by how much.
+value); tests/engine/attention/test_kv_int8.py measures by how much.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@
 # Needs Python with torch (CUDA), numpy, safetensors and tokenizers; nothing is downloaded and no
 # model files are read (the model is random-initialised Llama-2-7B in FP16). Writes
 # $OUT/device_check.json (./device_check.json without $OUT). When pytest is importable it first
-# runs the fake-device check (tests/engine/test_fake_cuda.py, about a minute, on the CPU), and the
+# runs the fake-device check (tests/engine/runner/test_fake_cuda.py, about a minute, on the CPU), and the
 # engine's pytest files on the CUDA device too. Sized for well under 8 minutes on an H200; the
 # benchmark is stopped at 8.
 set -euo pipefail
@@ -26,8 +26,8 @@ fi
 # steps, transfers and memory on fake tensors, no device time. A failure stops here, so the loan
 # is not spent on a path already known to be inconsistent; GENSERVE_SKIP_FAKE_CHECK=1 skips it.
 if [ -z "${GENSERVE_SKIP_FAKE_CHECK:-}" ] && "$PYTHON" -c "import pytest" 2>/dev/null; then
-    echo "fake-device check: tests/engine/test_fake_cuda.py"
-    if ! timeout 300 "$PYTHON" -m pytest -q -p no:cacheprovider tests/engine/test_fake_cuda.py; then
+    echo "fake-device check: tests/engine/runner/test_fake_cuda.py"
+    if ! timeout 300 "$PYTHON" -m pytest -q -p no:cacheprovider tests/engine/runner/test_fake_cuda.py; then
         echo "fake-device check failed; fix it on the CPU first (GENSERVE_SKIP_FAKE_CHECK=1 skips it)" >&2
         exit 1
     fi

@@ -7,7 +7,7 @@ definition the tests hold every backend to). They differ in how, one module each
 
 * `cpu.CpuBackend` ("cpu-kernels" / "cpu-sdpa"): genserve's CPU kernels when they built
   (`engine.kernels`), else torch SDPA per decode batch and per prefill piece
-  (`paged_sdpa`). Batch-invariant bit for bit (tests/engine/test_attention.py).
+  (`paged_sdpa`). Batch-invariant bit for bit (tests/engine/attention/test_attention.py).
 * `sdpa.SdpaBackend` ("sdpa"): the same SDPA functions on any torch device.
 * `flex.FlexBackend` ("flex"): PyTorch FlexAttention over the flat batch against the whole pool
   with a block mask built from the step's segments and block tables.

@@ -1,7 +1,7 @@
 """The "cpu" attention backend: genserve's CPU kernels where they built, else torch SDPA, over
 host metadata (`engine.attention.paged_sdpa`).
 
-Batch-invariant bit for bit (tests/engine/test_attention.py): every decode row and every prefill
+Batch-invariant bit for bit (tests/engine/attention/test_attention.py): every decode row and every prefill
 piece is computed alone, whatever else is in the step.
 """
 

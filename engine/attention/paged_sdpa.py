@@ -60,7 +60,7 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetada
     Runs `torch.ops.genserve.paged_decode` when `kernels` (keys read in place,
     `decode_blocks` viewed as [B, nb] tables, `decode_lens` the contexts), else SDPA over the
     gathered, padded keys. Batch-invariant by construction (checked row by row against B = 1 with
-    other paddings in tests/engine/test_attention.py, both paths): every (row, KV head) is an
+    other paddings in tests/engine/attention/test_attention.py, both paths): every (row, KV head) is an
     independent problem and padded keys contribute exact zeros.
     """
     b, n_heads, hd = q.shape

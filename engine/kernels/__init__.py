@@ -64,7 +64,7 @@ The kernels are compiled with `-ffast-math`, which lets the compiler reassociate
 sums. Their batch invariance and their bit-equality with oneDNN do not rest on the source order:
 they rest on what is checked — the load-time probes (`engine.model.linear.onednn_k_chunk`,
 `pack_weights`' checks, `engine.attention.probe`) and the bitwise tests of every kernel against a
-batch of one and against oneDNN (tests/engine/test_*.py) — and every row's reduction is computed
+batch of one and against oneDNN (tests/engine/kernels/) — and every row's reduction is computed
 by one loop whose shape does not depend on the batch.
 """
 

@@ -17,7 +17,7 @@ import torch
 from engine.config import EngineConfig
 from engine.model.weights import load_gguf
 from engine.runner.builder import engine_from_weights
-from tests.engine.test_model_families import check_logprobs_close, run
+from tests.engine.model.test_model_families import check_logprobs_close, run
 from tests.gguf_assets import gemma3_270m_gguf, gemma3_270m_transformers
 
 pytestmark = pytest.mark.slow

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from tests.engine.conftest import check_preemption_keeps_tokens, generate, new_request
-from tests.engine.test_model import mixed_prompts
+from tests.engine.model.test_model import mixed_prompts
 
 REPETITIVE = "one two three one two three one two three one two three one two three one"
 

@@ -177,8 +177,8 @@ def test_an_architecture_or_option_outside_the_registry_is_refused_by_name(tmp_p
     source = build_checkpoint("gemma3", tmp_path / "gemma3")
     cases = [({"architectures": ["GPTNeoXForCausalLM"]},
               r"architecture GPTNeoXForCausalLM is not supported; supported: Gemma2ForCausalLM, "
-              r"Gemma3ForCausalLM, LlamaForCausalLM, MistralForCausalLM, Phi3ForCausalLM, "
-              r"Qwen2ForCausalLM, Qwen3ForCausalLM"),
+              r"Gemma3ForCausalLM, LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, "
+              r"Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM"),
              ({"hidden_activation": "relu"}, r"hidden_activation 'relu' .*supported: gelu_pytorch_tanh"),
              ({"layer_types": ["chunked_attention"] * 6}, r"layer type 'chunked_attention'"),
              ({"rope_parameters": {"full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6},

@@ -23,7 +23,7 @@ from engine.model.weights import Q4_1_BLOCK_BYTES, Q8_0_BLOCK_BYTES, load_gguf_q
 from engine.runner.builder import auto_weights, build_engine, engine_from_model, model_from_weights
 from engine.runner.invariance import check_batch_invariance
 from tests.engine.conftest import generate
-from tests.engine.test_model import mixed_prompts
+from tests.engine.model.test_model import mixed_prompts
 
 KINDS = ("wqkv", "wo", "w13", "w2")
 

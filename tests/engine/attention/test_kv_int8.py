@@ -16,7 +16,7 @@ from engine.model.config import ModelArgs
 from engine.model.rope import rope_tables
 from engine.runner.kv_cache import KVCache, bytes_per_block
 from tests.engine.conftest import check_preemption_keeps_tokens, generate
-from tests.engine.test_model import mixed_prompts
+from tests.engine.model.test_model import mixed_prompts
 
 BS, KVH, HD, GROUP = 16, 3, 64, 3          # SmolLM2's shape: 9 query heads over 3 KV heads
 H = KVH * GROUP

@@ -7,7 +7,7 @@ import pytest
 from engine.config import EngineConfig
 from engine.runner.builder import engine_from_weights
 from tests.engine.conftest import generate
-from tests.engine.test_model import mixed_prompts
+from tests.engine.model.test_model import mixed_prompts
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ from engine.runner.inputs import StepInputs
 from engine.runner.model_runner import ModelRunner
 from tests.engine.attention_oracle import step_metadata
 from tests.engine.conftest import generate, new_request
-from tests.engine.test_model import PARAGRAPH
+from tests.engine.model.test_model import PARAGRAPH
 
 pytestmark = pytest.mark.slow
 

@@ -2,7 +2,7 @@
 count, on SmolLM2's real matrices, where the model packed with oneDNN; the k chunk probe; a row
 alone equals the row in a batch across `PACKED_LINEAR_MAX_ROWS`; errors. Where oneDNN's rows
 depend on the batch on this CPU the model takes genserve's own layout instead
-(tests/engine/test_vnni_pack.py), and the oneDNN-only tests skip saying so."""
+(tests/engine/kernels/test_vnni_pack.py), and the oneDNN-only tests skip saying so."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from engine.model.layer_ops import KernelLayerOps
 from tests.engine.attention_oracle import step_metadata
 from engine.model.linear import ANY_ROWS, PACKED_LINEAR_MAX_ROWS, linear, onednn_k_chunk, pack_weight
 from engine.runner.kv_cache import KVCache
-from tests.engine.test_model import mixed_prompts
+from tests.engine.model.test_model import mixed_prompts
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,7 @@ def onednn_model(model):
     if model.output_packed.max_rows == ANY_ROWS or model.output_packed.tile_rows:
         pytest.skip("oneDNN's packed products depend on the row count on this CPU, so the model "
                     "runs oneDNN in fixed-size calls or genserve's own layout "
-                    "(tests/engine/test_vnni_pack.py), and packed_linear reproduces no oneDNN bits")
+                    "(tests/engine/kernels/test_vnni_pack.py), and packed_linear reproduces no oneDNN bits")
     return model
 
 

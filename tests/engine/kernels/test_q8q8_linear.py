@@ -14,8 +14,8 @@ import torch
 from engine import kernels as genserve_kernels
 from engine.model.quant import q8_0_dequantize, q8q8_linear_reference, q8q8_pack
 from engine.model.weights import Q8_0_BLOCK_BYTES, load_gguf_output_q8_0
-from tests.engine import test_q4q8_linear as q4q8_checks
-from tests.engine.test_q4q8_linear import random_x
+from tests.engine.kernels import test_q4q8_linear as q4q8_checks
+from tests.engine.kernels.test_q4q8_linear import random_x
 
 
 @pytest.fixture(scope="module", autouse=True)

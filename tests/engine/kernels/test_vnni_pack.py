@@ -114,7 +114,7 @@ def test_fp32_products_are_close_to_exact_and_batch_invariant(shape):
 
 def test_pack_weights_takes_fp32_copies_where_the_cpu_has_no_bf16_arithmetic(monkeypatch):
     """Without bf16 arithmetic and without genserve's `fma_linear` (kernels not built): fp32 copies.
-    Where `fma_linear` is built, tests/engine/test_fma_linear.py checks that it is taken."""
+    Where `fma_linear` is built, tests/engine/kernels/test_fma_linear.py checks that it is taken."""
     weights = _weights((192, 64), (64, 192))
     monkeypatch.setattr(lin, "pack_weight", lambda w, k=None: None)    # oneDNN cannot pack bf16
     monkeypatch.setattr(lin, "_onednn_tiles", lambda w: None)

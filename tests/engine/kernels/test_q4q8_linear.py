@@ -185,7 +185,7 @@ def test_real_first_layer_blocks(gguf_reader):
 def test_avx2_build_gives_the_avx512_builds_bits(avx2_products, n, k):
     """Both builds run the same operations in the same order (the file's header), so the AVX2
     kernel (vpmaddubsw / vpmaddwd) must give the AVX512 one's (vpdpbusd) bits exactly, at every
-    row count (tests/engine/test_q8q8_linear.py checks the Q8_0 product the same way)."""
+    row count (tests/engine/kernels/test_q8q8_linear.py checks the Q8_0 product the same way)."""
     packed = q4q8_pack(random_blocks(n, k, seed=11))
     for m in ROWS:
         x = random_x(m, k, seed=m + 20)
@@ -217,7 +217,7 @@ def test_q4q8_engine_runs_every_block_product_on_the_op(q4q8_engine):
 
 def test_q4q8_decode_loop_gives_the_python_loops_tokens(q4q8_engine, gguf_tokenizer):
     from tests.engine.conftest import check_decode_loop_matches_python_loop
-    from tests.engine.test_model import mixed_prompts
+    from tests.engine.model.test_model import mixed_prompts
     assert q4q8_engine.executor.decode_loop.q4q8                        # the C++ loop runs q4q8
     check_decode_loop_matches_python_loop(q4q8_engine, mixed_prompts(gguf_tokenizer))
 

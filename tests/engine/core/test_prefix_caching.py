@@ -9,7 +9,7 @@ from engine.config import EngineConfig
 from engine.runner.builder import engine_from_weights
 from tests.engine.conftest import generate
 from tests.engine.sim import make_request, sim_engine
-from tests.engine.test_model import PARAGRAPH
+from tests.engine.model.test_model import PARAGRAPH
 
 
 def _prefill_tokens(engine, req) -> list[int]:

@@ -1,5 +1,5 @@
 """The mixture-of-experts MLP (engine/model/mlp.py) beyond the family parity tests
-(tests/engine/test_model_families.py runs Qwen3-MoE and Mixtral against transformers):
+(tests/engine/model/test_model_families.py runs Qwen3-MoE and Mixtral against transformers):
 
 * a token's output bits do not depend on its batch: a batch where every token routes to the same
   experts, one where no two tokens share one, and a random one, each row against its run alone,
@@ -199,7 +199,7 @@ def test_a_q8_0_moe_gguf_serves_every_expert_from_its_blocks(family, tmp_path):
     from engine.model.weights import load_gguf
     from engine.runner.builder import engine_from_model
     from tests.engine.gguf_families import write_gguf
-    from tests.engine.test_q8q8_linear import assert_close_to_reference, q8_0_dequantize, random_x
+    from tests.engine.kernels.test_q8q8_linear import assert_close_to_reference, q8_0_dequantize, random_x
 
     path = write_gguf(family, tmp_path / "ckpt", tmp_path / "q8.gguf", gguf.GGMLQuantizationType.Q8_0)
     args, state = load_gguf(path)
@@ -234,7 +234,7 @@ def test_a_q4_k_m_moe_gguf_runs_its_experts_on_qk_linear(tmp_path):
     from engine.model.linear import linear
     from engine.gguf_file import open_gguf
     from engine.model.weights import load_gguf
-    from tests.engine.test_qk_linear import random_blocks
+    from tests.engine.kernels.test_qk_linear import random_blocks
 
     dim, hidden, experts, layers, vocab = 256, 256, 4, 2, 320
     g = torch.Generator().manual_seed(41)

@@ -25,7 +25,7 @@ from engine.runner.int8_calibration import CALIBRATION_TOKENS, calibration_token
 from engine.runner.invariance import check_batch_invariance
 from genserve.common.model_source import parse_model_source
 from tests.engine.conftest import generate
-from tests.engine.test_model import mixed_prompts
+from tests.engine.model.test_model import mixed_prompts
 
 
 def random_weight(n: int, k: int, seed: int) -> torch.Tensor:

@@ -1,0 +1,1 @@
+"""Tests of the attention backends and KV formats (engine/attention)."""

@@ -1,0 +1,1 @@
+"""Tests of the network, its families and weight loaders (engine/model)."""

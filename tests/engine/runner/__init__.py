@@ -1,0 +1,1 @@
+"""Tests of the model runner, sampling and the builder (engine/runner)."""

@@ -1,0 +1,1 @@
+"""Tests of constrained decoding (engine/structured)."""
