@@ -162,8 +162,7 @@ def test_a_q8_0_gguf_serves_every_block_matrix_from_its_blocks(tmp_path):
     import gguf
 
     from engine.model import gguf_blocks
-    from engine.model.linear import linear
-    from engine.model.transformer import Transformer, block_matrices
+    from engine.model.transformer import Transformer
     from engine.gguf_file import open_gguf
     from engine.model.weights import load_gguf
     from engine.runner.decode_loop import DecodeLoop
@@ -176,6 +175,18 @@ def test_a_q8_0_gguf_serves_every_block_matrix_from_its_blocks(tmp_path):
     reader = open_gguf(path)
     counts = gguf_blocks.attach_gguf_blocks(model, reader)        # what attach_q4q8 runs
     assert counts["q8q8"] == 4 * args.n_layers and counts["bf16"] == 0
+    check_every_matrix_runs_its_q8_0_blocks(model, reader)
+    assert DecodeLoop.from_model(model) is None
+
+
+def check_every_matrix_runs_its_q8_0_blocks(model, reader) -> None:
+    """Every block matrix of `model` (after `attach_gguf_blocks`) holds the file's Q8_0 blocks in
+    its fused row order (they dequantize to the model's own bf16 weight) and its product is the
+    Q8_0 x Q8_0 reference of those blocks."""
+    from engine.model import gguf_blocks
+    from engine.model.linear import linear
+    from engine.model.transformer import block_matrices
+
     fused = gguf_blocks._fused_parts(gguf_blocks.gguf_layer_blocks(reader), model)
     assert [(m, n) for m, n, _ in fused] == block_matrices(model)
     for module, name, parts in fused:
@@ -184,4 +195,3 @@ def test_a_q8_0_gguf_serves_every_block_matrix_from_its_blocks(tmp_path):
         assert torch.equal(q8_0_dequantize(blocks).to(torch.bfloat16), weight), name
         x = random_x(5, weight.shape[1], seed=4)
         assert_close_to_reference(linear(x, weight, getattr(module, name + "_packed")), x, blocks)
-    assert DecodeLoop.from_model(model) is None

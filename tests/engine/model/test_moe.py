@@ -193,13 +193,11 @@ def test_a_q8_0_moe_gguf_serves_every_expert_from_its_blocks(family, tmp_path):
 
     from engine.config import EngineConfig
     from engine.model import gguf_blocks
-    from engine.model.linear import linear
-    from engine.model.transformer import block_matrices
     from engine.gguf_file import open_gguf
     from engine.model.weights import load_gguf
     from engine.runner.builder import engine_from_model
     from tests.engine.gguf_families import write_gguf
-    from tests.engine.kernels.test_q8q8_linear import assert_close_to_reference, q8_0_dequantize, random_x
+    from tests.engine.kernels.test_q8q8_linear import check_every_matrix_runs_its_q8_0_blocks
 
     path = write_gguf(family, tmp_path / "ckpt", tmp_path / "q8.gguf", gguf.GGMLQuantizationType.Q8_0)
     args, state = load_gguf(path)
@@ -209,14 +207,7 @@ def test_a_q8_0_moe_gguf_serves_every_expert_from_its_blocks(family, tmp_path):
     sparse = sum(args.is_sparse(i) for i in range(args.n_layers))
     assert counts["q8q8"] == 2 * args.n_layers + 2 * (args.n_layers - sparse) + 2 * args.moe.n_experts * sparse
     assert counts["bf16"] == 0
-    fused = gguf_blocks._fused_parts(gguf_blocks.gguf_layer_blocks(reader), model)
-    assert [(m, n) for m, n, _ in fused] == block_matrices(model)
-    for module, name, parts in fused:
-        blocks = torch.cat([b for _, b in parts])
-        weight = getattr(module, name)
-        assert torch.equal(q8_0_dequantize(blocks).to(torch.bfloat16), weight), name
-        x = random_x(3, weight.shape[1], seed=5)
-        assert_close_to_reference(linear(x, weight, getattr(module, name + "_packed")), x, blocks)
+    check_every_matrix_runs_its_q8_0_blocks(model, reader)
     engine = engine_from_model(EngineConfig(num_blocks=256, prefix_caching=False), model)
     prompts = invariance_prompts(8, 300, lengths=(5, 17, 40, 9))      # the tiny model has 128 positions
     result = check_batch_invariance(engine, max_tokens=6, checked=2, prompts=prompts)

@@ -473,6 +473,24 @@ def test_activation_peak_fits_the_reserve(kv_cache_dtype, monkeypatch):
         assert 0 < m.activations < RESERVE, name
 
 
+def run_mixed_steps(engine: Engine, fake: FakeCuda) -> tuple[Script, Request, Request, list[Request]]:
+    """The design-scale script: a 200-token prompt alone, then a request sharing its first 192
+    tokens (a prefix-cache hit) beside 31 short ones of other keys (greedy and seeded), run to
+    the end: mixed steps, then a 32-row decode step. Returns (script, long, cached, others)."""
+    script = Script(engine, fake)
+    long = request("long", "a", prompt_of(200, 1), 5, temperature=0.0)
+    engine.submit(long)
+    script.step()
+    cached = request("cached", "a", long.prompt_ids[:192] + prompt_of(30, 3), 5, temperature=0.0)
+    others = [request(f"u{i}", f"key{i}", prompt_of(8, 10 + i), 2,
+                      **({"temperature": 0.0} if i % 2 else {"temperature": 0.7, "seed": i}))
+              for i in range(31)]
+    for r in [cached, *others]:
+        engine.submit(r)
+    script.run()
+    return script, long, cached, others
+
+
 @pytest.mark.parametrize("shape", ["qwen3-8b", "gemma-3-12b"])
 def test_qwen3_and_gemma3_at_the_design_scale_on_the_device(shape, monkeypatch):
     """Qwen3-8B (per-head q/k norms, head_dim 128) and Gemma-3-12B (head_dim 256, five sliding
@@ -498,17 +516,7 @@ def test_qwen3_and_gemma3_at_the_design_scale_on_the_device(shape, monkeypatch):
             assert all(t.device.type == "cuda" for t in model.rope_freqs)
         else:
             assert (args.head_dim, args.qk_norm, args.plain_llama) == (128, True, False)
-        script = Script(engine, fake)
-        long = request("long", "a", prompt_of(200, 1), 5, temperature=0.0)
-        engine.submit(long)
-        script.step()
-        cached = request("cached", "a", long.prompt_ids[:192] + prompt_of(30, 3), 5, temperature=0.0)
-        others = [request(f"u{i}", f"key{i}", prompt_of(8, 10 + i), 2,
-                          **({"temperature": 0.0} if i % 2 else {"temperature": 0.7, "seed": i}))
-                  for i in range(31)]
-        for r in [cached, *others]:
-            engine.submit(r)
-        script.run()
+        script, long, cached, others = run_mixed_steps(engine, fake)
         if shape == "gemma-3-12b":
             monkeypatch.setenv("GENSERVE_ATTENTION", "flex")
             with pytest.raises(RuntimeError, match="'flex' has no sliding windows"):
@@ -586,17 +594,7 @@ def test_qwen3_30b_a3b_experts_run_as_one_grouped_product_per_matrix(monkeypatch
         assert weights == matrices * 2 + vectors * 4 + rope + 2 * 128 * 8   # + expert_rows, int64
         assert fake.live_bytes() == weights + storages_bytes(engine.executor.kv.layers)
         before = fake.ledger.op_calls[grouped]
-        script = Script(engine, fake)
-        long = request("long", "a", prompt_of(200, 1), 5, temperature=0.0)
-        engine.submit(long)
-        script.step()
-        cached = request("cached", "a", long.prompt_ids[:192] + prompt_of(30, 3), 5, temperature=0.0)
-        others = [request(f"u{i}", f"key{i}", prompt_of(8, 10 + i), 2,
-                          **({"temperature": 0.0} if i % 2 else {"temperature": 0.7, "seed": i}))
-                  for i in range(31)]
-        for r in [cached, *others]:
-            engine.submit(r)
-        script.run()
+        script, long, cached, others = run_mixed_steps(engine, fake)
         calls = fake.ledger.op_calls[grouped] - before
         assert fake.ledger.op_calls[torch.ops.aten.bincount.default] == 0
     plans = [r.plan for r in script.records if r.plan is not None]
