@@ -6,12 +6,16 @@ Every path a model is packed for gives a row the same bits whatever else is in t
 `pack_weights`); which path runs is chosen at load, by checks and by measurement
 (docs/benchmarks/linear.md). A model served from its 4-bit GGUF blocks (`engine.model.quant`) runs
 genserve's `q4_linear` over them where it would run `packed_linear`, with the same bits.
+
+Each weight format is a `LinearMethod` with its own `apply` (bf16 through oneDNN, `packed_linear`,
+tiled oneDNN, `fma_linear`, fp32 copies; the GGUF's Q4_1, Q8_0 and K-quant blocks; int8 rows),
+chosen once per weight when its `PackedWeight` is made (`choose_method`); `linear` only calls it.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -110,70 +114,202 @@ class PackedWeight:
     f32: torch.Tensor | None = None
     call_rows: tuple[int, ...] = ()
     fma: bool = False
+    method: LinearMethod = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "method", choose_method(self))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor,
            packed: PackedWeight | None = None) -> torch.Tensor:
-    """`x @ weight.T` whose rows do not depend on how many rows there are.
-
-    With `packed` (`pack_weights`) the product reads the packed copy: from its Q4_1, Q8_0, Q4_K or
-    Q6_K blocks times 8-bit inputs when it has them (`q4q8_linear`, `q8q8_linear`, `qk_linear`:
-    llama.cpp's arithmetic, rows independent of the batch); on int8 arithmetic when it has an int8 copy (`engine.model.int8.int8_linear`, rows still independent of the batch, but
-    not the bf16 product's bits); from its 8-bit blocks when
-    it has them (`q8_amx_linear`, oneDNN's AMX bits); up to `packed.max_rows`
-    rows from its 4-bit blocks when it has them (`q4_linear`, engine/kernels/csrc/q4_linear.cpp, the
-    bits of `packed_linear` with the same chunk, or without a chunk `q4_amx_linear`, the bits of
-    the `tile_rows`-row oneDNN calls); else from its bf16 panels when it has them (`fma_linear`,
-    CPUs without bf16 arithmetic), else from its fp32 copy when it has one (`fp32_linear`, the
-    same CPUs where the kernels are not built); else in `tile_rows`-row oneDNN
-    calls when the copy says so (`onednn_tiled`); otherwise for up to `packed.max_rows` rows,
-    when the weight has a `k_chunk`, through genserve's
-    `packed_linear` (engine/kernels/csrc/packed_linear.cpp), else through oneDNN. The two give the same
-    bits, and oneDNN gives `F.linear`'s bits (`pack_weight` checks both); which is faster where
-    is in docs/benchmarks/linear.md. oneDNN and `F.linear` take a different kernel for a single
-    row whose low bits differ from the many-row kernel's on some inputs (seen on real
-    down-projection inputs of SmolLM2, not on random ones; every M >= 2 agrees), so there a
-    one-row input is doubled: a decode step of 1 row computes exactly what the same row computes
-    inside a batch of 32. On other devices the product is `F.linear` (cuBLAS on CUDA), whose
-    rows may depend on M (its kernel choice does); docs/gpu.md says how that is checked.
+    """`x @ weight.T` whose rows do not depend on how many rows there are: the packed copy's
+    `LinearMethod` (chosen once, when the copy was made: `choose_method`), or without one
+    `F.linear` (`PlainMethod`).
 
     Args:
         x: [M, in_features]; weight: [out_features, in_features], same dtype; packed: None or
-            the weight's `PackedWeight` from `pack_weights`.
+            the weight's `PackedWeight` (`pack_weights`, or a quantized format's attach).
     Returns:
         [M, out_features].
     """
-    if packed is not None and packed.q4q8 is not None:
-        return torch.ops.genserve.q4q8_linear(x.contiguous(), packed.q4q8, weight.shape[0])
-    if packed is not None and packed.q8q8 is not None:
-        return torch.ops.genserve.q8q8_linear(x.contiguous(), packed.q8q8, weight.shape[0])
-    if packed is not None and packed.qk is not None:
-        return torch.ops.genserve.qk_linear(x.contiguous(), list(packed.qk.blocks),
-                                            list(packed.qk.kinds), -1)
-    if packed is not None and packed.i8 is not None:
-        return int8_linear(x, packed.i8)
-    if packed is not None and packed.q8 is not None:
-        return torch.ops.genserve.q8_amx_linear(x.contiguous(), packed.q8)
-    if packed is not None and packed.q4 is not None and x.shape[0] <= packed.max_rows:
+    if packed is None:
+        return PLAIN.apply(x, weight, None)
+    return packed.method.apply(x, weight, packed)
+
+
+class LinearMethod:
+    """How the products of one packed weight run (vLLM's `LinearMethodBase`): one subclass per
+    weight format, chosen once per weight by `choose_method` and kept on its `PackedWeight`.
+    Every method gives a row the same bits whatever else is in the batch, except where its
+    docstring says whose bits it gives instead."""
+
+    name = "?"
+
+    def apply(self, x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None) -> torch.Tensor:
+        """x [M, in] @ weightᵀ → [M, out] in x's dtype, from `packed`'s format."""
+        raise NotImplementedError
+
+
+class PlainMethod(LinearMethod):
+    """No packed copy: `F.linear` (cuBLAS on CUDA, whose rows may depend on M: docs/gpu.md says
+    how that is checked). On the CPU oneDNN and `F.linear` take a different kernel for a single
+    row whose low bits differ from the many-row kernel's on some inputs (seen on real
+    down-projection inputs of SmolLM2, not on random ones; every M >= 2 agrees), so a one-row
+    input is doubled there: a decode step of 1 row computes exactly what the same row computes
+    inside a batch of 32."""
+
+    name = "plain"
+
+    def apply(self, x, weight, packed):
+        one_row = x.shape[0] == 1 and x.device.type == "cpu"
+        if one_row:
+            x = torch.cat([x, x])
+        y = F.linear(x, weight) if packed is None else onednn_linear(x, packed.tensor)
+        return y[:1] if one_row else y
+
+
+class OnednnMethod(PlainMethod):
+    """oneDNN over its packed copy (`pack_weight` checked it gives `F.linear`'s bits), one-row
+    inputs doubled as for `PlainMethod`."""
+
+    name = "onednn"
+
+
+class PackedLinearMethod(LinearMethod):
+    """oneDNN's packed copy with a k chunk: up to `max_rows` rows genserve's `packed_linear`
+    (engine/kernels/csrc/packed_linear.cpp, the same bits as oneDNN with that chunk), above it
+    oneDNN; or genserve's own layout (`vnni_pack`, `max_rows` `ANY_ROWS`): `packed_linear` always.
+    Which is faster where: docs/benchmarks/linear.md."""
+
+    name = "packed_linear"
+
+    def apply(self, x, weight, packed):
+        if x.shape[0] <= packed.max_rows:
+            return torch.ops.genserve.packed_linear(x.contiguous(), packed.tensor, packed.k_chunk)
+        return ONEDNN.apply(x, weight, packed)
+
+
+class OnednnTiledMethod(LinearMethod):
+    """oneDNN's product in calls of exactly `tile_rows` rows (`onednn_tiled`), where oneDNN's
+    rows depend on the row count but not on the other rows of one call."""
+
+    name = "onednn_tiled"
+
+    def apply(self, x, weight, packed):
+        return onednn_tiled(x, packed.tensor, packed.tile_rows)
+
+
+class Fp32Method(LinearMethod):
+    """The fp32 copy in fixed-size BLAS calls (`fp32_linear`): CPUs without bf16 arithmetic where
+    `fma_linear` is not built, and the MoE router's fp32 logits (`pack_fp32`)."""
+
+    name = "fp32"
+
+    def apply(self, x, weight, packed):
+        return fp32_linear(x, packed.f32, packed.call_rows)
+
+
+class FmaMethod(LinearMethod):
+    """genserve's `fma_linear` over `panel_pack`'s panels (CPUs without bf16 arithmetic): one fp32
+    FMA chain over k per output, each row alone."""
+
+    name = "fma"
+
+    def apply(self, x, weight, packed):
+        return torch.ops.genserve.fma_linear(x.contiguous(), packed.tensor)
+
+
+class Q4Method(LinearMethod):
+    """The GGUF's Q4_1 blocks (`engine.model.quant`, `q4_linear`: the bits `packed_linear` gives
+    with the same chunk; without a chunk `q4_amx_linear`, the bits of the `tile_rows`-row oneDNN
+    calls) up to `max_rows` rows; above, the bf16 copy's own method (`rest`)."""
+
+    name = "q4"
+
+    def __init__(self, rest: LinearMethod) -> None:
+        self.rest = rest
+
+    def apply(self, x, weight, packed):
+        if x.shape[0] > packed.max_rows:
+            return self.rest.apply(x, weight, packed)
         if packed.k_chunk:
             return torch.ops.genserve.q4_linear(x.contiguous(), packed.q4, packed.k_chunk)
         return torch.ops.genserve.q4_amx_linear(x.contiguous(), packed.q4)
-    if packed is not None and packed.fma:
-        return torch.ops.genserve.fma_linear(x.contiguous(), packed.tensor)
-    if packed is not None and packed.f32 is not None:
-        return fp32_linear(x, packed.f32, packed.call_rows)
-    if packed is not None and packed.tile_rows:
-        return onednn_tiled(x, packed.tensor, packed.tile_rows)
-    if packed is not None and packed.k_chunk and x.shape[0] <= packed.max_rows:
-        return torch.ops.genserve.packed_linear(x.contiguous(), packed.tensor, packed.k_chunk)
-    one_row = x.shape[0] == 1 and x.device.type == "cpu"     # a oneDNN quirk (above)
-    if one_row:
-        x = torch.cat([x, x])
-    if packed is not None:
-        y = onednn_linear(x, packed.tensor)
+
+
+class Q8AmxMethod(LinearMethod):
+    """Q8_0 blocks on AMX (`q8_amx_linear`): the bits of the `tile_rows`-row oneDNN calls."""
+
+    name = "q8_amx"
+
+    def apply(self, x, weight, packed):
+        return torch.ops.genserve.q8_amx_linear(x.contiguous(), packed.q8)
+
+
+class Int8Method(LinearMethod):
+    """int8 weights per output row (`engine.model.int8.int8_linear`): int8 arithmetic, rows
+    independent of the batch, not the bf16 product's bits."""
+
+    name = "int8"
+
+    def apply(self, x, weight, packed):
+        return int8_linear(x, packed.i8)
+
+
+class Q4Q8Method(LinearMethod):
+    """A GGUF's Q4_1 blocks times inputs rounded to 8 bits per row and block of 32
+    (`q4q8_linear`: ggml's Q4_1 x Q8_1, llama.cpp's arithmetic)."""
+
+    name = "q4q8"
+
+    def apply(self, x, weight, packed):
+        return torch.ops.genserve.q4q8_linear(x.contiguous(), packed.q4q8, weight.shape[0])
+
+
+class Q8Q8Method(LinearMethod):
+    """A GGUF's Q8_0 blocks times 8-bit inputs (`q8q8_linear`: ggml's Q8_0 x Q8_0)."""
+
+    name = "q8q8"
+
+    def apply(self, x, weight, packed):
+        return torch.ops.genserve.q8q8_linear(x.contiguous(), packed.q8q8, weight.shape[0])
+
+
+class QKMethod(LinearMethod):
+    """A GGUF's Q4_K / Q6_K blocks times inputs rounded to Q8_K (`qk_linear`: ggml's K-quant
+    products, `engine.model.kquant`)."""
+
+    name = "qk"
+
+    def apply(self, x, weight, packed):
+        return torch.ops.genserve.qk_linear(x.contiguous(), list(packed.qk.blocks),
+                                            list(packed.qk.kinds), -1)
+
+
+PLAIN, ONEDNN = PlainMethod(), OnednnMethod()
+_BLOCK_METHODS = (("q4q8", Q4Q8Method()), ("q8q8", Q8Q8Method()), ("qk", QKMethod()),
+                  ("i8", Int8Method()), ("q8", Q8AmxMethod()))
+
+
+def choose_method(packed: PackedWeight) -> LinearMethod:
+    """The `LinearMethod` of a packed weight, by the formats it carries, first match: a GGUF's
+    Q4_1 x Q8_1, Q8_0 x Q8_0 or K-quant blocks, int8 rows, AMX Q8_0 blocks, Q4_1 blocks for up to
+    `max_rows` rows, then the bf16 copy's: `fma_linear` panels, an fp32 copy, `tile_rows`-row
+    oneDNN calls, `packed_linear` with a k chunk, else plain oneDNN."""
+    for attribute, method in _BLOCK_METHODS:
+        if getattr(packed, attribute) is not None:
+            return method
+    if packed.fma:
+        rest: LinearMethod = FmaMethod()
+    elif packed.f32 is not None:
+        rest = Fp32Method()
+    elif packed.tile_rows:
+        rest = OnednnTiledMethod()
+    elif packed.k_chunk:
+        rest = PackedLinearMethod()
     else:
-        y = F.linear(x, weight)
-    return y[:1] if one_row else y
+        rest = ONEDNN
+    return Q4Method(rest) if packed.q4 is not None else rest
 
 
 def onednn_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
