@@ -610,8 +610,10 @@ class Bench:
             recs = [r for r in self.run(eng) if r.rows == 32 and r.prefill == 0]
             log(f"  {'16 constrained' if constrained else 'free'}: {len(recs)} 32-row steps, "
                 f"{time.perf_counter() - t0:.1f} s")
+            states = eng.executor.states      # the runner's per-request state (not yet dropped)
             for req in reqs[:16] if constrained else []:    # every constrained row stayed valid
-                assert not req.grammar_state.matcher.is_error(), req.request_id
+                held = states.get(req.request_id)
+                assert held is None or not held.grammar.matcher.is_error(), req.request_id
             return [r.step_s for r in recs[2:]]
 
         one_run(True, 4)                                    # first-call costs, untimed

@@ -2,11 +2,12 @@
 
 `Request` is the one mutable record a request has inside the engine. Its writers, each of its own
 fields: the scheduler (`engine.core.sched`) changes `state`, `num_computed`, `generated`, the
-timestamps and counters; `Engine.submit` stamps `arrival_s` and `deadline_s`; the model runner
-keeps the request's `generator` and `sampler_state`; any thread may set `cancel_requested` or
+timestamps and counters; `Engine.submit` stamps `arrival_s` and `deadline_s`; any thread may set `cancel_requested` or
 `stop_requested`. Its blocks are in the block pool, by request id. The service reads `state` to trace a request's
 admissions and preemptions (`service.tracing`) and otherwise sees only the `TokenEvent`s pushed
-through the request's `on_event` callback.
+through the request's `on_event` callback. The model runner writes nothing here: what it keeps per
+request (generator, logits processors' state, grammar matcher) is its own
+(`engine.runner.request_state`).
 """
 
 from __future__ import annotations
@@ -14,12 +15,10 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from engine.core.outputs import FinishReason, TokenEvent
 
-if TYPE_CHECKING:
-    import torch
 
 
 class RequestState(enum.Enum):
@@ -129,7 +128,6 @@ class Request:
         state: life-cycle state; changed only by the scheduler.
         num_computed: tokens of `prompt_ids + generated` whose K/V are in the cache.
         generated: sampled token ids so far.
-        generator: the request's own random generator (its state survives preemption).
         cancel_requested: set by any thread; read by the scheduler at the next step boundary.
         stop_requested: set by the service when a stop string matched; the row leaves at the
             next step boundary with FinishReason.STOP.
@@ -151,14 +149,8 @@ class Request:
         prompt_logprob_entries: with `sampling.prompt_logprobs`, the scheduler's list of
             (logprob, top alternatives) per prompt position 1..num_prompt-1 (None until
             computed), filled piece by piece and pushed before the first token.
-        sampler_state: the model runner's per-request state for the logits processors (the
-            token history the penalties read, the bias as arrays); opaque to the core, None
-            until a step samples the request with a processor on.
         constraint: the compiled grammar its output must follow
             (`engine.structured.compiler.CompiledGrammar`), or None; forked samples share it.
-        grammar_state: the sample's own matcher in that grammar
-            (`engine.structured.masks.RowMatcher`), made by the model runner on the first draw
-            and kept across preemption; None before.
         cache_salt: the client's narrowing of its prefix-cache scope (vLLM's `cache_salt`): only
             requests with the same salt (and, under the default scope, the same key) share
             cached blocks; "" for none.
@@ -177,7 +169,6 @@ class Request:
     state: RequestState = RequestState.QUEUED
     num_computed: int = 0
     generated: list[int] = field(default_factory=list)
-    generator: torch.Generator | None = None
     cancel_requested: bool = False
     stop_requested: bool = False
     index: int = 0
@@ -194,10 +185,8 @@ class Request:
     finish_detail: str = ""
     prefix_hashes: list[bytes] | None = None
     num_cached: int = 0
-    sampler_state: object | None = None
     prompt_logprob_entries: list | None = None
     constraint: Any = None
-    grammar_state: Any = None
     cache_salt: str = ""
 
     @property

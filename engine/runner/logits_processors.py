@@ -21,11 +21,13 @@ import numpy as np
 import torch
 
 from engine.core.request import Request
+from engine.runner.request_state import CachedRequestState
 
 
 @dataclass(slots=True)
 class RowState:
-    """One request's inputs to the processors, kept on `Request.sampler_state` between steps.
+    """One request's inputs to the processors, kept in its runner state
+    (`CachedRequestState.sampler`) between steps.
 
     Attributes:
         history: int64 [num_prompt + max_tokens], host memory: prompt ids then generated ids;
@@ -46,7 +48,7 @@ class RowState:
     ban_ids: np.ndarray
 
     @classmethod
-    def of(cls, req: Request, vocab: int) -> "RowState":
+    def of(cls, req: Request, vocab: int, holder: CachedRequestState) -> "RowState":
         """The request's state, built on first use (prompt copied once) and brought up to date
         with the tokens generated since the last call.
 
@@ -54,7 +56,7 @@ class RowState:
             IndexError: a `logit_bias` or `stop_token_ids` id outside 0..vocab-1 (an entry there
                 would land in another row's logits).
         """
-        state = req.sampler_state
+        state = holder.sampler
         if not isinstance(state, RowState):
             s = req.sampling
             history = np.empty(req.num_prompt + req.max_tokens, dtype=np.int64)
@@ -68,7 +70,7 @@ class RowState:
                 if len(ids) and not 0 <= int(ids.min()) <= int(ids.max()) < vocab:
                     raise IndexError(f"request {req.request_id}: token id outside the vocabulary "
                                      f"(0..{vocab - 1})")
-            req.sampler_state = state
+            holder.sampler = state
         new = req.num_tokens - state.filled
         if new == 1:
             state.history[state.filled] = req.generated[-1]
@@ -88,7 +90,8 @@ class RowState:
         return self.history[self.num_prompt:self.filled]
 
 
-def process_logits(logits: torch.Tensor, requests: Sequence[Request], copy: bool) -> torch.Tensor:
+def process_logits(logits: torch.Tensor, requests: Sequence[Request], copy: bool,
+                   states: Sequence[CachedRequestState] | None = None) -> torch.Tensor:
     """Apply each row's penalties, bias and `min_tokens` ban.
 
     Args:
@@ -96,6 +99,9 @@ def process_logits(logits: torch.Tensor, requests: Sequence[Request], copy: bool
         requests: the R requests (a request may own several rows: n > 1 forks).
         copy: leave `logits` untouched and return a processed copy (the caller still needs the
             raw logits, for logprobs); otherwise rows are processed in place.
+        states: each request's runner state (`CachedRequestState`, row r's at r), where the
+            processors' `RowState` is kept between steps; None: fresh ones (built from the
+            request's tokens, the same values, nothing kept).
     Returns:
         fp32 [R, vocab]: `logits` itself when no row has a processor on (or in-place), else the
         copy. Banned entries are -inf; nothing becomes NaN (a penalty scales or shifts finite
@@ -109,7 +115,8 @@ def process_logits(logits: torch.Tensor, requests: Sequence[Request], copy: bool
     out = logits.clone() if copy else logits
     flat = out.view(-1)
     vocab = out.shape[1]
-    states = {r: RowState.of(requests[r], vocab) for r in rows}
+    holders = states if states is not None else [CachedRequestState() for _ in requests]
+    row_states = {r: RowState.of(requests[r], vocab, holders[r]) for r in rows}
     device = out.device
 
     def keys(arrays: list[np.ndarray], owners: list[int]) -> torch.Tensor:
@@ -127,16 +134,16 @@ def process_logits(logits: torch.Tensor, requests: Sequence[Request], copy: bool
     if rep:
         # Duplicate indices write the same value (each is a function of the entry's own old
         # value), so the result does not depend on which write lands last.
-        arrays = [states[r].seen for r in rep]
+        arrays = [row_states[r].seen for r in rep]
         index = keys(arrays, rep)
         penalty = per_entry([requests[r].sampling.repetition_penalty for r in rep], arrays)
         old = flat[index]
         flat[index] = torch.where(old > 0, old / penalty, old * penalty)
     freq = [r for r in rows if requests[r].sampling.frequency_penalty != 0.0
             or requests[r].sampling.presence_penalty != 0.0]
-    freq = [r for r in freq if len(states[r].generated)]
+    freq = [r for r in freq if len(row_states[r].generated)]
     if freq:
-        index, counts = torch.unique(keys([states[r].generated for r in freq], freq),
+        index, counts = torch.unique(keys([row_states[r].generated for r in freq], freq),
                                      return_counts=True)
         owner = torch.div(index, vocab, rounding_mode="floor")
         table = torch.zeros(out.shape[0], 2, dtype=out.dtype, device=device)
@@ -144,13 +151,13 @@ def process_logits(logits: torch.Tensor, requests: Sequence[Request], copy: bool
                                      requests[r].sampling.presence_penalty] for r in freq],
                                    dtype=out.dtype, device=device)
         flat[index] -= table[owner, 0] * counts.to(out.dtype) + table[owner, 1]
-    bias = [r for r in rows if len(states[r].bias_ids)]
+    bias = [r for r in rows if len(row_states[r].bias_ids)]
     if bias:
-        arrays = [states[r].bias_ids for r in bias]
-        values = torch.from_numpy(np.concatenate([states[r].bias_values for r in bias]))
+        arrays = [row_states[r].bias_ids for r in bias]
+        values = torch.from_numpy(np.concatenate([row_states[r].bias_values for r in bias]))
         flat[keys(arrays, bias)] += values.to(device)
     ban = [r for r in rows if len(requests[r].generated) < requests[r].sampling.min_tokens
-           and len(states[r].ban_ids)]
+           and len(row_states[r].ban_ids)]
     if ban:
-        flat[keys([states[r].ban_ids for r in ban], ban)] = float("-inf")
+        flat[keys([row_states[r].ban_ids for r in ban], ban)] = float("-inf")
     return out

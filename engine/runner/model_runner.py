@@ -36,21 +36,24 @@ from engine.runner.inputs import StepInputs
 from engine.runner.kv_cache import KVCache
 from engine.runner.logits_processors import process_logits
 from engine.runner.prompt_logprobs import prompt_logprobs
+from engine.runner.request_state import CachedRequestState, RequestStates
 from engine.runner.sampler import make_generator, sample
 from engine.structured.masks import GrammarMasks
 
 log = logging.getLogger(__name__)
 
 
-def request_generator(req: Request, device: torch.device | str = "cpu") -> torch.Generator:
-    """The request's own generator on `device` (where sampling runs), created on first use from
-    its seed and kept across preemption. Raises ValueError if it was made for another device."""
-    if req.generator is None:
-        req.generator = make_generator(req.sampling.seed, device)
-    elif req.generator.device != torch.device(device):
-        raise ValueError(f"request {req.request_id}'s generator is on {req.generator.device}, "
+def request_generator(req: Request, state: CachedRequestState,
+                      device: torch.device | str = "cpu") -> torch.Generator:
+    """The request's own generator on `device` (where sampling runs), kept in its runner `state`:
+    created on first use from its seed and kept across preemption. Raises ValueError if it was
+    made for another device."""
+    if state.generator is None:
+        state.generator = make_generator(req.sampling.seed, device)
+    elif state.generator.device != torch.device(device):
+        raise ValueError(f"request {req.request_id}'s generator is on {state.generator.device}, "
                          f"sampling runs on {device}")
-    return req.generator
+    return state.generator
 
 
 class ModelRunner:
@@ -77,6 +80,8 @@ class ModelRunner:
         kernels: settable; switches the attention backend, the layer ops and the decode loop
             together (tests compare the two paths on one engine).
         attention: the backend every step's layers call.
+        states: each request's runner state (`RequestStates`: generator, logits processors'
+            state, grammar matcher), dropped the step after the request finished.
         decode_loop: the C++ decode loop (`engine.runner.decode_loop.DecodeLoop`) that runs
             pure-decode steps, or None (then the model's Python block loop runs them; set it to
             None to compare the two).
@@ -125,6 +130,7 @@ class ModelRunner:
         self.kernels = kernels
         self.graphs = DecodeGraphs(model, kv) if cuda_graphs else None
         self.grammar = GrammarMasks()        # constrained rows' token masks (engine/structured)
+        self.states = RequestStates()        # generators, processor and grammar state per request
 
     def expert_load(self) -> list[tuple[int, list[int]]]:
         """Routing of the mixture-of-experts layers since the model was built: (layer index,
@@ -162,7 +168,8 @@ class ModelRunner:
         is opened (`stage`).
         """
         t0 = time.perf_counter()
-        masks = self.grammar.start(plan.draws)      # on a worker while the forward runs
+        self.states.prune()
+        masks = self.grammar.start(plan.draws, self.states.of)     # on a worker while the forward runs
         with stage("genserve.inputs"):
             inputs = StepInputs.from_plan(plan, self.kv.block_size)
             for src, dst in plan.block_copies:      # copy-on-write of shared prompt blocks
@@ -198,9 +205,10 @@ class ModelRunner:
             requests = [r for _, r in draws]
             params = [r.sampling for r in requests]
             keep_raw = any(p.logprobs for p in params)
-            processed = process_logits(logits, requests, copy=keep_raw)
+            states = [self.states.of(r) for r in requests]
+            processed = process_logits(logits, requests, copy=keep_raw, states=states)
             tokens, logprobs, top = sample(processed, params,
-                                           [request_generator(r, self.device) for r in requests],
+                                           [request_generator(r, s, self.device) for r, s in zip(requests, states)],
                                            raw_logits=logits if processed is not logits else None,
                                            split=(greedy_index, drawn_index), kernel=self.kernels)
         return SampledTokens(tokens, logprobs, top, time.perf_counter() - t0, prompt)

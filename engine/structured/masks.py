@@ -8,8 +8,8 @@ the GIL) and unpacks the bits to one bool per token (numpy); `PendingMasks.apply
 forward ends) and sets the logits of disallowed tokens to -inf, row by row. Rows without a
 constraint are never touched, and a step without constrained rows does no grammar work at all.
 
-A row's matcher lives on its request (`Request.grammar_state`), created from the compiled
-grammar on the row's first draw, so each of n samples has its own, and it survives preemption:
+A row's matcher lives with the model runner's state of its request (`CachedRequestState.grammar`),
+created from the compiled grammar on the row's first draw, so each of n samples has its own, and it survives preemption:
 after a preemption the request replays its generated tokens as rows that do not sample, and the
 matcher, which already consumed those tokens, goes on from where it was. A matcher consumes
 tokens lazily, by the count of `Request.generated` it has seen, so a token is never consumed
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -144,21 +144,24 @@ class GrammarMasks:
         self._lock = threading.Lock()
         self.stats = MaskStats()
 
-    def start(self, draws: Sequence[tuple[int, Any]]) -> PendingMasks | None:
+    def start(self, draws: Sequence[tuple[int, Any]], state_of: Callable[[Any], Any]) -> PendingMasks | None:
         """Begin the masks of a step's draws (`StepPlan.draws`: (logits row, request) pairs).
 
+        `state_of(request)` gives the holder of the request's matcher (an object with a `grammar`
+        attribute, None until the first draw: the model runner's `CachedRequestState`), so the
+        matcher lives with the runner's other per-request state, not on the request.
         Returns None when no draw is constrained (`request.constraint` is None for all): the step
         does no grammar work. Call before the forward pass; `PendingMasks.apply` before sampling.
         """
-        rows = [(j, req) for j, (_, req) in enumerate(draws) if req.constraint is not None]
+        rows = [(j, req, state_of(req)) for j, (_, req) in enumerate(draws) if req.constraint is not None]
         if not rows:
             return None
         with self._lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="genserve-grammar")
-        return PendingMasks(self, [j for j, _ in rows], self._pool.submit(self._compute, rows))
+        return PendingMasks(self, [j for j, _, _ in rows], self._pool.submit(self._compute, rows))
 
-    def _compute(self, rows: list[tuple[int, Any]]) -> torch.Tensor:
+    def _compute(self, rows: list[tuple[int, Any, Any]]) -> torch.Tensor:
         """On the worker: advance each row's matcher, fill its mask and unpack it to one bool per
         token (bool [K, words * 32], True: allowed), so that only the fill of the logits is left
         on the step's critical path."""
@@ -171,10 +174,10 @@ class GrammarMasks:
         bitmask = torch.zeros(len(rows), (vocab + BITS - 1) // BITS, dtype=torch.int32)
         matchers = []
         broken = []
-        for k, (_, req) in enumerate(rows):
-            state = req.grammar_state
+        for k, (_, req, holder) in enumerate(rows):
+            state = holder.grammar
             if state is None:
-                state = req.grammar_state = RowMatcher(req.constraint)
+                state = holder.grammar = RowMatcher(req.constraint)
             state.advance(req.generated)
             if state.matcher.is_error():
                 broken.append((k, state.compiled.eos_token_id))
