@@ -1,11 +1,11 @@
-"""Scheduler events on request spans: admitted and preempted (the servicer adds queued, first
-token and finished itself).
+"""Scheduler events on request spans: admitted, preempted and readmitted (the servicer adds
+queued, first token and finished itself).
 
-The servicer only sees token events; admission and preemption happen inside the scheduler.
-`SpanTracker` is a step listener: after every engine step (on the scheduler thread, the only
-thread that changes `Request.state`) it compares each traced request's state with the last one
-it saw and adds the matching span event, stamped with the request's own clock times where it
-has them. Only recording spans are tracked, so with tracing off it does nothing.
+The servicer only sees token events; admission and preemption happen inside the scheduler,
+which lists them on each step's plan (`StepPlan.lifecycle`). `SpanTracker` is a step listener:
+after every engine step it adds each traced request's lifecycle events to its span, stamped
+with the scheduler's clock. Only recording spans are tracked, so with tracing off it does
+nothing.
 """
 
 from __future__ import annotations
@@ -17,21 +17,19 @@ from dataclasses import dataclass
 from opentelemetry import trace
 
 from engine.core.engine import Engine
-from engine.core.request import Request, RequestState
-
-_RUNNING = (RequestState.RUNNING,)
+from engine.core.plan import Lifecycle, StepPlan
+from engine.core.request import Request
 
 
 @dataclass(slots=True)
 class _Tracked:
     request: Request
     span: trace.Span
-    last_state: RequestState
-    admitted: bool = False
 
 
 class SpanTracker:
-    """Adds `admitted` / `preempted` events to the spans of traced requests (see module doc)."""
+    """Adds `admitted` / `preempted` / `readmitted` events to the spans of traced requests (see
+    module doc)."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -45,32 +43,31 @@ class SpanTracker:
             return
         with self._lock:
             for sample in (req, *req.children):
-                self._tracked[id(sample)] = _Tracked(sample, span, sample.state)
+                self._tracked[id(sample)] = _Tracked(sample, span)
 
     def untrack(self, req: Request) -> None:
         with self._lock:
             for sample in (req, *req.children):
                 self._tracked.pop(id(sample), None)
 
-    def on_step(self, plan, events, step_s) -> None:  # noqa: ARG002 — the step listener signature
-        if not self._tracked:
+    def on_step(self, plan: StepPlan, events, step_s) -> None:  # noqa: ARG002 — the step listener signature
+        if not self._tracked or not plan.lifecycle:
             return
         with self._lock:
-            tracked = list(self._tracked.values())
-        for t in tracked:
-            req, state = t.request, t.request.state
-            if state == t.last_state:
+            changes = [(self._tracked.get(id(e.request)), e) for e in plan.lifecycle]
+        for t, e in changes:
+            if t is None:
                 continue
+            req = t.request
             attrs = {"genserve.index": req.index}
-            if not t.admitted and req.admitted_s is not None and req.parent is None:
-                t.admitted = True
-                t.span.add_event("admitted", {**attrs, "genserve.queue_ms": (req.admitted_s - req.arrival_s) * 1000},
-                                 timestamp=self._wall_ns(req.admitted_s))
-            elif state in _RUNNING and t.last_state == RequestState.PREEMPTED:
-                t.span.add_event("readmitted", attrs)
-            if state == RequestState.PREEMPTED:
-                t.span.add_event("preempted", {**attrs, "genserve.tokens_generated": len(req.generated)})
-            t.last_state = state
+            if e.kind is Lifecycle.ADMITTED:
+                t.span.add_event("admitted", {**attrs, "genserve.queue_ms": (e.time_s - req.arrival_s) * 1000},
+                                 timestamp=self._wall_ns(e.time_s))
+            elif e.kind is Lifecycle.READMITTED:
+                t.span.add_event("readmitted", attrs, timestamp=self._wall_ns(e.time_s))
+            else:
+                t.span.add_event("preempted", {**attrs, "genserve.tokens_generated": len(req.generated)},
+                                 timestamp=self._wall_ns(e.time_s))
 
     def _wall_ns(self, engine_time_s: float) -> int:
         """An engine clock time as epoch nanoseconds (what span events are stamped with)."""

@@ -9,11 +9,36 @@ are in `engine.core.outputs`; its interface is `engine.core.executor.Executor`.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from engine.core.cost_model import StepFeatures, piece_pairs
 from engine.core.outputs import TokenEvent
 from engine.core.request import Request
+
+
+class Lifecycle(enum.Enum):
+    """What happened to a request while a step was scheduled (its finish is a `TokenEvent`)."""
+
+    ADMITTED = "admitted"          # first admission to the running batch
+    PREEMPTED = "preempted"        # blocks freed, queued again first for its key
+    READMITTED = "readmitted"      # admitted again after a preemption
+
+
+@dataclass(frozen=True, slots=True)
+class LifecycleEvent:
+    """A request's lifecycle change in one step, in the order the scheduler made them.
+
+    Attributes:
+        request: the request (a forked sample too; samples start with their parent and have no
+            ADMITTED of their own).
+        kind: what happened.
+        time_s: the scheduler's clock when it happened, seconds.
+    """
+
+    request: Request
+    kind: Lifecycle
+    time_s: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,12 +94,15 @@ class StepPlan:
         num_preempted: requests preempted while building this step.
         block_copies: (source, destination) block ids to copy before the forward pass
             (copy-on-write of a shared, partially filled prompt block).
+        lifecycle: admissions, preemptions and readmissions made while building this step, in
+            order (step listeners, the tracer among them, read them instead of polling states).
     """
 
     segments: list[Segment] = field(default_factory=list)
     events: list[TokenEvent] = field(default_factory=list)
     num_preempted: int = 0
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    lifecycle: list[LifecycleEvent] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

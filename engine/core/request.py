@@ -3,8 +3,8 @@
 `Request` is the one mutable record a request has inside the engine. Its writers, each of its own
 fields: the scheduler (`engine.core.sched`) changes `state`, `num_computed`, `generated`, the
 timestamps and counters; `Engine.submit` stamps `arrival_s` and `deadline_s`; any thread may set `cancel_requested` or
-`stop_requested`. Its blocks are in the block pool, by request id. The service reads `state` to trace a request's
-admissions and preemptions (`service.tracing`) and otherwise sees only the `TokenEvent`s pushed
+`stop_requested`. Its blocks are in the block pool, by request id. The service learns of admissions and preemptions
+from each step's plan (`StepPlan.lifecycle`, which `service.tracing` reads) and otherwise sees only the `TokenEvent`s pushed
 through the request's `on_event` callback. The model runner writes nothing here: what it keeps per
 request (generator, logits processors' state, grammar matcher) is its own
 (`engine.runner.request_state`).

@@ -41,7 +41,7 @@ from engine.core.block_pool import BlockPool
 from engine.core.cost_model import CostModel, StepFeatures
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.outputs import FinishReason, PromptLogprobs, SampledTokens, TokenEvent
-from engine.core.plan import Segment, StepPlan
+from engine.core.plan import Lifecycle, LifecycleEvent, Segment, StepPlan
 from engine.core.request import Request, RequestState, final_event
 from engine.core.sched.admission import AdmissionControl
 from engine.core.sched.batching import batching_for
@@ -317,13 +317,13 @@ class Scheduler:
             if req is None:
                 return
             if self._fits(req):
-                self._admit(req, now)
+                self._admit(req, now, plan)
                 continue
             key = self.queue.preemptible_key(req)
             if key is None:
                 return          # wait for rows/blocks; never skip ahead to a smaller request
             victim = next(r for r in reversed(self.running) if r.api_key == key)
-            self._preempt(victim, plan)
+            self._preempt(victim, plan, now)
 
     def _fits(self, req: Request) -> bool:
         """Rows and blocks allow `req` now: the step budget's rows (`StepBudget.rows_fit`), and
@@ -340,12 +340,14 @@ class Scheduler:
         free = self.pool.num_free - reserved
         return free >= need + self.margin_blocks or (not self.running and free >= need)
 
-    def _admit(self, req: Request, now: float) -> None:
+    def _admit(self, req: Request, now: float, plan: StepPlan) -> None:
         """Admit the fair queue's candidate `req`: run it from its cached prefix, if any."""
         self.queue.pop_head(req)
         req.state = RequestState.RUNNING
         blocks = self.kv_cache.get_computed_blocks(req, self.config.prefill_piece)
         req.num_computed = req.num_cached = self.kv_cache.take_computed_blocks(req, blocks)
+        plan.lifecycle.append(LifecycleEvent(
+            req, Lifecycle.ADMITTED if req.admitted_s is None else Lifecycle.READMITTED, now))
         if req.admitted_s is None:
             req.admitted_s = now
         req.joined_s = now
@@ -366,7 +368,7 @@ class Scheduler:
         for req in list(self.running):
             if req.is_prefilling or req not in self.running:
                 continue
-            if not self._reserve(req, req.num_computed, req.num_computed + 1, plan):
+            if not self._reserve(req, req.num_computed, req.num_computed + 1, plan, now):
                 continue
             samples = req.num_computed + 1 == req.num_tokens
             plan.segments.append(Segment(req, req.num_computed, 1, samples,
@@ -381,14 +383,14 @@ class Scheduler:
             pos = req.num_computed
             while pos < req.num_prompt and req in self.running:
                 length = min(req.num_prompt - pos, piece - pos % piece)
-                if not budget.fits(pos, length) or not self._reserve(req, pos, pos + length, plan):
+                if not budget.fits(pos, length) or not self._reserve(req, pos, pos + length, plan, now):
                     break
                 plan.segments.append(Segment(req, pos, length, pos + length == req.num_tokens,
                                              tuple(self.pool.table(req.request_id))))
                 budget.spend(pos, length)
                 pos += length
 
-    def _reserve(self, req: Request, pos: int, num_tokens: int, plan: StepPlan) -> bool:
+    def _reserve(self, req: Request, pos: int, num_tokens: int, plan: StepPlan, now: float) -> bool:
         """Give `req` blocks for `num_tokens` positions (writing from `pos`), preempting newer
         requests if needed. Returns False when `req` itself had to be preempted (it was newest).
         """
@@ -396,7 +398,7 @@ class Scheduler:
         while not self.pool.can_allocate(self.pool.blocks_needed(rid, num_tokens)
                                          + self.pool.is_shared(rid, pos)):
             victim = self.running[-1]
-            self._preempt(victim, plan)
+            self._preempt(victim, plan, now)
             if victim is req:
                 return False
         if self.pool.is_shared(rid, pos):      # first write into a shared partial prompt block
@@ -404,7 +406,7 @@ class Scheduler:
         self.pool.ensure_capacity(rid, num_tokens)
         return True
 
-    def _preempt(self, req: Request, plan: StepPlan) -> None:
+    def _preempt(self, req: Request, plan: StepPlan, now: float) -> None:
         """Preempt: free `req`'s blocks, drop it from the step and queue it first for its key."""
         own = set(self.pool.table(req.request_id))
         plan.block_copies[:] = [(s, d) for s, d in plan.block_copies if d not in own]
@@ -417,6 +419,7 @@ class Scheduler:
         self.queue.push_front(req)
         self.num_preemptions += 1
         plan.num_preempted += 1
+        plan.lifecycle.append(LifecycleEvent(req, Lifecycle.PREEMPTED, now))
 
     # -- after the step -----------------------------------------------------------------------
     def _activate_fork(self, parent: Request, child: Request) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.core.outputs import FinishReason
+from engine.core.plan import Lifecycle
 from engine.core.sched.admission import AdmissionRejected
 from engine.core.sched.step_budget import AGED_AFTER_BUDGETS
 from tests.engine.sim import CAPS_ONLY, make_request, sim_engine
@@ -204,11 +205,20 @@ def test_preemption_frees_newest_and_request_still_completes():
     # cannot all fit, so the newest is preempted, re-queued, and finishes later.
     engine, _ = sim_engine(num_blocks=24, free_margin=0.0)
     events = []
+    lifecycle = []          # each step's plan lists its admissions and preemptions, in order
+    engine.step_listeners.append(lambda plan, ev, s: lifecycle.extend((e.request, e.kind) for e in plan.lifecycle))
     reqs = [make_request(64, 120, events=events) for _ in range(4)]
     for r in reqs:
         engine.submit(r)
     engine.run_until_idle()
     assert engine.scheduler.num_preemptions > 0
+    preempted = [r for r, kind in lifecycle if kind is Lifecycle.PREEMPTED]
+    assert len(preempted) == engine.scheduler.num_preemptions
+    for r in reqs:
+        kinds = [kind for q, kind in lifecycle if q is r]
+        assert kinds[0] is Lifecycle.ADMITTED and Lifecycle.ADMITTED not in kinds[1:]
+        # preempted and readmitted alternate after the first admission
+        assert kinds[1:] == [Lifecycle.PREEMPTED, Lifecycle.READMITTED] * (len(kinds[1:]) // 2)
     done = [e for e in events if e.finish_reason]
     assert sorted(e.num_completion_tokens for e in done) == [120] * 4
     # Streams never repeat or skip a position, even across preemption.
