@@ -375,12 +375,16 @@ def attach_q4(model: Transformer, source: str | pathlib.Path | gguf.GGUFReader |
         model: a bf16 CPU model built from `source` by `Transformer.from_state_dict` (packed).
         source: the `.gguf` file, a reader, or None for the embedded model.
     Raises:
-        ValueError: the model is not bf16 on the CPU, this build has no `q4_linear` (no
+        ValueError: the model is not bf16 on the CPU, not the plain Llama block with dense MLPs
+            (the Q4_1 reader knows that file layout only), this build has no `q4_linear` (no
             AVX512-BF16), the model is not packed, or a block matrix of the file is not Q4_1.
     """
     if model.dtype != torch.bfloat16 or model.output.device.type != "cpu":
         raise ValueError(f"weights 'q4' needs a bfloat16 model on the CPU, got {model.dtype} on "
                          f"{model.output.device.type}")
+    if not model.args.plain_llama:
+        raise ValueError(f"weights 'q4' serves Q4_1 files of the plain Llama block; {model.args.architecture} "
+                         "has other options (weights 'q4q8' takes its Q4_1 blocks)")
     if not kernels.q4_linear_available():
         raise ValueError("weights 'q4' needs genserve's q4_linear kernel, built only for CPUs "
                          "with AVX512-BF16 (and g++); use weights 'bf16'")

@@ -317,3 +317,27 @@ def test_the_grouped_expert_product_gives_the_loops_outputs(dtype, monkeypatch):
     assert calls == [(74, DIM), (74, 64), (2, DIM), (2, 64), (48, DIM), (48, 64)]
     assert torch.equal(fast.expert_rows, loop.expert_rows) and int(fast.expert_rows.sum()) == 2 * (37 + 1 + 24)
     assert fast.expert_rows[[2, 5]].tolist() >= [24, 24]
+
+
+def test_weights_q4_refuses_a_moe_file_and_int8_serves_its_experts(tmp_path):
+    """`--weights q4` reads the plain Llama block's Q4_1 layout only: a Mixtral Q4_1 file is a
+    ValueError (which `--weights auto` turns into bf16), not a KeyError mid-load; `--weights int8`
+    runs every expert's products on int8 arithmetic."""
+    import gguf
+
+    from engine.model.int8_weights import attach_int8
+    from engine.model.quant import attach_q4
+    from engine.model.weights import load_gguf
+    from tests.engine.gguf_families import write_gguf
+
+    path = write_gguf("mixtral", tmp_path / "ckpt", tmp_path / "q4_1.gguf", gguf.GGMLQuantizationType.Q4_1)
+    args, state = load_gguf(path)
+    with pytest.raises(ValueError, match="weights 'q4' serves Q4_1 files of the plain Llama block"):
+        attach_q4(Transformer.from_state_dict(args, state, torch.bfloat16), path)
+    model = Transformer.from_state_dict(args, state, torch.bfloat16)
+    attach_int8(model, None)
+    moe = model.layers[0].feed_forward
+    assert {e.w13_packed.method.name for e in moe.experts} == {"int8"}
+    x = torch.randn(5, args.dim, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    together = moe(x, TorchLayerOps)
+    assert all(torch.equal(moe(x[r:r + 1], TorchLayerOps)[0], together[r]) for r in range(5))
