@@ -242,6 +242,12 @@ def packed_linear_available() -> bool:
     return available() and hasattr(torch.ops.genserve, "packed_linear")
 
 
+def packed_linear_grouped_available() -> bool:
+    """True if this build has `packed_linear_grouped` (packed_linear.cpp, AVX512-BF16): several
+    weights' products over consecutive row groups in one call (a mixture of experts' step)."""
+    return available() and hasattr(torch.ops.genserve, "packed_linear_grouped")
+
+
 @functools.cache
 def fma_linear_available() -> bool:
     """True if the kernels built and this CPU's build includes `fma_linear` (AVX2 and FMA)."""

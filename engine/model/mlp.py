@@ -21,13 +21,16 @@ reading the group sizes back to the host; elsewhere, the loop over the experts t
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import kernels
 from engine.model.config import ModelArgs, MoEArgs
 from engine.model.layer_ops import TorchLayerOps
-from engine.model.linear import PackedWeight, linear, pack_fp32
+from engine.model.linear import PackedLinearMethod, PackedWeight, linear, pack_fp32
 
 # torch._grouped_mm's bf16 CUTLASS kernel (aten/src/ATen/native/cuda/GroupedBlas.cpp) runs on
 # compute capability 9.x and 10.x; elsewhere torch falls back to a loop over the groups that reads
@@ -138,18 +141,26 @@ class MoEFeedForward(nn.Module):
         return weights, ids
 
     def forward(self, x: torch.Tensor, ops: type[TorchLayerOps]) -> torch.Tensor:    # x: [T, dim]
+        """x [T, dim] → [T, dim] in x's dtype: each token's k experts' outputs, weighted, added in
+        fp32 in expert-id order, rounded once. The products run as one grouped call per matrix
+        where the device allows (`torch._grouped_mm` over the stacked experts on CUDA; genserve's
+        `packed_linear_grouped` on the CPU when every chosen expert runs `packed_linear`), else
+        one call per chosen expert; the three give a token the same bits on one device."""
         stacked = self.w13_stacked
         if stacked is not None and stacked.device == x.device:
-            return self.forward_grouped(x, ops)
+            return self.forward_grouped(x, ops, self._stacked_product)
         weights, ids = self.route(x)
         flat = ids.flatten()                                                         # [T·k] pairs
         counts = torch.bincount(flat, minlength=len(self.experts))
+        sizes = counts.tolist()
+        if self._packed_grouped_ok(x, sizes):
+            return self.forward_grouped(x, ops, self._packed_product, (weights, ids, counts))
         self.expert_rows += counts
         order = torch.argsort(flat, stable=True)           # pairs grouped by expert, tokens ascending
         tokens, pair_weights = order // self.top_k, weights.flatten()[order]
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
         start = 0
-        for e, n in enumerate(counts.tolist()):            # experts in id order: a fixed sum order
+        for e, n in enumerate(sizes):                      # experts in id order: a fixed sum order
             if n:
                 rows = tokens[start:start + n]
                 y = self.experts[e].forward(x[rows], ops)                            # [n, dim]
@@ -157,30 +168,62 @@ class MoEFeedForward(nn.Module):
                 start += n
         return out.to(x.dtype)
 
-    def forward_grouped(self, x: torch.Tensor, ops: type[TorchLayerOps]) -> torch.Tensor:
-        """`forward` through `torch._grouped_mm` over the stacked experts, with no read back to
-        the host: x [T, dim] bf16 on the device of `w13_stacked` → [T, dim] bf16.
+    def _packed_grouped_ok(self, x: torch.Tensor, sizes: list[int]) -> bool:
+        """Whether this step's experts run as one `packed_linear_grouped` call per matrix: a bf16
+        CPU input, the op built here, and every chosen expert's matrices on `packed_linear`
+        (`PackedLinearMethod`: its rows give oneDNN's bits at any count, so the grouped call keeps
+        each token's bits)."""
+        if x.device.type != "cpu" or x.dtype != torch.bfloat16 or not kernels.packed_linear_grouped_available():
+            return False
+        packed = [getattr(e, m + "_packed") for e, n in zip(self.experts, sizes) if n for m in ("w13", "w2")]
+        return all(p is not None and isinstance(p.method, PackedLinearMethod) for p in packed)
 
-        The T·k (token, expert) pairs are sorted by expert (tokens ascending within one); group e
-        ends at offsets[e] = Σ_{e' ≤ e} counts[e'] (int32 [E], computed on the device), so both
-        products take every expert at once: [T·k, dim] x [E, dim, 2F] -> [T·k, 2F], the gate,
-        then [T·k, F] x [E, F, dim] -> [T·k, dim] (the stacked matrices transposed: views, as the
-        kernel wants them). Each token's k products are then added in fp32 in expert-id order, as
-        the loop adds them: k gathers and adds of [T, dim], in a fixed order (no atomics, unlike
+    def _packed_product(self, rows: torch.Tensor, which: str, counts: torch.Tensor) -> torch.Tensor:
+        """rows [T·k, in] grouped by expert (`counts` int64 [E] rows each) times each group's
+        expert matrix `which` ("w13" or "w2"), one `packed_linear_grouped` call → [T·k, out]."""
+        sizes = counts.tolist()
+        busy = [e for e, n in enumerate(sizes) if n]
+        packed = [getattr(self.experts[e], which + "_packed") for e in busy]
+        offsets = [0]
+        for e in busy:
+            offsets.append(offsets[-1] + sizes[e])
+        return torch.ops.genserve.packed_linear_grouped(rows.contiguous(), [p.tensor for p in packed],
+                                                        offsets, [p.k_chunk for p in packed])
+
+    def _stacked_product(self, rows: torch.Tensor, which: str, counts: torch.Tensor) -> torch.Tensor:
+        """The same through `torch._grouped_mm` over the stacked experts (views transposed as the
+        kernel wants them), group ends int32 on the device: no read back to the host."""
+        stacked = self.w13_stacked if which == "w13" else self.w2_stacked
+        return torch._grouped_mm(rows, stacked.transpose(1, 2), offs=counts.cumsum(0, dtype=torch.int32))
+
+    def forward_grouped(self, x: torch.Tensor, ops: type[TorchLayerOps],
+                        product: Callable[[torch.Tensor, str, torch.Tensor], torch.Tensor],
+                        routed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """`forward` with each matrix's products as one grouped call (`product(rows, "w13" |
+        "w2", counts)`): x [T, dim] → [T, dim] in x's dtype. `routed`: (weights, ids, counts)
+        already computed, else routed here with the counts made on the device (`scatter_add_`:
+        no `bincount`, which reads back to the host on CUDA).
+
+        The T·k (token, expert) pairs are sorted by expert (tokens ascending within one), so both
+        products take every expert at once: [T·k, dim] → [T·k, 2F], the gate, then [T·k, F] →
+        [T·k, dim]. Each token's k products are then added in fp32 in expert-id order, as the
+        loop adds them: k gathers and adds of [T, dim], in a fixed order (no atomics, unlike
         `index_add_` on CUDA), rounded once to the model dtype.
         """
-        weights, ids = self.route(x)                                     # fp32 [T, k], int64 [T, k]
+        if routed is None:
+            weights, ids = self.route(x)                                 # fp32 [T, k], int64 [T, k]
+            flat = ids.flatten()                                         # [T·k] pairs, token-major
+            counts = torch.zeros(self.expert_rows.shape, dtype=torch.int64, device=x.device)
+            counts.scatter_add_(0, flat, torch.ones_like(flat))          # int64 [E]
+        else:
+            weights, ids, counts = routed
+            flat = ids.flatten()
         t, k = ids.shape
-        flat = ids.flatten()                                             # [T·k] pairs, token-major
-        counts = torch.zeros(self.expert_rows.shape, dtype=torch.int64, device=x.device)
-        counts.scatter_add_(0, flat, torch.ones_like(flat))              # int64 [E]
         self.expert_rows += counts
-        offsets = counts.cumsum(0, dtype=torch.int32)                    # int32 [E]: group ends
         order = torch.argsort(flat, stable=True)                         # pairs grouped by expert
         rows = x[order // k]                                             # [T·k, dim]
-        gate_up = torch._grouped_mm(rows, self.w13_stacked.transpose(1, 2), offs=offsets)  # [T·k, 2F]
-        y = torch._grouped_mm(gated(gate_up, self.gelu, ops), self.w2_stacked.transpose(1, 2),
-                              offs=offsets)                              # [T·k, dim]
+        gate_up = product(rows, "w13", counts)                           # [T·k, 2F]
+        y = product(gated(gate_up, self.gelu, ops), "w2", counts)        # [T·k, dim]
         where = torch.empty_like(order).scatter_(0, order, torch.arange(t * k, device=x.device))
         at, pick = where.view(t, k).sort(dim=-1)     # each token's rows of y, in expert-id order
         pair_weights = weights.gather(1, pick)                           # fp32 [T, k]

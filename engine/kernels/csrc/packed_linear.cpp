@@ -40,6 +40,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 namespace {
 
@@ -167,13 +168,71 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   return y;
 }
 
+// The products of several weights over consecutive row groups of x in one call (a mixture of
+// experts' step: the rows that chose expert g times expert g's matrix, for every chosen expert).
+// x: bf16 [M, K] contiguous, group g's rows at [offsets[g], offsets[g + 1]); packed[g], k_chunks[g]:
+// group g's weight and chunk as for `packed_linear`, every weight [N, K]. Returns bf16 [M, N]; each
+// row is exactly `packed_linear(its row, packed[g], k_chunks[g])` (the same block passes), while the
+// threads share every (group, block of 64 columns) pair of the call, so a step of one row per
+// expert keeps both cores busy where one call per expert would hand each only its blocks.
+at::Tensor packed_linear_grouped(const at::Tensor& x, at::TensorList packed, at::IntArrayRef offsets,
+                                 at::IntArrayRef k_chunks) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
+              "packed_linear_grouped: x must be a contiguous bf16 [M, K] tensor");
+  const int64_t groups = static_cast<int64_t>(packed.size());
+  TORCH_CHECK(groups > 0 && static_cast<int64_t>(offsets.size()) == groups + 1 &&
+                  static_cast<int64_t>(k_chunks.size()) == groups,
+              "packed_linear_grouped: one weight and one k_chunk per group, groups + 1 offsets");
+  const int64_t m = x.size(0), k = x.size(1), n = packed[0].size(0);
+  TORCH_CHECK(offsets[0] == 0 && offsets[groups] == m, "packed_linear_grouped: offsets must run from 0 to M");
+  std::vector<const uint16_t*> weights(groups);
+  for (int64_t g = 0; g < groups; ++g) {
+    const at::Tensor& w = packed[g];
+    TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.size(0) == n && w.size(1) == k,
+                "packed_linear_grouped: every weight must be bf16 [", n, ", ", k, "]");
+    TORCH_CHECK(offsets[g] <= offsets[g + 1], "packed_linear_grouped: offsets must not decrease");
+    TORCH_CHECK(k_chunks[g] > 0 && k_chunks[g] % 2 == 0, "packed_linear_grouped: k_chunk must be even and > 0");
+    weights[g] = packed_bytes(w, n * k * 2);
+  }
+  TORCH_CHECK(n % BLOCK_N == 0 && k % BLOCK_K == 0, "packed_linear_grouped: N must be a multiple of ",
+              BLOCK_N, " and K of ", BLOCK_K, ", got N = ", n, ", K = ", k);
+  at::Tensor y = at::empty({m, n}, x.options());
+  const auto* xs = reinterpret_cast<const uint32_t*>(x.data_ptr());
+  c10::BFloat16* ys = y.data_ptr<c10::BFloat16>();
+  const int64_t kp = k / 2, blocks = n / BLOCK_N;
+  std::vector<int64_t> busy;                    // the groups with rows, in order
+  for (int64_t g = 0; g < groups; ++g)
+    if (offsets[g + 1] > offsets[g]) busy.push_back(g);
+  const int64_t items = static_cast<int64_t>(busy.size()) * blocks;
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t g = busy[item / blocks], b = item % blocks;
+      const uint16_t* block = weights[g] + b * kp * BLOCK_N * 2;
+      const int64_t chunk_pairs = k_chunks[g] / 2;
+      for (int64_t r = offsets[g]; r < offsets[g + 1]; r += ROWS) {
+        const int rows = static_cast<int>(std::min<int64_t>(ROWS, offsets[g + 1] - r));
+        block_rows_upto<ROWS>(rows, xs + r * kp, block, kp, chunk_pairs, ys + r * n + b * BLOCK_N,
+                              n, Prefetch{});
+      }
+    }
+  });
+  return y;
+}
+
 }  // namespace genserve
 
 TORCH_LIBRARY_FRAGMENT(genserve, m) {
   m.def("packed_linear(Tensor x, Tensor packed, int k_chunk) -> Tensor");
+  m.def("packed_linear_grouped(Tensor x, Tensor[] packed, int[] offsets, int[] k_chunks) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(genserve, CPU, m) { m.impl("packed_linear", &genserve::packed_linear); }
+TORCH_LIBRARY_IMPL(genserve, CPU, m) {
+  m.impl("packed_linear", &genserve::packed_linear);
+  m.impl("packed_linear_grouped", &genserve::packed_linear_grouped);
+}
 // The packed weight is a oneDNN (MkldnnCPU) tensor, whose dispatch key wins over CPU's.
-TORCH_LIBRARY_IMPL(genserve, MkldnnCPU, m) { m.impl("packed_linear", &genserve::packed_linear); }
+TORCH_LIBRARY_IMPL(genserve, MkldnnCPU, m) {
+  m.impl("packed_linear", &genserve::packed_linear);
+  m.impl("packed_linear_grouped", &genserve::packed_linear_grouped);
+}
 
 #endif  // __AVX512BF16__ && __AVX512BW__

@@ -125,3 +125,31 @@ def test_bad_inputs_raise_and_name_the_problem(model):
     with pytest.raises(RuntimeError, match="contiguous"):                # not a packed weight
         torch.ops.genserve.packed_linear(x, torch.empty(weight.shape[1], weight.shape[0],
                                                         dtype=torch.bfloat16).t(), 64)
+
+
+@pytest.mark.parametrize("layout", ["onednn", "vnni"])
+def test_the_grouped_call_gives_each_row_its_own_weights_packed_linear_bits(model, layout):
+    """`packed_linear_grouped` (a mixture of experts' step in one call): groups of 0, 1, 6, 7
+    and 70 rows over four weights, each row exactly `packed_linear` of its row by its group's
+    weight, whatever the other groups hold."""
+    from engine.model.linear import vnni_pack
+
+    g = torch.Generator().manual_seed(21)
+    weights = [(torch.randn(128, 256, generator=g) * 0.05).to(torch.bfloat16) for _ in range(5)]
+    if layout == "onednn":
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in weights]
+        chunks = [onednn_k_chunk(p) for p in packed]
+    else:
+        packed, chunks = [vnni_pack(w) for w in weights], [256] * 5
+    sizes = [1, 0, 6, 7, 70]
+    offsets = [0]
+    for n in sizes:
+        offsets.append(offsets[-1] + n)
+    x = torch.randn(offsets[-1], 256, generator=g).to(torch.bfloat16)
+    y = torch.ops.genserve.packed_linear_grouped(x, packed, offsets, chunks)
+    for grp, (start, end) in enumerate(zip(offsets, offsets[1:])):
+        for r in range(start, end):
+            want = torch.ops.genserve.packed_linear(x[r:r + 1].contiguous(), packed[grp], chunks[grp])
+            assert torch.equal(y[r:r + 1], want), (grp, r)
+    with pytest.raises(RuntimeError, match="offsets must run from 0 to M"):
+        torch.ops.genserve.packed_linear_grouped(x, packed, [0, 1, 1, 7, 14, 80], chunks)

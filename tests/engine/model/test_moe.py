@@ -341,3 +341,27 @@ def test_weights_q4_refuses_a_moe_file_and_int8_serves_its_experts(tmp_path):
     x = torch.randn(5, args.dim, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
     together = moe(x, TorchLayerOps)
     assert all(torch.equal(moe(x[r:r + 1], TorchLayerOps)[0], together[r]) for r in range(5))
+
+
+def test_the_cpu_grouped_experts_give_the_per_expert_loops_bits(model, monkeypatch):
+    """On a CPU whose experts run `packed_linear`, a step's experts are one
+    `packed_linear_grouped` call per matrix; a token's output is bit for bit what the loop of
+    one call per expert gives, for decode-sized and prefill-sized batches."""
+    from engine import kernels
+
+    moe = model.layers[1].feed_forward
+    x = torch.randn(70, DIM, generator=torch.Generator().manual_seed(12)).to(torch.bfloat16)
+    if not moe._packed_grouped_ok(x, [1] * EXPERTS):
+        pytest.skip("the experts do not run packed_linear on this CPU (or it is not built here)")
+    calls = []
+    product = MoEFeedForward._packed_product
+    monkeypatch.setattr(MoEFeedForward, "_packed_product",
+                        lambda self, rows, which, counts: calls.append(which) or product(self, rows, which, counts))
+    outs = {}
+    for rows in (1, 5, 70):
+        calls.clear()
+        outs[rows] = moe(x[:rows], TorchLayerOps)
+        assert calls == ["w13", "w2"]                       # one grouped call per matrix
+    monkeypatch.setattr(kernels, "packed_linear_grouped_available", lambda: False)
+    for rows, together in outs.items():
+        assert torch.equal(moe(x[:rows], TorchLayerOps), together), rows
