@@ -15,7 +15,8 @@ decode steps are timed (median of `--steps`, the executor's time from `Engine.st
 The kernels' parallel regions are OpenMP (libgomp) regions, and libgomp keeps a pool of worker
 threads for every thread that has run one. Case 2 has two pools on the machine's cores; libgomp
 then stops spin-waiting between regions and every region pays a futex wake-up. The figures and
-what the server does about it: docs/benchmarks/kernels.md, "One OpenMP pool".
+what the server does about it: benchmarks/results/kernels/history.md, "One OpenMP pool" (summed up
+in docs/benchmarks/kernels.md, "What later measurements settled").
 """
 
 from __future__ import annotations

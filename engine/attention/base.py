@@ -157,7 +157,8 @@ class GatherBuffer:
 
     Each layer gathers B rows × L keys of K and of V (bytes: 2 · B · L · kv_heads · head_dim ·
     itemsize). Buffers that size, allocated per layer, are handed back to the OS by glibc on free
-    and page-faulted in again on the next touch; why that mattered is in docs/benchmarks/kernels.md.
+    and page-faulted in again on the next touch; why that mattered is in docs/benchmarks/kernels.md
+    (the "SDPA decode path" entry).
     """
 
     def __init__(self) -> None:

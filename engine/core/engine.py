@@ -192,8 +192,9 @@ class Engine:
         thread that has exited by then (as `service.server.EngineServer.load` does), not on the
         caller's own long-lived thread: OpenMP (libgomp) keeps a pool of worker threads per
         thread that ever ran a parallel region, and once its workers outnumber the cores it stops
-        spin-waiting between regions, so every region pays a wake-up. docs/benchmarks/kernels.md
-        ("One OpenMP pool") has the measurement.
+        spin-waiting between regions, so every region pays a wake-up. The measurement is in
+        benchmarks/results/kernels/history.md ("One OpenMP pool"; docs/benchmarks/kernels.md sums
+        it up).
         """
         self._thread = threading.Thread(target=self._run, name="genserve-scheduler", daemon=True)
         self._thread.start()

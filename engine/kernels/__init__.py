@@ -231,8 +231,9 @@ def prefill_kernel_preferred() -> bool:
     the kernel is built (`prefill_kernel_available`) and AMX is not usable (`q4_amx_available`).
     Where AMX is usable, torch's CPU flash kernel (its products through oneDNN's brgemm, on the
     AMX tiles) was the faster, 2.2-2.4x per 64-query piece over 512-2,048 keys; without AMX the
-    AVX512-BF16 kernel was 4-7x faster than it, and on an AVX2-only CPU the AVX2 build 1.5-2.6x
-    (docs/benchmarks/kernels.md)."""
+    AVX512-BF16 kernel was 4-7x faster than it (docs/benchmarks/kernels.md, the "prefill
+    attention" entry), and on an AVX2-only CPU the AVX2 build 1.5-3.4x
+    (benchmarks/results/kernels/history.md, "Prefill attention on CPUs with AVX2 alone")."""
     return prefill_kernel_available() and not q4_amx_available()
 
 

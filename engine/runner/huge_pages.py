@@ -8,7 +8,9 @@ hypervisor. Linux backs an anonymous mapping with 2 MB pages where the process a
 Most distributions ship "madvise", so nothing gets them unasked. The advice works on memory not
 touched yet (the kernel then faults whole 2 MB pages in); memory the allocator hands out again
 needs collapsing (MADV_COLLAPSE).
-docs/benchmarks/kernels.md has the decode-attention figures for both layouts.
+docs/benchmarks/kernels.md ("Decode attention at long contexts") has the decode-attention figures
+for both layouts; benchmarks/results/kernels/history.md ("The KV cache on huge pages") those of
+this module's pools.
 """
 
 from __future__ import annotations

@@ -119,7 +119,8 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_pool, const at::Tens
 #if defined(__AVX2__) && defined(__FMA__) && !(defined(__AVX512BF16__) && defined(__AVX512BW__))
 #define GENSERVE_DECODE_AVX2 1
 
-// How many blocks ahead the AVX2 kernel's walks prefetch (docs/benchmarks/kernels.md).
+// How many blocks ahead the AVX2 kernel's walks prefetch (benchmarks/results/kernels/history.md,
+// "Decode attention on AVX2: the prefetches spread over the walk").
 constexpr int64_t AVX2_PREFETCH_BLOCKS = 2;
 
 // `decode_kernel` for bf16 pools on CPUs with AVX2 alone, its loops on ymm. A 256-bit load of
@@ -319,8 +320,8 @@ constexpr int64_t PREFETCH_BLOCKS = 2;     // how far ahead the next blocks are 
 constexpr int AMX_HEADS = 3;               // KV heads per item with AMX: 6 Qᵀ tiles of 8
 // Context positions per work item (whole blocks). Smaller chunks balance one short row better but
 // cost more per chunk where many rows keep the threads busy anyway; docs/benchmarks/kernels.md
-// has the measurements behind this choice. A constant: the chunks, and so a row's bits, must not
-// depend on the batch or the threads.
+// ("Context chunks: one row keeps both cores busy") has the measurements behind this choice.
+// A constant: the chunks, and so a row's bits, must not depend on the batch or the threads.
 constexpr int64_t CHUNK_TOKENS = 256;
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)

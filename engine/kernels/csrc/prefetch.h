@@ -1,9 +1,10 @@
 // Software prefetches for the kernels, as asm statements. GCC 12 silently drops `_mm_prefetch`
 // (`__builtin_prefetch`) from some loops it vectorizes or unrolls: moving decode attention's
 // prefetch into a helper once left none in its object code, at twice the time
-// (docs/benchmarks/kernels.md, "prefetches the compiler kept"). An `asm volatile` cannot be
-// dropped. A prefetch neither faults nor changes a result, so an address past the end of a buffer
-// (the kernels prefetch a fixed distance ahead) is harmless. The pointer goes in as an address
+// (benchmarks/results/kernels/history.md, "Decode attention: prefetches the compiler kept").
+// An `asm volatile` cannot be dropped. A prefetch neither faults nor changes a result, so an
+// address past the end of a buffer (the kernels prefetch a fixed distance ahead) is harmless.
+// The pointer goes in as an address
 // operand ("p", printed by %a0), not as a memory operand made from `*p`, which C++ would not
 // allow past the end; the compiler still folds constant offsets into the instruction (a register
 // operand cost decode attention 3-7 % where its blocks sit in cache, for the extra additions).

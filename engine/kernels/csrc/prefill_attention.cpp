@@ -31,7 +31,8 @@
 //   of a register block of keys is computed, masked): scores, causal mask, running max,
 //   P = exp(S - max), running sum and O rescaled by exp(old max - new max) (on the load of O for
 //   P·V), P·V accumulated in fp32. Widening K and V once per piece measured faster than widening
-//   each 64-key block per tile (docs/benchmarks/kernels.md).
+//   each 64-key block per tile (benchmarks/results/kernels/history.md, "Prefill attention on CPUs
+//   with AVX2 alone").
 //
 // Every loop runs in an order fixed by the piece alone, so the result never depends on other
 // requests in the step or on the thread count. Built only where the compiler targets one of the

@@ -138,7 +138,8 @@ void quantize_row(const uint16_t* in, int64_t k, int8_t* xq, float* scale, float
 // ROWS rows from r0 (ROWS <= 4) times one panel of 32 columns -> y (bf16). Each (row, group)
 // sums a block's low-nibble and high-nibble products in two int32 accumulators, added once per
 // block: one accumulator would chain all 8 of a block's vpdpbusd one after another, two halve
-// that chain (docs/benchmarks/kernels.md has the measurement). The sum is exact either way, so
+// that chain (benchmarks/results/kernels/history.md, "Where a 32-stream round goes, and two small
+// kernel changes", has the measurement). The sum is exact either way, so
 // the bits are the same.
 template <int ROWS>
 void panel_tile(const int8_t* X, const float* XS, const float* XSUM, const uint8_t* panel,
