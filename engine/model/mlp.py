@@ -16,7 +16,10 @@ experts or how many there are.
 On a CUDA device whose torch has a grouped GEMM for it (`grouped_mm_device`: `torch._grouped_mm`,
 bf16 on sm_90 / sm_100) the experts' matrices are one stacked tensor per layer and the step runs
 both products of every expert in one call each (`MoEFeedForward.forward_grouped`), without
-reading the group sizes back to the host; elsewhere, the loop over the experts that have tokens.
+reading the group sizes back to the host. On the CPU, where every chosen expert's matrices run
+genserve's `packed_linear`, each matrix's products are one `packed_linear_grouped` call (the same
+rows' bits, the threads sharing every expert's column blocks). Elsewhere (experts on a GGUF's
+blocks, int8, other devices), the loop over the experts that have tokens.
 """
 
 from __future__ import annotations
