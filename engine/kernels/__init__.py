@@ -90,7 +90,7 @@ SOURCES = [pathlib.Path(__file__).with_name("csrc") / name
                         "int8_linear.cpp", "q4q8_linear.cpp", "fma_linear.cpp", "decode_layers.cpp",
                         "greedy.cpp", "qk_linear.cpp")]
 OPS = ("paged_decode", "rms_norm", "add_rms_norm_", "rope_store_kv", "silu_mul", "int8_linear",
-       "decode_layers", "argmax_rows", "qk_linear")
+       "decode_layers", "argmax_rows", "qk_linear", "qk_linear_grouped")
 AVX512_BF16_OPS = ("packed_linear", "q4_linear")     # built only where the CPU has AVX512-BF16
 PREFILL_OPS = ("paged_prefill", "paged_prefill_pieces")   # built where the compiler targets AVX512-BF16, or AVX2 and FMA
 AMX_OPS = ("q4_amx_linear", "q8_amx_linear")   # built only where the compiler targets AMX-BF16

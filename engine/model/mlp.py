@@ -17,9 +17,10 @@ On a CUDA device whose torch has a grouped GEMM for it (`grouped_mm_device`: `to
 bf16 on sm_90 / sm_100) the experts' matrices are one stacked tensor per layer and the step runs
 both products of every expert in one call each (`MoEFeedForward.forward_grouped`), without
 reading the group sizes back to the host. On the CPU, where every chosen expert's matrices run
-genserve's `packed_linear`, each matrix's products are one `packed_linear_grouped` call (the same
-rows' bits, the threads sharing every expert's column blocks). Elsewhere (experts on a GGUF's
-blocks, int8, other devices), the loop over the experts that have tokens.
+genserve's `packed_linear` (bf16) or `qk_linear` (a GGUF's Q4_K / Q6_K experts), each matrix's
+products are one `packed_linear_grouped` or `qk_linear_grouped` call (the same rows' bits, the
+threads sharing every expert's column blocks). Elsewhere (Q8_0 or int8 experts, other devices),
+the loop over the experts that have tokens.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from torch import nn
 from engine import kernels
 from engine.model.config import ModelArgs, MoEArgs
 from engine.model.layer_ops import TorchLayerOps
-from engine.model.linear import PackedLinearMethod, PackedWeight, linear, pack_fp32
+from engine.model.linear import PackedLinearMethod, PackedWeight, QKMethod, linear, pack_fp32
 
 # torch._grouped_mm's bf16 CUTLASS kernel (aten/src/ATen/native/cuda/GroupedBlas.cpp) runs on
 # compute capability 9.x and 10.x; elsewhere torch falls back to a loop over the groups that reads
@@ -146,9 +147,10 @@ class MoEFeedForward(nn.Module):
     def forward(self, x: torch.Tensor, ops: type[TorchLayerOps]) -> torch.Tensor:    # x: [T, dim]
         """x [T, dim] → [T, dim] in x's dtype: each token's k experts' outputs, weighted, added in
         fp32 in expert-id order, rounded once. The products run as one grouped call per matrix
-        where the device allows (`torch._grouped_mm` over the stacked experts on CUDA; genserve's
-        `packed_linear_grouped` on the CPU when every chosen expert runs `packed_linear`), else
-        one call per chosen expert; the three give a token the same bits on one device."""
+        where the device allows (`torch._grouped_mm` over the stacked experts on CUDA; on the CPU
+        genserve's `packed_linear_grouped` or `qk_linear_grouped` when every chosen expert runs
+        `packed_linear`, or `qk_linear`), else one call per chosen expert; the paths give a
+        token the same bits on one device."""
         stacked = self.w13_stacked
         if stacked is not None and stacked.device == x.device:
             return self.forward_grouped(x, ops, self._stacked_product)
@@ -156,8 +158,9 @@ class MoEFeedForward(nn.Module):
         flat = ids.flatten()                                                         # [T·k] pairs
         counts = torch.bincount(flat, minlength=len(self.experts))
         sizes = counts.tolist()
-        if self._packed_grouped_ok(x, sizes):
-            return self.forward_grouped(x, ops, self._packed_product, (weights, ids, counts))
+        product = self._grouped_product(x, sizes)
+        if product is not None:
+            return self.forward_grouped(x, ops, product, (weights, ids, counts))
         self.expert_rows += counts
         order = torch.argsort(flat, stable=True)           # pairs grouped by expert, tokens ascending
         tokens, pair_weights = order // self.top_k, weights.flatten()[order]
@@ -171,27 +174,46 @@ class MoEFeedForward(nn.Module):
                 start += n
         return out.to(x.dtype)
 
-    def _packed_grouped_ok(self, x: torch.Tensor, sizes: list[int]) -> bool:
-        """Whether this step's experts run as one `packed_linear_grouped` call per matrix: a bf16
-        CPU input, the op built here, and every chosen expert's matrices on `packed_linear`
-        (`PackedLinearMethod`: its rows give oneDNN's bits at any count, so the grouped call keeps
-        each token's bits)."""
-        if x.device.type != "cpu" or x.dtype != torch.bfloat16 or not kernels.packed_linear_grouped_available():
-            return False
-        packed = [getattr(e, m + "_packed") for e, n in zip(self.experts, sizes) if n for m in ("w13", "w2")]
-        return all(p is not None and isinstance(p.method, PackedLinearMethod) for p in packed)
+    def _grouped_product(self, x: torch.Tensor, sizes: list[int]
+                         ) -> Callable[[torch.Tensor, str, torch.Tensor], torch.Tensor] | None:
+        """The CPU's one-call-per-matrix product for this step's chosen experts (`sizes`: rows per
+        expert), or None (then one call per expert): on a bf16 CPU input with genserve's kernels
+        built, `packed_linear_grouped` where every chosen expert's matrices run `packed_linear`
+        (`PackedLinearMethod`, whose rows give oneDNN's bits at any count), `qk_linear_grouped`
+        where they all run `qk_linear` (a GGUF's Q4_K / Q6_K experts). Each keeps every row's bits."""
+        if x.device.type != "cpu" or x.dtype != torch.bfloat16 or not kernels.available():
+            return None
+        methods = {type(getattr(e, m + "_packed").method) if getattr(e, m + "_packed") is not None else None
+                   for e, n in zip(self.experts, sizes) if n for m in ("w13", "w2")}
+        if methods == {PackedLinearMethod} and kernels.packed_linear_grouped_available():
+            return self._packed_product
+        if methods == {QKMethod}:
+            return self._qk_product
+        return None
 
     def _packed_product(self, rows: torch.Tensor, which: str, counts: torch.Tensor) -> torch.Tensor:
         """rows [T·k, in] grouped by expert (`counts` int64 [E] rows each) times each group's
         expert matrix `which` ("w13" or "w2"), one `packed_linear_grouped` call → [T·k, out]."""
+        packed, offsets = self._busy(which, counts)
+        return torch.ops.genserve.packed_linear_grouped(rows.contiguous(), [p.tensor for p in packed],
+                                                        offsets, [p.k_chunk for p in packed])
+
+    def _qk_product(self, rows: torch.Tensor, which: str, counts: torch.Tensor) -> torch.Tensor:
+        """The same over the experts' Q4_K / Q6_K blocks, one `qk_linear_grouped` call."""
+        packed, offsets = self._busy(which, counts)
+        return torch.ops.genserve.qk_linear_grouped(
+            rows.contiguous(), [b for p in packed for b in p.qk.blocks],
+            [kind for p in packed for kind in p.qk.kinds], [len(p.qk.blocks) for p in packed], offsets, -1)
+
+    def _busy(self, which: str, counts: torch.Tensor) -> tuple[list[PackedWeight], list[int]]:
+        """The packed matrix `which` of each expert with rows this step, and the row offsets of
+        their groups ([0, n_0, n_0 + n_1, ...])."""
         sizes = counts.tolist()
         busy = [e for e, n in enumerate(sizes) if n]
-        packed = [getattr(self.experts[e], which + "_packed") for e in busy]
         offsets = [0]
         for e in busy:
             offsets.append(offsets[-1] + sizes[e])
-        return torch.ops.genserve.packed_linear_grouped(rows.contiguous(), [p.tensor for p in packed],
-                                                        offsets, [p.k_chunk for p in packed])
+        return [getattr(self.experts[e], which + "_packed") for e in busy], offsets
 
     def _stacked_product(self, rows: torch.Tensor, which: str, counts: torch.Tensor) -> torch.Tensor:
         """The same through `torch._grouped_mm` over the stacked experts (views transposed as the

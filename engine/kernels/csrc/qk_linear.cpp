@@ -697,8 +697,27 @@ namespace genserve {
 // 2 AVX512-VNNI. Returns [M, Σ n_i] in x's dtype: the segments' columns in turn. Raises
 // (RuntimeError) on another dtype, layout or shape, K not a multiple of 256 (such a matrix keeps
 // its bf16 product), and a path this CPU lacks.
-at::Tensor qk_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRef kinds,
-                     int64_t path) {
+// Checks one row segment of a weight against K (`qk_linear`'s rules) and returns its rows.
+int64_t segment_rows(const at::Tensor& w, int64_t kind, int64_t nb, int64_t k, size_t i) {
+  TORCH_CHECK(kind == KIND_Q4_K || kind == KIND_Q6_K, "qk_linear: segment ", i,
+              " has kind ", kind, ", neither Q4_K (12) nor Q6_K (14)");
+  const int64_t per_column = record_bytes(kind) / GROUP_N;
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == at::kByte,
+              "qk_linear: segment ", i, " must be a contiguous uint8 [n, K / 256 * ", per_column, "] tensor");
+  TORCH_CHECK(w.size(0) > 0 && w.size(0) % GROUP_N == 0, "qk_linear: segment ", i,
+              " has ", w.size(0), " rows, not a positive multiple of 16");
+  TORCH_CHECK(w.size(1) == nb * per_column, "qk_linear: x has K = ", k, ", segment ", i,
+              " holds K = ", w.size(1) / per_column * QK_K);
+  return w.size(0);
+}
+
+// The products of row groups of x by their own weights: group g's rows [offsets[g], offsets[g+1])
+// times the weight made of segments first[g] .. first[g+1] - 1 (every weight with the same N).
+// Each (group, segment, panel) is one unit of work, all shared by the threads; a row's bits are
+// those `qk_linear` gives it alone (its Q8_K rounding and its sums are its own).
+at::Tensor qk_grouped(const at::Tensor& x, at::TensorList weights, at::IntArrayRef kinds,
+                      const std::vector<int64_t>& first, const std::vector<int64_t>& offsets,
+                      int64_t path) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
                   (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "qk_linear: x must be a contiguous bf16 or fp32 [M, K] tensor");
@@ -708,33 +727,33 @@ at::Tensor qk_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRe
   TORCH_CHECK(!weights.empty() && weights.size() == kinds.size(),
               "qk_linear: one kind per weight segment, and at least one segment");
   const int64_t nb = k / QK_K;
+  const size_t groups = first.size() - 1;
   std::vector<int64_t> col0(weights.size());
-  int64_t n = 0;
-  for (size_t i = 0; i < weights.size(); ++i) {
-    const at::Tensor& w = weights[i];
-    TORCH_CHECK(kinds[i] == KIND_Q4_K || kinds[i] == KIND_Q6_K, "qk_linear: segment ", i,
-                " has kind ", kinds[i], ", neither Q4_K (12) nor Q6_K (14)");
-    const int64_t per_column = record_bytes(kinds[i]) / GROUP_N;
-    TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == at::kByte,
-                "qk_linear: segment ", i, " must be a contiguous uint8 [n, K / 256 * ", per_column, "] tensor");
-    TORCH_CHECK(w.size(0) > 0 && w.size(0) % GROUP_N == 0, "qk_linear: segment ", i,
-                " has ", w.size(0), " rows, not a positive multiple of 16");
-    TORCH_CHECK(w.size(1) == nb * per_column, "qk_linear: x has K = ", k, ", segment ", i,
-                " holds K = ", w.size(1) / per_column * QK_K);
-    col0[i] = n;
-    n += w.size(0);
+  int64_t n = -1;
+  for (size_t g = 0; g < groups; ++g) {
+    int64_t cols = 0;
+    for (int64_t i = first[g]; i < first[g + 1]; ++i) {
+      col0[i] = cols;
+      cols += segment_rows(weights[i], kinds[i], nb, k, static_cast<size_t>(i));
+    }
+    TORCH_CHECK(n < 0 || cols == n, "qk_linear_grouped: every group's weight must have ", n,
+                " rows, group ", g, " has ", cols);
+    n = cols;
   }
   const int chosen = resolve_path(path);
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0) return y;
   const Q8KRows rows = round_rows(x);
 
-  struct Unit { size_t segment; int64_t group; int groups; };
+  struct Unit { size_t segment, group; int64_t panel; int panels; };
   std::vector<Unit> units;
-  for (size_t i = 0; i < weights.size(); ++i) {
-    const int64_t groups = weights[i].size(0) / GROUP_N;
-    for (int64_t g = 0; g < groups; g += PANEL_GROUPS)
-      units.push_back({i, g, static_cast<int>(std::min(PANEL_GROUPS, groups - g))});
+  for (size_t g = 0; g < groups; ++g) {
+    if (offsets[g + 1] <= offsets[g]) continue;
+    for (int64_t i = first[g]; i < first[g + 1]; ++i) {
+      const int64_t count = weights[i].size(0) / GROUP_N;
+      for (int64_t p = 0; p < count; p += PANEL_GROUPS)
+        units.push_back({static_cast<size_t>(i), g, p, static_cast<int>(std::min(PANEL_GROUPS, count - p))});
+    }
   }
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
@@ -744,13 +763,14 @@ at::Tensor qk_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRe
       const Unit& unit = units[u];
       const int64_t kind = kinds[unit.segment];
       const int64_t group_bytes = nb * record_bytes(kind);
-      const uint8_t* group0 = weights[unit.segment].data_ptr<uint8_t>() + unit.group * group_bytes;
+      const uint8_t* group0 = weights[unit.segment].data_ptr<uint8_t>() + unit.panel * group_bytes;
       const PanelFn fn = panel_fn(chosen, kind);
-      const int64_t c0 = col0[unit.segment] + unit.group * GROUP_N;
-      const int64_t cols = unit.groups * GROUP_N;
-      for (int64_t r0 = 0; r0 < m; r0 += ROW_TILE) {
-        const int count = static_cast<int>(std::min(ROW_TILE, m - r0));
-        fn(rows, r0, count, group0, unit.groups, group_bytes, tile, ldo, r0 == 0);
+      const int64_t c0 = col0[unit.segment] + unit.panel * GROUP_N;
+      const int64_t cols = unit.panels * GROUP_N;
+      const int64_t lo = offsets[unit.group], hi = offsets[unit.group + 1];
+      for (int64_t r0 = lo; r0 < hi; r0 += ROW_TILE) {
+        const int count = static_cast<int>(std::min(ROW_TILE, hi - r0));
+        fn(rows, r0, count, group0, unit.panels, group_bytes, tile, ldo, r0 == lo);
         for (int r = 0; r < count; ++r) {
           const float* t = tile + r * ldo;
           if (bf16) {
@@ -766,9 +786,47 @@ at::Tensor qk_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRe
   return y;
 }
 
+at::Tensor qk_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRef kinds,
+                     int64_t path) {
+  const std::vector<int64_t> first = {0, static_cast<int64_t>(weights.size())};
+  const std::vector<int64_t> offsets = {0, x.dim() == 2 ? x.size(0) : 0};
+  return qk_grouped(x, weights, kinds, first, offsets, path);
+}
+
+// x: as for `qk_linear`; rows of group g at [offsets[g], offsets[g + 1]) (a mixture of experts'
+// step, its (token, expert) pairs sorted by expert); weights, kinds: every group's segments in
+// turn, `segments[g]` of them for group g (its weight, e.g. an expert's gate|up as two segments),
+// each group's weight with the same N. Returns [M, N] in x's dtype; row r of group g equals
+// `qk_linear(x[r], group g's segments)` bit for bit. One call serves every expert of a step,
+// the threads sharing every (expert, panel) of the work.
+at::Tensor qk_linear_grouped(const at::Tensor& x, at::TensorList weights, at::IntArrayRef kinds,
+                             at::IntArrayRef segments, at::IntArrayRef offsets, int64_t path) {
+  TORCH_CHECK(!segments.empty() && offsets.size() == segments.size() + 1,
+              "qk_linear_grouped: groups + 1 offsets, one segment count per group");
+  std::vector<int64_t> first = {0};
+  for (int64_t c : segments) {
+    TORCH_CHECK(c > 0, "qk_linear_grouped: every group needs at least one segment");
+    first.push_back(first.back() + c);
+  }
+  TORCH_CHECK(first.back() == static_cast<int64_t>(weights.size()),
+              "qk_linear_grouped: the segment counts add up to ", first.back(), ", not the ",
+              weights.size(), " weights given");
+  const std::vector<int64_t> ends(offsets.begin(), offsets.end());
+  TORCH_CHECK(x.dim() == 2 && ends.front() == 0 && ends.back() == x.size(0),
+              "qk_linear_grouped: offsets must run from 0 to M");
+  for (size_t g = 0; g + 1 < ends.size(); ++g)
+    TORCH_CHECK(ends[g] <= ends[g + 1], "qk_linear_grouped: offsets must not decrease");
+  return qk_grouped(x, weights, kinds, first, ends, path);
+}
+
 }  // namespace genserve
 
 TORCH_LIBRARY_FRAGMENT(genserve, m) {
   m.def("qk_linear(Tensor x, Tensor[] weights, int[] kinds, int path) -> Tensor");
+  m.def("qk_linear_grouped(Tensor x, Tensor[] weights, int[] kinds, int[] segments, int[] offsets, "
+        "int path) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(genserve, CPU, m) { m.impl("qk_linear", &genserve::qk_linear); }
+TORCH_LIBRARY_IMPL(genserve, CPU, m) {
+  m.impl("qk_linear", &genserve::qk_linear);
+  m.impl("qk_linear_grouped", &genserve::qk_linear_grouped);
+}

@@ -464,3 +464,30 @@ def test_kquant_engine_is_batch_invariant(kquant_engine):
     from engine.runner.invariance import check_batch_invariance
     result = check_batch_invariance(kquant_engine, batch=12, max_tokens=8, checked=3)
     assert result.identical, f"rows {result.mismatched} differ at {result.first_difference}"
+
+
+def test_the_grouped_call_gives_each_row_its_own_weights_qk_linear_bits():
+    """`qk_linear_grouped` (a mixture of experts' step in one call): groups of 1, 0, 5 and 9 rows,
+    each group's weight two parts (a Q4_K gate and up: one segment; Q4_K then Q6_K: two); every row is exactly
+    `qk_linear` of that row by its group's segments."""
+    g = torch.Generator().manual_seed(31)
+    kinds = [(Q4_K, Q4_K), (Q6_K, Q6_K), (Q4_K, Q6_K), (Q4_K, Q4_K)]
+    packed = [kquant.qk_weight([(kind, random_blocks(kind, 32, 512, seed=10 * i + j)) for j, kind in enumerate(ks)])
+              for i, ks in enumerate(kinds)]
+    weights = [list(p.blocks) for p in packed]
+    kinds = [tuple(p.kinds) for p in packed]
+    sizes = [1, 0, 5, 9]
+    offsets = [0]
+    for n in sizes:
+        offsets.append(offsets[-1] + n)
+    x = torch.randn(offsets[-1], 512, generator=g).to(torch.bfloat16)
+    y = torch.ops.genserve.qk_linear_grouped(x, [w for ws in weights for w in ws],
+                                             [k for ks in kinds for k in ks], [len(w) for w in weights],
+                                             offsets, -1)
+    assert y.shape == (15, 64)
+    for grp, (start, end) in enumerate(zip(offsets, offsets[1:])):
+        for r in range(start, end):
+            want = torch.ops.genserve.qk_linear(x[r:r + 1].contiguous(), weights[grp], list(kinds[grp]), -1)
+            assert torch.equal(y[r:r + 1], want), (grp, r)
+    with pytest.raises(RuntimeError, match="segment counts add up to"):
+        torch.ops.genserve.qk_linear_grouped(x, weights[0], list(kinds[0]), [2, 1, 1, 1], offsets, -1)

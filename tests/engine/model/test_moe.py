@@ -214,7 +214,7 @@ def test_a_q8_0_moe_gguf_serves_every_expert_from_its_blocks(family, tmp_path):
     assert result.identical, f"rows {result.mismatched} differ at {result.first_difference}"
 
 
-def test_a_q4_k_m_moe_gguf_runs_its_experts_on_qk_linear(tmp_path):
+def test_a_q4_k_m_moe_gguf_runs_its_experts_on_qk_linear(tmp_path, monkeypatch):
     """A qwen3moe file with a Q4_K_M file's expert types (gate and up Q4_K, down Q6_K, stacked;
     the router F32): every expert matrix runs `qk_linear` over its own slice of the stacked
     blocks, exactly the Q4_K / Q6_K x Q8_K reference of those blocks."""
@@ -277,6 +277,14 @@ def test_a_q4_k_m_moe_gguf_runs_its_experts_on_qk_linear(tmp_path):
         x = (torch.randn(3, values.shape[1], generator=g)).to(torch.bfloat16)
         want = torch.cat([qk_linear_reference(x, b, kind) for kind, b in parts], dim=1)
         assert torch.equal(linear(x, getattr(module, name), packed), want.to(torch.bfloat16))
+    # a step's experts as one qk_linear_grouped call per matrix: each token's bits are the loop's
+    moe = model.layers[0].feed_forward
+    x = torch.randn(40, dim, generator=g).to(torch.bfloat16)
+    assert moe._grouped_product(x, [1] * experts) == moe._qk_product
+    together = moe(x, TorchLayerOps)
+    assert all(torch.equal(moe(x[r:r + 1], TorchLayerOps)[0], together[r]) for r in (0, 17, 39))
+    monkeypatch.setattr(MoEFeedForward, "_grouped_product", lambda self, x, sizes: None)
+    assert torch.equal(moe(x, TorchLayerOps), together)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -347,11 +355,9 @@ def test_the_cpu_grouped_experts_give_the_per_expert_loops_bits(model, monkeypat
     """On a CPU whose experts run `packed_linear`, a step's experts are one
     `packed_linear_grouped` call per matrix; a token's output is bit for bit what the loop of
     one call per expert gives, for decode-sized and prefill-sized batches."""
-    from engine import kernels
-
     moe = model.layers[1].feed_forward
     x = torch.randn(70, DIM, generator=torch.Generator().manual_seed(12)).to(torch.bfloat16)
-    if not moe._packed_grouped_ok(x, [1] * EXPERTS):
+    if moe._grouped_product(x, [1] * EXPERTS) != moe._packed_product:
         pytest.skip("the experts do not run packed_linear on this CPU (or it is not built here)")
     calls = []
     product = MoEFeedForward._packed_product
@@ -362,6 +368,6 @@ def test_the_cpu_grouped_experts_give_the_per_expert_loops_bits(model, monkeypat
         calls.clear()
         outs[rows] = moe(x[:rows], TorchLayerOps)
         assert calls == ["w13", "w2"]                       # one grouped call per matrix
-    monkeypatch.setattr(kernels, "packed_linear_grouped_available", lambda: False)
+    monkeypatch.setattr(MoEFeedForward, "_grouped_product", lambda self, x, sizes: None)
     for rows, together in outs.items():
         assert torch.equal(moe(x[:rows], TorchLayerOps), together), rows
