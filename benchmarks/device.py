@@ -78,7 +78,8 @@ H200_FP16_FLOP_PER_S = 989e12
 # pytest files run on the device by --pytest (those that need no GGUF, transformers or fastapi).
 DEVICE_TEST_FILES = ("tests/engine/runner/test_device_generic.py", "tests/engine/attention/test_attention_backends.py",
                      "tests/engine/runner/test_kv_sizing.py", "tests/engine/model/test_checkpoints.py",
-                     "tests/engine/runner/test_sampler.py", "tests/engine/core/test_scheduler.py")
+                     "tests/engine/runner/test_sampler.py", "tests/engine/core/test_scheduler.py",
+                     "tests/engine/model/test_moe_device.py")
 
 
 @dataclass(frozen=True, slots=True)
