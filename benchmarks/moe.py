@@ -520,7 +520,7 @@ def run_gguf(opts: argparse.Namespace) -> dict:
               "commit": _commit()}
     tokenizer = opts.tokenizer_from
     if tokenizer is None:
-        from engine.model.weights import default_gguf_path
+        from engine.gguf_file import default_gguf_path
         tokenizer = pathlib.Path(default_gguf_path())
     opts.out.parent.mkdir(parents=True, exist_ok=True)
     if opts.out.exists() and not opts.rewrite:
