@@ -411,7 +411,8 @@ def plot_experts(result: dict, path: pathlib.Path) -> None:
     ax.set_xlabel("distinct experts per layer in the step (N)")
     ax.set_ylabel("decode step (ms)")
     ax.set_title(f"{result['rows_per_step']}-row decode step, {result['layers']} layers of "
-                 f"{s['experts']} experts (top {s['top_k']}, width {s['expert_ffn']}), bf16", fontsize=9)
+                 f"{s['experts']} experts (top {s['top_k']}, width {s['expert_ffn']}), bf16, "
+                 f"{result['threads']} thread(s), {result['date']}", fontsize=9)
     ax.set_xlim(0, None)
     ax.set_ylim(0, None)
     ax.grid(alpha=0.3)
