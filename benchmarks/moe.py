@@ -57,6 +57,7 @@ import statistics
 import subprocess
 import sys
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -171,7 +172,7 @@ def build_engine(model: Transformer, rows: int, prompt_len: int, steps: int) -> 
 def submit(engine: Engine, rows: int, prompt_len: int, max_tokens: int, tag: str) -> list[Request]:
     """`rows` greedy `ignore_eos` requests of `prompt_len` random token ids (seeded by `tag`, so a
     new tag is a new prompt: no prefix-cache hit), `max_tokens` each, submitted."""
-    g = torch.Generator().manual_seed(sum(map(ord, tag)) * 1000 + rows)
+    g = torch.Generator().manual_seed(zlib.crc32(f"{tag}/{rows}".encode()))
     vocab = engine.executor.model.args.vocab_size
     reqs = []
     for i in range(rows):
