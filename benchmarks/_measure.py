@@ -47,3 +47,20 @@ def copy_gbps(mib: int, repeats: int) -> float:
     src = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
     return 2 * src.numel() * src.element_size() / best_s(lambda: dst.copy_(src), repeats) / 1e9
+
+
+def submit_random_prompts(engine, rows: int, prompt_len: int, max_tokens: int, request_prefix: str,
+                          generator: torch.Generator) -> list:
+    """Submit `rows` greedy `ignore_eos` requests of `prompt_len` token ids drawn from
+    [10, vocab) by `generator` (the engine's model's vocabulary), `max_tokens` each, ids
+    `{request_prefix}-{i}`; returns the requests (`engine.core.request.Request`)."""
+    from engine.core.request import Request, SamplingParams
+
+    vocab = engine.executor.model.args.vocab_size
+    reqs = []
+    for i in range(rows):
+        ids = torch.randint(10, vocab, (prompt_len,), generator=generator).tolist()
+        reqs.append(Request(f"{request_prefix}-{i}", "bench", ids, max_tokens,
+                            SamplingParams(temperature=0.0, ignore_eos=True), 0.0, 0.0))
+        engine.submit(reqs[-1])
+    return reqs

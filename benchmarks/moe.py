@@ -64,10 +64,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from benchmarks._measure import read_gbps
+from benchmarks._measure import read_gbps, submit_random_prompts
 from engine.config import EngineConfig
 from engine.core.engine import Engine
-from engine.core.request import Request, SamplingParams
+from engine.core.request import Request
 from engine.model.config import ModelArgs, MoEArgs
 from engine.model.mlp import MoEFeedForward
 from engine.model.transformer import Transformer
@@ -173,14 +173,7 @@ def submit(engine: Engine, rows: int, prompt_len: int, max_tokens: int, tag: str
     """`rows` greedy `ignore_eos` requests of `prompt_len` random token ids (seeded by `tag`, so a
     new tag is a new prompt: no prefix-cache hit), `max_tokens` each, submitted."""
     g = torch.Generator().manual_seed(zlib.crc32(f"{tag}/{rows}".encode()))
-    vocab = engine.executor.model.args.vocab_size
-    reqs = []
-    for i in range(rows):
-        ids = torch.randint(10, vocab, (prompt_len,), generator=g).tolist()
-        reqs.append(Request(f"moe-{tag}-{rows}-{i}", "bench", ids, max_tokens,
-                            SamplingParams(temperature=0.0, ignore_eos=True), 0.0, 0.0))
-        engine.submit(reqs[-1])
-    return reqs
+    return submit_random_prompts(engine, rows, prompt_len, max_tokens, f"moe-{tag}-{rows}", g)
 
 
 def _decoding(engine: Engine, rows: int) -> bool:

@@ -38,9 +38,10 @@ from dataclasses import dataclass
 
 import torch
 
+from benchmarks._measure import submit_random_prompts
 from engine.config import EngineConfig
 from engine.core.engine import Engine
-from engine.core.request import Request, SamplingParams
+from engine.core.request import Request
 from engine.model.linear import ANY_ROWS
 from engine.model.transformer import Transformer, block_matrices
 from engine.model.quant import attach_q4, bf16_twin
@@ -79,15 +80,8 @@ def build_models(threads: int) -> dict[str, Transformer]:
 def submit(engine: Engine, rows: int, prompt_len: int, max_tokens: int, tag: str
            ) -> list[Request]:
     """`rows` greedy requests of `prompt_len` seeded token ids, `max_tokens` each, submitted."""
-    g = torch.Generator().manual_seed(rows)
-    vocab = engine.executor.model.args.vocab_size
-    reqs = []
-    for i in range(rows):
-        ids = torch.randint(10, vocab, (prompt_len,), generator=g).tolist()
-        reqs.append(Request(f"q4-{tag}-{rows}-{i}", "bench", ids, max_tokens,
-                            SamplingParams(temperature=0.0, ignore_eos=True), 0.0, 0.0))
-        engine.submit(reqs[-1])
-    return reqs
+    return submit_random_prompts(engine, rows, prompt_len, max_tokens, f"q4-{tag}-{rows}",
+                                 torch.Generator().manual_seed(rows))
 
 
 @dataclass(frozen=True, slots=True)
