@@ -64,3 +64,51 @@ def submit_random_prompts(engine, rows: int, prompt_len: int, max_tokens: int, r
                             SamplingParams(temperature=0.0, ignore_eos=True), 0.0, 0.0))
         engine.submit(reqs[-1])
     return reqs
+
+
+def decoding(engine, rows: int) -> bool:
+    """Whether `engine` runs `rows` requests and every one has sampled a token (past prefill)."""
+    running = engine.scheduler.running
+    return len(running) == rows and all(r.generated for r in running)
+
+
+def step_in_turn(engines: dict, rows: int, steps: int, submit: Callable[[str, object], object],
+                 before_step: Callable[[str], None] | None = None,
+                 on_step: Callable[[object], None] | None = None) -> dict[str, list[float]]:
+    """The in-turn decode schedule: `submit(name, engine)` gives each engine its `rows` requests,
+    each prefills until every row decodes, then the engines take one step each in turn, `steps`
+    times (so load from other processes falls on all alike), and run to the end. Returns, per
+    engine, the executor's seconds of each counted pure-decode step at `rows` rows
+    (`Engine.step_listeners`); `on_step(plan)` sees each counted step's plan, `before_step(name)`
+    is called before each of engine `name`'s steps until the counted phase ends."""
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    for name, engine in engines.items():
+        submit(name, engine)
+        while engine.scheduler.has_work and not decoding(engine, rows):
+            if before_step:
+                before_step(name)
+            engine.step()                      # prefill (and the first decode steps)
+
+    def listener(name: str):
+        def record(plan, events, step_s: float) -> None:
+            if plan.num_decode_rows == rows and plan.num_prefill_tokens == 0:
+                times[name].append(step_s)
+                if on_step:
+                    on_step(plan)
+        return record
+
+    hooks = {name: listener(name) for name in engines}
+    for name, engine in engines.items():
+        engine.step_listeners.append(hooks[name])
+    try:
+        for _ in range(steps):
+            for name, engine in engines.items():
+                if before_step:
+                    before_step(name)
+                engine.step()
+    finally:
+        for name, engine in engines.items():
+            engine.step_listeners.remove(hooks[name])
+    for engine in engines.values():
+        engine.run_until_idle()
+    return times

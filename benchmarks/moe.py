@@ -64,7 +64,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from benchmarks._measure import read_gbps, submit_random_prompts
+from benchmarks._measure import read_gbps, step_in_turn, submit_random_prompts
 from engine.config import EngineConfig
 from engine.core.engine import Engine
 from engine.core.request import Request
@@ -176,46 +176,15 @@ def submit(engine: Engine, rows: int, prompt_len: int, max_tokens: int, tag: str
     return submit_random_prompts(engine, rows, prompt_len, max_tokens, f"moe-{tag}-{rows}", g)
 
 
-def _decoding(engine: Engine, rows: int) -> bool:
-    running = engine.scheduler.running
-    return len(running) == rows and all(r.generated for r in running)
-
-
 def decode_in_turn(engines: dict[str, Engine], rows: int, steps: int, prompt_len: int, tag: str,
                    before_step: Callable[[str], None] | None = None) -> dict[str, list[float]]:
     """Per engine, the executor's seconds of each pure-decode step at `rows` rows: each engine
     gets the same `rows` requests (`submit`) and prefills them, then the engines take one step
-    each in turn, `steps` times (`benchmarks.q4.decode_in_turn`'s schedule), and run to the end.
-    `before_step(name)` is called before each of engine `name`'s counted-phase steps."""
-    times: dict[str, list[float]] = {name: [] for name in engines}
-    for name, engine in engines.items():
-        submit(engine, rows, prompt_len, steps + 4, f"{tag}-{name}")
-        while engine.scheduler.has_work and not _decoding(engine, rows):
-            if before_step:
-                before_step(name)
-            engine.step()                      # prefill (and the first decode steps)
-
-    def listener(name: str):
-        def on_step(plan, events, step_s: float) -> None:
-            if plan.num_decode_rows == rows and plan.num_prefill_tokens == 0:
-                times[name].append(step_s)
-        return on_step
-
-    hooks = {name: listener(name) for name in engines}
-    for name, engine in engines.items():
-        engine.step_listeners.append(hooks[name])
-    try:
-        for _ in range(steps):
-            for name, engine in engines.items():
-                if before_step:
-                    before_step(name)
-                engine.step()
-    finally:
-        for name, engine in engines.items():
-            engine.step_listeners.remove(hooks[name])
-    for engine in engines.values():
-        engine.run_until_idle()
-    return times
+    each in turn, `steps` times, and run to the end (`benchmarks._measure.step_in_turn`).
+    `before_step(name)` is called before each of engine `name`'s steps until the counted phase ends."""
+    return step_in_turn(engines, rows, steps,
+                        lambda name, engine: submit(engine, rows, prompt_len, steps + 4, f"{tag}-{name}"),
+                        before_step=before_step)
 
 
 def quartiles_ms(ts: Sequence[float]) -> dict[str, float]:

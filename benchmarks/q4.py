@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from benchmarks._measure import submit_random_prompts
+from benchmarks._measure import step_in_turn, submit_random_prompts
 from engine.config import EngineConfig
 from engine.core.engine import Engine
 from engine.core.request import Request
@@ -104,33 +104,14 @@ def decode_in_turn(engines: dict[str, Engine], rows: int, steps: int, prompt_len
     (`submit`), prefill them, then let the engines take one step each in turn, `steps` times (so
     load from other processes falls on all alike), and run them to the end. Counted: the
     pure-decode steps at `rows` rows (`Engine.step_listeners`: the executor's time)."""
-    times: dict[str, list[float]] = {name: [] for name in engines}
     contexts: list[int] = []
     submitted: dict[str, list[Request]] = {}
-    for name, engine in engines.items():
+
+    def give(name: str, engine: Engine) -> None:
         submitted[name] = submit(engine, rows, prompt_len, steps + 8, name)
-        while engine.scheduler.has_work and not _decoding(engine, rows):
-            engine.step()                      # prefill (and the first decode steps)
 
-    def listener(name: str):
-        def on_step(plan, events, step_s: float) -> None:
-            if plan.num_decode_rows == rows and plan.num_prefill_tokens == 0:
-                times[name].append(step_s)
-                contexts.extend(seg.end for seg in plan.segments)
-        return on_step
-
-    hooks = {name: listener(name) for name in engines}
-    for name, engine in engines.items():
-        engine.step_listeners.append(hooks[name])
-    try:
-        for _ in range(steps):
-            for engine in engines.values():
-                engine.step()
-    finally:
-        for name, engine in engines.items():
-            engine.step_listeners.remove(hooks[name])
-    for engine in engines.values():
-        engine.run_until_idle()
+    times = step_in_turn(engines, rows, steps, give,
+                         on_step=lambda plan: contexts.extend(seg.end for seg in plan.segments))
     return InTurn(times, contexts, submitted)
 
 
@@ -145,11 +126,6 @@ def measure(engines: dict[str, Engine], rows: int, steps: int, prompt_len: int
     if outputs["q4"] != outputs[same]:
         raise AssertionError(f"{rows} rows: q4 and {same} generated different tokens")
     return run.times
-
-
-def _decoding(engine: Engine, rows: int) -> bool:
-    running = engine.scheduler.running
-    return len(running) == rows and all(r.generated for r in running)
 
 
 def main(argv: list[str] | None = None) -> int:
