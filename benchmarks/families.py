@@ -11,8 +11,9 @@ Run from the repository root::
   turned into `ModelArgs` by the family's own module (`engine.model.registry`), random bf16
   weights, the real engine on the CPU: tokens/s of pure-decode steps at 1 and 32 rows (64-token
   prompts; median executor time of the steps that hold exactly that many decode rows), and the KV
-  bytes a token costs: every layer holding every token, and what a pool that keeps only each
-  sliding layer's window would hold at 8,192 tokens of context.
+  bytes a token costs: every layer holding every token, and what a request at 8,192 tokens holds
+  in genserve's pool, where sliding layers keep only their windows (at its last step, and the
+  most while its prompt was prefilled; the real scheduler over the SimExecutor).
 * `--smollm2-ab OLD_TREE`: the embedded SmolLM2-135M (default weights) on the code of OLD_TREE (a
   checkout, e.g. `git worktree add /tmp/old HEAD~1`) and on this tree, alternately, `--rounds`
   times each: one 512-token prefill (executor time summed over its steps), and pure-decode step
@@ -127,12 +128,41 @@ def smollm2() -> dict:
     return out
 
 
-def kv_bytes_per_token(args, context: int = CONTEXT) -> tuple[int, float]:
-    """(bytes one token's K and V take with every layer holding every token (bf16); the mean
-    bytes per token at `context` tokens when each sliding layer keeps only its window)."""
+def kv_blocks_held(windows: tuple[int | None, ...], layers_per_block: int, context: int = CONTEXT,
+                   answer: int = 64) -> tuple[int, int]:
+    """Layer-blocks (blocks × the layers a block holds) one request of `context` tokens holds in a
+    pool of KV groups `windows` (`engine.core.kv_groups`), run through the real scheduler over the
+    SimExecutor (a prompt of context − `answer` tokens, then `answer` decode steps, with the default
+    step budgets): (at its last decode step, the most at any step)."""
+    from engine.config import EngineConfig
+    from engine.core.engine import Engine
+    from engine.core.request import Request, SamplingParams
+    from engine.core.sim_executor import SimExecutor
+
+    config = EngineConfig(num_blocks=4 * context, max_context=context, prefix_caching=False)
+    engine = Engine(config, SimExecutor(), config.num_blocks, kv_windows=windows)
+    req = Request("kv", "", [1 + i % 1000 for i in range(context - answer)], answer,
+                  SamplingParams(), 0.0, 0.0)
+    held: list[int] = []
+    engine.step_listeners.append(
+        lambda plan, events, s: held.append(len(engine.pool.held_blocks("kv")) * layers_per_block))
+    engine.submit(req)
+    engine.run_until_idle()
+    engine.pool.check_all_free()
+    return held[-2], max(held)             # the last step ends the request: nothing held after
+
+
+def kv_bytes_per_token(args, context: int = CONTEXT) -> tuple[int, float, float]:
+    """(bytes one token's K and V take with every layer holding every token (bf16); the bytes per
+    token a request at `context` tokens holds in genserve's pool, and the most it held while its
+    prompt was prefilled: sliding layers keep only their windows, `kv_blocks_held`)."""
+    from engine.runner.kv_cache import kv_groups
+
     per_layer = 2 * args.n_kv_heads * args.head_dim * 2
-    windowed = sum(per_layer * min(context, w or context) for w in args.sliding_windows) / context
-    return per_layer * args.n_layers, windowed
+    groups = kv_groups(args.replace(max_context=context))
+    at_end, peak = kv_blocks_held(groups.windows, groups.group_size, context)
+    per_layer_block = per_layer * 16 / context
+    return per_layer * args.n_layers, at_end * per_layer_block, peak * per_layer_block
 
 
 def families() -> list[dict]:
@@ -154,13 +184,14 @@ def families() -> list[dict]:
         del state
         storages = {p.untyped_storage().data_ptr(): p.numel() for p in engine.executor.model.parameters()}
         params = sum(storages.values())                # a tied output matrix counted once
-        full, windowed = kv_bytes_per_token(args)
+        full, windowed, peak = kv_bytes_per_token(args)
         decode_tokens_per_s(engine, 1)                           # warm-up
         row = dict(shape=name, architecture=args.architecture, params_b=params / 1e9,
                    kernel_path=engine.executor.kernels,
                    tokens_per_s_1=decode_tokens_per_s(engine, 1),
                    tokens_per_s_32=decode_tokens_per_s(engine, 32),
-                   kv_bytes_per_token=full, kv_bytes_per_token_windowed_8k=windowed)
+                   kv_bytes_per_token=full, kv_bytes_per_token_held_8k=windowed,
+                   kv_bytes_per_token_held_8k_prefill_peak=peak)
         print(json.dumps(row), flush=True)
         rows.append(row)
         del engine

@@ -184,6 +184,13 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got "
                              f"{self.kv_cache_dtype!r}")
 
+    @property
+    def prefill_step_tokens(self) -> int:
+        """Prompt tokens a step carries within the token budgets (`prefill_token_budget`, or
+        `prefill_token_budget_few_rows` with few rows, the larger): what a sliding-window KV group
+        holds beyond its window while a prompt is prefilled (`engine.core.kv_groups`)."""
+        return max(self.prefill_token_budget, self.prefill_token_budget_few_rows)
+
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold `num_tokens` tokens (ceil division by block_size)."""
         return -(-num_tokens // self.block_size)

@@ -296,34 +296,53 @@ def causal_mask(start: int, end: int, dtype: torch.dtype, device: torch.device) 
 
 def build_metadata(backend: AttentionBackend, layout: StepLayout, dtype: torch.dtype,
                    device: torch.device | str, num_blocks: int, gather: GatherBuffer | None = None,
-                   extra: Sequence[Sequence[int]] = ()) -> tuple[AttentionMetadata, tuple[torch.Tensor, ...]]:
+                   extra: Sequence[Sequence[int]] = (), group_layouts: Sequence[StepLayout] = (),
+                   ) -> tuple[AttentionMetadata, tuple[torch.Tensor, ...]] | \
+        tuple[list[AttentionMetadata], tuple[torch.Tensor, ...]]:
     """The step's metadata on `device`, with one host-to-device copy.
 
     Every integer the step needs (slots, decode tables and lengths, each prefill piece's blocks,
-    the backend's own lists from `backend.host_ints`, and the caller's `extra` lists) goes into
-    one int64 host tensor (pinned on CUDA), is copied once, and is sliced into views there. The
-    masks are then computed there from those views, only those the backend reads.
+    the backend's own lists from `backend.host_ints`, those of every KV group's layout, and the
+    caller's `extra` lists) goes into one int64 host tensor (pinned on CUDA), is copied once, and
+    is sliced into views there. The masks are then computed there from those views, only those
+    the backend reads.
 
     Args:
         backend: the backend that runs the step; its `step_state` builds `state`.
-        layout: the step.
+        layout: the step (KV group 0's block tables).
         dtype: the model dtype (the masks' dtype must match the queries').
         device: where the model's weights and the KV cache live.
         num_blocks: blocks in the KV pool (the paged backends' key axis).
         gather: the SDPA decode path's buffer (see `GatherBuffer`).
         extra: more int lists to upload in the same copy (token ids, positions, rows to sample).
+        group_layouts: the same step in KV groups 1 .. G - 1 (their own block tables;
+            `engine.runner.inputs.StepInputs.group_layouts`).
     Returns:
-        (metadata, the `extra` lists as int64 tensors on `device`, in order).
+        (metadata, the `extra` lists as int64 tensors on `device`, in order); with
+        `group_layouts`, the metadata is a list, one per group, group 0 first.
     """
     device = torch.device(device)
-    own = backend.host_ints(layout)
-    lists = [layout.slots, layout.decode_tables, layout.decode_lens, layout.piece_blocks, *own, *extra]
+    layouts = [layout, *group_layouts]
+    per_layout = [[x.slots, x.decode_tables, x.decode_lens, x.piece_blocks, *backend.host_ints(x)]
+                  for x in layouts]
+    lists = [lst for own in per_layout for lst in own] + list(extra)
     host = torch.tensor([v for x in lists for v in x], dtype=torch.long)
     if device.type == "cuda":
         host = host.pin_memory()
     views = list(host.to(device, non_blocking=True).split([len(x) for x in lists]))
+    metas = []
+    for x, own in zip(layouts, per_layout):
+        mine, views = views[:len(own)], views[len(own):]
+        metas.append(_metadata(backend, x, dtype, device, num_blocks, gather, mine))
+    return (metas if group_layouts else metas[0]), tuple(views)
+
+
+def _metadata(backend: AttentionBackend, layout: StepLayout, dtype: torch.dtype, device: torch.device,
+              num_blocks: int, gather: GatherBuffer | None, views: list[torch.Tensor]) -> AttentionMetadata:
+    """`layout`'s metadata from its uploaded integers `views` (slots, decode tables, decode
+    lengths, pieces' blocks, then the backend's own lists): the masks and the backend's state."""
     slots, tables, lens, piece_blocks = views[:4]
-    own_t, extra_t = views[4:4 + len(own)], tuple(views[4 + len(own):])
+    own_t = views[4:]
     keys = layout.blocks_per_row * layout.block_size if backend.decode_masks else 0
     decode_bias = decode_mask(lens, keys, dtype)
     pieces = []
@@ -336,9 +355,8 @@ def build_metadata(backend: AttentionBackend, layout: StepLayout, dtype: torch.d
                                    piece_blocks[offset:offset + p.num_blocks], bias))
         offset += p.num_blocks
     state = backend.step_state(own_t, layout, num_blocks, device)
-    meta = AttentionMetadata(slots, layout.num_decode, tables, decode_bias, lens, tuple(pieces),
+    return AttentionMetadata(slots, layout.num_decode, tables, decode_bias, lens, tuple(pieces),
                              backend, state, gather)
-    return meta, extra_t
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:

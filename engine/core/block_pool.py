@@ -59,34 +59,63 @@ class BlockPoolError(RuntimeError):
     """A block-accounting invariant broke (double free, free of an unknown table...). A bug."""
 
 
+NULL_BLOCK = 0
+"""The block a sliding group's table points at where its window dropped a block: reserved (never
+handed out) in a pool with sliding groups, zero-filled, read only under a mask that hides it."""
+
+
 class BlockPool:
-    """Free list + `ref_count[block_id]` + `block_table[request_id]` + the prefix cache.
+    """Free list + `ref_count[block_id]` + block tables per request and KV group + the prefix cache.
 
     Args:
-        num_blocks: blocks in the pool (the KV tensors' first dimension).
+        num_blocks: blocks in the pool (the KV tensors' block dimension).
         block_size: tokens per block.
         prefix_caching: keep registered blocks cached after their last reference goes (see the
             module docstring); False frees every block at once, as before prefix caching.
+        windows: per KV group (`engine.core.kv_groups.KVGroups.windows`), None for a global group
+            or its sliding window in tokens. The default is one global group (every model without
+            a sliding window). With a sliding group, block `NULL_BLOCK` is reserved.
+
+    A request holds one table per group; all have the same length (position p lives at index
+    p // block_size of each), and a sliding group's entries its window can no longer see are
+    `NULL_BLOCK` once `slide` dropped them. `table(rid)` is group 0's, `tables(rid)` all of them.
+    The prefix cache keys a block by (group, prefix hash): group g's blocks serve group g only.
+
+    Attributes:
+        num_usable: blocks that can be handed out: `num_blocks`, less the null block with
+            sliding groups.
+        num_groups: KV groups (block tables per request).
 
     Check/act pairs: call `can_allocate(n)` before `ensure_capacity`, which raises
     `BlockPoolError` when the free list cannot cover the request (a scheduler bug).
     """
 
     @classmethod
-    def from_config(cls, config: EngineConfig, num_blocks: int) -> BlockPool:
+    def from_config(cls, config: EngineConfig, num_blocks: int,
+                    windows: Sequence[int | None] = (None,)) -> BlockPool:
         """A pool of `num_blocks` blocks of `config.block_size` tokens, with prefix caching as
-        `config.prefix_caching` says (the one place a serving pool is made)."""
-        return cls(num_blocks, config.block_size, prefix_caching=config.prefix_caching)
+        `config.prefix_caching` says and the KV groups' `windows` (the one place a serving pool
+        is made)."""
+        return cls(num_blocks, config.block_size, prefix_caching=config.prefix_caching, windows=windows)
 
-    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False,
+                 windows: Sequence[int | None] = (None,)) -> None:
+        if not windows:
+            raise ValueError("a block pool needs at least one KV group")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.prefix_caching = prefix_caching
-        self._free: deque[int] = deque(range(num_blocks))
+        self.windows = tuple(windows)
+        self.num_groups = len(self.windows)
+        sliding = any(w is not None for w in self.windows)
+        self._null = NULL_BLOCK if sliding else None      # reserved in a pool with sliding groups
+        first = 1 if sliding else 0
+        self.num_usable = num_blocks - first
+        self._free: deque[int] = deque(range(first, num_blocks))
         self._ref_count = [0] * num_blocks
-        self._tables: dict[str, list[int]] = {}
-        self._block_hash: dict[int, bytes] = {}       # registered block -> its prefix hash
-        self._cached: dict[bytes, int] = {}           # prefix hash -> block
+        self._tables: dict[str, list[list[int]]] = {}
+        self._block_hash: dict[int, tuple[int, bytes]] = {}  # registered block -> (group, hash)
+        self._cached: dict[tuple[int, bytes], int] = {}      # (group, prefix hash) -> block
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, ref 0; LRU first
 
     # -- queries ----------------------------------------------------------------------------
@@ -110,7 +139,9 @@ class BlockPool:
         return list(self._evictable)
 
     def cached_prefix(self, hashes: Sequence[bytes]) -> list[int]:
-        """Blocks of the longest cached prefix: block i for hashes[i], i = 0, 1, ... until a miss.
+        """Group 0's blocks of the longest cached prefix: block i for hashes[i], i = 0, 1, ...
+        until a miss (for a pool of one global group, the whole answer; with several groups see
+        `group_hit`).
 
         Args:
             hashes: the request's `prefix_block_hashes`.
@@ -119,24 +150,82 @@ class BlockPool:
         """
         blocks: list[int] = []
         for h in hashes:
-            b = self._cached.get(h)
+            b = self._cached.get((0, h))
             if b is None:
                 break
             blocks.append(b)
         return blocks
 
+    def group_hit(self, hashes: Sequence[bytes], num_blocks: int) -> list[list[int]] | None:
+        """Every group's blocks for a prefix hit of `num_blocks` blocks, or None when some group
+        lacks one it needs.
+
+        A global group needs blocks 0 .. num_blocks - 1 cached; a sliding group with window W
+        only those its window still sees from the first position computed next
+        (p = num_blocks × block_size: keys from p - W + 1), the earlier entries are `NULL_BLOCK`.
+
+        Args:
+            hashes: the request's `prefix_block_hashes` (at least `num_blocks` of them).
+            num_blocks: the hit's length in blocks.
+        Returns:
+            Per group, num_blocks block ids in position order.
+        """
+        groups: list[list[int]] = []
+        for g, window in enumerate(self.windows):
+            first = self._first_visible(num_blocks * self.block_size, window)
+            table = [NULL_BLOCK] * first
+            for h in hashes[first:num_blocks]:
+                b = self._cached.get((g, h))
+                if b is None:
+                    return None
+                table.append(b)
+            groups.append(table)
+        return groups
+
+    def _first_visible(self, position: int, window: int | None) -> int:
+        """Index of the first block a query at `position` reads through a group with `window`."""
+        return 0 if window is None else max(0, position - window + 1) // self.block_size
+
     def ref_count(self, block_id: int) -> int:
         """References to `block_id` (0 when free; above 1 when n samples share a prompt)."""
         return self._ref_count[block_id]
 
-    def table(self, request_id: str) -> list[int]:
-        """The block table of `request_id` (empty when it holds none). Do not mutate."""
-        return self._tables.get(request_id, [])
+    def table(self, request_id: str, group: int = 0) -> list[int]:
+        """The block table of `request_id` in KV group `group` (empty when it holds none). Do not
+        mutate."""
+        tables = self._tables.get(request_id)
+        return tables[group] if tables else []
+
+    def tables(self, request_id: str) -> tuple[tuple[int, ...], ...]:
+        """`request_id`'s block tables, one per KV group, as tuples (empty ones when it holds
+        none)."""
+        tables = self._tables.get(request_id)
+        return tuple(map(tuple, tables)) if tables else ((),) * self.num_groups
+
+    def held_blocks(self, request_id: str) -> list[int]:
+        """Every block `request_id` holds, all groups, `NULL_BLOCK` entries left out."""
+        return [b for t in self._tables.get(request_id, ()) for b in t if b != self._null]
 
     def blocks_needed(self, request_id: str, num_tokens: int) -> int:
-        """New blocks `request_id` needs so that its table covers `num_tokens` positions."""
-        have = len(self._tables.get(request_id, ()))
-        return max(0, -(-num_tokens // self.block_size) - have)
+        """New blocks `ensure_capacity(request_id, num_tokens)` takes now: in every group, the
+        entries that extend its table to cover `num_tokens` positions."""
+        have = len(self.table(request_id))
+        return max(0, -(-num_tokens // self.block_size) - have) * self.num_groups
+
+    def blocks_to_compute(self, request_id: str | None, num_tokens: int, step_tokens: int) -> int:
+        """Blocks `request_id` (None: a request holding none) still has to take to compute up to
+        `num_tokens` positions, at most `step_tokens` of them a step: a global group needs the
+        whole table, a sliding group at most what a step's queries see
+        (⌈(W - 1 + step_tokens) / block_size⌉ + 1 blocks), less what it holds. The admission
+        estimate; equal to `blocks_needed` without sliding groups."""
+        tables = self._tables.get(request_id, ()) if request_id is not None else ()
+        bs, total = self.block_size, -(-num_tokens // self.block_size)
+        need = 0
+        for g, window in enumerate(self.windows):
+            held = sum(b != self._null for b in tables[g]) if tables else 0
+            bound = total if window is None else min(total, -(-(window - 1 + step_tokens) // bs) + 1)
+            need += max(0, bound - held)
+        return need
 
     def can_allocate(self, num_blocks: int) -> bool:
         """True when at least `num_blocks` blocks are free (cached-but-unused ones included)."""
@@ -153,9 +242,24 @@ class BlockPool:
         self._ref_count[b] = 1
         return b
 
+    def _release(self, b: int) -> bool:
+        """One reference to `b` less; True when it became free (cached ones go to the LRU list).
+
+        Raises BlockPoolError on a block whose ref_count is already 0 (a double free)."""
+        if self._ref_count[b] <= 0:
+            raise BlockPoolError(f"block {b} freed with ref_count {self._ref_count[b]}")
+        self._ref_count[b] -= 1
+        if self._ref_count[b]:
+            return False
+        if b in self._block_hash:
+            self._evictable[b] = None       # most recently used last
+        else:
+            self._free.append(b)
+        return True
+
     # -- actions ----------------------------------------------------------------------------
     def ensure_capacity(self, request_id: str, num_tokens: int) -> list[int]:
-        """Grow `request_id`'s table to cover positions [0, num_tokens); returns the new blocks.
+        """Grow `request_id`'s tables to cover positions [0, num_tokens); returns the new blocks.
 
         Raises:
             BlockPoolError: the free list is too short (check `can_allocate` first).
@@ -163,30 +267,69 @@ class BlockPool:
         need = self.blocks_needed(request_id, num_tokens)
         if need > self.num_free:
             raise BlockPoolError(f"{request_id}: needs {need} blocks, {self.num_free} free")
-        new = [self._take() for _ in range(need)]
-        self._tables.setdefault(request_id, []).extend(new)
+        tables = self._tables.setdefault(request_id, [[] for _ in self.windows])
+        per_group = need // self.num_groups
+        new = []
+        for table in tables:
+            blocks = [self._take() for _ in range(per_group)]
+            table.extend(blocks)
+            new.extend(blocks)
         return new
 
-    def attach_prefix(self, request_id: str, blocks: Sequence[int]) -> None:
-        """Start `request_id`'s table with cached `blocks` (from `cached_prefix`), ref + 1 each.
+    def slide(self, request_id: str, position: int) -> int:
+        """Drop from each sliding group's table of `request_id` the blocks a query at `position`
+        or later can no longer see (wholly before position - W + 1): they lose this reference and
+        their entries become `NULL_BLOCK`. Call with the first position a step computes.
+
+        Returns:
+            Blocks that became free (cached ones included).
+        """
+        tables = self._tables.get(request_id)
+        if not tables:
+            return 0
+        returned = 0
+        for table, window in zip(tables, self.windows):
+            if window is None:
+                continue
+            # Last dropped first onto the LRU list, as `free` orders a sequence's blocks.
+            for i in reversed(range(min(self._first_visible(position, window), len(table)))):
+                b = table[i]
+                if b != self._null:
+                    table[i] = NULL_BLOCK
+                    returned += self._release(b)
+        return returned
+
+    def attach_prefix(self, request_id: str, blocks: Sequence[int] | Sequence[Sequence[int]]) -> None:
+        """Start `request_id`'s tables with cached blocks, ref + 1 each: one table per group
+        (`group_hit`), or, in a pool of one group, group 0's list (`cached_prefix`).
+        `NULL_BLOCK` entries of a sliding group are kept as they are.
 
         Raises:
-            BlockPoolError: the request already has a table, or a block is not cached.
+            BlockPoolError: the request already has a table, a block is not cached, or the
+                tables' lengths differ.
         """
         if self._tables.get(request_id):
             raise BlockPoolError(f"{request_id} already has a block table")
-        for b in blocks:
-            if b not in self._block_hash:
-                raise BlockPoolError(f"block {b} is not in the prefix cache")
-            if self._ref_count[b] == 0:
-                del self._evictable[b]
-            self._ref_count[b] += 1
-        self._tables[request_id] = list(blocks)
+        groups = [list(t) for t in blocks] if blocks and not isinstance(blocks[0], int) else [list(blocks)]
+        if len(groups) != self.num_groups or len({len(t) for t in groups}) > 1:
+            raise BlockPoolError(f"{request_id}: {len(groups)} tables of lengths "
+                                 f"{[len(t) for t in groups]} for {self.num_groups} groups")
+        for table in groups:
+            for b in table:
+                if b == self._null:
+                    continue
+                if b not in self._block_hash:
+                    raise BlockPoolError(f"block {b} is not in the prefix cache")
+                if self._ref_count[b] == 0:
+                    del self._evictable[b]
+                self._ref_count[b] += 1
+        self._tables[request_id] = groups
 
     def register_prefix(self, request_id: str, hashes: Sequence[bytes], num_blocks: int,
                         first: int = 0) -> int:
-        """Register blocks `first` .. `num_blocks` - 1 of `request_id`'s table under the same
-        entries of `hashes` (the earlier blocks were registered already, or are not to be).
+        """Register blocks `first` .. `num_blocks` - 1 of `request_id`'s tables (each group's,
+        under (group, hash)) with the same entries of `hashes` (the earlier blocks were
+        registered already, or are not to be); `NULL_BLOCK` entries are skipped.
 
         Call once their keys and values are computed. A hash already cached under another block
         (two requests computed the same prefix at once) keeps the first block; the duplicate is
@@ -198,83 +341,87 @@ class BlockPool:
         """
         if not self.prefix_caching:
             return 0
-        table = self._tables.get(request_id, [])
+        table = self.table(request_id)
         if num_blocks > len(table) or num_blocks > len(hashes):
             raise BlockPoolError(f"{request_id}: cannot register {num_blocks} blocks "
                                  f"({len(table)} in table, {len(hashes)} hashes)")
         added = 0
-        for b, h in zip(table[first:num_blocks], hashes[first:num_blocks]):
-            if b in self._block_hash or h in self._cached:
-                continue
-            self._block_hash[b] = h
-            self._cached[h] = b
-            added += 1
+        for g, table in enumerate(self._tables[request_id]):
+            for b, h in zip(table[first:num_blocks], hashes[first:num_blocks]):
+                key = (g, h)
+                if b == self._null:
+                    continue
+                if b in self._block_hash or key in self._cached:
+                    continue
+                self._block_hash[b] = key
+                self._cached[key] = b
+                added += 1
         return added
 
     def share(self, parent_id: str, child_id: str, num_tokens: int) -> None:
-        """Give `child_id` the parent's blocks covering [0, num_tokens), ref_count + 1 each.
+        """Give `child_id` the parent's blocks covering [0, num_tokens) in every group,
+        ref_count + 1 each (`NULL_BLOCK` entries copied as they are).
 
         Used for n > 1 samples of one prompt. Raises BlockPoolError if the child has a table.
         """
         if child_id in self._tables:
             raise BlockPoolError(f"{child_id} already has a block table")
-        blocks = self._tables[parent_id][: -(-num_tokens // self.block_size)]
-        for b in blocks:
-            self._ref_count[b] += 1
-        self._tables[child_id] = list(blocks)
+        n = -(-num_tokens // self.block_size)
+        tables = [list(t[:n]) for t in self._tables[parent_id]]
+        for b in (b for t in tables for b in t):
+            if b != self._null:
+                self._ref_count[b] += 1
+        self._tables[child_id] = tables
 
-    def copy_on_write(self, request_id: str, position: int) -> tuple[int, int] | None:
-        """Make the block holding `position` private to `request_id` before it is written.
+    def copy_on_write(self, request_id: str, position: int) -> list[tuple[int, int]]:
+        """Make the blocks holding `position` private to `request_id` before they are written.
 
-        When that block is shared (ref_count > 1), a free block replaces it in the table and the
-        shared block loses one reference; returns (source, destination) for the executor to
-        copy. Returns None when the block is already private.
+        In each group where that block is shared (ref_count > 1), a free block replaces it in the
+        table and the shared block loses one reference. Returns the (source, destination) pairs
+        for the executor to copy (empty when every block is already private).
         Raises BlockPoolError when a copy is needed and the free list is empty.
         """
-        table = self._tables[request_id]
+        copies = []
         i = position // self.block_size
-        src = table[i]
-        if self._ref_count[src] <= 1:
-            return None
-        if not self.num_free:
-            raise BlockPoolError(f"{request_id}: copy-on-write needs a block, none free")
-        dst = self._take()
-        self._ref_count[src] -= 1
-        table[i] = dst
-        return src, dst
+        for table in self._tables[request_id]:
+            src = table[i]
+            if self._ref_count[src] <= 1:
+                continue
+            if not self.num_free:
+                raise BlockPoolError(f"{request_id}: copy-on-write needs a block, none free")
+            dst = self._take()
+            self._ref_count[src] -= 1
+            table[i] = dst
+            copies.append((src, dst))
+        return copies
 
-    def is_shared(self, request_id: str, position: int) -> bool:
-        """True when the block holding `position` of `request_id` has other references."""
-        table = self._tables.get(request_id, ())
+    def is_shared(self, request_id: str, position: int) -> int:
+        """How many of `request_id`'s blocks holding `position` (one per group) have other
+        references: the blocks `copy_on_write` would take (0: none; a count, usable as a bool)."""
         i = position // self.block_size
-        return i < len(table) and self._ref_count[table[i]] > 1
+        return sum(i < len(t) and t[i] != self._null and self._ref_count[t[i]] > 1
+                   for t in self._tables.get(request_id, ()))
 
     def free(self, request_id: str) -> int:
-        """Drop `request_id`'s table; blocks whose ref_count reaches 0 return to the free list.
+        """Drop `request_id`'s tables; blocks whose ref_count reaches 0 return to the free list.
 
         Returns the number of blocks that became free (cached ones included). Unknown ids free
         nothing.
         Raises BlockPoolError on a block whose ref_count is already 0 (a double free).
         """
         returned = 0
-        # Last block first: a sequence's tail becomes the least recently used, so eviction eats
-        # cached prefixes from their ends and the shared beginnings stay (as vLLM frees them).
-        for b in reversed(self._tables.pop(request_id, [])):
-            if self._ref_count[b] <= 0:
-                raise BlockPoolError(f"block {b} freed with ref_count {self._ref_count[b]}")
-            self._ref_count[b] -= 1
-            if self._ref_count[b] == 0:
-                if b in self._block_hash:
-                    self._evictable[b] = None       # most recently used last
-                else:
-                    self._free.append(b)
-                returned += 1
+        for table in self._tables.pop(request_id, []):
+            # Last block first: a sequence's tail becomes the least recently used, so eviction
+            # eats cached prefixes from their ends and the shared beginnings stay (as vLLM frees).
+            for b in reversed(table):
+                if b != self._null:
+                    returned += self._release(b)
         return returned
 
     def check_all_free(self) -> None:
         """Raise BlockPoolError unless every block is free (cached-but-unused counts as free)
         with ref_count 0 and no table is held."""
-        if self._tables or self.num_free != self.num_blocks or any(self._ref_count):
+        if self._tables or self.num_free != self.num_usable or any(self._ref_count):
             raise BlockPoolError(
-                f"pool not empty: {self.num_free}/{self.num_blocks} free, "
+                f"pool not empty: {self.num_free}/{self.num_usable} free, "
                 f"{len(self._tables)} tables, {sum(1 for r in self._ref_count if r)} referenced")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from engine.config import EngineConfig
 from engine.core.block_pool import BlockPool
@@ -43,6 +43,9 @@ class Engine:
         executor: `ModelRunner` or `SimExecutor`.
         num_blocks: blocks of the pool, as many as the executor's KV cache holds; None:
             `config.num_blocks`.
+        kv_windows: the pool's KV groups, each None (global) or its sliding window in tokens
+            (`engine.core.kv_groups.KVGroups.windows`; the executor's KV cache has the same
+            groups); default one global group.
         cost_model: the per-token costs admission control and the step budget predict steps with
             (None: the design's, `CostModel()`); the scheduler owns it from here on.
         clock: seconds, monotonic (tests pass a fake one).
@@ -64,14 +67,14 @@ class Engine:
     """
 
     def __init__(self, config: EngineConfig, executor: Executor, num_blocks: int | None = None, *,
-                 cost_model: CostModel | None = None,
+                 kv_windows: Sequence[int | None] = (None,), cost_model: CostModel | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         num_blocks = num_blocks if num_blocks is not None else config.num_blocks
         if not num_blocks:
             raise ValueError("the engine's block pool needs num_blocks (or config.num_blocks)")
         self.config = config
         self.executor = executor
-        self.pool = BlockPool.from_config(config, num_blocks)
+        self.pool = BlockPool.from_config(config, num_blocks, kv_windows)
         self.clock = clock
         self.scheduler = Scheduler(config, self.pool, cost_model)
         self.lock = threading.Lock()

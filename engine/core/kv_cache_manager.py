@@ -3,8 +3,8 @@
 `BlockPool` keeps the cache (hash → block, reference counts, the LRU list of unused cached
 blocks); this module is the policy on top, modelled on vLLM's `v1/core/kv_cache_manager.py`:
 
-* `get_computed_blocks(req, align)`: the cached blocks a request takes at admission — its
-  longest cached prefix, never its whole prompt (its last prompt token is computed, to sample
+* `get_computed_blocks(req, align)`: the cached blocks a request takes at admission, one list
+  per KV group (`engine.core.kv_groups`) — its longest cached prefix, never its whole prompt (its last prompt token is computed, to sample
   from) and cut to whole multiples of `align` tokens, so every token it still computes is cut on
   the same grid as from scratch (batch invariance). The scheduler passes `prefill_piece`.
 * `take_computed_blocks(req, blocks)`: attach them to the request and count the hit.
@@ -85,22 +85,42 @@ class KVCacheManager:
         tokens = min(len(hits) * self.block_size, req.num_prompt - 1)
         return tokens // align * align
 
+    def _hit(self, req: Request, align: int) -> list[list[int]]:
+        """Per KV group, the cached blocks of `req`'s longest usable prefix hit (empty lists for
+        none). Group 0's chain bounds it (`computed_tokens`); with several groups the hit is
+        shortened, `align` tokens at a time, until every group holds what it needs
+        (`BlockPool.group_hit`: a sliding group only the blocks its window still sees)."""
+        hashes = self.block_hashes(req)
+        pool = self.pool
+        if pool.windows[0] is None:
+            bound = pool.cached_prefix(hashes)
+        else:                          # no global group: only the windows' blocks matter
+            bound = hashes
+        step = align // self.block_size
+        for k in range(self.computed_tokens(req, bound, align) // self.block_size, 0, -step):
+            if pool.num_groups == 1 and pool.windows[0] is None:
+                return [bound[:k]]
+            groups = pool.group_hit(hashes, k)
+            if groups is not None:
+                return groups
+        return [[] for _ in pool.windows]
+
     def num_cached_tokens(self, req: Request, align: int) -> int:
-        """Prompt tokens `req` would take from the cache as it stands (`computed_tokens` of its
-        cached prefix), for the admission estimate: the request holds no blocks yet."""
-        return self.computed_tokens(req, self.pool.cached_prefix(self.block_hashes(req)), align)
+        """Prompt tokens `req` would take from the cache as it stands, for the admission
+        estimate: the request holds no blocks yet."""
+        return len(self._hit(req, align)[0]) * self.block_size
 
-    def get_computed_blocks(self, req: Request, align: int) -> list[int]:
-        """The cached blocks `req` would take at admission, in position order: its cached prefix
-        cut to `computed_tokens` (`align` must be a multiple of the block size). Empty when `req`
-        already holds blocks."""
+    def get_computed_blocks(self, req: Request, align: int) -> list[list[int]]:
+        """The cached blocks `req` would take at admission, per KV group in position order: its
+        cached prefix cut to `computed_tokens` (`align` must be a multiple of the block size),
+        shortened until every group can serve it; a sliding group's entries its window no longer
+        sees are `NULL_BLOCK`. Empty lists when `req` already holds blocks."""
         if self.pool.table(req.request_id):
-            return []
-        hits = self.pool.cached_prefix(self.block_hashes(req))
-        return hits[:self.computed_tokens(req, hits, align) // self.block_size]
+            return [[] for _ in self.pool.windows]
+        return self._hit(req, align)
 
-    def take_computed_blocks(self, req: Request, blocks: list[int]) -> int:
-        """Start `req`'s block table with `blocks` (from `get_computed_blocks`) and count the
+    def take_computed_blocks(self, req: Request, blocks: list[list[int]]) -> int:
+        """Start `req`'s block tables with `blocks` (from `get_computed_blocks`) and count the
         lookup in the hit counters.
 
         Returns:
@@ -108,9 +128,9 @@ class KVCacheManager:
         Raises:
             BlockPoolError: `req` already has a table, or a block is not cached.
         """
-        if blocks:
+        if blocks[0]:
             self.pool.attach_prefix(req.request_id, blocks)
-        cached = len(blocks) * self.block_size
+        cached = len(blocks[0]) * self.block_size
         if self.pool.prefix_caching:
             self.prefix_queried_tokens += req.num_prompt
             self.prefix_hit_tokens += cached

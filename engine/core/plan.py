@@ -52,8 +52,11 @@ class Segment:
             piece.
         samples: True when the run ends at the request's last token, so its last position's
             logits are sampled (the last prefill piece, or a decode row).
-        block_table: the request's block ids covering positions [0, start + length).
+        block_table: the request's block ids covering positions [0, start + length), in KV group
+            0 (`engine.core.kv_groups`; the only group of a model without sliding windows).
         decode: True for a decode row (a request past its prompt: one token, costed as a row).
+        group_tables: the block tables of KV groups 1 .. G - 1, the same length as
+            `block_table` (a sliding group's entries out of its window are the null block 0).
     """
 
     request: Request
@@ -62,6 +65,7 @@ class Segment:
     samples: bool
     block_table: tuple[int, ...]
     decode: bool = False
+    group_tables: tuple[tuple[int, ...], ...] = ()
 
     @property
     def end(self) -> int:

@@ -22,6 +22,8 @@ runner decides).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -320,7 +322,7 @@ class Transformer(nn.Module):
         return [torch.view_as_real(t) for t in self.rope_freqs]
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor,
-                kv_layers: list[torch.Tensor], meta: AttentionMetadata,
+                kv_layers: list[torch.Tensor], meta: AttentionMetadata | Sequence[AttentionMetadata],
                 ops: type[TorchLayerOps] = TorchLayerOps) -> torch.Tensor:
         """Hidden states of a flat batch.
 
@@ -328,7 +330,9 @@ class Transformer(nn.Module):
             token_ids: int64 [T]; positions: int64 [T] (each token's position in its request).
             kv_layers: per-layer K and V pools `[2, num_blocks, block_size, kv_heads, hd]`.
             meta: where to write this step's K/V, which context each request reads, and the
-                backend that attends over it.
+                backend that attends over it: one for every layer, or one per layer (the KV
+                groups of a model mixing sliding-window and global layers each have their own
+                block tables, `engine.runner.kv_cache.KVCache`).
             ops: the per-token steps between the matrix products: `TorchLayerOps` (any device)
                 or `KernelLayerOps` (genserve's CPU kernels, once `engine.kernels.available()`);
                 the model runner chooses, with its attention backend.
@@ -338,8 +342,9 @@ class Transformer(nn.Module):
         ropes = self.ropes                                               # [ctx, hd / 2, 2] fp32
         h, x = self.embed(token_ids, ops)
         norms = [layer.attention_norm for layer in self.layers[1:]] + [self.norm]
-        for layer, cache, next_norm in zip(self.layers, kv_layers, norms):
-            x = layer.forward(h, x, ropes[layer.attention.rope_index], positions, cache, meta, ops,
+        metas = [meta] * len(self.layers) if isinstance(meta, AttentionMetadata) else meta
+        for layer, cache, m, next_norm in zip(self.layers, kv_layers, metas, norms):
+            x = layer.forward(h, x, ropes[layer.attention.rope_index], positions, cache, m, ops,
                               next_norm)                                # no hooks
         return x
 

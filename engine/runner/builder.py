@@ -24,7 +24,7 @@ from engine.model.quant import attach_q4
 from engine.runner.int8_calibration import calibration_config, calibration_tokens, run_calibration
 from engine.gguf_file import open_gguf
 from engine.model.weights import load_gguf, load_safetensors, random_shape, random_weights
-from engine.runner.kv_cache import KVCache, device_pool_size, model_pool_size
+from engine.runner.kv_cache import KVCache, device_pool_size, kv_groups, model_pool_size
 from engine.runner.model_runner import ModelRunner
 from engine.tokenizer import ByteTokenizer, Tokenizer
 from genserve.common.model_source import ModelSource, parse_model_source
@@ -296,10 +296,11 @@ def engine_from_model(config: EngineConfig, model: Transformer) -> Engine:
     device = model.output.device
     kv_dtype = torch.int8 if config.kv_cache_dtype == "int8" else model.dtype
     num_blocks = kv_pool_blocks(config, model.args, kv_dtype, device)
-    kv = KVCache(model.args, num_blocks, config.block_size, kv_dtype, device)
+    groups = kv_groups(model.args)
+    kv = KVCache(model.args, num_blocks, config.block_size, kv_dtype, device, groups)
     # genserve's CPU kernels take bf16 or fp32 only; fp16 on the CPU runs the torch ops
     kernels = False if model.dtype == torch.float16 else None
-    return Engine(config, ModelRunner(model, kv, kernels=kernels), num_blocks)
+    return Engine(config, ModelRunner(model, kv, kernels=kernels), num_blocks, kv_windows=groups.windows)
 
 
 def engine_from_weights(config: EngineConfig, args: ModelArgs,

@@ -31,7 +31,9 @@ class StepInputs:
             from (n > 1 draws share their prompt's row).
         greedy_draws / drawn_draws: the draws sampled greedily (temperature 0) and the others,
             as indices into the D draws (`engine.runner.sampler.greedy_split`).
-        layout: the attention layout of the same segments.
+        layout: the attention layout of the same segments (KV group 0's block tables).
+        group_layouts: the layouts of KV groups 1 .. G - 1 (`Segment.group_tables`; empty for a
+            model of one group): the same tokens and positions, the group's own blocks.
     """
 
     token_ids: list[int]
@@ -41,6 +43,7 @@ class StepInputs:
     greedy_draws: list[int]
     drawn_draws: list[int]
     layout: StepLayout
+    group_layouts: tuple[StepLayout, ...] = ()
 
     @classmethod
     def from_plan(cls, plan: StepPlan, block_size: int) -> "StepInputs":
@@ -61,9 +64,13 @@ class StepInputs:
                 sample_rows.append(len(token_ids) - 1)
         layout = StepLayout.from_segments(
             [(s.start, s.length, s.block_table, s.decode) for s in plan.segments], block_size)
+        groups = len(plan.segments[0].group_tables) if plan.segments else 0
+        group_layouts = tuple(StepLayout.from_segments(
+            [(s.start, s.length, s.group_tables[g], s.decode) for s in plan.segments], block_size)
+            for g in range(groups))
         greedy, drawn = greedy_split([req.sampling for _, req in plan.draws])
         return cls(token_ids, positions, sample_rows, [row for row, _ in plan.draws], greedy,
-                   drawn, layout)
+                   drawn, layout, group_layouts)
 
     @property
     def sampling_ints(self) -> list[list[int]]:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.kv_quant import quantized, row_bytes
+from engine.core.kv_groups import KVGroups
 from engine.model.config import ModelArgs
 from engine.runner.huge_pages import advise_huge_pages, collapse_huge_pages
 
@@ -25,14 +26,21 @@ def head_bytes(head_dim: int, dtype: torch.dtype) -> int:
     return elements * elem
 
 
+def kv_groups(args: ModelArgs) -> KVGroups:
+    """The KV groups of `args`'s layers (`engine.core.kv_groups`): one group of every layer unless
+    global and sliding-window layers mix."""
+    return KVGroups.for_layers(args.sliding_windows, args.max_context)
+
+
 def bytes_per_block(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers: layers × 2 (K, V) × block × kv_heads × head bytes.
+    """Bytes one block takes across the layers of a KV group (all layers, for a model without
+    sliding windows): group layers × 2 (K, V) × block × kv_heads × head bytes.
 
     For the reference 7B model in fp16 (docs/design.md): 32 × 2 × 16 × 32 × 128 × 2 = 8,388,608 bytes (8.39 MB);
     for SmolLM2-135M in bf16: 30 × 2 × 16 × 3 × 64 × 2 = 368,640 bytes; in the 8-bit format
     (int8): 30 × 2 × 16 × 3 × 66 = 190,080 bytes.
     """
-    return args.n_layers * 2 * block_size * args.n_kv_heads * head_bytes(args.head_dim, dtype)
+    return kv_groups(args).group_size * 2 * block_size * args.n_kv_heads * head_bytes(args.head_dim, dtype)
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,15 +127,16 @@ def kv_pool_size(memory_bytes: int, weight_bytes: int, reserve_bytes: int, *, n_
 
 def model_pool_size(args: ModelArgs, block_size: int, dtype: torch.dtype, memory_bytes: int,
                     weight_bytes: int = 0, reserve_bytes: int = 0) -> KVPoolSize:
-    """`kv_pool_size` for `args`'s layers and KV heads with rows as the pool stores them in `dtype`
-    (`stored_row`: the 8-bit format's rows carry their scales): the one sizing rule of the CPU
+    """`kv_pool_size` for `args`'s KV heads with rows as the pool stores them in `dtype`
+    (`stored_row`: the 8-bit format's rows carry their scales), a block holding one KV group's
+    layers (`kv_groups`; all layers without sliding windows): the one sizing rule of the CPU
     budget (`--kv-pool-gib`) and the CUDA device's free memory alike.
 
     Raises:
         ValueError: fewer than 2 blocks fit (the message gives the arithmetic).
     """
     width, elem = stored_row(args.head_dim, dtype)
-    return kv_pool_size(memory_bytes, weight_bytes, reserve_bytes, n_layers=args.n_layers,
+    return kv_pool_size(memory_bytes, weight_bytes, reserve_bytes, n_layers=kv_groups(args).group_size,
                         n_kv_heads=args.n_kv_heads, head_dim=width, dtype_bytes=elem, block_size=block_size)
 
 
@@ -167,7 +176,7 @@ def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
 class KVCache:
     """Per-layer K/V block storage.
 
-    Layout per layer: `[2, num_blocks, block_size, n_kv_heads, head_dim]` in `dtype`, or
+    Layout of each K/V tensor: `[2, num_blocks, block_size, n_kv_heads, head_dim]` in `dtype`, or
     `[2, num_blocks, block_size, n_kv_heads, row_bytes(head_dim)]` int8 when `dtype` is int8 (the
     8-bit format of `engine.attention.kv_quant`: each row's int8 numbers, then its scales' exponents); index 0 of
     the first dimension is the K pool, 1 the V pool. Token position p of a request lives in block
@@ -176,7 +185,12 @@ class KVCache:
     are separate pools so that gathering a request's blocks gives its keys as one
     `[tokens, n_kv_heads, head_dim]` run that attention reads without another copy.
 
-    On the CPU each layer's pool asks Linux for transparent huge pages before its first touch
+    There are `groups.group_size` such tensors (`engine.core.kv_groups`): a model without sliding
+    windows has one tensor per layer; when global and sliding layers mix, layer l uses tensor
+    `groups.layer_slot[l]` with the block table of its group `groups.layer_group[l]`, so layers of
+    different groups share a tensor and a block id stores whichever group holds it.
+
+    On the CPU each tensor asks Linux for transparent huge pages before its first touch
     (`engine.runner.huge_pages`): decode reads scattered blocks, and 4 KB pages cost a TLB miss every few
     KB of them.
 
@@ -186,18 +200,28 @@ class KVCache:
         block_size: tokens per block.
         dtype: element type (the model dtype, or int8 for the 8-bit format).
         device: where the pools live (CPU by default).
+        groups: the KV groups; None: one group of every layer (a tensor per layer, one block
+            table: what a caller that runs the model with one `AttentionMetadata` needs). The
+            engine passes `kv_groups(args)`.
+    Attributes:
+        groups: the KV groups.
+        layers: per layer, its K/V tensor (a tensor appears once per group using its slot).
     Raises:
         ValueError: int8 with a head_dim that is not a multiple of 32.
     """
 
     def __init__(self, args: ModelArgs, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", groups: KVGroups | None = None) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.groups = groups or KVGroups.single(args.n_layers)
+        if len(self.groups.layer_slot) != args.n_layers:
+            raise ValueError(f"KV groups for {len(self.groups.layer_slot)} layers, the model has {args.n_layers}")
         shape = (2, num_blocks, block_size, args.n_kv_heads, stored_row(args.head_dim, dtype)[0])
-        self.layers = [zeroed_pool(shape, dtype, device) for _ in range(args.n_layers)]
+        self.slots = [zeroed_pool(shape, dtype, device) for _ in range(self.groups.group_size)]
+        self.layers = [self.slots[j] for j in self.groups.layer_slot]
 
     def copy_block(self, src: int, dst: int) -> None:
-        """Copy block `src`'s K and V into block `dst` in every layer (copy-on-write)."""
-        for layer in self.layers:
-            layer[:, dst].copy_(layer[:, src])
+        """Copy block `src`'s K and V into block `dst` in every tensor (copy-on-write)."""
+        for slot in self.slots:
+            slot[:, dst].copy_(slot[:, src])

@@ -128,6 +128,10 @@ class ModelRunner:
                        and genserve_kernels.int8_kv_decode_available())
         self._preferred = attention
         self.kernels = kernels
+        if cuda_graphs and kv.groups.num_groups > 1:
+            log.info("%s: KV groups of sliding-window and global layers: decode runs eagerly, "
+                     "no CUDA graphs are captured", model.args.architecture)
+            cuda_graphs = False
         self.graphs = DecodeGraphs(model, kv) if cuda_graphs else None
         self.grammar = GrammarMasks()        # constrained rows' token masks (engine/structured)
         self.states = RequestStates()        # generators, processor and grammar state per request
@@ -179,7 +183,9 @@ class ModelRunner:
                 meta, (token_ids, positions, *sampling) = build_metadata(
                     self.attention, inputs.layout, self.model.dtype, self.device,
                     self.kv.num_blocks, self.gather,
-                    (inputs.token_ids, inputs.positions, *inputs.sampling_ints))
+                    (inputs.token_ids, inputs.positions, *inputs.sampling_ints), inputs.group_layouts)
+                if inputs.group_layouts:       # KV groups: each layer reads its group's tables
+                    meta = [meta[g] for g in self.kv.groups.layer_group]
         with stage("genserve.forward"):
             if graph_rows is not None:
                 hidden, sampling = self.graphs.run(graph_rows, inputs)

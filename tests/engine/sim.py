@@ -24,12 +24,14 @@ class FakeClock:
         return self.now
 
 
-def sim_engine(num_blocks: int = 512, **config) -> tuple[Engine, FakeClock]:
-    """An Engine over SimExecutor with a fake clock (advance it yourself). Prefix caching is off
-    unless `prefix_caching=True` is given: `make_request`'s prompts all share their first tokens."""
+def sim_engine(num_blocks: int = 512, kv_windows: tuple[int | None, ...] = (None,),
+               **config) -> tuple[Engine, FakeClock]:
+    """An Engine over SimExecutor with a fake clock (advance it yourself), its pool in the KV
+    groups `kv_windows` (`engine.core.kv_groups`). Prefix caching is off unless
+    `prefix_caching=True` is given: `make_request`'s prompts all share their first tokens."""
     cfg = EngineConfig(num_blocks=num_blocks, **{"prefix_caching": False, **config})
     clock = FakeClock()
-    return Engine(cfg, SimExecutor(), num_blocks, clock=clock), clock
+    return Engine(cfg, SimExecutor(), num_blocks, kv_windows=kv_windows, clock=clock), clock
 
 
 _ids = itertools.count()

@@ -223,12 +223,13 @@ class AdmissionControl:
         blocked = not self.joins_between_steps
         pending_forks = sum(len(r.children) for r in running if r.forks_now)
         rows_free = rows - len(running) - pending_forks
-        reserved = sum(self.pool.blocks_needed(r.request_id, r.num_prompt)
+        step = cfg.prefill_step_tokens
+        reserved = sum(self.pool.blocks_to_compute(r.request_id, r.num_prompt, step)
                        for r in running if r.is_prefilling)
         blocks_free = self.pool.num_free - reserved - self.margin_blocks
         waiting_rows = own_rows = 0
         for r in order:
-            need = cfg.blocks_for(r.num_prompt)
+            need = self.pool.blocks_to_compute(None, r.num_prompt, step)
             key = r.api_key
             if not blocked and r.n <= rows_free and need <= blocks_free:
                 rows_free -= r.n

@@ -289,7 +289,7 @@ class Scheduler:
         return SchedulerStats(
             queue_depth=self.queue.depth, queued_device_s=self.queue.queued_device_ms / 1000.0,
             running_rows=len(self.running), kv_blocks_free=self.pool.num_free,
-            kv_blocks_total=self.pool.num_blocks, num_preemptions=self.num_preemptions,
+            kv_blocks_total=self.pool.num_usable, num_preemptions=self.num_preemptions,
             num_cancelled_tokens=self.num_cancelled_tokens, num_rejected=self.admission.num_rejected,
             num_finished=self.num_finished, kv_blocks_cached=self.pool.num_cached_unused,
             prefix_queried_tokens=self.kv_cache.prefix_queried_tokens,
@@ -332,10 +332,12 @@ class Scheduler:
         if not self.budget.rows_fit(self.running, req):
             return False
         hits = self.kv_cache.get_computed_blocks(req, self.config.prefill_piece)
+        step = self.config.prefill_step_tokens
         # Cached blocks another request holds cost no free block; unused cached ones are
         # counted in num_free and leave it when taken, like any other block.
-        need = self.config.blocks_for(req.num_prompt) - sum(self.pool.ref_count(b) > 0 for b in hits)
-        reserved = sum(self.pool.blocks_needed(r.request_id, r.num_prompt)
+        need = self.pool.blocks_to_compute(None, req.num_prompt, step) - sum(
+            self.pool.ref_count(b) > 0 for table in hits for b in table)
+        reserved = sum(self.pool.blocks_to_compute(r.request_id, r.num_prompt, step)
                        for r in self.running if r.is_prefilling)
         free = self.pool.num_free - reserved
         return free >= need + self.margin_blocks or (not self.running and free >= need)
@@ -371,8 +373,9 @@ class Scheduler:
             if not self._reserve(req, req.num_computed, req.num_computed + 1, plan, now):
                 continue
             samples = req.num_computed + 1 == req.num_tokens
-            plan.segments.append(Segment(req, req.num_computed, 1, samples,
-                                         tuple(self.pool.table(req.request_id)), decode=True))
+            first, *others = self.pool.tables(req.request_id)
+            plan.segments.append(Segment(req, req.num_computed, 1, samples, first, decode=True,
+                                         group_tables=tuple(others)))
         prefilling = sorted((r for r in self.running if r.is_prefilling),
                             key=lambda r: (self.queue.served(r.api_key), self.budget.prefill_tiebreak(r, now)))
         if not prefilling:
@@ -385,16 +388,20 @@ class Scheduler:
                 length = min(req.num_prompt - pos, piece - pos % piece)
                 if not budget.fits(pos, length) or not self._reserve(req, pos, pos + length, plan, now):
                     break
+                first, *others = self.pool.tables(req.request_id)
                 plan.segments.append(Segment(req, pos, length, pos + length == req.num_tokens,
-                                             tuple(self.pool.table(req.request_id))))
+                                             first, group_tables=tuple(others)))
                 budget.spend(pos, length)
                 pos += length
 
     def _reserve(self, req: Request, pos: int, num_tokens: int, plan: StepPlan, now: float) -> bool:
         """Give `req` blocks for `num_tokens` positions (writing from `pos`), preempting newer
         requests if needed. Returns False when `req` itself had to be preempted (it was newest).
+        Sliding-window groups first give back the blocks no query of this step can see (the
+        step computes `req` from `req.num_computed`).
         """
         rid = req.request_id
+        self.pool.slide(rid, req.num_computed)
         while not self.pool.can_allocate(self.pool.blocks_needed(rid, num_tokens)
                                          + self.pool.is_shared(rid, pos)):
             victim = self.running[-1]
@@ -402,13 +409,13 @@ class Scheduler:
             if victim is req:
                 return False
         if self.pool.is_shared(rid, pos):      # first write into a shared partial prompt block
-            plan.block_copies.append(self.pool.copy_on_write(rid, pos))
+            plan.block_copies.extend(self.pool.copy_on_write(rid, pos))
         self.pool.ensure_capacity(rid, num_tokens)
         return True
 
     def _preempt(self, req: Request, plan: StepPlan, now: float) -> None:
         """Preempt: free `req`'s blocks, drop it from the step and queue it first for its key."""
-        own = set(self.pool.table(req.request_id))
+        own = set(self.pool.held_blocks(req.request_id))
         plan.block_copies[:] = [(s, d) for s, d in plan.block_copies if d not in own]
         self.pool.free(req.request_id)
         self.running.remove(req)

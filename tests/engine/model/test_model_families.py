@@ -8,7 +8,8 @@ Checked per family:
   pieces over the paged pool, then one-token decode steps), within 1e-4 of transformers';
 * through the real engine (scheduler, paged KV, sampler), greedy tokens with their logprobs equal
   to transformers' teacher-forced scores (1e-4), in a batch with other prompts, past the window;
-  the same tokens and logprobs again after a prefix-cache hit and after preemption;
+  the same tokens and logprobs again after a prefix-cache hit, after preemption and in n = 2
+  forked samples (windowed families keep only their windows' blocks: engine/core/kv_groups.py);
 * bf16 greedy tokens close to transformers' under vLLM's `check_logprobs_close` rule;
 * seeded sampling repeats alone and in a batch.
 """
@@ -122,12 +123,25 @@ def test_engine_greedy_tokens_and_logprobs_match_teacher_forced_transformers(fam
     assert again.num_cached >= 64
     assert again.tokens == generated
     assert max(abs(a - b) for a, b in zip(again.logprobs, logprobs)) < 1e-5
-    # Prompts that fit a 10-block pool (5 + 1 + 3 blocks) but outgrow it (6 + 2 + 4): requests
-    # are preempted and recomputed.
-    small = engine(directory, num_blocks=10, free_margin=0.0)
-    preempted = run(small, [prompt] + others[:2])[0]
-    assert small.scheduler.num_preemptions > 0
-    assert preempted.tokens == generated
+    # Pools just big enough to admit the prompt (what it takes in every KV group: a sliding
+    # group only its window's blocks), growing a block at a time until one is outgrown by the
+    # three requests and preempts: the recomputed answer is the same in every pool.
+    need = e.pool.blocks_to_compute(None, PROMPT_LEN, e.config.prefill_step_tokens)
+    for num_blocks in range(need + 1, need + 16):
+        small = engine(directory, num_blocks=num_blocks, free_margin=0.0)
+        assert run(small, [prompt] + others[:2])[0].tokens == generated, num_blocks
+        if small.scheduler.num_preemptions:
+            break
+    else:
+        pytest.fail(f"no pool of {need + 1}..{need + 15} blocks preempted")
+    # n = 2 greedy samples fork from the one prefilled prompt (its blocks shared, the partly
+    # filled last one copied on write in every KV group): both give the same answer.
+    forked = new_request(prompt, NEW_TOKENS, [], temperature=0.0, ignore_eos=True)
+    forked.fork(2, [None, None])
+    e.submit(forked)
+    e.run_until_idle()
+    e.pool.check_all_free()
+    assert [forked.generated, forked.children[0].generated] == [generated, generated]
 
 
 def check_logprobs_close(ours: list[int], ours_top: list[dict[int, float]], ref: list[int],

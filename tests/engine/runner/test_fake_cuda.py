@@ -130,7 +130,7 @@ class Script:
 def step_integers(engine: Engine, plan: StepPlan) -> tuple[int, str]:
     """How many int64 values the step's one upload must carry, and the module that makes it:
     the attention metadata (slots, decode tables and lengths, pieces' blocks, the backend's own
-    lists), the token ids, positions, rows to sample, rows each draw reads and the sampler's
+    lists; those of every KV group), the token ids, positions, rows to sample, rows each draw reads and the sampler's
     greedy / drawn split (`build_metadata`); or, for a step a CUDA graph replays, the padded
     graph inputs and the same sampling lists (`DecodeGraphs.run`)."""
     inputs = StepInputs.from_plan(plan, BLOCK)
@@ -139,12 +139,12 @@ def step_integers(engine: Engine, plan: StepPlan) -> tuple[int, str]:
     bucket = graphs.bucket(plan) if graphs is not None else None
     if bucket is not None:
         return len(pad_decode_step(bucket, inputs).ints()) + sampling, "engine/runner/cuda_graphs.py"
-    layout: StepLayout = inputs.layout
     backend = engine.executor.attention
-    own = sum(len(x) for x in backend.host_ints(layout))
-    return (len(layout.slots) + len(layout.decode_tables) + len(layout.decode_lens)
-            + len(layout.piece_blocks) + own + len(inputs.token_ids) + len(inputs.positions)
-            + sampling), "engine/attention/base.py"
+    layouts: list[StepLayout] = [inputs.layout, *inputs.group_layouts]     # one per KV group
+    attention = sum(len(x.slots) + len(x.decode_tables) + len(x.decode_lens) + len(x.piece_blocks)
+                    + sum(len(o) for o in backend.host_ints(x)) for x in layouts)
+    return (attention + len(inputs.token_ids) + len(inputs.positions) + sampling,
+            "engine/attention/base.py")
 
 
 def check_transfers(record: StepRecord) -> None:
@@ -500,7 +500,8 @@ def test_qwen3_and_gemma3_at_the_design_scale_on_the_device(shape, monkeypatch):
     the fake device, through the real builder, scheduler and runner with SDPA, the backend that
     honours sliding windows: mixed steps, a prefix-cache hit and a 32-row decode step, each
     request ending with the ids the device handed back. FlexAttention, which has no sliding
-    windows, is refused for Gemma 3 when forced, and passed over when not."""
+    windows, is refused for Gemma 3 when forced, and passed over when not. Gemma 3's KV pool is in
+    groups of sliding and global layers, a block table each."""
     with FakeCuda() as fake:
         monkeypatch.setenv("GENSERVE_ATTENTION", "sdpa")
         cfg = EngineConfig(device="cuda", dtype="bfloat16", num_threads=1, num_blocks=512)
@@ -516,6 +517,10 @@ def test_qwen3_and_gemma3_at_the_design_scale_on_the_device(shape, monkeypatch):
             assert [(args.layer(i).rope_theta, args.layer(i).rope_scaling.kind) for i in (0, 5)] == \
                 [(1e4, "default"), (1e6, "linear")]
             assert all(t.device.type == "cuda" for t in model.rope_freqs)
+            # KV groups of 8 layers: the global one, five sliding; a block table each
+            kv = engine.executor.kv
+            assert (kv.groups.group_size, engine.pool.windows) == (8, (None,) + (1024,) * 5)
+            assert len(kv.slots) == 8 and kv.slots[0].device.type == "cuda"
         else:
             assert (args.head_dim, args.qk_norm, args.plain_llama) == (128, True, False)
         script, long, cached, others = run_mixed_steps(engine, fake)
