@@ -601,9 +601,8 @@ class Bench:
             reqs = []
             for i, p in enumerate(prompts):
                 self._ids += 1
-                req = Request(f"bench-{self._ids}", "bench", list(p), max_tokens, GREEDY, 0.0, 0.0)
-                if constrained and i < 16:
-                    req.constraint = grammar        # set before queueing, as the service does
+                req = Request(f"bench-{self._ids}", "bench", list(p), max_tokens, GREEDY, 0.0, 0.0,
+                              constraint=grammar if constrained and i < 16 else None)
                 eng.submit(req)
                 reqs.append(req)
             t0 = time.perf_counter()

@@ -61,7 +61,7 @@ class SpanTracker:
             req = t.request
             attrs = {"genserve.index": req.index}
             if e.kind is Lifecycle.ADMITTED:
-                t.span.add_event("admitted", {**attrs, "genserve.queue_ms": (e.time_s - req.arrival_s) * 1000},
+                t.span.add_event("admitted", {**attrs, "genserve.queue_ms": (e.time_s - req.stats.arrival_s) * 1000},
                                  timestamp=self._wall_ns(e.time_s))
             elif e.kind is Lifecycle.READMITTED:
                 t.span.add_event("readmitted", attrs, timestamp=self._wall_ns(e.time_s))

@@ -102,7 +102,7 @@ class Engine:
             if self.error is not None or self._stopping:
                 raise EngineUnavailable(f"engine unavailable: {self.error or 'stopping'}")
             now = self.clock()
-            req.arrival_s = now
+            req.stats.arrival_s = now
             if req.deadline_s <= 0:
                 req.deadline_s = now + self.config.default_deadline_s
             self.scheduler.add(req, now)

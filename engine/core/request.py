@@ -1,20 +1,27 @@
 """The per-request record and its sampling settings.
 
-`Request` is the one mutable record a request has inside the engine. Its writers, each of its own
-fields: the scheduler (`engine.core.sched`) changes `state`, `num_computed`, `generated`, the
-timestamps and counters; `Engine.submit` stamps `arrival_s` and `deadline_s`; any thread may set `cancel_requested` or
-`stop_requested`. Its blocks are in the block pool, by request id. The service learns of admissions and preemptions
-from each step's plan (`StepPlan.lifecycle`, which `service.tracing` reads) and otherwise sees only the `TokenEvent`s pushed
-through the request's `on_event` callback. The model runner writes nothing here: what it keeps per
-request (generator, logits processors' state, grammar matcher) is its own
-(`engine.runner.request_state`).
+A `Request` is three parts, each with its owners (the split of vLLM v1's `EngineCoreRequest`,
+`Request` and `RequestStats`):
+* `input` (`RequestInput`, frozen): what the client asked for; nothing changes it.
+* the scheduler's state, the record's own attributes: `state`, `num_computed`, `generated`,
+  forks, finish reason, prefix hashes. The scheduler (`engine.core.sched`) writes them;
+  `Engine.submit` sets `deadline_s`; any thread may set `cancel_requested`, and the service
+  `stop_requested`.
+* `stats` (`RequestStats`): arrival, admission, token and finish times, gaps, cached tokens,
+  stamped by `Engine.submit` and the scheduler, read for latencies and metrics.
+
+Its blocks are in the block pool, by request id. The service learns of admissions and
+preemptions from each step's plan (`StepPlan.lifecycle`, which `service.tracing` reads) and
+otherwise sees only the `TokenEvent`s pushed through the request's `on_event` callback. The model
+runner writes nothing here: what it keeps per request (generator, logits processors' state,
+grammar matcher) is its own (`engine.runner.request_state`).
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.core.outputs import FinishReason, TokenEvent
@@ -110,45 +117,19 @@ class SamplingParams:
         return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
 
 
-@dataclass(eq=False, slots=True)
-class Request:
-    """One generation request as the scheduler sees it.
+@dataclass(frozen=True, slots=True)
+class RequestInput:
+    """What the client asked for, fixed from submission on (vLLM's `EngineCoreRequest`).
 
     Attributes:
-        request_id: unique id, chosen by the client or the service.
+        request_id: unique id, chosen by the client or the service (a forked sample's is
+            "<id>/<index>").
         api_key: the caller's key (fair-queueing account); "" for anonymous.
         prompt_ids: prompt token ids, length 1..max_context.
         max_tokens: most tokens to generate, 1..max_new_tokens.
-        sampling: temperature, top-k, top-p, seed.
-        arrival_s: clock time at submit, seconds (the engine's clock).
-        deadline_s: clock time after which the request is cancelled, seconds.
-        on_event: called from the scheduler thread with every `TokenEvent`; must not block.
+        sampling: temperature, top-k, top-p, seed...
         eos_token_id: the model's end-of-sequence id, or None.
-        est_device_ms: estimated device time of the whole request, ms (set at submit).
-        state: life-cycle state; changed only by the scheduler.
-        num_computed: tokens of `prompt_ids + generated` whose K/V are in the cache.
-        generated: sampled token ids so far.
-        cancel_requested: set by any thread; read by the scheduler at the next step boundary.
-        stop_requested: set by the service when a stop string matched; the row leaves at the
-            next step boundary with FinishReason.STOP.
-        index: sample index within its group (0 for the request the client sent).
-        parent: for samples 1..n-1 of an n > 1 request, the sample-0 request that prefills the
-            shared prompt; None otherwise.
-        children: samples 1..n-1, forked from this request when its prompt is prefilled.
-        admitted_s / first_token_s / last_token_s / finished_s: clock times, seconds.
-        joined_s: clock time of its latest admission to the running batch, seconds (set again
-            when it is admitted after a preemption; None while it never ran): the prefill order's
-            age bound counts from it (`StepBudget.prefill_tiebreak`).
-        max_gap_s: longest time between two consecutive tokens, seconds.
-        steps_after_cancel: steps the request was part of after its cancel flag was set (the
-            design bounds this by 1).
-        finish_reason / finish_detail: why it ended ("deadline", an error text...).
-        prefix_hashes: chained hashes of the prompt's full blocks (`block_pool.prefix_block_hashes`),
-            computed once when prefix caching is on; None before.
-        num_cached: prompt tokens its last admission took from the prefix cache (0 with none).
-        prompt_logprob_entries: with `sampling.prompt_logprobs`, the scheduler's list of
-            (logprob, top alternatives) per prompt position 1..num_prompt-1 (None until
-            computed), filled piece by piece and pushed before the first token.
+        on_event: called from the scheduler thread with every `TokenEvent`; must not block.
         constraint: the compiled grammar its output must follow
             (`engine.structured.compiler.CompiledGrammar`), or None; forked samples share it.
         cache_salt: the client's narrowing of its prefix-cache scope (vLLM's `cache_salt`): only
@@ -158,36 +139,159 @@ class Request:
 
     request_id: str
     api_key: str
-    prompt_ids: list[int]
+    prompt_ids: tuple[int, ...]
     max_tokens: int
     sampling: SamplingParams
-    arrival_s: float
-    deadline_s: float
-    on_event: Callable[[TokenEvent], None] | None = None
     eos_token_id: int | None = None
-    est_device_ms: float = 0.0
-    state: RequestState = RequestState.QUEUED
-    num_computed: int = 0
-    generated: list[int] = field(default_factory=list)
-    cancel_requested: bool = False
-    stop_requested: bool = False
-    index: int = 0
-    parent: "Request | None" = None
-    children: list["Request"] = field(default_factory=list)
-    admitted_s: float | None = None
-    joined_s: float | None = None
-    first_token_s: float | None = None
-    last_token_s: float | None = None
-    max_gap_s: float = 0.0
-    steps_after_cancel: int = 0
-    finished_s: float | None = None
-    finish_reason: FinishReason | None = None
-    finish_detail: str = ""
-    prefix_hashes: list[bytes] | None = None
-    num_cached: int = 0
-    prompt_logprob_entries: list | None = None
+    on_event: Callable[[TokenEvent], None] | None = None
     constraint: Any = None
     cache_salt: str = ""
+
+
+@dataclass(slots=True)
+class RequestStats:
+    """When things happened to a request and what it cost: clock times in seconds (the engine's
+    clock), written by `Engine.submit` (arrival) and the scheduler, read for latencies
+    (`final_event`), metrics and traces.
+
+    Attributes:
+        arrival_s: clock time at submit.
+        admitted_s: its first admission to the running batch (None while it never ran).
+        first_token_s / last_token_s / finished_s: clock times, or None.
+        max_gap_s: longest time between two consecutive tokens.
+        steps_after_cancel: steps the request was part of after its cancel flag was set (the
+            design bounds this by 1).
+        num_cached: prompt tokens its last admission took from the prefix cache (0 with none).
+    """
+
+    arrival_s: float = 0.0
+    admitted_s: float | None = None
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+    finished_s: float | None = None
+    max_gap_s: float = 0.0
+    steps_after_cancel: int = 0
+    num_cached: int = 0
+
+
+class Request:
+    """One generation request as the scheduler sees it: the client's immutable `input`, the
+    scheduler's state (the attributes below), and its `stats`.
+
+    The input's fields read through properties of the same names (`request_id`, `prompt_ids`,
+    `sampling` ...); nothing assigns them.
+
+    Args:
+        request_id, api_key, prompt_ids, max_tokens, sampling, eos_token_id, on_event,
+            constraint, cache_salt: the `RequestInput`.
+        arrival_s: clock time at submit, seconds (`Engine.submit` stamps it again).
+        deadline_s: clock time after which the request is cancelled, seconds.
+        index: sample index within its group (0 for the request the client sent).
+        parent: for samples 1..n-1 of an n > 1 request, the sample-0 request that prefills the
+            shared prompt; None otherwise.
+
+    Attributes (the scheduler's state):
+        input: the `RequestInput`.
+        stats: the `RequestStats`.
+        deadline_s: as above; `Engine.submit` sets it from the request's timeout.
+        est_device_ms: estimated device time of the whole request, ms (set at submit).
+        state: life-cycle state; changed only by the scheduler.
+        num_computed: tokens of `prompt_ids + generated` whose K/V are in the cache.
+        generated: sampled token ids so far.
+        cancel_requested: set by any thread; read by the scheduler at the next step boundary.
+        stop_requested: set by the service when a stop string matched; the row leaves at the
+            next step boundary with FinishReason.STOP.
+        index, parent: as above.
+        children: samples 1..n-1, forked from this request when its prompt is prefilled.
+        joined_s: clock time of its latest admission to the running batch, seconds (set again
+            when it is admitted after a preemption; None while it never ran): the prefill order's
+            age bound counts from it (`StepBudget.prefill_tiebreak`).
+        finish_reason / finish_detail: why it ended ("deadline", an error text...).
+        prefix_hashes: chained hashes of the prompt's full blocks (`block_pool.prefix_block_hashes`),
+            computed once when prefix caching is on; None before.
+        prompt_logprob_entries: with `sampling.prompt_logprobs`, the scheduler's list of
+            (logprob, top alternatives) per prompt position 1..num_prompt-1 (None until
+            computed), filled piece by piece and pushed before the first token.
+    """
+
+    __slots__ = ("input", "stats", "deadline_s", "est_device_ms", "state", "num_computed",
+                 "generated", "cancel_requested", "stop_requested", "index", "parent", "children",
+                 "joined_s", "finish_reason", "finish_detail", "prefix_hashes",
+                 "prompt_logprob_entries")
+
+    def __init__(self, request_id: str, api_key: str, prompt_ids: Sequence[int], max_tokens: int,
+                 sampling: SamplingParams, arrival_s: float, deadline_s: float,
+                 on_event: Callable[[TokenEvent], None] | None = None,
+                 eos_token_id: int | None = None, *, index: int = 0, parent: "Request | None" = None,
+                 constraint: Any = None, cache_salt: str = "") -> None:
+        self.input = RequestInput(request_id, api_key, tuple(prompt_ids), max_tokens, sampling,
+                                  eos_token_id, on_event, constraint, cache_salt)
+        self.stats = RequestStats(arrival_s=arrival_s)
+        self.deadline_s = deadline_s
+        self.est_device_ms = 0.0
+        self.state = RequestState.QUEUED
+        self.num_computed = 0
+        self.generated: list[int] = []
+        self.cancel_requested = False
+        self.stop_requested = False
+        self.index = index
+        self.parent = parent
+        self.children: list[Request] = []
+        self.joined_s: float | None = None
+        self.finish_reason: FinishReason | None = None
+        self.finish_detail = ""
+        self.prefix_hashes: list[bytes] | None = None
+        self.prompt_logprob_entries: list | None = None
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, state={self.state.value}, prompt={self.num_prompt}, "
+                f"computed={self.num_computed}, generated={len(self.generated)})")
+
+    # -- the client's input, read-only ----------------------------------------------------------
+    @property
+    def request_id(self) -> str:
+        """`RequestInput.request_id`."""
+        return self.input.request_id
+
+    @property
+    def api_key(self) -> str:
+        """`RequestInput.api_key`."""
+        return self.input.api_key
+
+    @property
+    def prompt_ids(self) -> tuple[int, ...]:
+        """`RequestInput.prompt_ids`."""
+        return self.input.prompt_ids
+
+    @property
+    def max_tokens(self) -> int:
+        """`RequestInput.max_tokens`."""
+        return self.input.max_tokens
+
+    @property
+    def sampling(self) -> SamplingParams:
+        """`RequestInput.sampling`."""
+        return self.input.sampling
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """`RequestInput.eos_token_id`."""
+        return self.input.eos_token_id
+
+    @property
+    def on_event(self) -> Callable[[TokenEvent], None] | None:
+        """`RequestInput.on_event`."""
+        return self.input.on_event
+
+    @property
+    def constraint(self) -> Any:
+        """`RequestInput.constraint`."""
+        return self.input.constraint
+
+    @property
+    def cache_salt(self) -> str:
+        """`RequestInput.cache_salt`."""
+        return self.input.cache_salt
 
     @property
     def num_prompt(self) -> int:
@@ -232,14 +336,13 @@ class Request:
             n: samples in all (1..8).
             seeds: the seed of each sample's generator (index 0 is this request's own).
         """
+        base = self.input
         for i in range(1, n):
             self.children.append(Request(
-                request_id=f"{self.request_id}/{i}", api_key=self.api_key,
-                prompt_ids=self.prompt_ids, max_tokens=self.max_tokens,
-                sampling=replace(self.sampling, seed=seeds[i]), arrival_s=self.arrival_s,
-                deadline_s=self.deadline_s, on_event=self.on_event,
-                eos_token_id=self.eos_token_id, index=i, parent=self,
-                constraint=self.constraint, cache_salt=self.cache_salt))
+                f"{base.request_id}/{i}", base.api_key, base.prompt_ids, base.max_tokens,
+                replace(base.sampling, seed=seeds[i]), self.stats.arrival_s, self.deadline_s,
+                base.on_event, base.eos_token_id, index=i, parent=self,
+                constraint=base.constraint, cache_salt=base.cache_salt))
 
     @property
     def finished(self) -> bool:
@@ -254,16 +357,17 @@ def final_event(req: Request, now: float, token: int | None = None, logprob: flo
     arrival: queue wait (to admission, or to `now` if never admitted), TTFT, end to end (to `now`,
     seconds on the engine's clock) and TPOT, the mean gap between its tokens after the first
     ((last − first) / (n − 1); None below two tokens)."""
-    ms = lambda t: None if t is None else (t - req.arrival_s) * 1000.0  # noqa: E731
+    st = req.stats
+    ms = lambda t: None if t is None else (t - st.arrival_s) * 1000.0  # noqa: E731
     n = len(req.generated)
     tpot_ms = None
-    if n > 1 and req.first_token_s is not None and req.last_token_s is not None:
-        tpot_ms = (req.last_token_s - req.first_token_s) * 1000.0 / (n - 1)
+    if n > 1 and st.first_token_s is not None and st.last_token_s is not None:
+        tpot_ms = (st.last_token_s - st.first_token_s) * 1000.0 / (n - 1)
     return TokenEvent(
         req.group_id, index=req.index, token_id=token, logprob=logprob, top_logprobs=top,
         position=max(0, n - 1), finish_reason=req.finish_reason, finish_detail=req.finish_detail,
         num_prompt_tokens=req.num_prompt, num_completion_tokens=n,
-        num_cached_tokens=(req.parent or req).num_cached,
-        queue_ms=ms(req.admitted_s) if req.admitted_s is not None else ms(now),
-        ttft_ms=ms(req.first_token_s), e2e_ms=ms(now), tpot_ms=tpot_ms,
-        max_gap_ms=req.max_gap_s * 1000.0, steps_after_cancel=req.steps_after_cancel)
+        num_cached_tokens=(req.parent or req).stats.num_cached,
+        queue_ms=ms(st.admitted_s) if st.admitted_s is not None else ms(now),
+        ttft_ms=ms(st.first_token_s), e2e_ms=ms(now), tpot_ms=tpot_ms,
+        max_gap_ms=st.max_gap_s * 1000.0, steps_after_cancel=st.steps_after_cancel)

@@ -37,10 +37,11 @@ def sim_engine(num_blocks: int = 512, kv_windows: tuple[int | None, ...] = (None
 _ids = itertools.count()
 
 
-def make_request(prompt_len: int, max_tokens: int, api_key: str = "", events=None,
-                 **sampling) -> Request:
-    """A request with a synthetic prompt; events, if a list, collects its TokenEvents."""
+def make_request(prompt_len: int, max_tokens: int, api_key: str = "", events=None, *,
+                 prompt_ids: list[int] | None = None, cache_salt: str = "", **sampling) -> Request:
+    """A request with a synthetic prompt of `prompt_len` tokens (or `prompt_ids`, when given);
+    events, if a list, collects its TokenEvents."""
     rid = f"r{next(_ids)}"
-    return Request(rid, api_key, [1 + (i % 1000) for i in range(prompt_len)], max_tokens,
-                   SamplingParams(**sampling), 0.0, 0.0,
-                   on_event=events.append if events is not None else None)
+    prompt = prompt_ids if prompt_ids is not None else [1 + (i % 1000) for i in range(prompt_len)]
+    return Request(rid, api_key, prompt, max_tokens, SamplingParams(**sampling), 0.0, 0.0,
+                   on_event=events.append if events is not None else None, cache_salt=cache_salt)

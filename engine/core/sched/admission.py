@@ -164,7 +164,7 @@ class AdmissionControl:
         Steps fill with the prompt that has the fewest tokens left first
         (`StepBudget.prefill_tiebreak`), so a running prompt with no more tokens left than all of
         `req`'s prompt goes ahead of it and counts whole; a longer one would be passed over and
-        counts nothing, unless it is `req`'s key's and `is_aged(r, req.arrival_s)` (in the batch
+        counts nothing, unless it is `req`'s key's and `is_aged(r, req.stats.arrival_s)` (in the batch
         long enough, `StepBudget.is_aged`): then it goes ahead of the key's later prompts and
         counts whole too (another key's aged prompt goes first only when that key is not more
         served, which is the fair-share order this estimate ignores). An estimate: it ignores the keys'
@@ -175,7 +175,7 @@ class AdmissionControl:
         total = own = 0.0
         for r in running:
             left = r.num_prompt - r.num_computed
-            aged = is_aged is not None and r.api_key == req.api_key and is_aged(r, req.arrival_s)
+            aged = is_aged is not None and r.api_key == req.api_key and is_aged(r, req.stats.arrival_s)
             if r.is_prefilling and (left <= req.num_prompt or aged):
                 ms = prefill_ms(left)
                 total += ms
@@ -218,7 +218,7 @@ class AdmissionControl:
 
         order = sorted((*queue.requests(), req),
                        key=lambda r: (rows_of.get(r.api_key, 0) >= cfg.per_key_rows, served(r.api_key),
-                                      r is req, r.arrival_s))
+                                      r is req, r.stats.arrival_s))
         total = own = 0.0
         blocked = not self.joins_between_steps
         pending_forks = sum(len(r.children) for r in running if r.forks_now)

@@ -105,7 +105,7 @@ class DynamicBatching:
             return math.inf
         if queue.depth >= self.config.max_rows:
             return 0.0
-        oldest = min(r.arrival_s for r in queue.requests())
+        oldest = min(r.stats.arrival_s for r in queue.requests())
         wait = oldest + self.config.dynamic_window_s - now
         return 0.0 if wait <= 1e-9 else wait
 

@@ -92,7 +92,7 @@ class FairQueue:
             return None
         under = [k for k in keys if self.usage[k].running_rows < self.per_key_rows]
         key = min(under or keys, key=lambda k: (self.usage[k].weighted_tokens_served,
-                                                self.usage[k].running_rows, self.waiting[k][0].arrival_s))
+                                                self.usage[k].running_rows, self.waiting[k][0].stats.arrival_s))
         return self.waiting[key][0]
 
     def preemptible_key(self, req: Request) -> str | None:

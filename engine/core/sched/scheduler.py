@@ -131,7 +131,7 @@ class Scheduler:
         req.est_device_ms = self.cost.estimate_ms(to_compute, expected, self.full_rows())
         self.averages.observe_prompt(req.num_prompt)
         for child in req.children:
-            child.arrival_s, child.deadline_s = req.arrival_s, req.deadline_s
+            child.stats.arrival_s, child.deadline_s = req.stats.arrival_s, req.deadline_s
         if self.queue.depth or any(r.is_prefilling for r in self.running):
             rows = self.budget.queue_rows()
             self.admission.check(req, self.queue, self.running, rows, self.cost.prefill_ms,
@@ -233,7 +233,7 @@ class Scheduler:
         if req.finished or req.state == RequestState.PREEMPTED:
             return
         if req.cancel_requested:
-            req.steps_after_cancel += 1
+            req.stats.steps_after_cancel += 1
         prefilled = req.is_prefilling           # this segment was a prompt piece
         if prefilled and req.sampling.prompt_logprobs is not None:
             self._record_prompt_logprobs(req, piece)
@@ -347,11 +347,11 @@ class Scheduler:
         self.queue.pop_head(req)
         req.state = RequestState.RUNNING
         blocks = self.kv_cache.get_computed_blocks(req, self.config.prefill_piece)
-        req.num_computed = req.num_cached = self.kv_cache.take_computed_blocks(req, blocks)
+        req.num_computed = req.stats.num_cached = self.kv_cache.take_computed_blocks(req, blocks)
         plan.lifecycle.append(LifecycleEvent(
-            req, Lifecycle.ADMITTED if req.admitted_s is None else Lifecycle.READMITTED, now))
-        if req.admitted_s is None:
-            req.admitted_s = now
+            req, Lifecycle.ADMITTED if req.stats.admitted_s is None else Lifecycle.READMITTED, now))
+        if req.stats.admitted_s is None:
+            req.stats.admitted_s = now
         req.joined_s = now
         self.queue.row_started(req.api_key)
         self.running.append(req)
@@ -434,7 +434,7 @@ class Scheduler:
         self.pool.share(parent.request_id, child.request_id, parent.num_prompt)
         child.num_computed = parent.num_prompt
         child.state = RequestState.RUNNING
-        child.admitted_s = parent.admitted_s
+        child.stats.admitted_s = parent.stats.admitted_s
         child.joined_s = parent.joined_s
         self.running.append(child)
         self.by_id[child.request_id] = child
@@ -445,11 +445,12 @@ class Scheduler:
         """Append a sampled token to `req`, emit its event, finish it on EOS or length."""
         req.generated.append(token)
         self.queue.charge(req.api_key, self.config.output_token_weight)
-        if req.first_token_s is None:
-            req.first_token_s = now
+        stats = req.stats
+        if stats.first_token_s is None:
+            stats.first_token_s = now
         else:
-            req.max_gap_s = max(req.max_gap_s, now - req.last_token_s)
-        req.last_token_s = now
+            stats.max_gap_s = max(stats.max_gap_s, now - stats.last_token_s)
+        stats.last_token_s = now
         reason = self._stop_reason(req, token)
         if reason is None:
             events.append(TokenEvent(req.group_id, index=req.index, token_id=token, logprob=logprob,
@@ -486,7 +487,7 @@ class Scheduler:
         self.pool.free(req.request_id)
         self.by_id.pop(req.request_id, None)
         req.state = RequestState.CANCELLED if reason == FinishReason.CANCELLED else RequestState.DONE
-        req.finish_reason, req.finish_detail, req.finished_s = reason, detail, now
+        req.finish_reason, req.finish_detail, req.stats.finished_s = reason, detail, now
         self.num_finished += 1
         if reason != FinishReason.CANCELLED:
             self.averages.observe_answer(len(req.generated))
@@ -494,5 +495,5 @@ class Scheduler:
         if req.forks_now:
             for child in req.children:
                 if not child.finished:
-                    child.steps_after_cancel = req.steps_after_cancel
+                    child.stats.steps_after_cancel = req.stats.steps_after_cancel
                     self._finish(child, reason, detail, now, events)

@@ -193,9 +193,9 @@ class StepBudget:
         limit = gap
         for seg in plan.segments:
             req = seg.request
-            if not (seg.decode and seg.samples) or req.first_token_s is None or req.last_token_s is None:
+            if not (seg.decode and seg.samples) or req.stats.first_token_s is None or req.stats.last_token_s is None:
                 continue
             n = len(req.generated)
-            own = min(gap - (now - req.last_token_s) * 1000.0, n * tpot - (now - req.first_token_s) * 1000.0)
+            own = min(gap - (now - req.stats.last_token_s) * 1000.0, n * tpot - (now - req.stats.first_token_s) * 1000.0)
             limit = min(limit, max(tpot, own))
         return limit

@@ -79,7 +79,7 @@ def test_prefix_hits_need_each_sliding_groups_window_blocks():
     again = make_request(300, 2, api_key="k")
     engine.submit(again)
     engine.run_until_idle()
-    assert again.num_cached == 256      # global blocks 0..15, sliding 14..15 (keys from 226)
+    assert again.stats.num_cached == 256      # global blocks 0..15, sliding 14..15 (keys from 226)
     # Evict the 16 least recently used cached blocks, the sliding group's (given back first at
     # each request's first decode step): a filler request takes the free list and 16 more.
     take = pool.num_free - pool.num_cached_unused + 16
@@ -91,5 +91,5 @@ def test_prefix_hits_need_each_sliding_groups_window_blocks():
     third = make_request(300, 2, api_key="k")
     engine.submit(third)
     engine.run_until_idle()
-    assert third.num_cached == 0
+    assert third.stats.num_cached == 0
     pool.check_all_free()

@@ -32,7 +32,7 @@ def test_a_repeated_prompt_computes_only_past_its_cached_whole_pieces():
     second = make_request(300, 4, api_key="k")
     # 18 full blocks (288 tokens) are cached; whole 64-token pieces of them are taken: 256.
     assert _prefill_tokens(engine, second) == [44]
-    assert second.num_cached == 256
+    assert second.stats.num_cached == 256
     stats = engine.stats()
     assert (stats.prefix_queried_tokens, stats.prefix_hit_tokens) == (600, 256)
     # Fairness charges what was computed: 44 prompt tokens (+ the outputs), not 300.
@@ -48,14 +48,14 @@ def test_the_last_prompt_token_is_always_computed_and_reuse_is_whole_pieces(prom
     _prefill_tokens(engine, make_request(prompt, 2))
     again = make_request(prompt, 2)
     assert sum(_prefill_tokens(engine, again)) == prompt - cached
-    assert again.num_cached == cached
+    assert again.stats.num_cached == cached
 
 
 def test_admission_estimate_charges_only_the_tokens_to_compute():
     engine, _ = sim_engine(prefix_caching=True)
     _prefill_tokens(engine, make_request(1000, 2))
-    cached, fresh = make_request(1000, 2), make_request(1000, 2)
-    fresh.prompt_ids = [7] + fresh.prompt_ids[1:]          # differs from the first token on
+    cached = make_request(1000, 2)
+    fresh = make_request(1000, 2, prompt_ids=[7, *cached.prompt_ids[1:]])   # differs from token 0 on
     engine.scheduler.add(cached, 0.0)
     engine.scheduler.add(fresh, 0.0)
     per_token = engine.scheduler.cost.estimate_ms(1, 0, 32)
@@ -67,8 +67,7 @@ def test_cached_blocks_are_evicted_least_recently_used_when_the_pool_needs_them(
     first = make_request(600, 2)
     _prefill_tokens(engine, first)                          # 37 full blocks, 36 of them in pieces
     assert engine.stats().kv_blocks_cached == 36
-    big = make_request(900, 8)
-    big.prompt_ids = [9] * 900                              # shares nothing; needs 57 blocks
+    big = make_request(900, 8, prompt_ids=[9] * 900)        # shares nothing; needs 57 blocks
     assert sum(_prefill_tokens(engine, big)) == 900
     # 28 blocks were free; 29 more were taken back from the cache, the prefix's tail first.
     assert len(engine.pool.cached_prefix(first.prefix_hashes)) == 36 - 29
@@ -81,7 +80,7 @@ def test_identical_prompts_at_once_both_compute_and_both_finish():
     engine.submit(a)
     engine.submit(b)
     engine.run_until_idle()
-    assert len(a.generated) == len(b.generated) == 3 and a.num_cached == b.num_cached == 0
+    assert len(a.generated) == len(b.generated) == 3 and a.stats.num_cached == b.stats.num_cached == 0
     engine.pool.check_all_free()
 
 
@@ -118,10 +117,9 @@ def test_cached_tokens_are_bit_identical_to_computed_ones(gguf_weights, gguf_tok
 def _run_cached(engine, api_key: str, salt: str = "", events=None) -> tuple[int, list[int]]:
     """Run a 300-token prompt (always the same) as `api_key` with `salt`; returns the prompt
     tokens it took from the cache and those each step computed."""
-    req = make_request(300, 4, api_key=api_key, events=events)
-    req.cache_salt = salt
+    req = make_request(300, 4, api_key=api_key, events=events, cache_salt=salt)
     computed = _prefill_tokens(engine, req)
-    return req.num_cached, computed
+    return req.stats.num_cached, computed
 
 
 def test_another_keys_prompt_is_a_miss_as_a_fresh_prompt_is():

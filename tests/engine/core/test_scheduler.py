@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from engine.core.outputs import FinishReason
@@ -126,7 +128,7 @@ def test_prompts_that_will_go_first_by_age_count_against_the_queue_budget():
     assert f"{left * 0.1 / 1000:.2f} s of running prompts not yet prefilled" in str(refused.value)
     # Only the key's own aged prompts count: another key's request sees none of them.
     other = make_request(100, 10, api_key="b")
-    other.arrival_s = clock.now
+    other.stats.arrival_s = clock.now
     scheduler = engine.scheduler
     assert scheduler.admission.prefill_backlog_ms(other, scheduler.running, scheduler.cost.prefill_ms,
                                                   scheduler.budget.is_aged) == (0.0, 0.0)
@@ -292,7 +294,7 @@ def test_prompt_blocks_freed_only_when_the_last_sample_finishes():
     engine.submit(parent)
     engine.step()
     prompt_blocks = list(engine.pool.table(parent.request_id))
-    child.max_tokens = 10                           # the second sample runs longer
+    child.input = replace(child.input, max_tokens=10)  # the second sample runs longer
     engine.step(); engine.step()                    # parent done (3 tokens)
     assert parent.finished and not child.finished
     assert [engine.pool.ref_count(b) for b in prompt_blocks] == [1, 1]

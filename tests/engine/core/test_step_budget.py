@@ -42,7 +42,7 @@ def _step_after_first_token(decode_steps: int, **config):
     for _ in range(decode_steps + 1):
         engine.step()
         clock.now += 0.025
-    clock.now = engine.scheduler.running[0].last_token_s
+    clock.now = engine.scheduler.running[0].stats.last_token_s
     engine.submit(make_request(2000, 5))
     plans = _plans(engine)
     engine.step()
@@ -123,7 +123,7 @@ def test_prefill_order_is_shortest_first_until_a_prompt_has_prefilled_twice_the_
 
     def prompt(tokens_left: int, joined_s: float, arrival_s: float = 0.0):
         req = make_request(tokens_left, 5)
-        req.arrival_s, req.joined_s = arrival_s, joined_s
+        req.stats.arrival_s, req.joined_s = arrival_s, joined_s
         return req
 
     older_aged = prompt(1800, joined_s=7.0)

@@ -237,7 +237,7 @@ def test_mixed_decode_and_shared_steps_on_the_device(attention, kv_cache_dtype, 
             engine.submit(r)
         script.step()                       # both prompts: four pieces of `long`, one of `forked`
         assert script.records[-1].shared_blocks == 3          # the forks share the prompt's blocks
-        cached = request("cached", "a", long.prompt_ids[:192] + prompt_of(30, 3), 5, temperature=0.0)
+        cached = request("cached", "a", list(long.prompt_ids[:192]) + prompt_of(30, 3), 5, temperature=0.0)
         engine.submit(cached)
         script.step()                       # 3 decode rows, `cached` from position 192
         others = [request(f"u{i}", f"key{i}", prompt_of(8, 10 + i), 2,
@@ -253,7 +253,7 @@ def test_mixed_decode_and_shared_steps_on_the_device(attention, kv_cache_dtype, 
     assert any(p.num_decode_rows == 32 and not p.num_prefill_tokens for p in plans)
     assert len(plans) <= 8
     assert any(p.block_copies for p in plans)               # a fork's copy-on-write, on the device
-    assert cached.num_cached == 192 and engine.scheduler.stats().prefix_hit_tokens >= 192
+    assert cached.stats.num_cached == 192 and engine.scheduler.stats().prefix_hit_tokens >= 192
     children = forked.children
     for r in [long, forked, cached, *children, *others]:
         assert r.generated == expected_tokens(r), r.request_id
@@ -483,7 +483,7 @@ def run_mixed_steps(engine: Engine, fake: FakeCuda) -> tuple[Script, Request, Re
     long = request("long", "a", prompt_of(200, 1), 5, temperature=0.0)
     engine.submit(long)
     script.step()
-    cached = request("cached", "a", long.prompt_ids[:192] + prompt_of(30, 3), 5, temperature=0.0)
+    cached = request("cached", "a", list(long.prompt_ids[:192]) + prompt_of(30, 3), 5, temperature=0.0)
     others = [request(f"u{i}", f"key{i}", prompt_of(8, 10 + i), 2,
                       **({"temperature": 0.0} if i % 2 else {"temperature": 0.7, "seed": i}))
               for i in range(31)]
@@ -531,7 +531,7 @@ def test_qwen3_and_gemma3_at_the_design_scale_on_the_device(shape, monkeypatch):
     plans = [r.plan for r in script.records if r.plan is not None]
     assert any(p.num_decode_rows and p.num_prefill_tokens for p in plans)
     assert any(p.num_decode_rows == 32 and not p.num_prefill_tokens for p in plans)
-    assert cached.num_cached == 192
+    assert cached.stats.num_cached == 192
     for r in [long, cached, *others]:
         assert r.generated == expected_tokens(r), r.request_id
     engine.pool.check_all_free()
@@ -610,7 +610,7 @@ def test_qwen3_30b_a3b_experts_run_as_one_grouped_product_per_matrix(monkeypatch
     assert calls == len(rows) == 4 * len(plans)                     # 2 layers x 2 products a step
     assert rows == [8 * p.num_tokens for p in plans for _ in range(4)]
     assert 8 * 32 in rows
-    assert cached.num_cached == 192
+    assert cached.stats.num_cached == 192
     for r in [long, cached, *others]:
         assert r.generated == expected_tokens(r), r.request_id
     engine.pool.check_all_free()

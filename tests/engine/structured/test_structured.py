@@ -78,9 +78,7 @@ def _run(engine, requests):
 
 
 def _constrained(prompt, grammar, max_tokens=80, **sampling):
-    req = new_request(prompt, max_tokens, **sampling)
-    req.constraint = grammar
-    return req
+    return new_request(prompt, max_tokens, constraint=grammar, **sampling)
 
 
 @pytest.mark.slow
