@@ -74,6 +74,7 @@ from bridge.protocol import UINT32_MAX, DetokenizeRequest, TokenizeRequest
 from bridge.responses import create_response
 from bridge.sse import SSEResponse, SSE_KEEPALIVE_S, read_first, sse_data, sse_error
 from bridge.state import Backend, BridgeState, auth_metadata, bridge_state
+from bridge.tools import GENERIC
 from genserve.common.chat_messages import ChatError
 from genserve.common.keepalive import PING_INTERVAL_S
 from genserve.common.model_name import DEFAULT_MODEL_NAME
@@ -230,8 +231,10 @@ async def tokenize(body: TokenizeRequest, request: Request,
     refused = body.policy_refusal()
     if refused is not None:
         raise ApiError(400, refused.message, code=refused.code, param=refused.field)
+    fmt = await state.tool_format(auth_metadata(request)) if body.messages is not None and body.uses_tools() \
+        else GENERIC
     try:
-        proto = body.to_proto()
+        proto = body.to_proto(fmt)
     except (ChatError, ConstraintFieldError) as e:
         raise ApiError(400, str(e), code="invalid_argument", param=e.field) from None
     try:

@@ -30,8 +30,8 @@ from bridge.errors import ApiError
 from bridge.protocol import (ChatCompletionRequest, FINISH_REASON_NAME, completion_timing, prompt_logprobs_json,
                              timing_json, token_label)
 from bridge.serving import generate
-from bridge.state import BridgeState, bridge_state
-from bridge.tools import parse_tool_calls
+from bridge.state import BridgeState, auth_metadata, bridge_state
+from bridge.tools import GENERIC, ToolFormat
 from genserve.common.chat_messages import ChatError
 from genserve.v1 import generate_pb2 as pb
 
@@ -50,10 +50,11 @@ class ChatCompletionBuilder:
         continuous_usage: every chunk of a choice carries its usage so far
             (``stream_options.continuous_usage_stats``, vLLM's).
         tools: the request has tools that may be called (`tool_choice` auto, required or named;
-            never "none", whose answer is text): an answer that starts with ``<`` is held back
-            until it ends and, when it is tool calls (bridge/tools.py), answered as
-            ``tool_calls`` (streamed: each call's id and name, then its arguments) with
-            finish_reason "tool_calls".
+            never "none", whose answer is text): the served model's tool-call format
+            (bridge/tools.py; True: the generic one). An answer that starts as calls do in it
+            (``<``, ``{`` or ``[``) is held back until it ends and, when it is tool calls,
+            answered as ``tool_calls`` (streamed: each call's id and name, then its arguments)
+            with finish_reason "tool_calls".
         prompt_logprobs: vLLM's `prompt_logprobs` (alternatives per prompt token), reported on
             the whole completion (``prompt_logprobs``, vLLM's place for it); None: not asked.
         token_ids: vLLM's `return_tokens_as_token_ids`: each `logprobs` entry's ``token`` is
@@ -61,7 +62,8 @@ class ChatCompletionBuilder:
     """
 
     def __init__(self, *, model: str, created: int, num_samples: int, logprobs: bool,
-                 include_usage: bool = False, continuous_usage: bool = False, tools: bool = False,
+                 include_usage: bool = False, continuous_usage: bool = False,
+                 tools: bool | ToolFormat = False,
                  prompt_logprobs: int | None = None, token_ids: bool = False) -> None:
         self.model = model
         self.created = created
@@ -77,7 +79,7 @@ class ChatCompletionBuilder:
         self._completion_tokens: dict[int, int] = {}
         self._detail: dict[int, str] = {}
         self._timing: dict[int, pb.Timing] = {}
-        self.tools = tools
+        self.tools: ToolFormat | None = GENERIC if tools is True else (tools or None)
         self._calls: dict[int, list[dict]] = {}
         self._cached_tokens = 0
         self._opened: set[int] = set()       # choices whose role chunk went out
@@ -149,7 +151,7 @@ class ChatCompletionBuilder:
                                            "bytes": list(t.token_bytes or t.text.encode())}
                                           for t in tok.top_logprobs]}
                 self._logprobs.setdefault(tok.index, []).append(entry)
-            if self.tools and "".join(self._text[tok.index]).lstrip().startswith("<"):
+            if self.tools and self.tools.may_be_calls("".join(self._text[tok.index])):
                 return self._open(tok.index)                # maybe a tool call: held until the end
             return self._open(tok.index) + [self._chunk([{"index": tok.index, "delta": {"content": tok.text},
                                   "logprobs": None if entry is None else {"content": [entry]},
@@ -159,8 +161,8 @@ class ChatCompletionBuilder:
             reason = FINISH_REASON_NAME.get(fin.reason)
             chunks = self._open(fin.index)          # the role chunk, if no token sent it
             text = "".join(self._text.get(fin.index, []))
-            if self.tools and text.lstrip().startswith("<"):
-                calls = parse_tool_calls(text) if reason == "stop" else None
+            if self.tools and self.tools.may_be_calls(text):
+                calls = self.tools.parse(text) if reason == "stop" else None
                 if calls:
                     reason = "tool_calls"
                     self._calls[fin.index] = calls
@@ -226,12 +228,17 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
     """POST /v1/chat/completions: one Generate call with the messages, answered as a
     `chat.completion` or (`stream`) as `chat.completion.chunk` SSE events (`ChatCompletionBuilder`).
 
+    With tools, tool calls or tool results, the served model's tool-call format (the engine's
+    Info, asked once: `BridgeState.tool_format`) decides how they are written and read.
+
     Raises ApiError: 400 naming the message field at fault (`messages[1].role`) or a field the
     policy refuses (bridge/fields.py), or as `bridge.completions.completions` does.
     """
     refused = body.policy_refusal()
     if refused is not None:
         raise ApiError(400, refused.message, code=refused.code, param=refused.field)
+    if body.uses_tools():
+        body.use_tool_format(await state.tool_format(auth_metadata(request)))
     request_id = request.headers.get("x-request-id") or f"{CHAT_ID_PREFIX}{uuid.uuid4().hex}"
     try:
         proto = body.to_proto(request_id=request_id)
@@ -242,7 +249,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
                                     num_samples=body.num_samples, logprobs=bool(body.logprobs),
                                     include_usage=stream and body.include_usage,
                                     continuous_usage=stream and body.continuous_usage,
-                                    tools=body.tool_setup() is not None,
+                                    tools=body._tool_format if body.tool_setup() is not None else False,
                                     prompt_logprobs=body.prompt_logprobs,
                                     token_ids=bool(body.return_tokens_as_token_ids))
     return await generate(request, state, "/v1/chat/completions", proto, builder, stream,

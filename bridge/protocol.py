@@ -13,15 +13,16 @@ parsed body.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable
 from typing import Annotated, Any, ClassVar
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, StrictBool, StrictFloat, StrictInt, StrictStr
 from pydantic import field_validator, model_validator
 
 from bridge.constraints import BodyConstraint, ConstraintFieldError, body_constraint
-from bridge.tools import ToolSetup, render_messages, tool_setup
+from bridge.tools import GENERIC, ToolFormat, ToolSetup, render_messages, tool_setup
 from bridge.fields import CHAT, COMPLETIONS, FieldRefused, Rule, enforce, recorded
 from genserve.common.chat_messages import parse_messages
 from genserve.v1 import generate_pb2 as pb
@@ -464,6 +465,8 @@ class ChatCompletionRequest(SamplingBody):
     audio: AnyObject | None = None
     web_search_options: AnyObject | None = None
     moderation: AnyObject | None = None
+    # The served model's tool-call format (`use_tool_format`; the engine's Info says which).
+    _tool_format: ToolFormat = PrivateAttr(default=GENERIC)
 
     @model_validator(mode="after")
     def _consistent(self) -> ChatCompletionRequest:
@@ -474,10 +477,21 @@ class ChatCompletionRequest(SamplingBody):
             raise ValueError("max_tokens and max_completion_tokens differ; send one")
         return self
 
+    def uses_tools(self) -> bool:
+        """Whether the request has tools, earlier tool calls or tool results: its prompt and
+        answer then depend on the served model's tool-call format (`use_tool_format`)."""
+        return bool(self.tools) or any(isinstance(m, dict) and (m.get("role") == "tool" or m.get("tool_calls"))
+                                       for m in self.messages)
+
+    def use_tool_format(self, fmt: ToolFormat) -> None:
+        """Write and read tool calls in `fmt` (the engine's ``InfoResponse.tool_call_parser``;
+        default: the generic prompt)."""
+        self._tool_format = fmt
+
     def tool_setup(self) -> ToolSetup | None:
-        """The request's tools when a call may be made (bridge/tools.py), or None (no tools, or
-        `tool_choice` "none"). Raises ConstraintFieldError."""
-        return tool_setup(self.tools, self.tool_choice, self.parallel_tool_calls)
+        """The request's tools when a call may be made (bridge/tools.py), in the served model's
+        format, or None (no tools, or `tool_choice` "none"). Raises ConstraintFieldError."""
+        return tool_setup(self.tools, self.tool_choice, self.parallel_tool_calls, self._tool_format)
 
     def policy_refusal(self) -> FieldRefused | None:
         """The policy's refusal (bridge/fields.py), or `prompt_logprobs` with `stream` (as vLLM)."""
@@ -531,26 +545,43 @@ class ChatCompletionRequest(SamplingBody):
             constraint.set_on(request)
         if self.cache_salt is not None:
             request.cache_salt = self.cache_salt
-        chat = request.chat
-        chat.SetInParent()
-        chat.messages.extend(chat_messages_proto(self.messages, self.tool_setup()))
+        request.chat.CopyFrom(chat_messages_proto(self.messages, self.tool_setup(), self._tool_format))
         return request
 
 
-def chat_messages_proto(messages: Any, setup: ToolSetup | None = None) -> list[pb.ChatMessage]:
-    """OpenAI-style messages as the gRPC ChatMessages the engine renders: tool calls and tool
-    results written as text (`bridge.tools.render_messages`), every message checked
-    (`parse_messages`), and with callable tools (`setup`) the tool prompt first. The one path
-    from a REST conversation to the prompt, for chat (and so Responses) and /tokenize alike, so
-    that /tokenize counts exactly what chat does.
+def chat_messages_proto(messages: Any, setup: ToolSetup | None = None,
+                        fmt: ToolFormat = GENERIC) -> pb.ChatMessages:
+    """OpenAI-style messages as the gRPC ChatMessages the engine renders, every message checked
+    (`parse_messages`). The one path from a REST conversation to the prompt, for chat (and so
+    Responses) and /tokenize alike, so that /tokenize counts exactly what chat does.
+
+    With a model whose template defines tool calls (`fmt` native: hermes, llama3_json, mistral),
+    assistant ``tool_calls`` and ``role: "tool"`` messages go as they are and the callable tools
+    (`setup`) as ``tools_json``: the template writes them. Otherwise (the generic format) tool
+    calls and tool results are written as text (`bridge.tools.render_messages`) and with callable
+    tools the generic tool prompt comes first.
 
     Raises:
         ChatError: naming the client's field at fault (``messages[2].tool_calls[0].function.name``).
     """
-    out = [pb.ChatMessage(role=m.role, content=m.content) for m in parse_messages(render_messages(messages))]
+    if not fmt.native:
+        out = [pb.ChatMessage(role=m.role, content=m.content) for m in parse_messages(render_messages(messages))]
+        if setup is not None:
+            out.insert(0, pb.ChatMessage(role="system", content=setup.system_text()))
+        return pb.ChatMessages(messages=out)
+    if isinstance(messages, list):
+        # null means absent (the openai SDK's `message.model_dump()` sends refusal, audio, ... as
+        # null; an empty tool_calls is no call), as for the generic format
+        messages = [{k: v for k, v in m.items()
+                     if (v is not None or k == "content") and not (k == "tool_calls" and v == [])}
+                    if isinstance(m, dict) else m for m in messages]
+    chat = pb.ChatMessages(messages=[
+        pb.ChatMessage(role=m.role, content=m.content or "", tool_call_id=m.tool_call_id or "",
+                       tool_calls=[pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in m.tool_calls])
+        for m in parse_messages(messages, tools=True)])
     if setup is not None:
-        out.insert(0, pb.ChatMessage(role="system", content=setup.system_text()))
-    return out
+        chat.tools_json = json.dumps(list(setup.tools), ensure_ascii=False)
+    return chat
 
 
 class TokenizeRequest(BaseModel):
@@ -586,10 +617,10 @@ class TokenizeRequest(BaseModel):
             return FieldRefused("tools", "'tools' go with 'messages' (the tool prompt is part of a conversation)")
         return None
 
-    def to_proto(self) -> pb.TokenizeRequest:
-        """The gRPC request: the prompt, or the conversation as chat sends it
-        (`chat_messages_proto`: tool turns written as text, the tool prompt first when `tools`
-        are given, as a chat request with them and `tool_choice` auto, required or named).
+    def to_proto(self, fmt: ToolFormat = GENERIC) -> pb.TokenizeRequest:
+        """The gRPC request: the prompt, or the conversation as chat sends it in the served
+        model's tool-call format `fmt` (`chat_messages_proto`: the tools as a chat request with
+        them and `tool_choice` auto, required or named gives them).
 
         Raises:
             ChatError: naming a bad message's field.
@@ -597,8 +628,14 @@ class TokenizeRequest(BaseModel):
         """
         if self.prompt is not None:
             return pb.TokenizeRequest(prompt=self.prompt)
-        setup = tool_setup(self.tools, None, None)
-        return pb.TokenizeRequest(chat=pb.ChatMessages(messages=chat_messages_proto(self.messages, setup)))
+        setup = tool_setup(self.tools, None, None, fmt)
+        return pb.TokenizeRequest(chat=chat_messages_proto(self.messages, setup, fmt))
+
+    def uses_tools(self) -> bool:
+        """Whether the conversation has tools, tool calls or tool results (see
+        `ChatCompletionRequest.uses_tools`)."""
+        return bool(self.tools) or any(isinstance(m, dict) and (m.get("role") == "tool" or m.get("tool_calls"))
+                                       for m in self.messages or ())
 
 
 class DetokenizeRequest(BaseModel):

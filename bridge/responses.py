@@ -35,7 +35,8 @@ from bridge.constraints import BodyConstraint, ConstraintFieldError, schema_fiel
 from bridge.errors import ApiError, validation_error
 from bridge.protocol import AnyObject, ChatCompletionRequest, Float, Uint32, Uint64
 from bridge.serving import generate
-from bridge.state import BridgeState, bridge_state
+from bridge.state import BridgeState, auth_metadata, bridge_state
+from bridge.tools import ToolFormat
 from genserve.common.chat_messages import ChatError
 from genserve.v1 import generate_pb2 as pb
 
@@ -311,10 +312,11 @@ class ResponseBuilder:
     Args:
         body: the request (its echoed settings: instructions, tools, text, ...).
         model: the served model's name.
-        tools: the request has tools that may be called.
+        tools: the request has tools that may be called: the served model's tool-call format
+            (bridge/tools.py; True: the generic one), or False.
     """
 
-    def __init__(self, body: ResponsesRequest, *, model: str, tools: bool) -> None:
+    def __init__(self, body: ResponsesRequest, *, model: str, tools: bool | ToolFormat) -> None:
         self.body = body
         self.chat = ChatCompletionBuilder(model=model, created=int(time.time()), num_samples=1,
                                           logprobs=False, tools=tools)
@@ -470,6 +472,8 @@ async def create_response(body: ResponsesRequest, request: Request,
         if refused is not None:
             raise refused
         chat, constraint, sources = body.to_chat()
+        if chat.uses_tools():
+            chat.use_tool_format(await state.tool_format(auth_metadata(request)))
         request_id = request.headers.get("x-request-id") or f"{RESPONSE_ID_PREFIX}{uuid.uuid4().hex}"
         proto = chat.to_proto(request_id=request_id)
     except ConstraintFieldError as e:
@@ -479,7 +483,8 @@ async def create_response(body: ResponsesRequest, request: Request,
     except ChatError as e:
         param = input_field(e.field, sources)
         raise ApiError(400, f"{param}: {e.message}", code="invalid_argument", param=param) from None
-    builder = ResponseBuilder(body, model=state.model_name, tools=chat.tool_setup() is not None)
+    builder = ResponseBuilder(body, model=state.model_name,
+                              tools=chat._tool_format if chat.tool_setup() is not None else False)
     return await generate(request, state, ROUTE, proto, builder, bool(body.stream),
                           fields=engine_fields(constraint, sources))
 

@@ -5,6 +5,7 @@ as gRPC metadata (`auth_metadata`).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import grpc
@@ -14,8 +15,12 @@ from opentelemetry import trace
 
 from bridge.metrics import BridgeMetrics
 from bridge.sse import SSE_KEEPALIVE_S
+from bridge.tools import GENERIC, ToolFormat, tool_format
 from genserve.common import keepalive
-from genserve.v1 import generate_pb2_grpc as pb_grpc
+from genserve.v1 import generate_pb2 as pb, generate_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+INFO_TIMEOUT_S = 5.0          # the engine's Info call, asked once for its tool-call format
 
 # While the engine is down (restarting), calls fail at once with UNAVAILABLE (503 + Retry-After);
 # the channel retries the connection at most this often, so the bridge recovers on its own
@@ -77,6 +82,9 @@ class BridgeState:
         groups: the completions with several prompts running now: the request id their answer
             carries -> each prompt's Generate call's id (`bridge.fanout.CallGroup`), so that a
             cancel of the one cancels them all.
+        tool_call_parser: the served model's tool-call format as its engine reports it
+            (``InfoResponse.tool_call_parser``, "" for the generic prompt); None until a request
+            with tools first asks (`tool_format`).
     """
 
     grpc_target: str
@@ -89,6 +97,29 @@ class BridgeState:
     grpc_ping_interval_s: float = keepalive.PING_INTERVAL_S
     backend: Backend | None = None
     groups: dict[str, list[str]] = field(default_factory=dict)
+    tool_call_parser: str | None = None
+
+    async def tool_format(self, metadata: tuple[tuple[str, str], ...] = ()) -> ToolFormat:
+        """The served model's tool-call format (bridge/tools.py): the engine's Info answer, asked
+        once and kept (every replica serves the same model). An engine that does not answer (down,
+        or one that predates the field) gives the generic prompt, not kept: the Generate call that
+        follows reports the engine's state; a format this bridge does not know gives the generic
+        prompt too (the tools are then written into the conversation, which any template takes)."""
+        if self.tool_call_parser is None:
+            try:
+                info = await self.connect().generate.Info(pb.InfoRequest(), metadata=metadata,
+                                                          timeout=INFO_TIMEOUT_S)
+            except grpc.aio.AioRpcError as err:
+                log.info("engine Info failed (%s): tool calls in the generic format for this request",
+                         err.code())
+                return GENERIC
+            self.tool_call_parser = info.tool_call_parser
+        try:
+            return tool_format(self.tool_call_parser)
+        except ValueError:
+            log.warning("the engine's tool-call parser %r is unknown to this bridge: the generic "
+                        "tool prompt is used", self.tool_call_parser)
+            return GENERIC
 
     def connect(self) -> Backend:
         """The gRPC backend, opened here when the lifespan has not opened one."""

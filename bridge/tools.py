@@ -1,32 +1,56 @@
-"""OpenAI function calling on a model whose chat template knows no tools: a generic tool prompt,
-a grammar for the calls, and the parser that turns the answer back into `tool_calls`.
+"""OpenAI function calling: the tool-call format of the served model (`ToolFormat`), a grammar
+for the calls in it, and the parser that turns the answer back into `tool_calls`.
 
-The served model's template (SmolLM2's) has no tool syntax, so the bridge writes the tools into
-the conversation itself, in the widely used Hermes format: a system message lists the functions
-as JSON and asks for calls as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``; an
-earlier assistant message's ``tool_calls`` are written back in that form, and a ``role: "tool"``
-message becomes a user message ``<tool_response>{"tool_call_id": ..., "content": ...}
-</tool_response>``. Decoding is constrained (a Lark grammar with the functions' `parameters`
-schemas embedded, engine/structured): with ``tool_choice`` "required" or a named function the
-answer is one call (or several, with ``parallel_tool_calls``) whose arguments validate against
-the function's schema (closed: no keys beyond those the schema lists, genserve/common/json_schemas.py);
-with "auto" it is either text that does not start with ``<`` or calls. A function without
-``parameters`` takes none (its arguments are ``{}``); arguments are compact JSON, as
-``response_format`` answers are. Each ``parameters`` schema is embedded with its local
-references rebased (`genserve.common.json_schemas.embed_schema`), so pydantic's ``$defs`` /
-``$ref`` (nested models) resolve inside the call grammar.
+Which format: the engine reports it (``InfoResponse.tool_call_parser``, chosen at load by
+`genserve.common.tool_parsers.choose_tool_call_parser`: the family's, or ``--tool-call-parser``).
+When the model's chat template defines tool calls (it reads ``tools``: Qwen2.5/3, Llama 3.1,
+Mistral), the request's tools, earlier assistant ``tool_calls`` and ``role: "tool"`` messages go
+to the engine as they are (`chat_messages_proto` in bridge/protocol.py) and the template writes
+them, as transformers' ``apply_chat_template(..., tools=...)`` does; the model answers in its
+template's format, named as vLLM's ``--tool-call-parser`` names them:
 
-With ``tool_choice`` "none" there is no tool machinery at all (`tool_setup` gives None): no tool
-prompt, no grammar, no parsing; the answer is text, streamed as it is made. Earlier tool calls
-and results in the conversation are still written as text (`render_messages`).
+- ``hermes``: ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, calls joined by
+  a newline (Qwen),
+- ``llama3_json``: ``{"name": ..., "parameters": {...}}``, calls joined by ``; `` (Llama 3.1; an
+  answer may start with ``<|python_tag|>``),
+- ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` (call ids: nine letters
+  and digits, which Mistral's template requires of the ids it is given back).
+
+When the template knows no tools (SmolLM2's), the bridge writes the tools into the conversation
+itself, in the widely used Hermes format (the ``generic`` format): a system message lists the
+functions as JSON and asks for calls as ``<tool_call>{"name": ..., "arguments": {...}}
+</tool_call>``; an earlier assistant message's ``tool_calls`` are written back in that form, and a
+``role: "tool"`` message becomes a user message ``<tool_response>{"tool_call_id": ...,
+"content": ...}</tool_response>``.
+
+Decoding is constrained in every format (a Lark grammar with the functions' `parameters` schemas
+embedded, engine/structured; `ToolFormat.grammar`): with ``tool_choice`` "required" or a named
+function the answer is one call (or several, with ``parallel_tool_calls``) whose arguments
+validate against the function's schema (closed: no keys beyond those the schema lists,
+genserve/common/json_schemas.py); with "auto" it is either calls or text that does not start the
+way calls do (``<``, ``{`` or ``[``). A function without ``parameters`` takes none (its arguments
+are ``{}``); arguments are compact JSON, as ``response_format`` answers are. Each ``parameters``
+schema is embedded with its local references rebased (`genserve.common.json_schemas.embed_schema`),
+so pydantic's ``$defs`` / ``$ref`` (nested models) resolve inside the call grammar. A grammar never
+lets a control token out (engine/structured/vocab.py), so a format's markers that are control
+tokens in the model's vocabulary (Mistral's ``[TOOL_CALLS]``) are spelled as text under it; the
+parsers read either.
+
+With ``tool_choice`` "none" there is no tool machinery at all (`tool_setup` gives None): no tools
+given to the template, no tool prompt, no grammar, no parsing; the answer is text, streamed as it
+is made. Earlier tool calls and results in the conversation are still written (by the template,
+or as text with `render_messages`).
 """
 
 from __future__ import annotations
 
 import json
 import re
+import secrets
+import string
 import uuid
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from bridge.constraints import ConstraintFieldError
@@ -34,12 +58,150 @@ from genserve.common.json_schemas import JSON_OUTPUT_OPTIONS, close_objects, emb
 from genserve.common.chat_messages import ChatError
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-CALL_RE = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.S)
 TOOL_PROMPT = ("You can call these functions. To call one, answer only with "
                f"{OPEN}{{\"name\": <function name>, \"arguments\": <arguments object>}}{CLOSE} "
                "(one block per call). Functions:\n")
 # The arguments of a function that declares no `parameters`: none (OpenAI's reading).
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+PYTHON_TAG = "<|python_tag|>"          # Llama 3.1: may open a call (a control token)
+MISTRAL_ID_CHARS = string.ascii_letters + string.digits
+
+
+@dataclass(frozen=True, slots=True)
+class ToolFormat:
+    """How one tool-call format writes an answer of calls:
+    ``begin + open + call + close + (sep + open + call + close)* + end``, each call a JSON object
+    ``{"name": ..., <args_key>: {...}}``.
+
+    Attributes:
+        name: vLLM's ``--tool-call-parser`` name, or "generic" (the bridge's own prompt).
+        begin, end: around all the calls (Mistral's ``[TOOL_CALLS][`` and ``]``).
+        open, close: around each call.
+        sep: between two calls.
+        args_key: the key of the arguments object ("arguments"; Llama's "parameters").
+        starts: the first character of an answer that is calls; an "auto" text answer may not
+            start with it, and a stream holds back an answer that does until it ends.
+        native: the model's template writes the tools (else the bridge's generic prompt does).
+    """
+
+    name: str
+    begin: str
+    end: str
+    open: str
+    close: str
+    sep: str
+    args_key: str
+    starts: str
+    native: bool = True
+
+    def may_be_calls(self, text: str) -> bool:
+        """Whether an answer so far may be calls (held back from a stream until it ends)."""
+        head = text.lstrip()
+        return head.startswith(self.starts) or (self.name == "llama3_json" and head.startswith("<"))
+
+    def call_id(self) -> str:
+        """A new call's id: ``call_<24 hex>`` (OpenAI's shape), or for Mistral nine letters and
+        digits (its template refuses other ids when the calls come back)."""
+        if self.name == "mistral":
+            return "".join(secrets.choice(MISTRAL_ID_CHARS) for _ in range(9))
+        return f"call_{uuid.uuid4().hex[:24]}"
+
+    def parse(self, text: str) -> list[dict] | None:
+        """The OpenAI `tool_calls` of an answer made only of calls in this format (arguments as
+        compact JSON text, as the grammar has the model write them), or None when it is text (or
+        not well-formed calls)."""
+        calls = self._objects(text.strip())
+        if not calls:
+            return None
+        out = []
+        for call in calls:
+            args = call.get(self.args_key, call.get("arguments")) if isinstance(call, dict) else None
+            if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not isinstance(args, dict):
+                return None
+            out.append({"id": self.call_id(), "type": "function",
+                        "function": {"name": call["name"],
+                                     "arguments": json.dumps(args, separators=(",", ":"), ensure_ascii=False)}})
+        return out
+
+    def _objects(self, text: str) -> list | None:
+        """The JSON values of the calls in `text` (stripped), or None when it is not calls."""
+        if self.name == "mistral":
+            if not text.startswith("[TOOL_CALLS]"):
+                return None
+            return _json_list(text[len("[TOOL_CALLS]"):].lstrip())
+        if self.name == "llama3_json":
+            text = text.removeprefix(PYTHON_TAG).lstrip()
+            return _json_sequence(text) if text.startswith("{") else None
+        if not text.startswith(OPEN):
+            return None
+        out = []
+        rest = text
+        while rest:
+            if not rest.startswith(OPEN) or CLOSE not in rest:
+                return None
+            body, _, rest = rest[len(OPEN):].partition(CLOSE)
+            rest = rest.lstrip()
+            try:
+                out.append(json.loads(body))
+            except json.JSONDecodeError:
+                return None
+        return out
+
+    def write(self, calls: list[dict]) -> str:
+        """`calls` ({"name", "arguments"} each) as this format writes them (the answers the
+        grammar admits; the tests' round trip)."""
+        return self.begin + self.sep.join(
+            self.open + json.dumps({"name": c["name"], self.args_key: c["arguments"]},
+                                   separators=(",", ":"), ensure_ascii=False) + self.close
+            for c in calls) + self.end
+
+
+GENERIC = ToolFormat("generic", "", "", OPEN, CLOSE, "", "arguments", "<", native=False)
+TOOL_FORMATS = MappingProxyType({f.name: f for f in (
+    GENERIC,
+    ToolFormat("hermes", "", "", OPEN + "\n", "\n" + CLOSE, "\n", "arguments", "<"),
+    ToolFormat("llama3_json", "", "", "", "", "; ", "parameters", "{"),
+    ToolFormat("mistral", "[TOOL_CALLS][", "]", "", "", ", ", "arguments", "["),
+)})
+"""Every format by name (read-only): the generic prompt's and `TOOL_CALL_PARSERS`'."""
+
+
+def tool_format(parser: str) -> ToolFormat:
+    """The format of an engine's ``InfoResponse.tool_call_parser``: "" is the generic prompt.
+
+    Raises:
+        ValueError: a name the bridge does not know (an engine newer than the bridge).
+    """
+    if not parser:
+        return GENERIC
+    if parser not in TOOL_FORMATS or parser == "generic":
+        raise ValueError(f"unknown tool-call parser {parser!r}")
+    return TOOL_FORMATS[parser]
+
+
+def _json_sequence(text: str) -> list | None:
+    """JSON values one after another, separated by whitespace or ``;`` (Llama's parallel calls),
+    or None when `text` is not that."""
+    decoder = json.JSONDecoder()
+    out, pos = [], 0
+    while pos < len(text):
+        try:
+            value, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return None
+        out.append(value)
+        while pos < len(text) and text[pos] in " \t\r\n;":
+            pos += 1
+    return out
+
+
+def _json_list(text: str) -> list | None:
+    """The JSON array `text` is (nothing but whitespace after it), or None."""
+    try:
+        value, pos = json.JSONDecoder().raw_decode(text)
+    except json.JSONDecodeError:
+        return None
+    return value if isinstance(value, list) and not text[pos:].strip() else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,34 +212,55 @@ class ToolSetup:
         functions: the `function` objects (name, description, parameters).
         choice: "auto", "required", or the name of the one function to call.
         parallel: several calls allowed in one answer.
+        tools: the request's `tools` as sent (what a template that defines tools is given).
+        format: the served model's tool-call format (`GENERIC` for a template without tools).
     """
 
     functions: tuple[dict, ...]
     choice: str
     parallel: bool
+    tools: tuple[dict, ...] = ()
+    format: ToolFormat = GENERIC
 
     def grammar(self) -> str:
-        """The Lark grammar of the allowed answers: calls (one, or several with `parallel`) of
-        the callable functions, each's arguments following its `parameters` (closed, compact, its
-        references rebased to where the schema stands in the call's); with "auto", text too."""
+        """The Lark grammar of the allowed answers in `format`: calls (one, or several with
+        `parallel`) of the callable functions, each's arguments following its `parameters`
+        (closed, compact, its references rebased to where the schema stands in the call's); with
+        "auto", text too (text that does not start as calls do)."""
+        fmt = self.format
         names = [self.choice] if self.choice not in ("auto", "required") else [f["name"] for f in self.functions]
         callable_ = [f for f in self.functions if f["name"] in names]
         # Where each function's arguments schema stands in the grammar's JSON schema.
-        base = "/properties/arguments" if len(callable_) == 1 else "/anyOf/{}/properties/arguments"
+        key = fmt.args_key
+        base = f"/properties/{key}" if len(callable_) == 1 else "/anyOf/{}/properties/" + key
         shapes = [{"type": "object", "properties": {
             "name": {"const": f["name"]},
-            "arguments": embed_schema(close_objects(arguments_schema(f)), base.format(k))},
-            "required": ["name", "arguments"], "additionalProperties": False}
+            key: embed_schema(close_objects(arguments_schema(f)), base.format(k))},
+            "required": ["name", key], "additionalProperties": False}
             for k, f in enumerate(callable_)]
         root = shapes[0] if len(shapes) == 1 else {"anyOf": shapes}
         schema = json.dumps({"x-guidance": JSON_OUTPUT_OPTIONS, **root}, separators=(",", ":"))
-        calls = "call+" if self.parallel else "call"
-        start = f"start: {calls} | TEXT" if self.choice == "auto" else f"start: {calls}"
-        return (f"{start}\ncall: \"{OPEN}\" args \"{CLOSE}\"\nargs: %json {schema}\n"
-                "TEXT: /[^<](.|\\n)*/\n")
+
+        def seq(*parts: str) -> str:
+            return " ".join(p for p in parts if p)
+
+        def lit(text: str) -> str:
+            return json.dumps(text) if text else ""
+
+        if not self.parallel:
+            calls = "call"
+        elif fmt.sep:
+            calls = f"call ({lit(fmt.sep)} call)*"
+        else:
+            calls = "call+"
+        text = "/[^" + re.escape(fmt.starts) + "](.|\\n)*/"
+        start = "start: calls | TEXT" if self.choice == "auto" else "start: calls"
+        return (f"{start}\ncalls: {seq(lit(fmt.begin), calls, lit(fmt.end))}\n"
+                f"call: {seq(lit(fmt.open), 'args', lit(fmt.close))}\nargs: %json {schema}\n"
+                f"TEXT: {text}\n")
 
     def system_text(self) -> str:
-        """The tool prompt's system text."""
+        """The generic tool prompt's system text."""
         return TOOL_PROMPT + "\n".join(json.dumps({"type": "function", "function": f}) for f in self.functions)
 
 
@@ -90,10 +273,11 @@ def arguments_schema(function: dict) -> Any:
     return parameters or {"type": "object"}          # {}: any object (arguments are an object)
 
 
-def tool_setup(tools: list | None, tool_choice: Any, parallel: bool | None) -> ToolSetup | None:
-    """The request's tools when a call may be made, or None: no tools, or `tool_choice` "none"
-    (the tools are still checked; the answer is then text, with no tool prompt, grammar or
-    parsing).
+def tool_setup(tools: list | None, tool_choice: Any, parallel: bool | None,
+               fmt: ToolFormat = GENERIC) -> ToolSetup | None:
+    """The request's tools when a call may be made, in the served model's format `fmt`, or None:
+    no tools, or `tool_choice` "none" (the tools are still checked; the answer is then text, with
+    no tool prompt, grammar or parsing).
 
     Raises:
         ConstraintFieldError: naming the field: a tool that is not a function with a name, a
@@ -122,7 +306,7 @@ def tool_setup(tools: list | None, tool_choice: Any, parallel: bool | None) -> T
         return None
     if choice == "none":
         return None
-    return ToolSetup(tuple(functions), choice, parallel is not False)
+    return ToolSetup(tuple(functions), choice, parallel is not False, tuple(tools or ()), fmt)
 
 
 def render_messages(messages: Any) -> Any:
@@ -203,20 +387,7 @@ def _call(call: Any, field: str) -> dict:
         return {"name": fn["name"], "arguments": raw}       # written back as the model wrote it
 
 
-def parse_tool_calls(text: str) -> list[dict] | None:
-    """The OpenAI `tool_calls` of an answer made only of call blocks (ids ``call_<hex>``,
-    arguments as compact JSON text, as the grammar has the model write them), or None when it is
-    text."""
-    if not text.lstrip().startswith(OPEN):
-        return None
-    calls = []
-    for body in CALL_RE.findall(text):
-        try:
-            call = json.loads(body)
-        except json.JSONDecodeError:
-            return None
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": call["name"],
-                                   "arguments": json.dumps(call["arguments"], separators=(",", ":"),
-                                                           ensure_ascii=False)}})
-    return calls or None
+def parse_tool_calls(text: str, fmt: ToolFormat = GENERIC) -> list[dict] | None:
+    """The OpenAI `tool_calls` of an answer made only of calls in `fmt` (`ToolFormat.parse`), or
+    None when it is text."""
+    return fmt.parse(text)

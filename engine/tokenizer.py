@@ -295,6 +295,16 @@ class Tokenizer:
         turns."""
         return self._tk_text.encode(text, add_special_tokens=False).ids
 
+    def control_token_in(self, text: str) -> str | None:
+        """The first control token's text found in ``text`` (``<|im_end|>``), or None: for client
+        data a chat template writes as its own text (tools, tool-call names and arguments), where
+        such text would become a control token and could open or close turns."""
+        if self._control is None:  # compiled once, as `encode_pieces` does
+            self._control = _control_tokens(self._bytes, self._types)
+        pattern, _ = self._control
+        match = pattern.search(text) if pattern is not None else None
+        return None if match is None else match.group()
+
     def encode_pieces(self, pieces: Iterable[tuple[str, bool]]) -> list[int]:
         """Token ids of the text the pieces join to, where control-token text is matched only
         in pieces whose flag is False (a chat template's own text), never in those flagged True

@@ -18,6 +18,7 @@ from engine.config_cli import add_engine_config_args, engine_config_argv, engine
 from genserve.common.keepalive import PING_INTERVAL_S
 from genserve.common.model_name import DEFAULT_MODEL_NAME
 from genserve.common.model_source import RANDOM_SHAPES, parse_model_source
+from genserve.common.tool_parsers import AUTO, TOOL_CALL_PARSERS
 
 DRAIN_GRACE_S = 30.0          # SIGTERM: how long open streams may run on, seconds
 
@@ -35,12 +36,16 @@ class ProcessOptions:
         keepalive_interval_s: the HTTP/2 ping interval of the engine's callers (Envoy, the
             bridge), seconds; the gRPC server accepts pings that often
             (`genserve.common.keepalive.server_options`).
+        tool_call_parser: the tool-call format (vLLM's `--tool-call-parser` names), or "auto":
+            the family's, when the chat template defines tool calls
+            (`genserve.common.tool_parsers.choose_tool_call_parser`).
     """
 
     model_path: str | None = None
     metrics_port: int | None = None
     drain_grace_s: float = DRAIN_GRACE_S
     keepalive_interval_s: float = PING_INTERVAL_S
+    tool_call_parser: str = AUTO
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -78,6 +83,12 @@ def add_engine_args(parser: argparse.ArgumentParser, *,
     group.add_argument("--keepalive-interval-s", type=float, default=PING_INTERVAL_S, metavar="SECONDS",
                        help="how often the engine's callers (Envoy, the bridge) ping an idle "
                             "connection; the gRPC server accepts pings that often. Default: %(default)s.")
+    group.add_argument("--tool-call-parser", default=AUTO, choices=(AUTO,) + TOOL_CALL_PARSERS,
+                       help="the tool-call format the model's chat template teaches, by vLLM's names "
+                            "(hermes: Qwen's <tool_call>; llama3_json: Llama 3.1's JSON; mistral: "
+                            "[TOOL_CALLS]). auto: the family's, when the template reads `tools`; a "
+                            "template without tool syntax gets the generic tool prompt. "
+                            "Default: %(default)s.")
     add_engine_config_args(parser)
     return group
 
@@ -101,7 +112,8 @@ def options_from_args(args: argparse.Namespace) -> ProcessOptions:
     if not args.keepalive_interval_s > 0:
         raise ValueError(f"--keepalive-interval-s must be > 0, got {args.keepalive_interval_s}")
     return ProcessOptions(model_path=args.model_path, metrics_port=args.metrics_port,
-                          drain_grace_s=args.drain_grace_s, keepalive_interval_s=args.keepalive_interval_s)
+                          drain_grace_s=args.drain_grace_s, keepalive_interval_s=args.keepalive_interval_s,
+                          tool_call_parser=args.tool_call_parser)
 
 
 def service_argv(config: EngineConfig, options: ProcessOptions, *, host: str, port: int) -> list[str]:
@@ -118,4 +130,6 @@ def service_argv(config: EngineConfig, options: ProcessOptions, *, host: str, po
         argv.append(f"--model={options.model_path}")
     if options.metrics_port is not None:
         argv.append(f"--metrics-port={options.metrics_port}")
+    if options.tool_call_parser != AUTO:
+        argv.append(f"--tool-call-parser={options.tool_call_parser}")
     return argv + engine_config_argv(config)

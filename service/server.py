@@ -33,6 +33,7 @@ from engine.runner.builder import LoadedEngine, build_engine
 from genserve.common import keepalive
 from genserve.common.ports import PortInUse, check_ports_free
 from genserve.common.telemetry import setup_logging, setup_tracing
+from genserve.common.tool_parsers import AUTO, choose_tool_call_parser
 from genserve.v1 import generate_pb2 as pb, generate_pb2_grpc as pb_grpc
 from service.auth import Authenticator
 from service.chat import template_for
@@ -74,6 +75,9 @@ class EngineServer:
         tracer: OpenTelemetry tracer for request spans (default: the global provider's).
         keepalive_interval_s: the callers' HTTP/2 ping interval, seconds; pings that often are
             accepted (`genserve.common.keepalive.server_options`), so a silent stream survives.
+        tool_call_parser: ``--tool-call-parser``: "auto" or a format name; the format chosen at
+            load (`genserve.common.tool_parsers.choose_tool_call_parser`) is reported in
+            ``InfoResponse.tool_call_parser``.
     """
 
     def __init__(self, config: EngineConfig, host: str = "127.0.0.1", port: int = 50051, *,
@@ -82,8 +86,10 @@ class EngineServer:
                  fail_at_step: int | None = None, fail_once_file: str | None = None,
                  max_buffered_events: int = MAX_BUFFERED_EVENTS,
                  build: Builder = build_engine, tracer=None,
-                 keepalive_interval_s: float = keepalive.PING_INTERVAL_S) -> None:
+                 keepalive_interval_s: float = keepalive.PING_INTERVAL_S,
+                 tool_call_parser: str = AUTO) -> None:
         self.config = config
+        self.tool_call_parser = tool_call_parser
         self.host = host
         self.requested_port = port
         self.model_path = model_path
@@ -136,15 +142,21 @@ class EngineServer:
             engine.executor = FailingExecutor(engine.executor, self.fail_at_step, self.fail_once_file)
             log.warning("fault injection armed: forward pass %d will raise (once file: %s)",
                         self.fail_at_step, self.fail_once_file)
+        template = template_for(loaded.tokenizer)
+        # A named parser for a template without tool syntax fails the load (ValueError).
+        parser = choose_tool_call_parser(getattr(loaded.args, "architecture", ""),
+                                         template is not None and template.defines_tools, self.tool_call_parser)
         info = pb.InfoResponse(model_name=loaded.model_name, max_context=self.config.max_context,
                                max_new_tokens=self.config.max_new_tokens,
                                vocab_size=loaded.args.vocab_size, block_size=self.config.block_size,
-                               num_kv_blocks=engine.pool.num_blocks)
+                               num_kv_blocks=engine.pool.num_blocks, tool_call_parser=parser)
+        log.info("tool calls: %s", f"the {parser} format of the model's chat template" if parser
+                 else "the generic tool prompt (the chat template defines no tool calls)")
         self.metrics = EngineMetrics(engine)
         if self.metrics_port is not None:
             start_http_server(self.metrics_port, addr=self.host, registry=self.metrics.registry)
         self.servicer.attach(engine, loaded.tokenizer,
-                             Validator(self.config, loaded.tokenizer, template_for(loaded.tokenizer)),
+                             Validator(self.config, loaded.tokenizer, template),
                              info, self.metrics)
         self.loaded = loaded
         # What is loaded now (model, tokenizer, tables) lives as long as the process: moved out of
@@ -329,5 +341,6 @@ def main(argv: list[str] | None = None) -> None:
                              metrics_port=options.metrics_port, drain_grace_s=options.drain_grace_s,
                              fail_at_step=fail_at_step, fail_once_file=once_file,
                              max_buffered_events=args.max_buffered_events,
-                             keepalive_interval_s=options.keepalive_interval_s))
+                             keepalive_interval_s=options.keepalive_interval_s,
+                             tool_call_parser=options.tool_call_parser))
     sys.exit(code)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, replace
 
@@ -151,13 +152,35 @@ class Validator:
 
     def _render_chat(self, chat: pb.ChatMessages) -> list[tuple[str, bool]]:
         """The conversation as prompt pieces (`ChatTemplate.render_pieces`), rendered with the
-        model's chat template."""
+        model's chat template: with its tools (``tools_json``), earlier tool calls and tool
+        results when the template defines tool calls (`ChatTemplate.defines_tools`).
+
+        Raises:
+            ValidationError: naming the field: no template; bad messages (``messages[1].role``);
+                tools or tool turns for a template without tool syntax, ``tools`` that are not a
+                JSON array of objects, or tools / tool calls holding a control token's text (the
+                template writes them as its own text, where it would open or close turns); the
+                template refusing the conversation (``messages``); a prompt over the length limit.
+        """
         if self.chat_template is None:
             raise ValidationError("messages", "the served model has no chat template; "
                                               "send a prompt to /v1/completions instead")
+        native = self.chat_template.defines_tools
+        tools = self._tools(chat.tools_json) if chat.tools_json else None
+        if tools is not None and not native:
+            raise ValidationError("tools", "the served model's chat template defines no tool calls; "
+                                           "write the tools into the conversation instead")
         try:
-            messages = parse_messages([{"role": m.role, "content": m.content} for m in chat.messages])
-            pieces = self.chat_template.render_pieces(messages)
+            messages = parse_messages([_message_dict(m) for m in chat.messages], tools=native)
+            for i, m in enumerate(messages):
+                for j, call in enumerate(m.tool_calls):
+                    at = f"messages[{i}].tool_calls[{j}]"
+                    self._no_control_text(call.id, f"{at}.id")
+                    self._no_control_text(call.name, f"{at}.function.name")
+                    self._no_control_text(call.arguments, f"{at}.function.arguments")
+                if m.tool_call_id is not None:
+                    self._no_control_text(m.tool_call_id, f"messages[{i}].tool_call_id")
+            pieces = self.chat_template.render_pieces(messages, tools=tools)
         except ChatError as e:
             raise ValidationError(e.field, e.message) from None
         length = sum(len(text) for text, _ in pieces)
@@ -165,6 +188,38 @@ class Validator:
             raise ValidationError("messages", f"render to {length} characters; the limit is "
                                               f"{MAX_PROMPT_CHARS}")
         return pieces
+
+    def _tools(self, text: str) -> list:
+        """``ChatMessages.tools_json`` as the template's ``tools``. Raises ValidationError (field
+        ``tools``): not a JSON array of objects, over the length limit, or holding control-token
+        text."""
+        if len(text) > MAX_PROMPT_CHARS:
+            raise ValidationError("tools", f"is {len(text)} characters; the limit is {MAX_PROMPT_CHARS}")
+        try:
+            tools = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValidationError("tools", f"is not JSON: {e}") from None
+        if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+            raise ValidationError("tools", "must be a JSON array of tool objects")
+        for i, tool in enumerate(tools):
+            self._no_control_text(json.dumps(tool, ensure_ascii=False), f"tools[{i}]")
+        return tools
+
+    def _no_control_text(self, text: str, field: str) -> None:
+        """Raise ValidationError naming `field` when `text` (written by the template as its own
+        text) holds a control token's text; the arguments' JSON is checked as the template writes
+        it (decoded escapes included)."""
+        find = getattr(self.tokenizer, "control_token_in", None)
+        if find is None or not text:
+            return
+        try:
+            decoded = json.dumps(json.loads(text), ensure_ascii=False)
+        except (json.JSONDecodeError, RecursionError):
+            decoded = text
+        found = find(text) or find(decoded)
+        if found is not None:
+            raise ValidationError(field, f"holds the control token {found!r}; tools and tool calls "
+                                         "may not hold the model's control tokens")
 
     def _stop(self, s: pb.SamplingParams) -> tuple[str, ...]:
         if len(s.stop) > MAX_STOP_STRINGS:
@@ -250,3 +305,19 @@ def constraint_spec(req: pb.GenerateRequest) -> ConstraintSpec | None:
         return ConstraintSpec(which, getattr(req, which), field=which)
     except ConstraintError as e:
         raise ValidationError(e.field, e.reason) from None
+
+
+def _message_dict(m: pb.ChatMessage) -> dict:
+    """A gRPC chat message as an OpenAI message dict (`parse_messages` checks it): tool calls and
+    a tool call id only when set, null content for an assistant message that only calls tools."""
+    out: dict = {"role": m.role, "content": m.content}
+    if m.name:
+        out["name"] = m.name
+    if m.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                             for c in m.tool_calls]
+        if not m.content:
+            out["content"] = None
+    if m.tool_call_id or m.role == "tool":
+        out["tool_call_id"] = m.tool_call_id
+    return out

@@ -105,9 +105,11 @@ def test_a_template_that_edits_message_text_is_refused(tokenizer):
     assert e.value.field == "chat_template"
 
 
-def test_a_template_that_trims_gets_the_text_unedited(tokenizer):
+def test_a_template_that_trims_gets_the_text_trimmed_and_still_plain(tokenizer):
+    # `trim` is applied to the text as transformers applies it (Llama 3's templates trim every
+    # message), and the trimmed text is still tokenized as plain text.
     template = ChatTemplate("{% for m in messages %}<|im_start|>{{ m['content'] | trim }}<|im_end|>{% endfor %}")
     v = Validator(EngineConfig(), tokenizer, template)
     ids = v.validate(pb.GenerateRequest(chat=pb.ChatMessages(
         messages=[pb.ChatMessage(role="user", content=" <|im_end|> ")]), max_tokens=1)).prompt_ids
-    assert ids == [1] + tokenizer.encode_text(" <|im_end|> ") + [2]
+    assert ids == [1] + tokenizer.encode_text("<|im_end|>") + [2]
