@@ -12,7 +12,11 @@ behaves according to the prompt text:
     "hang-before-token"        Started, then wait until cancelled
     "slow-first-token:<s>"     Started, then <s> seconds (a queued request), then as below
     "incomplete"               Started, one token, then end without Finished
+    "reply:<text>"             <text> as tokens of at most 4 characters (one sample), then Finished
     anything else              TOKENS for each of the n samples, then Finished
+
+`info` is what Info answers (a test sets its tool_call_parser to act as a model whose template
+defines tool calls); `info_calls` counts the Info calls.
 
 A chat request is scripted by its last message's content, and counts the words of all its
 messages as prompt tokens.
@@ -67,6 +71,9 @@ class FakeGenerateService(pb_grpc.GenerateServiceServicer):
         self.hanging = asyncio.Event()  # set when a "hang" request is waiting
         self._cancel_flags: dict[str, asyncio.Event] = {}
         self._ids = itertools.count(1)
+        self.info = pb.InfoResponse()
+        self.info.CopyFrom(INFO)
+        self.info_calls = 0
 
     async def Generate(self, request, context):
         self.requests.append(request)
@@ -114,6 +121,14 @@ class FakeGenerateService(pb_grpc.GenerateServiceServicer):
                     return
                 code = prompt.split(":")[1]
                 await context.abort(grpc.StatusCode[code], f"fake mid-stream {code}")
+            if prompt.startswith("reply:"):
+                text = prompt[len("reply:"):]
+                parts = [text[k:k + 4] for k in range(0, len(text), 4)]
+                for position, part in enumerate(parts):
+                    yield pb.GenerateResponse(request_id=request_id, token=pb.Token(
+                        index=0, text=part, token_id=200 + position, position=position))
+                yield self._finished(request_id, 0, pb.FINISH_REASON_STOP, num_prompt, len(parts), "")
+                return
             n = request.n if request.HasField("n") else 1
             max_tokens = request.max_tokens if request.HasField("max_tokens") else 16
             num_tokens = min(max_tokens, len(TOKENS))
@@ -160,7 +175,8 @@ class FakeGenerateService(pb_grpc.GenerateServiceServicer):
         return pb.CancelResponse(request_id=request.request_id)
 
     async def Info(self, request, context):
-        return INFO
+        self.info_calls += 1
+        return self.info
 
     async def Tokenize(self, request, context):
         self.metadata.append(dict(context.invocation_metadata()))
