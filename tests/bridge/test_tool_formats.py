@@ -268,3 +268,23 @@ async def test_a_malformed_tool_call_is_a_400_naming_its_field_in_either_format(
             {"role": "assistant", "tool_calls": [{"id": "a", "type": "function", "function": {"name": ""}}]}]})
         assert r.status_code == 400
         assert r.json()["error"]["param"] == "messages[1].tool_calls[0].function.name"
+
+
+def test_answers_are_drawn_over_a_tokenizer_that_adds_a_bos_and_a_space(tmp_path):
+    """A Llama-2-style SentencePiece tokenizer (its `encode` puts <s> first, its normalizer a
+    "▁" before the text): the grammar still draws whole calls (llguidance tokenizes the text a
+    grammar forces with the vocabulary's own bytes, engine/structured/vocab.py); before, the
+    forced "<tool_call>" allowed only <s> and a constrained sample ended at once."""
+    from engine.tokenizer import Tokenizer
+    from tests.tool_templates import write_tokenizer
+
+    directory = write_tokenizer(tmp_path / "tok", "qwen2.5")
+    (directory / "config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    tokenizer = Tokenizer.from_hf_dir(directory, vocab_size=320)
+    assert tokenizer.encode("<")[0] == 1                              # the BOS comes first
+    compiler = GrammarCompiler(tokenizer)
+    rng = random.Random(3)
+    for name in FORMATS:
+        fmt = TOOL_FORMATS[name]
+        text = _sample(compiler, tokenizer, tool_setup(TOOLS, "required", True, fmt).grammar(), rng)
+        assert fmt.parse(text), (name, text)
