@@ -95,9 +95,13 @@ class ToolFormat:
     native: bool = True
 
     def may_be_calls(self, text: str) -> bool:
-        """Whether an answer so far may be calls (held back from a stream until it ends)."""
+        """Whether an answer so far may be calls (held back from a stream until it ends); for
+        Llama, also while it may be ``<|python_tag|>`` (a control token, in the text only when a
+        stream keeps special tokens)."""
         head = text.lstrip()
-        return head.startswith(self.starts) or (self.name == "llama3_json" and head.startswith("<"))
+        if self.name == "llama3_json" and head.startswith("<"):
+            return head.startswith(PYTHON_TAG) or PYTHON_TAG.startswith(head)
+        return head.startswith(self.starts)
 
     def call_id(self) -> str:
         """A new call's id: ``call_<24 hex>`` (OpenAI's shape), or for Mistral nine letters and

@@ -288,3 +288,24 @@ def test_answers_are_drawn_over_a_tokenizer_that_adds_a_bos_and_a_space(tmp_path
         fmt = TOOL_FORMATS[name]
         text = _sample(compiler, tokenizer, tool_setup(TOOLS, "required", True, fmt).grammar(), rng)
         assert fmt.parse(text), (name, text)
+
+
+async def test_tokenize_counts_the_conversation_as_chat_sends_it_in_the_models_format(fake, client):
+    """/tokenize with messages and tools sends what chat sends: with a hermes engine, the tools as
+    tools_json and the tool turns structured (no generic prompt)."""
+    fake.service.info.tool_call_parser = "hermes"
+    r = await client.post("/tokenize", json={"model": MODEL_NAME, "tools": TOOLS, "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                                              "function": {"name": "now", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "noon"}]})
+    assert r.status_code == 200, r.text
+    assert r.json()["count"] == len("hi\n\nnoon")     # the fake counts the contents' bytes
+
+
+@pytest.mark.parametrize("name", ["llama3_json", "mistral"])
+def test_text_starting_with_a_tag_streams_where_calls_do_not_start_so(name):
+    builder = _builder(TOOL_FORMATS[name], "<p>It is warm</p>")
+    deltas = [c["choices"][0]["delta"].get("content") for c in builder.chunks if c["choices"]]
+    assert [d for d in deltas if d][:2] == ["<p>", "It "]             # not held back to the end
+    assert builder.completion()["choices"][0]["message"]["content"] == "<p>It is warm</p>"

@@ -28,8 +28,10 @@ def parse_service(argv: list[str]):
 
 
 def test_service_argv_round_trip():
-    options = ProcessOptions(model_path="/models/x.gguf", metrics_port=9555, drain_grace_s=2.5)
+    options = ProcessOptions(model_path="/models/x.gguf", metrics_port=9555, drain_grace_s=2.5,
+                             tool_call_parser="mistral")
     argv = service_argv(NON_DEFAULT, options, host="0.0.0.0", port=6000)
+    assert "--tool-call-parser=mistral" in argv
     assert parse_service(argv) == (NON_DEFAULT, options, "0.0.0.0", 6000)
 
 
