@@ -249,7 +249,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
                                     num_samples=body.num_samples, logprobs=bool(body.logprobs),
                                     include_usage=stream and body.include_usage,
                                     continuous_usage=stream and body.continuous_usage,
-                                    tools=body._tool_format if body.tool_setup() is not None else False,
+                                    tools=body.tool_format if body.tool_setup() is not None else False,
                                     prompt_logprobs=body.prompt_logprobs,
                                     token_ids=bool(body.return_tokens_as_token_ids))
     return await generate(request, state, "/v1/chat/completions", proto, builder, stream,

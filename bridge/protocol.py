@@ -18,7 +18,8 @@ import math
 from collections.abc import Iterable
 from typing import Annotated, Any, ClassVar
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, StrictBool, StrictFloat, StrictInt,
+                      StrictStr)
 from pydantic import field_validator, model_validator
 
 from bridge.constraints import BodyConstraint, ConstraintFieldError, body_constraint
@@ -482,6 +483,11 @@ class ChatCompletionRequest(SamplingBody):
         answer then depend on the served model's tool-call format (`use_tool_format`)."""
         return bool(self.tools) or any(isinstance(m, dict) and (m.get("role") == "tool" or m.get("tool_calls"))
                                        for m in self.messages)
+
+    @property
+    def tool_format(self) -> ToolFormat:
+        """The tool-call format calls are written and read in (`use_tool_format`)."""
+        return self._tool_format
 
     def use_tool_format(self, fmt: ToolFormat) -> None:
         """Write and read tool calls in `fmt` (the engine's ``InfoResponse.tool_call_parser``;

@@ -484,7 +484,7 @@ async def create_response(body: ResponsesRequest, request: Request,
         param = input_field(e.field, sources)
         raise ApiError(400, f"{param}: {e.message}", code="invalid_argument", param=param) from None
     builder = ResponseBuilder(body, model=state.model_name,
-                              tools=chat._tool_format if chat.tool_setup() is not None else False)
+                              tools=chat.tool_format if chat.tool_setup() is not None else False)
     return await generate(request, state, ROUTE, proto, builder, bool(body.stream),
                           fields=engine_fields(constraint, sources))
 

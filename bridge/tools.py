@@ -24,7 +24,7 @@ functions as JSON and asks for calls as ``<tool_call>{"name": ..., "arguments": 
 "content": ...}</tool_response>``.
 
 Decoding is constrained in every format (a Lark grammar with the functions' `parameters` schemas
-embedded, engine/structured; `ToolFormat.grammar`): with ``tool_choice`` "required" or a named
+embedded, engine/structured; `ToolSetup.grammar`): with ``tool_choice`` "required" or a named
 function the answer is one call (or several, with ``parallel_tool_calls``) whose arguments
 validate against the function's schema (closed: no keys beyond those the schema lists,
 genserve/common/json_schemas.py); with "auto" it is either calls or text that does not start the

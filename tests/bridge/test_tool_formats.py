@@ -223,7 +223,8 @@ async def test_a_model_with_a_tool_template_gets_structured_turns_and_its_own_fo
     messages = [
         {"role": "user", "content": "Weather?"},
         {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris","days":1}'}}]},
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city":"Paris","days":1}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
         {"role": "user", "content": f"reply:{reply}"},
     ]

@@ -90,9 +90,10 @@ def test_rendering_equals_transformers_apply_chat_template_with_tools(family_dir
     pieces = validator._render_chat(chat)
     assert "".join(text for text, _ in pieces) == reference
     # Spot checks that the comparison covered the format-specific parts.
-    expected = {"qwen2.5": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich", "unit": "C"}}\n</tool_call>',
-                "llama3.1": '{"name": "get_weather", "parameters": {"city": "Zürich", "unit": "C"}}<|eot_id|>',
-                "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Zürich", "unit": "C"}, "id": "abc123XYZ"}]</s>'}
+    args = '{"city": "Zürich", "unit": "C"}'
+    expected = {"qwen2.5": f'<tool_call>\n{{"name": "get_weather", "arguments": {args}}}\n</tool_call>',
+                "llama3.1": f'{{"name": "get_weather", "parameters": {args}}}<|eot_id|>',
+                "mistral": f'[TOOL_CALLS][{{"name": "get_weather", "arguments": {args}, "id": "abc123XYZ"}}]</s>'}
     assert expected[family] in reference
     assert "get_time" in reference
     # Message text is its own piece, as the template edited it (Llama trims, writes tool results as JSON).
@@ -111,7 +112,8 @@ def test_tool_turns_render_for_a_conversation_the_generation_continues(family_di
     messages = _conversation(family)[:4]
     reference = transformers.AutoTokenizer.from_pretrained(str(directory)).apply_chat_template(
         _transformers_messages(messages), tools=TOOLS, tokenize=False, add_generation_prompt=True)
-    template_ = ChatTemplate(template(family), {"bos_token": FAMILIES[family][3], "eos_token": FAMILIES[family][4]})
+    template_ = ChatTemplate(template(family),
+                             {"bos_token": FAMILIES[family][3], "eos_token": FAMILIES[family][4]})
     assert template_.render(parse_messages(messages, tools=True), tools=TOOLS) == reference
 
 
@@ -155,7 +157,8 @@ def test_tools_for_a_template_without_tool_syntax_are_refused(tmp_path):
     from tests.engine.checkpoint import sentencepiece_tokenizer
 
     sentencepiece_tokenizer().save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"}))
+    plain = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": plain}))
     tokenizer = Tokenizer.from_hf_dir(tmp_path)
     validator = Validator(EngineConfig(), tokenizer, template_for(tokenizer))
     with pytest.raises(ValidationError) as e:
@@ -174,7 +177,8 @@ def test_malformed_tools_json_is_refused_naming_tools(tmp_path):
     validator = Validator(EngineConfig(), tokenizer, template_for(tokenizer))
     for bad in ("[{", '{"a": 1}', "[1]"):
         with pytest.raises(ValidationError) as e:
-            validator._render_chat(pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hi")], tools_json=bad))
+            validator._render_chat(pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hi")],
+                                                   tools_json=bad))
         assert e.value.field == "tools"
 
 
