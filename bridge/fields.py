@@ -215,9 +215,11 @@ CHAT: dict[str, Rule] = {
     "response_format": Rule(HONOURED, "`text`, `json_object`, `json_schema` (`name`, `schema`, `strict`): "
                             "decoding follows the schema (llguidance), so the answer always parses",
                             {"type": "json_object"}),
-    "tools": Rule(HONOURED, "functions (`parameters` may use `$defs`/`$ref`; none: no arguments); the tool "
-                  "prompt and call format are bridge/tools.py's (the model's template has none); calls are "
-                  "parsed into `tool_calls`, finish_reason `tool_calls`",
+    "tools": Rule(HONOURED, "functions (`parameters` may use `$defs`/`$ref`; none: no arguments); written by "
+                  "the model's chat template in its own format when the template defines tool calls (hermes, "
+                  "llama3_json, mistral), else by bridge/tools.py's generic prompt "
+                  "([structured-outputs.md](structured-outputs.md#tool-calling)); calls are parsed into "
+                  "`tool_calls`, finish_reason `tool_calls`",
                   [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
     "tool_choice": Rule(HONOURED, "none (text only, streamed as made), auto, required, or a named function; "
                         "required and named constrain decoding to a call whose arguments follow the "
