@@ -110,6 +110,11 @@ class EngineConfig:
             MXINT8; 0.52x the bytes of bf16 at head_dim 64): twice the tokens in the same pool and fewer bytes for decode
             attention to read, at the cost of rounding every cached key and value (the model's
             outputs change; docs/benchmarks/kv_int8.md measures by how much and how fast).
+        max_loras: LoRA adapters resident where the products run between steps (vLLM's
+            `--max-loras`); the others stay in host memory and are made resident again, least
+            recently used evicted first, when a step needs them (docs/lora.md). >= 1.
+        max_lora_rank: the largest rank a LoRA adapter may have (vLLM's `--max-lora-rank`);
+            1..64.
     """
 
     block_size: int = 16
@@ -139,6 +144,8 @@ class EngineConfig:
     prefix_cache_scope: str = "key"
     weights: str = "auto"
     kv_cache_dtype: str = "auto"
+    max_loras: int = 8
+    max_lora_rank: int = 64
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -180,6 +187,10 @@ class EngineConfig:
         if self.prefix_cache_scope not in PREFIX_CACHE_SCOPES:
             raise ValueError(f"prefix_cache_scope must be one of {PREFIX_CACHE_SCOPES}, got "
                              f"{self.prefix_cache_scope!r}")
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if not 1 <= self.max_lora_rank <= 64:
+            raise ValueError(f"max_lora_rank must be in 1..64, got {self.max_lora_rank}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got "
                              f"{self.kv_cache_dtype!r}")

@@ -13,7 +13,8 @@ blocks); this module is the policy on top, modelled on vLLM's `v1/core/kv_cache_
 
 Scope: a block is found only by requests in the scope that computed it (`cache_scope`): under
 `prefix_cache_scope` "key" (the default) the API key and the request's `cache_salt`, under
-"global" the salt alone. The scope is the salt of the first block's hash, so scopes never share a
+"global" the salt alone; under either, the request's LoRA adapter (its name and load id: a block
+computed under adapter A never serves adapter B, the base model, or A loaded again). The scope is the salt of the first block's hash, so scopes never share a
 hash, a block or a hit: one tenant's hit count and time to first token do not depend on what
 another tenant sent.
 
@@ -59,12 +60,15 @@ class KVCacheManager:
         self.prefix_hit_tokens = 0
 
     def cache_scope(self, req: Request) -> bytes:
-        """The salt of `req`'s first block hash: a digest of its API key (scope "key") and its
-        `cache_salt`; empty for the global scope without a salt (the unscoped hashes)."""
-        if self.scope == "global" and not req.cache_salt:
+        """The salt of `req`'s first block hash: a digest of its API key (scope "key"), its
+        `cache_salt` and its LoRA adapter (name and load id, `Request.lora`); empty for the global
+        scope without a salt or an adapter (the unscoped hashes)."""
+        lora = req.lora
+        if self.scope == "global" and not req.cache_salt and lora is None:
             return b""
         key = req.api_key if self.scope == "key" else ""
-        parts = f"{self.scope}\0{len(key)}\0{key}\0{req.cache_salt}".encode()
+        adapter = "" if lora is None else f"\0lora\0{lora.lora_id}\0{len(lora.name)}\0{lora.name}"
+        parts = f"{self.scope}\0{len(key)}\0{key}\0{req.cache_salt}{adapter}".encode()
         return hashlib.blake2b(parts, digest_size=HASH_BYTES, person=b"genserve-scope").digest()
 
     def block_hashes(self, req: Request) -> list[bytes]:

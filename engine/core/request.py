@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from engine.core.outputs import FinishReason, TokenEvent
@@ -118,6 +118,26 @@ class SamplingParams:
 
 
 @dataclass(frozen=True, slots=True)
+class LoraRequest:
+    """The LoRA adapter a request runs on (vLLM's `LoRARequest`), resolved by name when the request
+    is made (`engine.model.lora.LoraRegistry.request`).
+
+    Attributes:
+        name: the adapter's served name (what the client sent as `model`).
+        lora_id: the load's id, unique per load of any adapter in the process (> 0): an adapter
+            unloaded and loaded again under the same name gets a new id, so the prefix cache (whose
+            scope includes both) never serves blocks computed under the old weights.
+        adapter: the loaded adapter itself (`engine.model.lora.LoraAdapter`, host copies of its
+            matrices), held here so a request keeps running on it after an unload; opaque to the
+            scheduling core, read only by the model runner.
+    """
+
+    name: str
+    lora_id: int
+    adapter: Any = field(default=None, compare=False, repr=False)
+
+
+@dataclass(frozen=True, slots=True)
 class RequestInput:
     """What the client asked for, fixed from submission on (vLLM's `EngineCoreRequest`).
 
@@ -135,6 +155,8 @@ class RequestInput:
         cache_salt: the client's narrowing of its prefix-cache scope (vLLM's `cache_salt`): only
             requests with the same salt (and, under the default scope, the same key) share
             cached blocks; "" for none.
+        lora: the LoRA adapter its rows run on (`LoraRequest`), or None for the base model; part
+            of its prefix-cache scope.
     """
 
     request_id: str
@@ -146,6 +168,7 @@ class RequestInput:
     on_event: Callable[[TokenEvent], None] | None = None
     constraint: Any = None
     cache_salt: str = ""
+    lora: LoraRequest | None = None
 
 
 @dataclass(slots=True)
@@ -183,7 +206,7 @@ class Request:
 
     Args:
         request_id, api_key, prompt_ids, max_tokens, sampling, eos_token_id, on_event,
-            constraint, cache_salt: the `RequestInput`.
+            constraint, cache_salt, lora: the `RequestInput`.
         arrival_s: clock time at submit, seconds (`Engine.submit` stamps it again).
         deadline_s: clock time after which the request is cancelled, seconds.
         index: sample index within its group (0 for the request the client sent).
@@ -223,9 +246,9 @@ class Request:
                  sampling: SamplingParams, arrival_s: float, deadline_s: float,
                  on_event: Callable[[TokenEvent], None] | None = None,
                  eos_token_id: int | None = None, *, index: int = 0, parent: "Request | None" = None,
-                 constraint: Any = None, cache_salt: str = "") -> None:
+                 constraint: Any = None, cache_salt: str = "", lora: LoraRequest | None = None) -> None:
         self.input = RequestInput(request_id, api_key, tuple(prompt_ids), max_tokens, sampling,
-                                  eos_token_id, on_event, constraint, cache_salt)
+                                  eos_token_id, on_event, constraint, cache_salt, lora)
         self.stats = RequestStats(arrival_s=arrival_s)
         self.deadline_s = deadline_s
         self.est_device_ms = 0.0
@@ -294,6 +317,11 @@ class Request:
         return self.input.cache_salt
 
     @property
+    def lora(self) -> LoraRequest | None:
+        """`RequestInput.lora`."""
+        return self.input.lora
+
+    @property
     def num_prompt(self) -> int:
         """Prompt length in tokens."""
         return len(self.prompt_ids)
@@ -342,7 +370,7 @@ class Request:
                 f"{base.request_id}/{i}", base.api_key, base.prompt_ids, base.max_tokens,
                 replace(base.sampling, seed=seeds[i]), self.stats.arrival_s, self.deadline_s,
                 base.on_event, base.eos_token_id, index=i, parent=self,
-                constraint=base.constraint, cache_salt=base.cache_salt))
+                constraint=base.constraint, cache_salt=base.cache_salt, lora=base.lora))
 
     @property
     def finished(self) -> bool:

@@ -35,6 +35,7 @@ from engine import kernels
 from engine.model.config import ModelArgs, MoEArgs
 from engine.model.layer_ops import TorchLayerOps
 from engine.model.linear import PackedLinearMethod, PackedWeight, QKMethod, linear, pack_fp32
+from engine.model.lora import LoraBatch
 
 # torch._grouped_mm's bf16 CUTLASS kernel (aten/src/ATen/native/cuda/GroupedBlas.cpp) runs on
 # compute capability 9.x and 10.x; elsewhere torch falls back to a loop over the groups that reads
@@ -82,10 +83,18 @@ class FeedForward(nn.Module):
         self.w13_packed: PackedWeight | None = None
         self.w2_packed: PackedWeight | None = None
 
-    def forward(self, x: torch.Tensor, ops: type[TorchLayerOps]) -> torch.Tensor:    # x: [T, dim]
+    def forward(self, x: torch.Tensor, ops: type[TorchLayerOps], lora: LoraBatch | None = None,
+                layer: int = 0) -> torch.Tensor:                                     # x: [T, dim]
+        """x [T, dim] → [T, dim]; with `lora`, the adapter rows' deltas of layer `layer` are added
+        to the gate | up and down products."""
         gate_up = linear(x, self.w13, self.w13_packed)                               # [T, 2·ffn]
+        if lora is not None:
+            lora.add(gate_up, x, layer, "feed_forward.w13")
         hidden = gated(gate_up, self.gelu, ops)                                      # [T, ffn]
-        return linear(hidden, self.w2, self.w2_packed)                               # [T, dim]
+        out = linear(hidden, self.w2, self.w2_packed)                                # [T, dim]
+        if lora is not None:
+            lora.add(out, hidden, layer, "feed_forward.w2")
+        return out
 
     def matrices(self) -> list[tuple[nn.Module, str]]:
         """(module, attribute) of its matrices: w13, w2."""

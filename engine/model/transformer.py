@@ -31,6 +31,7 @@ from engine.attention.base import AttentionMetadata, AttentionSpec
 from engine.model.config import ModelArgs
 from engine.model.layer_ops import TorchLayerOps
 from engine.model.linear import PackedWeight, linear, pack_weights
+from engine.model.lora import LoraBatch
 from engine.model.mlp import FeedForward, MoEFeedForward, grouped_mm_device
 from engine.model.rope import interleave_rope_rows, rope_tables
 
@@ -120,8 +121,13 @@ class Attention(nn.Module):
         self.wo_packed: PackedWeight | None = None
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, positions: torch.Tensor,
-                cache: torch.Tensor, meta: AttentionMetadata, ops: type[TorchLayerOps]) -> torch.Tensor:
+                cache: torch.Tensor, meta: AttentionMetadata, ops: type[TorchLayerOps],
+                lora: LoraBatch | None = None, layer: int = 0) -> torch.Tensor:
+        """x [T, dim] → [T, dim]; with `lora`, the adapter rows' deltas of layer `layer` are added
+        to the Q | K | V and output products (before their biases)."""
         qkv = linear(x, self.wqkv, self.wqkv_packed)                     # x: [T, dim]
+        if lora is not None:
+            lora.add(qkv, x, layer, "attention.wqkv")
         if self.bqkv is not None:
             qkv = qkv + self.bqkv
         if self.q_norm is not None:
@@ -130,7 +136,10 @@ class Attention(nn.Module):
                               self.n_heads, self.n_kv)
         o = meta.backend.attend(q, cache, meta) if self.spec is None else \
             meta.backend.attend(q, cache, meta, self.spec)
-        out = linear(o.reshape(x.shape[0], -1), self.wo, self.wo_packed)  # [T, dim]
+        o = o.reshape(x.shape[0], -1)
+        out = linear(o, self.wo, self.wo_packed)                         # [T, dim]
+        if lora is not None:
+            lora.add(out, o, layer, "attention.wo")
         return out if self.bo is None else out + self.bo
 
     def norm_qk(self, qkv: torch.Tensor, ops: type[TorchLayerOps]) -> torch.Tensor:
@@ -154,6 +163,7 @@ class Block(nn.Module):
 
     def __init__(self, args: ModelArgs, i: int, rope_index: int) -> None:
         super().__init__()
+        self.index = i
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args, layer_spec(args, i), rope_index)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
@@ -164,16 +174,23 @@ class Block(nn.Module):
 
     def forward(self, h: torch.Tensor, x: torch.Tensor, rope: torch.Tensor,
                 positions: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
-                ops: type[TorchLayerOps], next_norm: RMSNorm) -> torch.Tensor:
+                ops: type[TorchLayerOps], next_norm: RMSNorm, lora: LoraBatch | None = None) -> torch.Tensor:
         """h [T, dim] residual stream (updated in place); x = attention_norm(h). Returns
-        next_norm(h) for the next block (or the final norm)."""
+        next_norm(h) for the next block (or the final norm). `lora`: the step's adapter rows
+        (their deltas on this block's dense projections), or None."""
         # Sub-modules are called through .forward: nn.Module.__call__ (hook dispatch) costs a few
         # µs per call, ~150 calls a step, and this model registers no hooks.
-        out = self.attention.forward(x, rope, positions, cache, meta, ops)
+        if lora is not None:
+            out = self.attention.forward(x, rope, positions, cache, meta, ops, lora, self.index)
+        else:
+            out = self.attention.forward(x, rope, positions, cache, meta, ops)
         if self.post_attention_norm is not None:
             out = ops.rms_norm(out, self.post_attention_norm.weight, self.post_attention_norm.eps)
         x = ops.add_rms_norm_(h, out, self.ffn_norm.weight, self.ffn_norm.eps)
-        out = self.feed_forward.forward(x, ops)
+        if lora is not None and isinstance(self.feed_forward, FeedForward):
+            out = self.feed_forward.forward(x, ops, lora, self.index)
+        else:
+            out = self.feed_forward.forward(x, ops)
         if self.post_ffn_norm is not None:
             out = ops.rms_norm(out, self.post_ffn_norm.weight, self.post_ffn_norm.eps)
         return ops.add_rms_norm_(h, out, next_norm.weight, next_norm.eps)
@@ -323,7 +340,7 @@ class Transformer(nn.Module):
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor,
                 kv_layers: list[torch.Tensor], meta: AttentionMetadata | Sequence[AttentionMetadata],
-                ops: type[TorchLayerOps] = TorchLayerOps) -> torch.Tensor:
+                ops: type[TorchLayerOps] = TorchLayerOps, lora: LoraBatch | None = None) -> torch.Tensor:
         """Hidden states of a flat batch.
 
         Args:
@@ -336,6 +353,8 @@ class Transformer(nn.Module):
             ops: the per-token steps between the matrix products: `TorchLayerOps` (any device)
                 or `KernelLayerOps` (genserve's CPU kernels, once `engine.kernels.available()`);
                 the model runner chooses, with its attention backend.
+            lora: the step's rows grouped by LoRA adapter (`engine.model.lora.LoraBatch`): each
+                dense projection adds their deltas to its base product; None: the base model.
         Returns:
             [T, dim] final-norm hidden states in the model dtype.
         """
@@ -345,7 +364,7 @@ class Transformer(nn.Module):
         metas = [meta] * len(self.layers) if isinstance(meta, AttentionMetadata) else meta
         for layer, cache, m, next_norm in zip(self.layers, kv_layers, metas, norms):
             x = layer.forward(h, x, ropes[layer.attention.rope_index], positions, cache, m, ops,
-                              next_norm)                                # no hooks
+                              next_norm, lora)                          # no hooks
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -35,6 +35,7 @@ from engine.runner.decode_loop import DecodeLoop
 from engine.runner.inputs import StepInputs
 from engine.runner.kv_cache import KVCache
 from engine.runner.logits_processors import process_logits
+from engine.runner.lora import LoraRegistry, LoraSlots, lora_batch
 from engine.runner.prompt_logprobs import prompt_logprobs
 from engine.runner.request_state import CachedRequestState, RequestStates
 from engine.runner.sampler import make_generator, sample
@@ -70,6 +71,7 @@ class ModelRunner:
             (`engine.attention.choose_backend`).
         cuda_graphs: replay decode-only steps of up to 64 rows from CUDA graphs captured per
             row bucket (`engine.runner.cuda_graphs.DecodeGraphs`); CUDA only, off by default.
+        max_loras: LoRA adapters kept resident between steps (`engine.runner.lora.LoraSlots`).
     Raises:
         ValueError: the weights and the KV pools are on different devices, `attention` is
             not a backend name, or the pools are in the 8-bit format (int8) with a backend that
@@ -82,6 +84,11 @@ class ModelRunner:
         attention: the backend every step's layers call.
         states: each request's runner state (`RequestStates`: generator, logits processors'
             state, grammar matcher), dropped the step after the request finished.
+        adapters: the LoRA adapters served by name (`engine.runner.lora.LoraRegistry`: load,
+            unload, each new request's `LoraRequest`).
+        loras: the resident LoRA adapters (`LoraSlots`); a step with adapter rows runs the
+            model's Python block loop (neither the C++ decode loop nor a CUDA graph adds the
+            deltas), each dense projection adding the rows' deltas (`engine.model.lora`).
         decode_loop: the C++ decode loop (`engine.runner.decode_loop.DecodeLoop`) that runs
             pure-decode steps, or None (then the model's Python block loop runs them; set it to
             None to compare the two).
@@ -98,7 +105,7 @@ class ModelRunner:
     """
 
     def __init__(self, model: Transformer, kv: KVCache, kernels: bool | None = None,
-                 attention: str | None = None, cuda_graphs: bool = False) -> None:
+                 attention: str | None = None, cuda_graphs: bool = False, max_loras: int = 8) -> None:
         self.model = model
         self.kv = kv
         self.device = kv.layers[0].device
@@ -135,6 +142,8 @@ class ModelRunner:
         self.graphs = DecodeGraphs(model, kv) if cuda_graphs else None
         self.grammar = GrammarMasks()        # constrained rows' token masks (engine/structured)
         self.states = RequestStates()        # generators, processor and grammar state per request
+        self.loras = LoraSlots(self.device, model.dtype, max_loras)
+        self.adapters = LoraRegistry(model.args, model.dtype)   # the served adapters, by name
 
     def expert_load(self) -> list[tuple[int, list[int]]]:
         """Routing of the mixture-of-experts layers since the model was built: (layer index,
@@ -178,7 +187,8 @@ class ModelRunner:
             inputs = StepInputs.from_plan(plan, self.kv.block_size)
             for src, dst in plan.block_copies:      # copy-on-write of shared prompt blocks
                 self.kv.copy_block(src, dst)
-            graph_rows = self.graphs.bucket(plan) if self.graphs is not None else None
+            lora = lora_batch(plan, self.loras, self.device)
+            graph_rows = self.graphs.bucket(plan) if self.graphs is not None and lora is None else None
             if graph_rows is None:
                 meta, (token_ids, positions, *sampling) = build_metadata(
                     self.attention, inputs.layout, self.model.dtype, self.device,
@@ -189,11 +199,11 @@ class ModelRunner:
         with stage("genserve.forward"):
             if graph_rows is not None:
                 hidden, sampling = self.graphs.run(graph_rows, inputs)
-            elif self.decode_loop is not None and inputs.decode_only:
+            elif self.decode_loop is not None and inputs.decode_only and lora is None:
                 # A pure-decode step: the model's block loop, run in C++.
                 hidden = self.decode_loop.run(self.model, token_ids, positions, self.kv.layers, meta)
             else:
-                hidden = self.model(token_ids, positions, self.kv.layers, meta, self.layer_ops)
+                hidden = self.model(token_ids, positions, self.kv.layers, meta, self.layer_ops, lora)
         sample_index, draw_index, greedy_index, drawn_index = sampling
         prompt = prompt_logprobs(plan, hidden, self.model.logits) if plan.wants_prompt_logprobs else ()
         if not inputs.sample_rows:

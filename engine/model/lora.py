@@ -1,0 +1,405 @@
+"""LoRA adapters (Hu et al. 2021) on the shared network: loading and checking PEFT adapter
+directories, and the grouped delta a step adds to the base products.
+
+An adapter is a PEFT directory: `adapter_config.json` (`r`, `lora_alpha`, `target_modules`,
+`use_rslora`, `rank_pattern`, `alpha_pattern`) and `adapter_model.safetensors` holding, per
+targeted projection, `...layers.{i}.<module>.lora_A.weight` [r, in] and `lora_B.weight` [out, r].
+A projection's output becomes W·x + s · B·A·x with s = alpha / r (alpha / √r with rsLoRA).
+
+The network runs fused matrices (`engine.model.transformer`): Q | K | V as `wqkv` (Q and K rows in
+interleaved-RoPE order), gate | up as `w13`. `load_adapter` turns an adapter into the same
+layout, one pair per fused matrix: A_f [R, in] the targeted parts' A stacked, B_f [out, R]
+block-diagonal (each part's B · s in its rows and its own R columns, Q and K rows reordered as
+the base weights are), so that B_f · A_f · x is every part's delta at once and one shrink and one
+expand run per fused matrix. Every family of the registry maps its Hugging Face module names to
+the loader's (`hf_layer_names` / `HF_LAYER_NAMES`), Phi-3's fused `qkv_proj` and `gate_up_proj`
+included; a mixture-of-experts layer's experts take no adapter (transformers' experts are not
+`nn.Linear`s, so PEFT does not target them).
+
+A step's rows are grouped by adapter (`LoraBatch`, built by the model runner from the plan):
+each fused matrix's delta is one grouped shrink and one grouped expand over every adapter row of
+the step (punica's SGMV, S-LoRA), added to the base product's output, whatever `LinearMethod`
+computed it. On a bf16 CPU with genserve's kernels the two products are `packed_linear_grouped`
+calls over the adapters' matrices in `packed_linear`'s layout (`vnni_pack`, R padded with zeros
+to a multiple of 64): each row's bits are those of its row alone, whatever its neighbours'
+adapters. Elsewhere one product per adapter group (`engine.model.linear.linear`). Rows of the
+base model take no delta: their bits are the base model's.
+
+Which adapters are served and which are resident where the products run is the runner's
+(`engine.runner.lora`: `LoraRegistry`, `LoraSlots`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from engine import kernels
+from engine.model.config import ModelArgs
+from engine.model.linear import linear, vnni_pack
+from engine.model.registry import family_for
+from engine.model.rope import interleave_rope_rows
+
+# Largest rank an adapter's projection may have (vLLM's --max-lora-rank default range).
+MAX_LORA_RANK = 64
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+# The fused matrices an adapter may change, and the loader names (`engine.model.weights`) that
+# make their rows, in row order.
+FUSED_PARTS: dict[str, tuple[str, ...]] = {
+    "attention.wqkv": ("attention.wq", "attention.wk", "attention.wv"),
+    "attention.wo": ("attention.wo",),
+    "feed_forward.w13": ("feed_forward.w1", "feed_forward.w3"),
+    "feed_forward.w2": ("feed_forward.w2",),
+}
+# Checkpoint-fused loader names (Phi-3) -> the fused matrix whose every row they cover.
+_WHOLE = {"attention.wqkv_checkpoint": "attention.wqkv", "feed_forward.w13_checkpoint": "feed_forward.w13"}
+_KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(.+)\.lora_([AB])(?:\.[^.]+)?\.weight$")
+# Packed-path granularity of R: `packed_linear` needs N a multiple of 64 and K of 32.
+_PACK_R = 64
+
+
+@dataclass(frozen=True)
+class LoraMatrix:
+    """One fused matrix's adapter pair, in the model dtype.
+
+    Attributes:
+        a: [R, in], the targeted parts' lora_A stacked (R = the sum of their ranks).
+        b: [out, R], block-diagonal: each part's lora_B times its scale in the part's rows (the
+            fused matrix's row order, RoPE-interleaved for Q and K) and its own R columns.
+    """
+
+    a: torch.Tensor
+    b: torch.Tensor
+
+
+@dataclass(eq=False)
+class LoraAdapter:
+    """A loaded adapter: host copies of its fused pairs.
+
+    Attributes:
+        name: served name; path: its directory; lora_id: the load's id (`LoraRequest.lora_id`).
+        rank: its largest rank; alpha: `lora_alpha`; targets: the Hugging Face module names it
+            changes (sorted).
+        matrices: (layer index, fused matrix name: "attention.wqkv", "attention.wo",
+            "feed_forward.w13", "feed_forward.w2") -> `LoraMatrix`, on the CPU.
+        unloaded: set by `LoraRegistry.unload`; requests already holding it finish on it.
+    """
+
+    name: str
+    path: str
+    lora_id: int
+    rank: int
+    alpha: float
+    targets: tuple[str, ...]
+    matrices: dict[tuple[int, str], LoraMatrix]
+    unloaded: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its host copies."""
+        return sum(m.a.nbytes + m.b.nbytes for m in self.matrices.values())
+
+
+def _module_map(args: ModelArgs) -> list[dict[str, str]]:
+    """Per layer: Hugging Face module name (`self_attn.q_proj` ...) -> loader name
+    (`attention.wq` ...) of every projection an adapter may target there."""
+    module = family_for([args.architecture], args.architecture).module
+    targetable = set(_WHOLE) | {p for parts in FUSED_PARTS.values() for p in parts}
+    out = []
+    for i in range(args.n_layers):
+        names = module.hf_layer_names(args, i) if hasattr(module, "hf_layer_names") else module.HF_LAYER_NAMES
+        out.append({hf: ours for hf, ours in names.items() if ours in targetable
+                    and not (args.is_sparse(i) and ours.startswith("feed_forward."))})
+    return out
+
+
+def _sizes(args: ModelArgs) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """Fused matrix -> (input width, its parts' output rows)."""
+    hd = args.head_dim
+    return {"attention.wqkv": (args.dim, (args.n_heads * hd, args.n_kv_heads * hd, args.n_kv_heads * hd)),
+            "attention.wo": (args.n_heads * hd, (args.dim,)),
+            "feed_forward.w13": (args.dim, (args.intermediate_size, args.intermediate_size)),
+            "feed_forward.w2": (args.intermediate_size, (args.dim,))}
+
+
+def _pattern_value(patterns: dict, module: str, default):
+    """PEFT's `rank_pattern` / `alpha_pattern` lookup: the first key that matches the end of the
+    module's full name (`re.match(rf"(.*\\.)?({key})$", name)`), else `default`."""
+    for key, value in (patterns or {}).items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+def read_adapter_config(directory: pathlib.Path) -> dict:
+    """`adapter_config.json` of `directory`, checked for what genserve serves.
+
+    Raises:
+        ValueError: the directory or the file is missing, not JSON, not a LoRA config, or asks for
+            what is not served (DoRA, trained biases, `modules_to_save`, `target_parameters`
+            (LoRA on a mixture of experts' stacked experts), a rank above
+            `MAX_LORA_RANK` or below 1); the message names the file and the field.
+    """
+    path = directory / CONFIG_FILE
+    if not directory.is_dir():
+        raise ValueError(f"LoRA adapter {directory}: no such directory")
+    if not path.is_file():
+        raise ValueError(f"LoRA adapter {directory}: missing {CONFIG_FILE}")
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: not a JSON adapter config ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: not a JSON object")
+    if str(config.get("peft_type", "LORA")).upper() != "LORA":
+        raise ValueError(f"{path}: peft_type {config.get('peft_type')!r} is not LORA")
+    for flag in ("use_dora", "lora_bias"):
+        if config.get(flag):
+            raise ValueError(f"{path}: {flag} is not supported")
+    if config.get("bias", "none") != "none":
+        raise ValueError(f"{path}: bias {config['bias']!r} is not supported (only 'none')")
+    if config.get("target_parameters"):
+        raise ValueError(f"{path}: target_parameters {config['target_parameters']} (LoRA on parameters, such as a "
+                         "mixture of experts' stacked experts) is not supported; target the projections")
+    if config.get("modules_to_save"):
+        raise ValueError(f"{path}: modules_to_save {config['modules_to_save']} is not supported")
+    ranks = [config.get("r", 8), *(config.get("rank_pattern") or {}).values()]
+    for r in ranks:
+        if not isinstance(r, int) or not 1 <= r <= MAX_LORA_RANK:
+            raise ValueError(f"{path}: rank r = {r!r} is not an integer in 1..{MAX_LORA_RANK}")
+    return config
+
+
+def load_adapter(directory: str | pathlib.Path, args: ModelArgs, dtype: torch.dtype, name: str = "",
+                 lora_id: int = 0) -> LoraAdapter:
+    """Read and check a PEFT LoRA directory for the model `args` describes, in `dtype`, on the CPU.
+
+    Args:
+        directory: holds `adapter_config.json` and `adapter_model.safetensors`.
+        args: the base model (its family names the projections; its shapes are checked).
+        dtype: the serving dtype of the pairs (the scale is applied in fp32 first).
+        name, lora_id: what the adapter is served as (`LoraRequest`).
+    Returns:
+        The `LoraAdapter`, its pairs in the fused layout (module docstring).
+    Raises:
+        ValueError: a missing file; a config genserve does not serve (`read_adapter_config`); a
+            `target_modules` entry the model has no projection of (the message lists those it
+            has); a tensor of a module or layer the model lacks, or of a kind other than
+            lora_A / lora_B; a lora_A without its lora_B; a rank that is not the config's
+            (`r`, or its `rank_pattern`); an input or output width that is not the model's. Each
+            message names the file and the tensor or field.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    directory = pathlib.Path(directory)
+    config = read_adapter_config(directory)
+    weights = directory / WEIGHTS_FILE
+    if not weights.is_file():
+        raise ValueError(f"LoRA adapter {directory}: missing {WEIGHTS_FILE}")
+    modules = _module_map(args)
+    leaves = sorted({hf.rpartition(".")[2] for layer in modules for hf in layer})
+    targets = config.get("target_modules") or []
+    if isinstance(targets, list):
+        for t in targets:
+            if t not in leaves and not any(t == hf or hf.endswith("." + t) for layer in modules for hf in layer):
+                raise ValueError(f"{directory / CONFIG_FILE}: target module {t!r}: {args.architecture} has no "
+                                 f"such projection an adapter can change (it has {', '.join(leaves)})")
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ValueError(f"{weights}: not a readable safetensors file ({e})") from None
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        m = _KEY.match(key)
+        if m is None:
+            raise ValueError(f"{weights}: tensor {key!r} is not a lora_A / lora_B weight of a decoder layer "
+                             "(embeddings, DoRA magnitudes and saved modules are not served)")
+        layer, module, kind = int(m.group(1)), m.group(2), m.group(3)
+        if layer >= args.n_layers or module not in modules[layer]:
+            raise ValueError(f"{weights}: tensor {key!r}: the model has no projection {module!r} in layer "
+                             f"{layer} ({args.n_layers} layers; projections {', '.join(sorted(modules[0]))})")
+        pairs.setdefault((layer, module), {})[kind] = tensor
+    if not pairs:
+        raise ValueError(f"{weights}: no lora_A / lora_B tensors")
+    r_default, alpha_default = config.get("r", 8), float(config.get("lora_alpha", 8))
+    sizes = _sizes(args)
+    parts: dict[tuple[int, str], list[tuple[int, int, torch.Tensor, torch.Tensor]]] = {}
+    max_rank = 0
+    for (layer, module), ab in sorted(pairs.items()):
+        full = f"model.layers.{layer}.{module}"
+        if set(ab) != {"A", "B"}:
+            missing = "lora_B" if "A" in ab else "lora_A"
+            raise ValueError(f"{weights}: {full} has no {missing}.weight")
+        a, b = ab["A"], ab["B"]
+        r = _pattern_value(config.get("rank_pattern"), full, r_default)
+        alpha = float(_pattern_value(config.get("alpha_pattern"), full, alpha_default))
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != r or b.shape[1] != r:
+            raise ValueError(f"{weights}: {full}: rank of lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} "
+                             f"is not the config's r = {r}")
+        ours = modules[layer][module]
+        fused = _WHOLE.get(ours) or next(f for f, ps in FUSED_PARTS.items() if ours in ps)
+        width, rows = sizes[fused]
+        if ours in _WHOLE:
+            lo, hi = 0, sum(rows)
+        else:
+            j = FUSED_PARTS[fused].index(ours)
+            lo, hi = sum(rows[:j]), sum(rows[:j + 1])
+        if a.shape[1] != width or b.shape[0] != hi - lo:
+            raise ValueError(f"{weights}: {full}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit "
+                             f"the model's projection (in {width}, out {hi - lo})")
+        scale = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+        parts.setdefault((layer, fused), []).append((lo, hi, a.float(), b.float() * scale))
+        max_rank = max(max_rank, r)
+    matrices = {}
+    for (layer, fused), pieces in parts.items():
+        width, rows = sizes[fused]
+        total = sum(p[2].shape[0] for p in pieces)
+        a_f = torch.zeros(total, width)
+        b_f = torch.zeros(sum(rows), total)
+        col = 0
+        for lo, hi, a, b in pieces:
+            r = a.shape[0]
+            a_f[col:col + r] = a
+            b_f[lo:hi, col:col + r] = b
+            col += r
+        if fused == "attention.wqkv":             # Q and K rows as the fused base weight has them
+            q, k, v = b_f.split(rows)
+            b_f = torch.cat([interleave_rope_rows(q, args.n_heads, args.rotary_dim),
+                             interleave_rope_rows(k, args.n_kv_heads, args.rotary_dim), v])
+        matrices[(layer, fused)] = LoraMatrix(a_f.to(dtype).contiguous(), b_f.to(dtype).contiguous())
+    targets_found = sorted({module.rpartition(".")[2] for _, module in pairs})
+    return LoraAdapter(name or directory.name, str(directory), lora_id, max_rank, alpha_default,
+                       tuple(targets_found), matrices)
+
+
+@dataclass(eq=False)
+class ResidentLora:
+    """An adapter's pairs where the products run (`LoraSlots`).
+
+    Attributes:
+        adapter: the host adapter.
+        matrices: (layer, fused matrix) -> (a [R, in], b [out, R]) on the device.
+        packed: (layer, fused matrix) -> (a, b) in `packed_linear`'s layout with R padded to a
+            multiple of 64 (`vnni_pack`), on a bf16 CPU with `packed_linear_grouped` built and
+            the widths fitting its blocks; else empty.
+    """
+
+    adapter: LoraAdapter
+    matrices: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    packed: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+def packed_path(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether adapters' products run `packed_linear_grouped` here (bf16 on a CPU where it is
+    built)."""
+    return (device.type == "cpu" and dtype == torch.bfloat16 and kernels.available()
+            and kernels.packed_linear_grouped_available())
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], t.shape[1])]) if rows > t.shape[0] else t
+
+
+def make_resident(adapter: LoraAdapter, device: torch.device, dtype: torch.dtype) -> ResidentLora:
+    """`adapter`'s pairs on `device`, with their packed copies where `packed_path` says (a fused
+    matrix whose widths do not fit `packed_linear`'s blocks runs the per-group products)."""
+    matrices = {k: (m.a.to(device), m.b.to(device)) for k, m in adapter.matrices.items()}
+    packed = {}
+    if packed_path(dtype, device):
+        for key, (a, b) in matrices.items():
+            r = -(-a.shape[0] // _PACK_R) * _PACK_R
+            if a.shape[1] % 32 == 0 and b.shape[0] % 64 == 0:
+                packed[key] = (vnni_pack(_pad_rows(a, r)), vnni_pack(_pad_rows(b.t(), r).t().contiguous()))
+    return ResidentLora(adapter, matrices, packed)
+
+
+class LoraBatch:
+    """One step's rows grouped by adapter, and the delta each fused matrix adds (module docstring).
+
+    Args:
+        row_adapters: [T] per flat-batch row, the `ResidentLora` it runs on, or None (base).
+        device: where the step runs.
+
+    Build with `LoraBatch.from_rows`; None when no row has an adapter.
+    """
+
+    def __init__(self, groups: list[tuple[ResidentLora, list[int]]], device: torch.device) -> None:
+        self.groups = groups
+        self.device = device
+        self._selections: dict[tuple[bool, ...], tuple[torch.Tensor, list[int], list[ResidentLora]]] = {}
+
+    @classmethod
+    def from_rows(cls, row_adapters: list[ResidentLora | None], device: torch.device) -> "LoraBatch | None":
+        """Group the rows by adapter (adapters in first-row order, rows ascending within one)."""
+        by: dict[int, tuple[ResidentLora, list[int]]] = {}
+        for row, res in enumerate(row_adapters):
+            if res is not None:
+                by.setdefault(id(res), (res, []))[1].append(row)
+        return cls(list(by.values()), device) if by else None
+
+    @property
+    def num_rows(self) -> int:
+        """Rows that run on an adapter."""
+        return sum(len(rows) for _, rows in self.groups)
+
+    def _select(self, key: tuple[int, str]) -> tuple[torch.Tensor, list[int], list[ResidentLora]] | None:
+        """The rows (int64 [N], grouped) whose adapter changes `key`, their group offsets and
+        adapters; cached per set of groups (the same for most matrices)."""
+        present = tuple(key in res.matrices for res, _ in self.groups)
+        if not any(present):
+            return None
+        hit = self._selections.get(present)
+        if hit is None:
+            rows, offsets, adapters = [], [0], []
+            for (res, group), on in zip(self.groups, present):
+                if on:
+                    rows.extend(group)
+                    offsets.append(len(rows))
+                    adapters.append(res)
+            index = torch.tensor(rows, dtype=torch.int64).to(self.device)
+            hit = self._selections[present] = (index, offsets, adapters)
+        return hit
+
+    def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, matrix: str) -> torch.Tensor:
+        """y [T, out] (the base product of x [T, in], same dtype) plus each adapter row's delta
+        B·A·x of fused matrix `matrix` ("attention.wqkv" ...) in layer `layer`, in place; rows of
+        the base model or of adapters that do not change this matrix are left as they are.
+        Returns y."""
+        sel = self._select((layer, matrix))
+        if sel is None:
+            return y
+        index, offsets, adapters = sel
+        xs = x.index_select(0, index)                                            # [N, in]
+        key = (layer, matrix)
+        if all(key in res.packed for res in adapters):
+            delta = self._packed(xs, key, offsets, adapters)
+        else:
+            delta = torch.cat([linear(linear(xs[lo:hi], res.matrices[key][0]), res.matrices[key][1])
+                               for res, lo, hi in zip(adapters, offsets, offsets[1:])])
+        return y.index_add_(0, index, delta)
+
+    @staticmethod
+    def _packed(xs: torch.Tensor, key: tuple[int, str], offsets: list[int],
+                adapters: list[ResidentLora]) -> torch.Tensor:
+        """The groups' deltas [N, out] through `packed_linear_grouped`: one shrink and one expand
+        call per padded rank among them (one, when the adapters' ranks pad alike)."""
+        xs = xs.contiguous()
+        widths = {res.packed[key][0].shape[0] for res in adapters}
+        if len(widths) == 1:
+            a = [res.packed[key][0] for res in adapters]
+            b = [res.packed[key][1] for res in adapters]
+            shrunk = torch.ops.genserve.packed_linear_grouped(xs, a, offsets, [xs.shape[1]] * len(a))
+            return torch.ops.genserve.packed_linear_grouped(shrunk, b, offsets, [shrunk.shape[1]] * len(b))
+        parts = []
+        for res, lo, hi in zip(adapters, offsets, offsets[1:]):
+            a, b = res.packed[key]
+            shrunk = torch.ops.genserve.packed_linear(xs[lo:hi].contiguous(), a, a.shape[1])
+            parts.append(torch.ops.genserve.packed_linear(shrunk, b, b.shape[1]))
+        return torch.cat(parts)
