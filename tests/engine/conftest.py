@@ -49,13 +49,14 @@ def fp32_engine(gguf_weights) -> Engine:
 
 
 def new_request(prompt_ids: list[int], max_tokens: int, events: list | None = None,
-                eos_token_id: int | None = 2, constraint=None, **sampling) -> Request:
+                eos_token_id: int | None = 2, constraint=None, lora=None, **sampling) -> Request:
     """A request whose TokenEvents are appended to `events` (if given), its output following
-    `constraint` (a compiled grammar) when given."""
+    `constraint` (a compiled grammar) and its rows running on adapter `lora` (a `LoraRequest`)
+    when given."""
     return Request(f"t{next(_ids)}", "test", list(prompt_ids), max_tokens,
                    SamplingParams(**sampling), 0.0, 0.0,
                    on_event=events.append if events is not None else None,
-                   eos_token_id=eos_token_id, constraint=constraint)
+                   eos_token_id=eos_token_id, constraint=constraint, lora=lora)
 
 
 def generate(engine: Engine, prompts: list[list[int]], max_tokens: int, **sampling) -> list[list[int]]:

@@ -117,9 +117,9 @@ def run(e: Engine, jobs: list[tuple[list[int], str | None]], max_tokens: int = 1
     events: list[list] = [[] for _ in jobs]
     reqs = []
     for (prompt, name), ev in zip(jobs, events):
-        req = new_request(prompt, max_tokens, ev, temperature=0.0, logprobs=True, ignore_eos=True)
-        req.lora = None if name is None else e.executor.adapters.request(name)
-        reqs.append(req)
+        lora = None if name is None else e.executor.adapters.request(name)
+        reqs.append(new_request(prompt, max_tokens, ev, lora=lora, temperature=0.0, logprobs=True,
+                                ignore_eos=True))
     for r in reqs:
         e.submit(r)
     e.run_until_idle()
@@ -185,8 +185,7 @@ def test_unload_while_running_finishes_on_the_adapter(llama):
     prompt = tokens(30, seed=6)
     want = run(e, [(prompt, "all8")], 16)[0][0]
     events: list = []
-    req = new_request(prompt, 16, events, temperature=0.0, ignore_eos=True)
-    req.lora = reg.request("all8")
+    req = new_request(prompt, 16, events, lora=reg.request("all8"), temperature=0.0, ignore_eos=True)
     e.submit(req)
     for _ in range(4):
         e.step()
