@@ -5,8 +5,10 @@
     POST   /v1/responses                -> the same, in OpenAI's Responses shape (stateless)
     DELETE /v1/requests/{request_id}    -> Cancel
     GET    /health                      -> grpc.health.v1 Check (or Info)
-    GET    /v1/models                   -> the one served model
+    GET    /v1/models                   -> ListModels: the served model and the key's LoRA adapters
     GET    /v1/models/{model}           -> that model (404 for any other name)
+    POST   /v1/load_lora_adapter        -> LoadLoraAdapter (admin keys)
+    POST   /v1/unload_lora_adapter      -> UnloadLoraAdapter (admin keys)
     POST   /tokenize                    -> Tokenize (vLLM's endpoint)
     POST   /detokenize                  -> Detokenize (vLLM's endpoint)
     GET    /metrics                     -> the bridge's and the engine's Prometheus metrics
@@ -70,7 +72,8 @@ from bridge.console import INDEX_HTML, STATIC_DIR, replicas_event, snapshot_even
 from bridge.errors import ApiError, DEFAULT_RETRY_AFTER_S, add_exception_handlers, from_grpc
 from bridge.metrics import BridgeMetrics
 from bridge.middleware import BodyGuard, MAX_BODY_BYTES, ResponseCounter
-from bridge.protocol import UINT32_MAX, DetokenizeRequest, TokenizeRequest
+from bridge.protocol import (UINT32_MAX, DetokenizeRequest, LoadLoraAdapterRequest, TokenizeRequest,
+                             UnloadLoraAdapterRequest)
 from bridge.responses import create_response
 from bridge.sse import SSEResponse, SSE_KEEPALIVE_S, read_first, sse_data, sse_error
 from bridge.state import Backend, BridgeState, auth_metadata, bridge_state
@@ -160,6 +163,9 @@ def _add_routes(router: APIRouter) -> None:
     router.add_api_route("/metrics", prometheus_metrics, methods=["GET"], description=no_description)
     router.add_api_route("/v1/models", models, methods=["GET"], description=no_description)
     router.add_api_route("/v1/models/{model:path}", model_info, methods=["GET"], description=no_description)
+    router.add_api_route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"], description=no_description)
+    router.add_api_route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"],
+                         description=no_description)
     router.add_api_route("/tokenize", tokenize, methods=["POST"], description=no_description)
     router.add_api_route("/detokenize", detokenize, methods=["POST"], description=no_description)
     router.add_api_route("/v1/console/events", console_events, methods=["GET"], description=no_description)
@@ -205,20 +211,62 @@ async def prometheus_metrics(state: Annotated[BridgeState, Depends(bridge_state)
     return Response(await state.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
-async def models(state: Annotated[BridgeState, Depends(bridge_state)]) -> JSONResponse:
-    """GET /v1/models: the one served model, OpenAI's list shape."""
-    model = {"id": state.model_name, "object": "model", "created": state.created_at, "owned_by": "genserve"}
-    return JSONResponse({"object": "list", "data": [model]})
+async def _model_cards(state: BridgeState, request: Request) -> list[dict]:
+    """The served model and the LoRA adapters the caller's key may use (the ListModels call), in
+    vLLM's shape: adapters carry `root` (their directory) and `parent` (the base model). Only the
+    served model when the call fails (an engine without it, or a caller without a valid key)."""
+    base = {"id": state.model_name, "object": "model", "created": state.created_at, "owned_by": "genserve",
+            "root": state.model_name, "parent": None}
+    try:
+        reply = await state.connect().generate.ListModels(pb.ListModelsRequest(), metadata=auth_metadata(request),
+                                                          timeout=TOKENIZE_TIMEOUT_S)
+    except grpc.aio.AioRpcError:
+        return [base]
+    return [base] + [{"id": m.id, "object": "model", "created": m.created or state.created_at, "owned_by": "genserve",
+                      "root": m.root, "parent": m.parent} for m in reply.models if m.parent]
 
 
-async def model_info(model: str, state: Annotated[BridgeState, Depends(bridge_state)]) -> JSONResponse:
-    """GET /v1/models/{model}: the served model (OpenAI's retrieve); any other name is a 404 in
-    OpenAI's error shape."""
-    if model != state.model_name:
+async def models(request: Request, state: Annotated[BridgeState, Depends(bridge_state)]) -> JSONResponse:
+    """GET /v1/models: the served model and the LoRA adapters the caller's key may use, each with
+    its parent (OpenAI's list shape, vLLM's fields)."""
+    return JSONResponse({"object": "list", "data": await _model_cards(state, request)})
+
+
+async def model_info(model: str, request: Request,
+                     state: Annotated[BridgeState, Depends(bridge_state)]) -> JSONResponse:
+    """GET /v1/models/{model}: the served model or one of the caller's adapters (OpenAI's
+    retrieve); any other name is a 404 in OpenAI's error shape."""
+    card = next((c for c in await _model_cards(state, request) if c["id"] == model), None)
+    if card is None:
         raise ApiError(404, f"The model '{model}' does not exist; this server serves '{state.model_name}'",
                        code="model_not_found", param="model", type="invalid_request_error")
-    return JSONResponse({"id": state.model_name, "object": "model", "created": state.created_at,
-                         "owned_by": "genserve"})
+    return JSONResponse(card)
+
+
+async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request,
+                            state: Annotated[BridgeState, Depends(bridge_state)]) -> Response:
+    """POST /v1/load_lora_adapter (vLLM's; admin keys): load a PEFT adapter directory under
+    `lora_name`. 200 with vLLM's text; 400 naming the field for a bad directory or a name in use
+    (the engine keeps serving), 403 for a key that is not an admin's. Behind Envoy with several
+    replicas the call reaches one of them: start them with `--lora-modules` instead."""
+    try:
+        await state.connect().generate.LoadLoraAdapter(body.to_proto(), metadata=auth_metadata(request),
+                                                       timeout=TOKENIZE_TIMEOUT_S)
+    except grpc.aio.AioRpcError as err:
+        raise from_grpc(err) from None
+    return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
+
+
+async def unload_lora_adapter(body: UnloadLoraAdapterRequest, request: Request,
+                              state: Annotated[BridgeState, Depends(bridge_state)]) -> Response:
+    """POST /v1/unload_lora_adapter (vLLM's; admin keys): new requests naming it get 404, those
+    running on it finish on it. 404 when it is not loaded, 403 for a key that is not an admin's."""
+    try:
+        await state.connect().generate.UnloadLoraAdapter(body.to_proto(), metadata=auth_metadata(request),
+                                                         timeout=TOKENIZE_TIMEOUT_S)
+    except grpc.aio.AioRpcError as err:
+        raise from_grpc(err) from None
+    return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
 
 
 async def tokenize(body: TokenizeRequest, request: Request,

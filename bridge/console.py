@@ -56,6 +56,7 @@ def snapshot_event(snap: pb.SchedulerSnapshot) -> dict:
         "max_rows": snap.max_rows,
         "queues": [{"name": q.name, "queued": q.queued, "running": q.running} for q in snap.queues],
         "queue_depth": sum(q.queued for q in snap.queues),
+        "adapters": [{"name": a.name, "running": a.running, "queued": a.queued} for a in snap.adapters],
         "queued_device_s": round(snap.queued_device_s, 4),
         "queue_budget_s": snap.queue_budget_s,
         "kv_pool": {"block_size": snap.kv_pool.block_size, "total": snap.kv_pool.total_blocks,

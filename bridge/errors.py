@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 HTTP_STATUS_OF_GRPC: dict[grpc.StatusCode, int] = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
     grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
     grpc.StatusCode.NOT_FOUND: 404,
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
     grpc.StatusCode.UNAVAILABLE: 503,
@@ -33,6 +34,7 @@ HTTP_STATUS_OF_GRPC: dict[grpc.StatusCode, int] = {
 ERROR_TYPE_OF_HTTP: dict[int, str] = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
@@ -46,6 +48,9 @@ ERROR_TYPE_OF_HTTP: dict[int, str] = {
 DEFAULT_RETRY_AFTER_S = 1
 # Trailing metadata of an INVALID_ARGUMENT naming the offending request field -> the error's `param`.
 INVALID_FIELD = "invalid-field"
+# Trailing metadata of an error with a more precise code than its status (generate.proto:
+# "model_not_found" for an adapter that is not loaded or that the key may not use) -> the error's `code`.
+ERROR_CODE = "error-code"
 RETRY_AFTER_STATUSES = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
 
 
@@ -106,7 +111,8 @@ def retry_after_s(metadata: Iterable[tuple[str, str | bytes]] | None) -> int:
 def from_grpc(err: grpc.aio.AioRpcError) -> ApiError:
     """Translate a failed gRPC call into the bridge's error: HTTP status by `HTTP_STATUS_OF_GRPC`
     (a CANCELLED counts as UNAVAILABLE: 503), `Retry-After` from `retry-after` metadata, `param`
-    from an INVALID_ARGUMENT's `invalid-field` metadata (generate.proto)."""
+    from an INVALID_ARGUMENT's `invalid-field` metadata (`model` for a `model_not_found`), `code`
+    from `error-code` metadata, else the status's name (generate.proto)."""
     status = err.code()
     message = err.details() or status.name.lower().replace("_", " ")
     if status == grpc.StatusCode.CANCELLED:
@@ -119,9 +125,13 @@ def from_grpc(err: grpc.aio.AioRpcError) -> ApiError:
     if status in RETRY_AFTER_STATUSES:
         headers["Retry-After"] = str(retry_after_s(err.trailing_metadata()))
     param = None
+    trailing = err.trailing_metadata() or ()
     if status == grpc.StatusCode.INVALID_ARGUMENT:
-        param = next((str(v) for k, v in err.trailing_metadata() or () if k.lower() == INVALID_FIELD), None)
-    return ApiError(http_status, message, code=status.name.lower(), param=param, headers=headers)
+        param = next((str(v) for k, v in trailing if k.lower() == INVALID_FIELD), None)
+    code = next((str(v) for k, v in trailing if k.lower() == ERROR_CODE), status.name.lower())
+    if code == "model_not_found":
+        param = "model"                 # the REST field that names the model or adapter
+    return ApiError(http_status, message, code=code, param=param, headers=headers)
 
 
 def client_field(field: str, names: Mapping[str, str]) -> str:

@@ -98,7 +98,9 @@ def _none_or_empty(v: Any) -> bool:
 
 # The fields both endpoints share, by name.
 _SHARED: dict[str, Rule] = {
-    "model": Rule(ACCEPTED, "any name; responses name the served model (`GET /v1/models`)", "any-model"),
+    "model": Rule(HONOURED, "the served model, or a LoRA adapter the key may use (`GET /v1/models`, "
+                            "docs/lora.md; else 404 `model_not_found`); with LoRA off any name is the "
+                            "served model", "any-model", grpc="lora"),
     "temperature": Rule(HONOURED, "0 is greedy", 0.5, grpc="sampling.temperature"),
     "top_p": Rule(HONOURED, "(0, 1]", 0.9, grpc="sampling.top_p"),
     "n": Rule(HONOURED, "1..8 samples", 2, grpc="n"),

@@ -176,7 +176,7 @@ class SamplingBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: StrictStr | None = None     # accepted (OpenAI clients send it); responses name the served model
+    model: StrictStr | None = None     # the served model or a LoRA adapter (gRPC `lora`); responses name it
     temperature: Float | None = DEFAULT_TEMPERATURE
     top_k: Int32 | None = DEFAULT_TOP_K
     top_p: Float | None = DEFAULT_TOP_P
@@ -417,6 +417,8 @@ class CompletionRequest(SamplingBody):
             constraint.set_on(request)
         if self.cache_salt is not None:
             request.cache_salt = self.cache_salt
+        if self.model:
+            request.lora = self.model        # the engine: its own name or "" is the base model
         if isinstance(prompt, str):
             request.prompt = prompt
         else:
@@ -551,6 +553,8 @@ class ChatCompletionRequest(SamplingBody):
             constraint.set_on(request)
         if self.cache_salt is not None:
             request.cache_salt = self.cache_salt
+        if self.model:
+            request.lora = self.model        # the engine: its own name or "" is the base model
         request.chat.CopyFrom(chat_messages_proto(self.messages, self.tool_setup(), self._tool_format))
         return request
 
@@ -651,3 +655,30 @@ class DetokenizeRequest(BaseModel):
 
     model: StrictStr | None = None
     tokens: list[Uint32]
+
+
+class LoadLoraAdapterRequest(BaseModel):
+    """Body of POST /v1/load_lora_adapter (vLLM's): a PEFT adapter directory on the engine's host
+    and the name requests will give as `model`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: StrictStr
+    lora_path: StrictStr
+
+    def to_proto(self) -> pb.LoadLoraAdapterRequest:
+        """The LoadLoraAdapter call's request."""
+        return pb.LoadLoraAdapterRequest(lora_name=self.lora_name, lora_path=self.lora_path)
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    """Body of POST /v1/unload_lora_adapter (vLLM's): the adapter to stop serving (vLLM also
+    accepts `lora_int_id`; genserve names adapters only)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: StrictStr
+
+    def to_proto(self) -> pb.UnloadLoraAdapterRequest:
+        """The UnloadLoraAdapter call's request."""
+        return pb.UnloadLoraAdapterRequest(lora_name=self.lora_name)

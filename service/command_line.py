@@ -39,6 +39,11 @@ class ProcessOptions:
         tool_call_parser: the tool-call format (vLLM's `--tool-call-parser` names), or "auto":
             the family's, when the chat template defines tool calls
             (`genserve.common.tool_parsers.choose_tool_call_parser`).
+        lora_modules: (name, directory) of each PEFT LoRA adapter loaded at start (vLLM's
+            `--lora-modules name=path`); a bad one stops the start with its reason.
+        enable_lora: serve LoRA adapters (implied by `lora_modules`): a request naming neither
+            the base model nor a loaded adapter is then a 404 model_not_found; adapters may be
+            loaded at run time (POST /v1/load_lora_adapter) either way.
     """
 
     model_path: str | None = None
@@ -46,6 +51,8 @@ class ProcessOptions:
     drain_grace_s: float = DRAIN_GRACE_S
     keepalive_interval_s: float = PING_INTERVAL_S
     tool_call_parser: str = AUTO
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    enable_lora: bool = False
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -89,6 +96,12 @@ def add_engine_args(parser: argparse.ArgumentParser, *,
                             "[TOOL_CALLS]). auto: the family's, when the template reads `tools`; a "
                             "template without tool syntax gets the generic tool prompt. "
                             "Default: %(default)s.")
+    group.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                       help="LoRA adapters to serve, each a PEFT adapter directory under the name "
+                            "requests give as `model` (vLLM's flag); implies --enable-lora.")
+    group.add_argument("--enable-lora", action="store_true",
+                       help="serve LoRA adapters: a `model` that is neither the served model nor a "
+                            "loaded adapter is a 404 (off: any name is the base model).")
     add_engine_config_args(parser)
     return group
 
@@ -111,9 +124,18 @@ def options_from_args(args: argparse.Namespace) -> ProcessOptions:
     parse_model_source(args.model_path)
     if not args.keepalive_interval_s > 0:
         raise ValueError(f"--keepalive-interval-s must be > 0, got {args.keepalive_interval_s}")
+    modules = []
+    for item in getattr(args, "lora_modules", None) or []:
+        name, sep, path = item.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise ValueError(f"--lora-modules: {item!r} is not NAME=PATH")
+        if name.strip() in dict(modules):
+            raise ValueError(f"--lora-modules: the name {name.strip()!r} is given twice")
+        modules.append((name.strip(), path.strip()))
     return ProcessOptions(model_path=args.model_path, metrics_port=args.metrics_port,
                           drain_grace_s=args.drain_grace_s, keepalive_interval_s=args.keepalive_interval_s,
-                          tool_call_parser=args.tool_call_parser)
+                          tool_call_parser=args.tool_call_parser, lora_modules=tuple(modules),
+                          enable_lora=bool(getattr(args, "enable_lora", False) or modules))
 
 
 def service_argv(config: EngineConfig, options: ProcessOptions, *, host: str, port: int) -> list[str]:
@@ -132,4 +154,8 @@ def service_argv(config: EngineConfig, options: ProcessOptions, *, host: str, po
         argv.append(f"--metrics-port={options.metrics_port}")
     if options.tool_call_parser != AUTO:
         argv.append(f"--tool-call-parser={options.tool_call_parser}")
+    if options.lora_modules:
+        argv += ["--lora-modules", *(f"{name}={path}" for name, path in options.lora_modules)]
+    if options.enable_lora:
+        argv.append("--enable-lora")
     return argv + engine_config_argv(config)

@@ -75,6 +75,34 @@ class _SchedulerGauges(Collector):
             yield family
 
 
+class _LoraCounters(Collector):
+    """LoRA adapters' loads and residency, read from the model runner at scrape time
+    (`engine.runner.lora`: the registry's loads and unloads, the resident slots' loads and
+    evictions); nothing for an executor without adapters (the simulator)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def collect(self):
+        executor = self.engine.executor
+        registry = getattr(executor, "adapters", None) or getattr(getattr(executor, "inner", None), "adapters", None)
+        slots = getattr(executor, "loras", None) or getattr(getattr(executor, "inner", None), "loras", None)
+        if registry is None or slots is None:
+            return
+        yield CounterMetricFamily("genserve_lora_loads", "LoRA adapters loaded (at start or POST /v1/load_lora_adapter).",
+                                  value=registry.loads)
+        yield CounterMetricFamily("genserve_lora_unloads", "LoRA adapters unloaded.", value=registry.unloads)
+        yield GaugeMetricFamily("genserve_lora_adapters", "LoRA adapters served now.", value=len(registry.adapters()))
+        yield CounterMetricFamily("genserve_lora_slot_loads",
+                                  "LoRA adapters made resident where the products run (from host memory).",
+                                  value=slots.loads)
+        yield CounterMetricFamily("genserve_lora_evictions",
+                                  "Resident LoRA adapters evicted (least recently used past --max-loras, or unloaded).",
+                                  value=slots.evictions)
+        yield GaugeMetricFamily("genserve_lora_resident", "LoRA adapters resident now.",
+                                value=len(slots.resident_ids))
+
+
 class EngineMetrics:
     """All metrics of one engine, in their own `CollectorRegistry`.
 
@@ -118,6 +146,11 @@ class EngineMetrics:
         self.cancelled_generated = Counter(
             "genserve_cancelled_request_generated_tokens",
             "Tokens generated for requests that were later cancelled.", registry=r)
+        self.lora_requests = Counter("genserve_lora_requests", "Requests run on each LoRA adapter.",
+                                     ["adapter"], registry=r)
+        self.lora_tokens = Counter("genserve_lora_tokens",
+                                   "Tokens computed on each LoRA adapter: prompt (prefill) and generated (sampled).",
+                                   ["adapter", "kind"], registry=r)
         self.buffer_overflows = Counter(
             "genserve_stream_buffer_overflows",
             "Requests cancelled because their client read too slowly (output buffer full).",
@@ -131,6 +164,7 @@ class EngineMetrics:
             Info("genserve_attention_backend", "Attention backend the engine runs.",
                  registry=r).info({"backend": backend})
         r.register(_SchedulerGauges(engine))
+        r.register(_LoraCounters(engine))
         r.register(ComponentProcessCollector("engine"))
         engine.step_listeners.append(self.on_step)
 
@@ -141,6 +175,12 @@ class EngineMetrics:
             self.rows.observe(plan.num_decode_rows)
             if self.engine.last_step_predicted_s > 0:
                 self.step_ratio.observe(step_s / self.engine.last_step_predicted_s)
+            for seg in plan.segments:
+                if seg.request.lora is not None and not seg.decode:
+                    self.lora_tokens.labels(seg.request.lora.name, "prompt").inc(seg.length)
+            for _, req in plan.draws:
+                if req.lora is not None:
+                    self.lora_tokens.labels(req.lora.name, "generated").inc()
         self.observe_events(events)
 
     def observe_events(self, events: list[TokenEvent]) -> None:

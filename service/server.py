@@ -22,6 +22,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 
 import grpc
@@ -87,9 +88,12 @@ class EngineServer:
                  max_buffered_events: int = MAX_BUFFERED_EVENTS,
                  build: Builder = build_engine, tracer=None,
                  keepalive_interval_s: float = keepalive.PING_INTERVAL_S,
-                 tool_call_parser: str = AUTO) -> None:
+                 tool_call_parser: str = AUTO,
+                 lora_modules: tuple[tuple[str, str], ...] = (), enable_lora: bool = False) -> None:
         self.config = config
         self.tool_call_parser = tool_call_parser
+        self.lora_modules = tuple(lora_modules)
+        self.enable_lora = enable_lora or bool(lora_modules)
         self.host = host
         self.requested_port = port
         self.model_path = model_path
@@ -138,6 +142,13 @@ class EngineServer:
         so the process keeps one OpenMP worker pool, the engine thread's (`Engine.start`)."""
         loaded = await _on_daemon_thread(self.build, self.config, self.model_path)
         engine = loaded.engine
+        adapters = getattr(engine.executor, "adapters", None)     # the model runner's registry
+        for name, path in self.lora_modules:    # raises ValueError naming the adapter's problem
+            if adapters is None:
+                raise ValueError("--lora-modules: this engine's executor serves no LoRA adapters")
+            adapter = await asyncio.to_thread(adapters.load, name, path)
+            log.info("LoRA adapter %r loaded from %s (rank %d, %s)", name, path, adapter.rank,
+                     ", ".join(adapter.targets))
         if self.fail_at_step is not None:
             engine.executor = FailingExecutor(engine.executor, self.fail_at_step, self.fail_once_file)
             log.warning("fault injection armed: forward pass %d will raise (once file: %s)",
@@ -155,6 +166,10 @@ class EngineServer:
         self.metrics = EngineMetrics(engine)
         if self.metrics_port is not None:
             start_http_server(self.metrics_port, addr=self.host, registry=self.metrics.registry)
+        self.servicer.adapters = adapters
+        self.servicer.lora_enabled = self.enable_lora and adapters is not None
+        now = int(time.time())
+        self.servicer.adapter_loaded_s = {"": now, **{name: now for name, _ in self.lora_modules}}
         self.servicer.attach(engine, loaded.tokenizer,
                              Validator(self.config, loaded.tokenizer, template),
                              info, self.metrics)
@@ -342,5 +357,6 @@ def main(argv: list[str] | None = None) -> None:
                              fail_at_step=fail_at_step, fail_once_file=once_file,
                              max_buffered_events=args.max_buffered_events,
                              keepalive_interval_s=options.keepalive_interval_s,
-                             tool_call_parser=options.tool_call_parser))
+                             tool_call_parser=options.tool_call_parser,
+                             lora_modules=options.lora_modules, enable_lora=options.enable_lora))
     sys.exit(code)

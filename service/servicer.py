@@ -43,7 +43,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from engine.core.engine import Engine, EngineUnavailable
 from engine.core.outputs import FinishReason, TokenEvent
-from engine.core.request import Request
+from engine.core.request import LoraRequest, Request
 from engine.core.sched.admission import AdmissionRejected
 from engine.core.snapshot import LatencySummary, SchedulerSnapshot, SnapshotSource
 from engine.structured.compiler import GrammarCompiler
@@ -67,6 +67,7 @@ MAX_BUFFERED_EVENTS = 512
 RETRY_AFTER_UNAVAILABLE_S = 1
 # Trailing metadata of an INVALID_ARGUMENT naming the offending request field (generate.proto).
 INVALID_FIELD_METADATA = "invalid-field"
+ERROR_CODE_METADATA = "error-code"      # a precise error code the bridge answers with (generate.proto)
 GENERATE_SPAN = "genserve.v1.GenerateService/Generate"
 # WatchScheduler: milliseconds between snapshots by default and the range a caller may ask for.
 WATCH_INTERVAL_MS = 250
@@ -182,6 +183,14 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
         self.snapshots: SnapshotSource | None = None
         self.load = LoadReporter()     # counts ended requests; writes the ORCA load reports
         self.num_watching = 0          # WatchScheduler streams open now
+        # The LoRA adapters served by name (engine.runner.lora.LoraRegistry), set by the server
+        # once the model has loaded; None: no adapter can be served. `lora_enabled`: adapters
+        # are served (--enable-lora, --lora-modules, or one was loaded): a request naming a model
+        # that is neither the base nor a loaded adapter is then NOT_FOUND; off, any name is the
+        # base model (as before adapters).
+        self.adapters = None
+        self.lora_enabled = False
+        self.adapter_loaded_s: dict[str, int] = {}
         # Names this process in scheduler snapshots; the server adds its port once bound.
         self.engine_label = f"{socket.gethostname()} pid {os.getpid()}"
         if engine is not None:
@@ -263,6 +272,10 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
             except ConstraintError as exc:
                 context.set_trailing_metadata(((INVALID_FIELD_METADATA, exc.field),))
                 await self._reject(context, "400", grpc.StatusCode.INVALID_ARGUMENT, str(exc), span)
+        try:
+            lora = self.lora_for(request.lora, api_key)
+        except LookupError:
+            await self._model_not_found(context, request.lora or self.auth.policy(api_key).default_adapter, span)
         request_id = request.request_id or f"cmpl-{uuid.uuid4().hex}"
         REQUEST_ID.set(request_id)
         span.set_attributes({"genserve.request_id": request_id, "genserve.prompt_tokens": len(valid.prompt_ids),
@@ -276,7 +289,8 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
             request_id=request_id, api_key=api_key, prompt_ids=valid.prompt_ids,
             max_tokens=valid.max_tokens, sampling=valid.sampling, arrival_s=0.0,
             deadline_s=0.0, eos_token_id=self.tokenizer.eos_token_id, cache_salt=valid.cache_salt,
-            on_event=lambda ev: handoff.call(self._deliver, request_id, buffer, ev), constraint=compiled)
+            on_event=lambda ev: handoff.call(self._deliver, request_id, buffer, ev), constraint=compiled,
+            lora=lora)
         if valid.n > 1:
             req.fork(valid.n, sample_seeds(valid.sampling.seed, valid.n))
         if valid.deadline_s is not None:
@@ -296,6 +310,8 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
             context.set_trailing_metadata(((INVALID_FIELD_METADATA, "request_id"),))
             await self._reject(context, "400", grpc.StatusCode.INVALID_ARGUMENT, f"request_id: {exc}", span)
         span.add_event("queued")
+        if lora is not None and self.metrics is not None:
+            self.metrics.lora_requests.labels(lora.name).inc()
         admitted_s = self.load.clock()
 
         self._open.add(buffer)
@@ -384,6 +400,91 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"request_id: no running request {request.request_id!r}")
         return pb.CancelResponse(request_id=request.request_id)
 
+    def lora_for(self, name: str, api_key: str) -> LoraRequest | None:
+        """The adapter a Generate call runs on: `name` (the request's `lora`), or, when it is
+        empty or the served model's name, the key's default adapter; None for the base model.
+
+        Raises:
+            LookupError: adapters are served and the name is neither the base model nor an
+                adapter the key may use that is loaded (the same answer for both: a key learns
+                nothing of another key's adapters).
+        """
+        policy = self.auth.policy(api_key)
+        if not name or name == self.info.model_name:
+            name = policy.default_adapter
+        if not name or not self.lora_enabled or self.adapters is None:
+            return None                    # the base model (LoRA off: any model name is the base)
+        if not policy.allows(name):
+            raise LookupError(name)
+        try:
+            return self.adapters.request(name)
+        except KeyError:
+            raise LookupError(name) from None
+
+    async def _model_not_found(self, context: grpc.aio.ServicerContext, name: str,
+                               span: trace.Span | None = None) -> NoReturn:
+        context.set_trailing_metadata(((INVALID_FIELD_METADATA, "lora"), (ERROR_CODE_METADATA, "model_not_found")))
+        await self._reject(context, "404", grpc.StatusCode.NOT_FOUND, f"The model `{name}` does not exist.", span)
+
+    async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext):
+        """The served model, then the loaded adapters the caller's key may use (with their parent)."""
+        api_key = await self._authenticate(context)
+        if self.engine is None:
+            await self._unavailable(context, "engine is loading; retry shortly")
+        base = self.info.model_name
+        cards = [pb.ModelCard(id=base, created=self.adapter_loaded_s.get("", 0))]
+        if self.adapters is not None and self.lora_enabled:
+            policy = self.auth.policy(api_key)
+            cards += [pb.ModelCard(id=a.name, parent=base, root=a.path, created=self.adapter_loaded_s.get(a.name, 0))
+                      for a in self.adapters.adapters() if policy.allows(a.name)]
+        return pb.ListModelsResponse(models=cards)
+
+    async def _admin(self, context: grpc.aio.ServicerContext) -> None:
+        """Authenticate an adapter load or unload: PERMISSION_DENIED unless an admin key."""
+        api_key = await self._authenticate(context)
+        if not self.auth.policy(api_key).admin:
+            await self._abort(context, grpc.StatusCode.PERMISSION_DENIED,
+                              "loading and unloading LoRA adapters needs an admin key (GENSERVE_ADMIN_KEYS)")
+        if self.engine is None or self.adapters is None:
+            await self._unavailable(context, "engine is loading; retry shortly")
+
+    async def LoadLoraAdapter(self, request: pb.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext):
+        """Load a PEFT adapter directory as `lora_name` (admin keys); a bad directory or a name in
+        use is INVALID_ARGUMENT naming the field, and nothing else changes."""
+        await self._admin(context)
+        name, path = request.lora_name.strip(), request.lora_path
+        field, problem = None, None
+        if not name:
+            field, problem = "lora_name", "lora_name: is required"
+        elif name == self.info.model_name or name in self.adapters:
+            field, problem = "lora_name", f"lora_name: {name!r} is already served"
+        elif not path:
+            field, problem = "lora_path", "lora_path: is required"
+        if problem is None:
+            try:
+                adapter = await asyncio.get_running_loop().run_in_executor(None, self.adapters.load, name, path)
+            except ValueError as exc:
+                field, problem = "lora_path", f"lora_path: {exc}"
+        if problem is not None:
+            context.set_trailing_metadata(((INVALID_FIELD_METADATA, field),))
+            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, problem)
+        self.lora_enabled = True
+        self.adapter_loaded_s[name] = int(time.time())
+        log.info("LoRA adapter %r loaded from %s (rank %d, %s)", name, path, adapter.rank, ", ".join(adapter.targets))
+        return pb.LoadLoraAdapterResponse(lora_name=name, rank=adapter.rank)
+
+    async def UnloadLoraAdapter(self, request: pb.UnloadLoraAdapterRequest, context: grpc.aio.ServicerContext):
+        """Stop serving `lora_name` to new requests (admin keys); running ones finish on it."""
+        await self._admin(context)
+        try:
+            self.adapters.unload(request.lora_name)
+        except KeyError:
+            await self._abort(context, grpc.StatusCode.NOT_FOUND,
+                              f"lora_name: no LoRA adapter {request.lora_name!r} is loaded")
+        self.adapter_loaded_s.pop(request.lora_name, None)
+        log.info("LoRA adapter %r unloaded (running requests finish on it)", request.lora_name)
+        return pb.UnloadLoraAdapterResponse(lora_name=request.lora_name)
+
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext):
         if self.engine is None:
             await self._abort(context, grpc.StatusCode.UNAVAILABLE, "engine is loading; retry shortly")
@@ -464,7 +565,8 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
                                         prefill_ms=s.prefill_ms) for s in snap.steps],
             ttft=_latency(snap.ttft), tpot=_latency(snap.tpot), max_token_gap=_latency(snap.max_gap),
             latency_window_s=snap.window_s, rejected_total=st.rejected_total,
-            preemptions_total=st.preemptions_total, finished_total=st.finished_total)
+            preemptions_total=st.preemptions_total, finished_total=st.finished_total,
+            adapters=[pb.AdapterUse(name=n, running=r, queued=q) for n, r, q in st.adapters])
 
     def _key_name(self, key: str) -> str:
         """The configured name of API key `key` (snapshots never carry the key itself)."""

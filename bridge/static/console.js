@@ -330,6 +330,7 @@ function render(s) {
   bar.classList.toggle("over", share >= 1);
   $("live-budget").textContent = `${s.queued_device_s.toFixed(2)} s of ${s.queue_budget_s} s budget`;
   renderQueues(s.queues);
+  renderAdapters(s.adapters || []);
   renderLatency(s.latency);
   $("live-rejected").textContent = String(s.rejected_total);
   $("live-preemptions").textContent = String(s.preemptions_total);
@@ -361,6 +362,19 @@ function renderQueues(queues) {
   body.replaceChildren(...queues.map((q) => {
     const row = document.createElement("tr");
     for (const v of [q.name, q.queued, q.running]) row.insertCell().textContent = String(v);
+    return row;
+  }));
+}
+
+function renderAdapters(adapters) {
+  const body = $("live-adapters").tBodies[0];
+  if (!adapters.length) {
+    showEmpty(body, 3, "base model only");
+    return;
+  }
+  body.replaceChildren(...adapters.map((a) => {
+    const row = document.createElement("tr");
+    for (const v of [a.name, a.queued, a.running]) row.insertCell().textContent = String(v);
     return row;
   }));
 }

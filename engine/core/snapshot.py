@@ -75,6 +75,8 @@ class SchedulerState:
         rejected_total: requests refused for the queue budget (429) since start.
         preemptions_total: preemptions since start.
         finished_total: requests ended since start.
+        adapters: (LoRA adapter name, running rows, queued requests) of every adapter with work,
+            sorted by name.
     """
 
     steps: int
@@ -91,6 +93,7 @@ class SchedulerState:
     rejected_total: int
     preemptions_total: int
     finished_total: int
+    adapters: tuple[tuple[str, int, int], ...] = ()
 
 
 def read_scheduler(scheduler, steps: int) -> SchedulerState:
@@ -104,6 +107,14 @@ def read_scheduler(scheduler, steps: int) -> SchedulerState:
         running[req.api_key] = running.get(req.api_key, 0) + 1
         if req.is_prefilling:
             prefill_rows += 1
+    adapters: dict[str, list[int]] = {}
+    for req in scheduler.running:
+        if req.lora is not None:
+            adapters.setdefault(req.lora.name, [0, 0])[0] += 1
+    for q in scheduler.queue.waiting.values():
+        for req in q:
+            if req.lora is not None:
+                adapters.setdefault(req.lora.name, [0, 0])[1] += 1
     keys = sorted(set(running) | {k for k, q in scheduler.queue.waiting.items() if q})
     queues = tuple(KeyQueue(k, len(scheduler.queue.waiting.get(k, ())), running.get(k, 0)) for k in keys)
     states = bytearray(min(pool.ref_count(b), BLOCK_SHARED) for b in range(pool.num_blocks))
@@ -118,7 +129,8 @@ def read_scheduler(scheduler, steps: int) -> SchedulerState:
         queue_budget_s=scheduler.config.queue_budget_s, block_size=pool.block_size,
         kv_block_states=bytes(states), kv_blocks_free=pool.num_free - cached, kv_blocks_cached=cached,
         rejected_total=scheduler.admission.num_rejected, preemptions_total=scheduler.num_preemptions,
-        finished_total=scheduler.num_finished)
+        finished_total=scheduler.num_finished,
+        adapters=tuple((name, run, wait) for name, (run, wait) in sorted(adapters.items())))
 
 
 @dataclass(frozen=True, slots=True)

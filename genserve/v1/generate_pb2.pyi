@@ -19,7 +19,7 @@ FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_CANCELLED: FinishReason
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_token_ids", "chat", "max_tokens", "sampling", "n", "logprobs", "request_id", "deadline_s", "json_schema", "json_object", "regex", "choice", "grammar", "cache_salt", "prompt_logprobs")
+    __slots__ = ("prompt", "prompt_token_ids", "chat", "max_tokens", "sampling", "n", "logprobs", "request_id", "deadline_s", "json_schema", "json_object", "regex", "choice", "grammar", "cache_salt", "prompt_logprobs", "lora")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class GenerateRequest(_message.Message):
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_token_ids: TokenIds
     chat: ChatMessages
@@ -52,7 +53,58 @@ class GenerateRequest(_message.Message):
     grammar: str
     cache_salt: str
     prompt_logprobs: int
-    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., n: _Optional[int] = ..., logprobs: _Optional[int] = ..., request_id: _Optional[str] = ..., deadline_s: _Optional[float] = ..., json_schema: _Optional[str] = ..., json_object: _Optional[_Union[JsonObject, _Mapping]] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[Choices, _Mapping]] = ..., grammar: _Optional[str] = ..., cache_salt: _Optional[str] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
+    lora: str
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., n: _Optional[int] = ..., logprobs: _Optional[int] = ..., request_id: _Optional[str] = ..., deadline_s: _Optional[float] = ..., json_schema: _Optional[str] = ..., json_object: _Optional[_Union[JsonObject, _Mapping]] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[Choices, _Mapping]] = ..., grammar: _Optional[str] = ..., cache_salt: _Optional[str] = ..., prompt_logprobs: _Optional[int] = ..., lora: _Optional[str] = ...) -> None: ...
+
+class ListModelsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListModelsResponse(_message.Message):
+    __slots__ = ("models",)
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[ModelCard]
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelCard, _Mapping]]] = ...) -> None: ...
+
+class ModelCard(_message.Message):
+    __slots__ = ("id", "parent", "root", "created")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    ROOT_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    parent: str
+    root: str
+    created: int
+    def __init__(self, id: _Optional[str] = ..., parent: _Optional[str] = ..., root: _Optional[str] = ..., created: _Optional[int] = ...) -> None: ...
+
+class LoadLoraAdapterRequest(_message.Message):
+    __slots__ = ("lora_name", "lora_path")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_path: str
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+
+class LoadLoraAdapterResponse(_message.Message):
+    __slots__ = ("lora_name", "rank")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    rank: int
+    def __init__(self, lora_name: _Optional[str] = ..., rank: _Optional[int] = ...) -> None: ...
+
+class UnloadLoraAdapterRequest(_message.Message):
+    __slots__ = ("lora_name",)
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
+
+class UnloadLoraAdapterResponse(_message.Message):
+    __slots__ = ("lora_name",)
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
 
 class JsonObject(_message.Message):
     __slots__ = ()
@@ -284,7 +336,7 @@ class WatchSchedulerResponse(_message.Message):
     def __init__(self, snapshot: _Optional[_Union[SchedulerSnapshot, _Mapping]] = ...) -> None: ...
 
 class SchedulerSnapshot(_message.Message):
-    __slots__ = ("unix_time_s", "engine", "steps", "running_rows", "prefill_rows", "max_rows", "queues", "queued_device_s", "queue_budget_s", "kv_pool", "recent_steps", "ttft", "tpot", "max_token_gap", "latency_window_s", "rejected_total", "preemptions_total", "finished_total")
+    __slots__ = ("unix_time_s", "engine", "steps", "running_rows", "prefill_rows", "max_rows", "queues", "queued_device_s", "queue_budget_s", "kv_pool", "recent_steps", "ttft", "tpot", "max_token_gap", "latency_window_s", "rejected_total", "preemptions_total", "finished_total", "adapters")
     UNIX_TIME_S_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -303,6 +355,7 @@ class SchedulerSnapshot(_message.Message):
     REJECTED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     PREEMPTIONS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     FINISHED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     unix_time_s: float
     engine: str
     steps: int
@@ -321,7 +374,8 @@ class SchedulerSnapshot(_message.Message):
     rejected_total: int
     preemptions_total: int
     finished_total: int
-    def __init__(self, unix_time_s: _Optional[float] = ..., engine: _Optional[str] = ..., steps: _Optional[int] = ..., running_rows: _Optional[int] = ..., prefill_rows: _Optional[int] = ..., max_rows: _Optional[int] = ..., queues: _Optional[_Iterable[_Union[KeyQueue, _Mapping]]] = ..., queued_device_s: _Optional[float] = ..., queue_budget_s: _Optional[float] = ..., kv_pool: _Optional[_Union[KvPool, _Mapping]] = ..., recent_steps: _Optional[_Iterable[_Union[StepSample, _Mapping]]] = ..., ttft: _Optional[_Union[LatencySummary, _Mapping]] = ..., tpot: _Optional[_Union[LatencySummary, _Mapping]] = ..., max_token_gap: _Optional[_Union[LatencySummary, _Mapping]] = ..., latency_window_s: _Optional[float] = ..., rejected_total: _Optional[int] = ..., preemptions_total: _Optional[int] = ..., finished_total: _Optional[int] = ...) -> None: ...
+    adapters: _containers.RepeatedCompositeFieldContainer[AdapterUse]
+    def __init__(self, unix_time_s: _Optional[float] = ..., engine: _Optional[str] = ..., steps: _Optional[int] = ..., running_rows: _Optional[int] = ..., prefill_rows: _Optional[int] = ..., max_rows: _Optional[int] = ..., queues: _Optional[_Iterable[_Union[KeyQueue, _Mapping]]] = ..., queued_device_s: _Optional[float] = ..., queue_budget_s: _Optional[float] = ..., kv_pool: _Optional[_Union[KvPool, _Mapping]] = ..., recent_steps: _Optional[_Iterable[_Union[StepSample, _Mapping]]] = ..., ttft: _Optional[_Union[LatencySummary, _Mapping]] = ..., tpot: _Optional[_Union[LatencySummary, _Mapping]] = ..., max_token_gap: _Optional[_Union[LatencySummary, _Mapping]] = ..., latency_window_s: _Optional[float] = ..., rejected_total: _Optional[int] = ..., preemptions_total: _Optional[int] = ..., finished_total: _Optional[int] = ..., adapters: _Optional[_Iterable[_Union[AdapterUse, _Mapping]]] = ...) -> None: ...
 
 class KeyQueue(_message.Message):
     __slots__ = ("name", "queued", "running")
@@ -332,6 +386,16 @@ class KeyQueue(_message.Message):
     queued: int
     running: int
     def __init__(self, name: _Optional[str] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ...) -> None: ...
+
+class AdapterUse(_message.Message):
+    __slots__ = ("name", "running", "queued")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    running: int
+    queued: int
+    def __init__(self, name: _Optional[str] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ...) -> None: ...
 
 class KvPool(_message.Message):
     __slots__ = ("block_size", "total_blocks", "free_blocks", "used_blocks", "cached_blocks", "block_states")

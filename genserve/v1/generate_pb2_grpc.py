@@ -65,6 +65,21 @@ class GenerateServiceStub:
                 request_serializer=genserve_dot_v1_dot_generate__pb2.DetokenizeRequest.SerializeToString,
                 response_deserializer=genserve_dot_v1_dot_generate__pb2.DetokenizeResponse.FromString,
                 _registered_method=True)
+        self.ListModels = channel.unary_unary(
+                '/genserve.v1.GenerateService/ListModels',
+                request_serializer=genserve_dot_v1_dot_generate__pb2.ListModelsRequest.SerializeToString,
+                response_deserializer=genserve_dot_v1_dot_generate__pb2.ListModelsResponse.FromString,
+                _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/genserve.v1.GenerateService/LoadLoraAdapter',
+                request_serializer=genserve_dot_v1_dot_generate__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=genserve_dot_v1_dot_generate__pb2.LoadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/genserve.v1.GenerateService/UnloadLoraAdapter',
+                request_serializer=genserve_dot_v1_dot_generate__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=genserve_dot_v1_dot_generate__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class GenerateServiceServicer:
@@ -129,6 +144,32 @@ class GenerateServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListModels(self, request, context):
+        """ListModels lists the served model and the LoRA adapters the caller's key
+        may use, each adapter with its parent (the base model).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadLoraAdapter(self, request, context):
+        """LoadLoraAdapter loads a PEFT LoRA adapter directory under a name (admin
+        keys only). INVALID_ARGUMENT naming the field for a bad directory or a
+        name already loaded; the server keeps serving.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """UnloadLoraAdapter stops serving an adapter to new requests (admin keys
+        only); requests already running on it finish on it. NOT_FOUND when it is
+        not loaded.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerateServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -161,6 +202,21 @@ def add_GenerateServiceServicer_to_server(servicer, server):
                     servicer.Detokenize,
                     request_deserializer=genserve_dot_v1_dot_generate__pb2.DetokenizeRequest.FromString,
                     response_serializer=genserve_dot_v1_dot_generate__pb2.DetokenizeResponse.SerializeToString,
+            ),
+            'ListModels': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListModels,
+                    request_deserializer=genserve_dot_v1_dot_generate__pb2.ListModelsRequest.FromString,
+                    response_serializer=genserve_dot_v1_dot_generate__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=genserve_dot_v1_dot_generate__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=genserve_dot_v1_dot_generate__pb2.LoadLoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=genserve_dot_v1_dot_generate__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=genserve_dot_v1_dot_generate__pb2.UnloadLoraAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -326,6 +382,87 @@ class GenerateService:
             '/genserve.v1.GenerateService/Detokenize',
             genserve_dot_v1_dot_generate__pb2.DetokenizeRequest.SerializeToString,
             genserve_dot_v1_dot_generate__pb2.DetokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListModels(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/genserve.v1.GenerateService/ListModels',
+            genserve_dot_v1_dot_generate__pb2.ListModelsRequest.SerializeToString,
+            genserve_dot_v1_dot_generate__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/genserve.v1.GenerateService/LoadLoraAdapter',
+            genserve_dot_v1_dot_generate__pb2.LoadLoraAdapterRequest.SerializeToString,
+            genserve_dot_v1_dot_generate__pb2.LoadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/genserve.v1.GenerateService/UnloadLoraAdapter',
+            genserve_dot_v1_dot_generate__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            genserve_dot_v1_dot_generate__pb2.UnloadLoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
