@@ -60,8 +60,11 @@ FUSED_PARTS: dict[str, tuple[str, ...]] = {
 # Checkpoint-fused loader names (Phi-3) -> the fused matrix whose every row they cover.
 _WHOLE = {"attention.wqkv_checkpoint": "attention.wqkv", "feed_forward.w13_checkpoint": "feed_forward.w13"}
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(.+)\.lora_([AB])(?:\.[^.]+)?\.weight$")
-# Packed-path granularity of R: `packed_linear` needs N a multiple of 64 and K of 32.
+# Packed-path granularity of R: `packed_linear` needs N a multiple of 64 and K of 32, so the
+# shrink's A pads R to 64 rows and the expand's B to 32 columns (its input is the shrink's output
+# cut to that many: the columns cut are zeros).
 _PACK_R = 64
+_PACK_K = 32
 
 
 @dataclass(frozen=True)
@@ -286,8 +289,8 @@ class ResidentLora:
     Attributes:
         adapter: the host adapter.
         matrices: (layer, fused matrix) -> (a [R, in], b [out, R]) on the device.
-        packed: (layer, fused matrix) -> (a, b) in `packed_linear`'s layout with R padded to a
-            multiple of 64 (`vnni_pack`), on a bf16 CPU with `packed_linear_grouped` built and
+        packed: (layer, fused matrix) -> (a, b) in `packed_linear`'s layout (`vnni_pack`), a's R
+            rows padded with zeros to a multiple of 64 and b's R columns to one of 32, on a bf16 CPU with `packed_linear_grouped` built and
             the widths fitting its blocks; else empty.
     """
 
@@ -315,8 +318,9 @@ def make_resident(adapter: LoraAdapter, device: torch.device, dtype: torch.dtype
     if packed_path(dtype, device):
         for key, (a, b) in matrices.items():
             r = -(-a.shape[0] // _PACK_R) * _PACK_R
+            k = -(-a.shape[0] // _PACK_K) * _PACK_K
             if a.shape[1] % 32 == 0 and b.shape[0] % 64 == 0:
-                packed[key] = (vnni_pack(_pad_rows(a, r)), vnni_pack(_pad_rows(b.t(), r).t().contiguous()))
+                packed[key] = (vnni_pack(_pad_rows(a, r)), vnni_pack(_pad_rows(b.t(), k).t().contiguous()))
     return ResidentLora(adapter, matrices, packed)
 
 
@@ -389,17 +393,21 @@ class LoraBatch:
     def _packed(xs: torch.Tensor, key: tuple[int, str], offsets: list[int],
                 adapters: list[ResidentLora]) -> torch.Tensor:
         """The groups' deltas [N, out] through `packed_linear_grouped`: one shrink and one expand
-        call per padded rank among them (one, when the adapters' ranks pad alike)."""
+        call when the adapters' ranks pad alike, else one pair per adapter."""
         xs = xs.contiguous()
-        widths = {res.packed[key][0].shape[0] for res in adapters}
-        if len(widths) == 1:
+        shapes = {(res.packed[key][0].shape[0], res.packed[key][1].shape[1]) for res in adapters}
+        if len(shapes) == 1:
+            (_, k), = shapes
             a = [res.packed[key][0] for res in adapters]
             b = [res.packed[key][1] for res in adapters]
             shrunk = torch.ops.genserve.packed_linear_grouped(xs, a, offsets, [xs.shape[1]] * len(a))
-            return torch.ops.genserve.packed_linear_grouped(shrunk, b, offsets, [shrunk.shape[1]] * len(b))
+            if shrunk.shape[1] != k:                   # the padding's zero columns, cut
+                shrunk = shrunk[:, :k].contiguous()
+            return torch.ops.genserve.packed_linear_grouped(shrunk, b, offsets, [k] * len(b))
         parts = []
         for res, lo, hi in zip(adapters, offsets, offsets[1:]):
             a, b = res.packed[key]
             shrunk = torch.ops.genserve.packed_linear(xs[lo:hi].contiguous(), a, a.shape[1])
+            shrunk = shrunk[:, :b.shape[1]].contiguous()
             parts.append(torch.ops.genserve.packed_linear(shrunk, b, b.shape[1]))
         return torch.cat(parts)
