@@ -80,8 +80,11 @@ class AdmissionControl:
     """
 
     def __init__(self, config: EngineConfig, pool: BlockPool, margin_blocks: int,
-                 joins_between_steps: bool) -> None:
+                 joins_between_steps: bool, step_tokens: int | None = None) -> None:
         self.config = config
+        # a request's prompt tokens per step (`StepBudget.request_step_tokens`), for the blocks
+        # a sliding-window KV group holds while it prefills
+        self.step_tokens = step_tokens if step_tokens is not None else config.prefill_step_tokens
         self.pool = pool
         self.margin_blocks = margin_blocks
         self.joins_between_steps = joins_between_steps
@@ -223,7 +226,7 @@ class AdmissionControl:
         blocked = not self.joins_between_steps
         pending_forks = sum(len(r.children) for r in running if r.forks_now)
         rows_free = rows - len(running) - pending_forks
-        step = cfg.prefill_step_tokens
+        step = self.step_tokens
         reserved = sum(self.pool.blocks_to_compute(r.request_id, r.num_prompt, step)
                        for r in running if r.is_prefilling)
         blocks_free = self.pool.num_free - reserved - self.margin_blocks

@@ -101,7 +101,8 @@ class Scheduler:
         self.batching = batching_for(config)
         self.budget = StepBudget(config, self.batching.chunked_prefill)
         self.admission = AdmissionControl(config, pool, self.margin_blocks,
-                                          self.batching.joins_between_steps)
+                                          self.batching.joins_between_steps,
+                                          self.budget.request_step_tokens())
         self.num_preemptions = 0
         self.num_cancelled_tokens = 0
         self.num_finished = 0
@@ -332,7 +333,7 @@ class Scheduler:
         if not self.budget.rows_fit(self.running, req):
             return False
         hits = self.kv_cache.get_computed_blocks(req, self.config.prefill_piece)
-        step = self.config.prefill_step_tokens
+        step = self.budget.request_step_tokens()
         # Cached blocks another request holds cost no free block; unused cached ones are
         # counted in num_free and leave it when taken, like any other block.
         need = self.pool.blocks_to_compute(None, req.num_prompt, step) - sum(
@@ -382,10 +383,18 @@ class Scheduler:
             return
         budget = self.budget.for_step(plan, now, self.cost)
         piece = self.config.prefill_piece
+        # A sliding-window group holds its window plus the step's tokens of the request: admission
+        # counted `request_step_tokens` of them, so a request's pieces stop there (without the
+        # cap a step the cost model allows could need more blocks than the pool has, and a lone
+        # request would preempt itself every step).
+        sliding = any(w is not None for w in self.pool.windows)
+        cap = self.budget.request_step_tokens() if sliding else None
         for req in prefilling:
             pos = req.num_computed
             while pos < req.num_prompt and req in self.running:
                 length = min(req.num_prompt - pos, piece - pos % piece)
+                if cap is not None and pos + length - req.num_computed > cap:
+                    break
                 if not budget.fits(pos, length) or not self._reserve(req, pos, pos + length, plan, now):
                     break
                 first, *others = self.pool.tables(req.request_id)

@@ -165,6 +165,14 @@ class StepBudget:
             return (0, req.joined_s)
         return (1, req.num_prompt - req.num_computed)
 
+    def request_step_tokens(self) -> int:
+        """The most prompt tokens of one request a step computes when its pool has sliding-window
+        KV groups (`engine.core.kv_groups`): `EngineConfig.prefill_step_tokens` with chunked
+        prefill (the scheduler stops a request's pieces there, however much more the cost model
+        would allow), `max_context` (its whole prompt) without. A sliding group holds its window
+        plus this many tokens (`BlockPool.blocks_to_compute`), so admission counts that many."""
+        return self.config.prefill_step_tokens if self.chunked_prefill else self.config.max_context
+
     def floor_tokens(self, plan: StepPlan) -> int:
         """Prompt tokens `plan` may carry whatever the cost model predicts:
         `prefill_token_budget_few_rows` with at most `few_rows` decode rows, else
