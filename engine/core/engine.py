@@ -176,17 +176,18 @@ class Engine:
     def run_until_idle(self, max_steps: int = 1_000_000) -> int:
         """Run steps on the calling thread until nothing is queued or running (tests, tools).
 
-        Returns the number of steps run. Raises RuntimeError after `max_steps`.
+        Returns the number of steps run. Raises RuntimeError after `max_steps` passes of the loop,
+        counting those that ran no forward pass (a request that never fits would otherwise keep
+        it busy for ever).
         """
         start = self.num_steps
-        while True:
+        for _ in range(max_steps + 1):
             with self.lock:
                 busy = self.scheduler.has_work
             if not busy:
                 return self.num_steps - start
             self.step()
-            if self.num_steps - start > max_steps:
-                raise RuntimeError(f"engine still busy after {max_steps} steps")
+        raise RuntimeError(f"engine still busy after {max_steps} passes ({self.num_steps - start} steps)")
 
     def start(self) -> None:
         """Start the scheduler thread (daemon).
