@@ -133,6 +133,7 @@ class ChatCompletionBuilder:
         if kind == "started":
             self.request_id = msg.started.request_id or self.request_id
             self.prompt_tokens = msg.started.prompt_tokens
+            self.model = msg.started.lora or self.model      # the adapter that answers
             return []
         if kind == "prompt_logprobs":
             if self.prompt_logprobs is not None:

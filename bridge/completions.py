@@ -211,6 +211,7 @@ class CompletionBuilder:
         if kind == "started":
             self.request_id = msg.started.request_id or self.request_id
             self.prompt_tokens = msg.started.prompt_tokens
+            self.model = msg.started.lora or self.model      # the adapter that answers
             return None
         if kind == "token":
             return self._on_token(msg.token)
@@ -336,7 +337,7 @@ async def completions(body: CompletionRequest, request: Request,
     prompts = body.prompts
     echo = [await prompt_text(p, request, state) for p in prompts] if body.echo else None
     builder = CompletionBuilder(
-        model=state.model_name,      # the model that answers, whatever `model` the body named
+        model=state.model_name,      # the served model, or the adapter Started names
         created=int(time.time()),
         num_samples=len(prompts) * body.engine_samples,
         logprobs=body.logprobs is not None,

@@ -75,11 +75,12 @@ class CallGroup:
                 return msg
             self.request_ids.append(msg.started.request_id or msg.request_id)
             self.prompt_tokens.append(msg.started.prompt_tokens)
+            lora = msg.started.lora                 # every call names the same model
         self.request_id = self.request_ids[0]
         if self._on_ids is not None:
             self._on_ids(self.request_id, self.request_ids)
         return pb.GenerateResponse(request_id=self.request_id, started=pb.Started(
-            request_id=self.request_id, prompt_tokens=sum(self.prompt_tokens)))
+            request_id=self.request_id, prompt_tokens=sum(self.prompt_tokens), lora=lora))
 
     def _reindex(self, k: int, msg: pb.GenerateResponse) -> pb.GenerateResponse:
         msg.request_id = self.request_id

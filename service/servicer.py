@@ -320,7 +320,8 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
         first_token = True
         try:
             yield pb.GenerateResponse(request_id=request_id, started=pb.Started(
-                request_id=request_id, prompt_tokens=len(valid.prompt_ids)))
+                request_id=request_id, prompt_tokens=len(valid.prompt_ids),
+                lora=lora.name if lora is not None else ""))
             options = TextOptions(valid.stop, valid.include_stop_str_in_output,
                                   valid.skip_special_tokens, valid.sampling.min_tokens)
             streams = [SampleStream(i, self.tokenizer, options, request.HasField("logprobs"))

@@ -218,12 +218,14 @@ class PromptLogprobs(_message.Message):
     def __init__(self, index: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ...) -> None: ...
 
 class Started(_message.Message):
-    __slots__ = ("request_id", "prompt_tokens")
+    __slots__ = ("request_id", "prompt_tokens", "lora")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+    lora: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., lora: _Optional[str] = ...) -> None: ...
 
 class Token(_message.Message):
     __slots__ = ("index", "text", "token_id", "logprob", "position", "top_logprobs", "token_bytes")

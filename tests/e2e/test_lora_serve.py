@@ -87,6 +87,13 @@ def test_adapter_tokens_equal_peft_and_rest_model_selects_the_adapter(lora):
     base = client.completions.create(model=ckpt.name, prompt=PROMPT, max_tokens=NEW_TOKENS, temperature=0,
                                      logprobs=1, extra_body={"ignore_eos": True})
     assert on_sql.choices[0].logprobs.token_logprobs != base.choices[0].logprobs.token_logprobs
+    # each answer names the model that answered: the adapter, or the served model
+    assert (on_sql.model, base.model) == ("sql", ckpt.name)
+    chunks = list(client.completions.create(model="sql", prompt=PROMPT, max_tokens=3, stream=True))
+    assert chunks and {c.model for c in chunks} == {"sql"}
+    # alice's default adapter answers when she names none
+    alice = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="key-alice")
+    assert alice.completions.create(model="", prompt=PROMPT, max_tokens=2).model == "sql"
     # alice's default adapter is sql: naming the base model runs on it
     assert grpc_tokens(server, "key-alice", PROMPT) == want
 
