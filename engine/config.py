@@ -99,7 +99,8 @@ class EngineConfig:
             32 (Q4_1 x Q8_1, `q4q8_linear`), Q4_K and Q6_K matrices (a Q4_K_M file's) times
             inputs rounded per row and block of 256 (Q4_K / Q6_K x Q8_K, `qk_linear`,
             `engine.model.kquant`), Q8_0 matrices and a Q8_0 output projection as Q8_0 x Q8_0
-            (`q8q8_linear`); a matrix of any
+            (`q8q8_linear`), and Q5_0 / Q4_0 ones likewise, their blocks converted exactly to
+            Q8_0 at load (`engine.model.gguf_blocks.as_q8_0`); a matrix of any
             other type, or a K-quant one whose input is not a multiple of 256, keeps its bf16
             product. One mode rather than one per type because it is one contract, "the file's
             blocks as llama.cpp multiplies them", which a mixed file (Q4_K_M is Q4_K and Q6_K)

@@ -168,7 +168,7 @@ def attach_weights(weights: str, network: Transformer, source: ModelSource,
     GGUF's 4-bit blocks (`engine.model.quant.attach_q4`), "int8" on int8 arithmetic
     (`engine.model.int8_weights.attach_int8`, its outlier channels chosen on the fixed text of
     `engine.runner.int8_calibration` with `tokenizer`, none without), "q4q8" on the GGUF's Q4_1,
-    Q4_K and Q6_K blocks times 8-bit inputs (`engine.model.gguf_blocks.attach_q4q8`; matrices of other
+    Q8_0 (Q5_0 and Q4_0 as Q8_0), Q4_K and Q6_K blocks times 8-bit inputs (`engine.model.gguf_blocks.attach_q4q8`; matrices of other
     types keep bf16), "bf16" as loaded, "auto" as `auto_weights` chooses (falling back to "bf16"
     where the chosen weights cannot serve the file); the choice is logged.
 
@@ -186,7 +186,7 @@ def attach_weights(weights: str, network: Transformer, source: ModelSource,
         return
     if source.kind not in ("embedded", "gguf"):
         raise ValueError(f"--weights {weights} needs a GGUF model with "
-                         f"{'Q4_1, Q8_0, Q4_K or Q6_K' if weights == 'q4q8' else 'Q4_1'} matrices; "
+                         f"{'Q4_1, Q8_0, Q5_0, Q4_0, Q4_K or Q6_K' if weights == 'q4q8' else 'Q4_1'} matrices; "
                          f"--model is {source.kind}")
     try:
         if weights == "q4q8":

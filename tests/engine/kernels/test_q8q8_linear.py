@@ -180,18 +180,96 @@ def test_a_q8_0_gguf_serves_every_block_matrix_from_its_blocks(tmp_path):
 
 
 def check_every_matrix_runs_its_q8_0_blocks(model, reader) -> None:
-    """Every block matrix of `model` (after `attach_gguf_blocks`) holds the file's Q8_0 blocks in
-    its fused row order (they dequantize to the model's own bf16 weight) and its product is the
-    Q8_0 x Q8_0 reference of those blocks."""
+    """Every block matrix of `model` (after `attach_gguf_blocks`) holds the file's Q8_0 blocks (Q5_0
+    and Q4_0 ones converted by `as_q8_0`) in its fused row order (they dequantize to the model's
+    own bf16 weight), runs `Q8Q8Method`, and its product is the Q8_0 x Q8_0 reference of those
+    blocks."""
     from engine.model import gguf_blocks
-    from engine.model.linear import linear
+    from engine.model.linear import Q8Q8Method, choose_method, linear
     from engine.model.transformer import block_matrices
 
     fused = gguf_blocks._fused_parts(gguf_blocks.gguf_layer_blocks(reader), model)
     assert [(m, n) for m, n, _ in fused] == block_matrices(model)
     for module, name, parts in fused:
-        blocks = torch.cat([b for _, b in parts])
+        blocks = torch.cat([gguf_blocks.as_q8_0(b, kind) for kind, b in parts])
         weight = getattr(module, name)
+        packed = getattr(module, name + "_packed")
+        assert isinstance(choose_method(packed), Q8Q8Method), name
         assert torch.equal(q8_0_dequantize(blocks).to(torch.bfloat16), weight), name
         x = random_x(5, weight.shape[1], seed=4)
-        assert_close_to_reference(linear(x, weight, getattr(module, name + "_packed")), x, blocks)
+        assert_close_to_reference(linear(x, weight, packed), x, blocks)
+
+
+def _bf16_and_native_logits(path, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, object, dict]:
+    """The bf16 logits [len(tokens), vocab] of one prefill of `tokens` by the GGUF at `path`, with
+    its matrices dequantized to bf16 (packed as the engine packs them) and after
+    `attach_gguf_blocks` (the model, and its counts, returned with them)."""
+    from engine.gguf_file import open_gguf
+    from engine.model import gguf_blocks
+    from engine.model.layer_ops import TorchLayerOps
+    from engine.model.transformer import Transformer
+    from engine.model.weights import load_gguf
+    from engine.runner.kv_cache import KVCache
+    from tests.engine.attention_oracle import step_metadata
+
+    args, state = load_gguf(path)
+    model = Transformer.from_state_dict(args, state, torch.bfloat16)
+    model.pack()
+
+    def logits() -> torch.Tensor:
+        kv = KVCache(args, 8, 16, torch.bfloat16, "cpu")
+        meta = step_metadata([(0, len(tokens), [0, 1], False)], 16, torch.bfloat16, num_blocks=8)
+        with torch.inference_mode():
+            hidden = model(tokens, torch.arange(len(tokens)), kv.layers, meta, TorchLayerOps)
+            return model.logits(hidden).float()
+
+    bf16 = logits()
+    reader = open_gguf(path)
+    counts = gguf_blocks.attach_gguf_blocks(model, reader)
+    return bf16, logits(), (model, reader), counts
+
+
+# the native products round each input to 8 bits per block of 32: on the tiny files' logits (up to
+# about 2.4) that moves them by up to about 0.05, alike for Q8_0, Q5_0 and Q4_0 blocks
+NATIVE_LOGITS_TOLERANCE = 0.1
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q5_0", "Q4_0"])
+def test_a_q5_0_or_q4_0_gguf_runs_every_matrix_on_q8q8_linear(qtype, tmp_path):
+    """A llama-architecture file of Q5_0 or Q4_0 matrices (and Q8_0 beside them, the reference):
+    every block matrix and the output projection run `q8q8_linear` over the file's blocks
+    converted exactly to Q8_0 (`as_q8_0`), each product is the Q8_0 x Q8_0 reference of those
+    blocks, and the logits stay within `NATIVE_LOGITS_TOLERANCE` of the bf16-dequantized model's
+    (the same bound for all three types: the conversion adds nothing to Q8_0's rounding of the
+    inputs)."""
+    import gguf
+
+    from engine.model.linear import Q8Q8Method, choose_method
+    from tests.engine.gguf_families import write_gguf
+
+    path = write_gguf("llama3", tmp_path / "ckpt", tmp_path / f"{qtype}.gguf",
+                      gguf.GGMLQuantizationType[qtype])
+    tokens = torch.randint(3, 300, (24,), generator=torch.Generator().manual_seed(5))
+    bf16, native, (model, reader), counts = _bf16_and_native_logits(path, tokens)
+    assert counts == {"q4q8": 0, "q8q8": 4 * len(model.layers), "qk": 0, "bf16": 0}
+    assert isinstance(choose_method(model.output_packed), Q8Q8Method)
+    check_every_matrix_runs_its_q8_0_blocks(model, reader)
+    diff = (native - bf16).abs().max().item()
+    print(f"{qtype}: max |logit difference| native - bf16 = {diff:.3g} (logits up to "
+          f"{bf16.abs().max().item():.3g})")
+    assert 0 < diff < NATIVE_LOGITS_TOLERANCE, diff
+
+
+def test_mixed_q5_0_q8_0_parts_fuse_onto_q8q8_linear(tmp_path):
+    """Gemma 3 270M's Q4_K_M file holds q, k, gate and up in Q5_0 and v in Q8_0: a fused matrix of
+    Q5_0, Q4_0 and Q8_0 parts runs `q8q8_linear` too, and a Q5_1 part keeps it in bf16."""
+    from engine.model.gguf_blocks import Q4_0, Q5_0, native_product
+    from engine.model.kquant import Q4_1, Q8_0
+
+    q5 = torch.zeros(32, 22, dtype=torch.uint8)
+    q8 = torch.zeros(32, 34, dtype=torch.uint8)
+    q4 = torch.zeros(32, 18, dtype=torch.uint8)
+    assert native_product([(Q5_0, q5), (Q5_0, q5), (Q8_0, q8)], 32) == "q8q8"
+    assert native_product([(Q4_0, q4), (Q8_0, q8)], 32) == "q8q8"
+    assert native_product([(Q5_0, q5), (Q4_1, q8)], 32) is None
+    assert native_product([(7, q5), (Q8_0, q8)], 32) is None          # Q5_1

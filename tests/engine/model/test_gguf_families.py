@@ -238,3 +238,31 @@ def test_an_unregistered_gguf_architecture_is_refused_with_the_supported_list(tm
     with pytest.raises(ValueError, match="GGUF architecture 'qwen9' is not supported; supported: gemma2, gemma3, llama, phi3, qwen2, qwen3"):
         load_gguf(bad)
     shutil.rmtree(tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q4_0, Q.Q8_0], ids=lambda q: q.name)
+def test_q5_0_and_q4_0_blocks_convert_to_q8_0_blocks_of_the_same_floats(qtype):
+    """`as_q8_0` (what `q8q8_linear` serves a Q5_0 or Q4_0 matrix from) against the `gguf`
+    package's own dequantizer: on random block bytes (every d and q bit pattern, signed zeros,
+    subnormal and huge d, NaN / inf d included) and on a real quantization, the Q8_0 blocks
+    dequantize to the original blocks' floats bit for bit."""
+    from engine.model.gguf_blocks import as_q8_0
+
+    block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(int(qtype))
+    raw = rng.integers(0, 256, size=(96, 40 * nbytes), dtype=np.uint8)
+    d = raw.reshape(96, 40, nbytes)[:, :, :2].copy().view(np.float16)
+    special = np.array([0.0, -0.0, 6e-8, -6e-8, 65504.0, np.inf, np.nan, 1.0], dtype=np.float16)
+    d[0, :8, 0] = special
+    raw.reshape(96, 40, nbytes)[:, :, :2] = d.view(np.uint8)
+    values = rng.standard_normal((64, 1024)).astype(np.float32)
+    for data in (raw, gguf.quants.quantize(values, qtype)):
+        want = gguf.quants.dequantize(data, qtype)
+        q8 = as_q8_0(torch.from_numpy(np.ascontiguousarray(data)), int(qtype)).numpy()
+        assert q8.shape == (data.shape[0], data.shape[1] // nbytes * 34)
+        got = gguf.quants.dequantize(q8, Q.Q8_0)
+        assert np.array_equal(want.view(np.uint32), got.view(np.uint32))
+    with pytest.raises(ValueError, match="Q5_1"):
+        as_q8_0(torch.zeros(2, 24, dtype=torch.uint8), int(Q.Q5_1))
+    with pytest.raises(ValueError, match="K / 32"):
+        as_q8_0(torch.zeros(2, 23, dtype=torch.uint8), int(Q.Q5_0))
