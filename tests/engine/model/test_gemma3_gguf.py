@@ -71,3 +71,35 @@ def test_gemma3_270m_gguf_greedy_and_logprobs_match_transformers_on_the_same_fil
           f"max |logprob difference| before divergence {worst:.2e}")
     assert worst < 1e-3, worst
     assert diverged <= 2
+
+
+def test_gemma3_270m_gguf_runs_every_matrix_from_its_own_blocks():
+    """`--weights q4q8` on the published file: its Q5_0 q/k/gate/up (fused with the Q8_0 v) and
+    the Q8_0 tied output matrix run `q8q8_linear` (Q5_0 blocks converted exactly to Q8_0: they
+    dequantize to the bf16 weights the loader built), its Q4_K / Q6_K attention-output and down
+    projections `qk_linear`; no matrix stays bf16."""
+    from engine import kernels
+    from engine.gguf_file import open_gguf
+    from engine.model import gguf_blocks
+    from engine.model.linear import Q8Q8Method, QKMethod, choose_method
+    from engine.model.quant import q8_0_dequantize
+    from engine.runner.builder import model_from_weights
+
+    if not kernels.q4q8_linear_available():
+        pytest.skip("q8q8_linear needs AVX512-VNNI or AVX2")
+    path = gemma3_270m_gguf()
+    reader = open_gguf(path)
+    args, state = load_gguf(reader)
+    model = model_from_weights(args, state, torch.bfloat16)
+    counts = gguf_blocks.attach_gguf_blocks(model, reader)
+    assert counts == {"q4q8": 0, "q8q8": 36, "qk": 36, "bf16": 0}
+    assert isinstance(choose_method(model.output_packed), Q8Q8Method)
+    fused = gguf_blocks._fused_parts(gguf_blocks.gguf_layer_blocks(reader), model)
+    for module, name, parts in fused:
+        method = choose_method(getattr(module, name + "_packed"))
+        assert isinstance(method, Q8Q8Method if name in ("wqkv", "w13") else QKMethod), name
+    mixed = [(m, n, p) for m, n, p in fused if {k for k, _ in p} == {gguf_blocks.Q5_0, gguf_blocks.Q8_0}]
+    assert len(mixed) == 9                          # q/k/v of Q5_0, Q5_0 and Q8_0 parts
+    for module, name, parts in (mixed[0], fused[2]):   # and layer 0's gate/up, all Q5_0
+        blocks = torch.cat([gguf_blocks.as_q8_0(b, kind) for kind, b in parts])
+        assert torch.equal(q8_0_dequantize(blocks).to(torch.bfloat16), getattr(module, name)), name
