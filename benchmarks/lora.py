@@ -11,7 +11,7 @@ directories, `write_adapter`, and loaded through the engine's `LoraRegistry`), r
 r mod N. For each row count the engines take one decode step each in turn
 (`benchmarks._measure.step_in_turn`, so load from other processes weighs on both), counting
 pure-decode steps at that many rows (the executor's time: forward, logits, sampling). Printed:
-the median step of each and lora / base. Targets (issue 64): 32 rows over 8 adapters ≤ 1.15×
+the median step of each and lora / base. Targets (docs/lora.md): 32 rows over 8 adapters ≤ 1.15×
 the base step; one row on an adapter ≤ 1.10× one base row.
 
 The base engine's pure-decode steps run genserve's C++ decode loop; a step with adapter rows runs

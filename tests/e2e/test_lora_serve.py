@@ -1,4 +1,4 @@
-"""Multi-LoRA serving through the whole stack (issue 64): `genserve serve --lora-modules` over a
+"""Multi-LoRA serving through the whole stack: `genserve serve --lora-modules` over a
 tiny Llama 3 checkpoint with tiny PEFT adapters built in the test (tests/engine/lora_adapters.py),
 API keys with adapter lists (GENSERVE_API_KEYS) and an admin key (GENSERVE_ADMIN_KEYS).
 

@@ -1,4 +1,4 @@
-"""Which LoRA adapter a request runs on, per API key (issue 64): GENSERVE_API_KEYS' adapter lists
+"""Which LoRA adapter a request runs on, per API key: GENSERVE_API_KEYS' adapter lists
 and defaults, GENSERVE_ADMIN_KEYS, the JSON file form, and the servicer's resolution of a
 request's `lora` (a refused adapter and a missing one are the same LookupError)."""
 
