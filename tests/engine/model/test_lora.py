@@ -1,4 +1,4 @@
-"""Multi-LoRA serving in the engine (issue 64), on tiny transformers checkpoints
+"""Multi-LoRA serving in the engine, on tiny transformers checkpoints
 (tests/engine/hf_families.py) and tiny adapters PEFT builds inside the test with lora_A and
 lora_B redrawn (tests/engine/lora_adapters.py; PEFT's lora_B starts at zero).
 
@@ -37,6 +37,7 @@ from tests.engine.attention_oracle import step_metadata
 from tests.engine.conftest import new_request
 from tests.engine.hf_families import build_checkpoint
 from tests.engine.lora_adapters import ALL_TARGETS, PHI3_TARGETS, build_adapter, peft_logits
+from tests.engine.model.test_model_families import run as families_run
 
 PARITY_FAMILIES = ("llama3", "qwen2", "qwen3", "gemma2", "phi3", "qwen3_moe")
 CPU = torch.device("cpu")
@@ -114,21 +115,9 @@ def run(e: Engine, jobs: list[tuple[list[int], str | None]], max_tokens: int = 1
         ) -> list[tuple[list[int], list[float], int]]:
     """Submit every (prompt, adapter name or None) at once, greedy with logprobs; step until idle.
     Each request's (tokens, logprobs, prompt tokens taken from the prefix cache)."""
-    events: list[list] = [[] for _ in jobs]
-    reqs = []
-    for (prompt, name), ev in zip(jobs, events):
-        lora = None if name is None else e.executor.adapters.request(name)
-        reqs.append(new_request(prompt, max_tokens, ev, lora=lora, temperature=0.0, logprobs=True,
-                                ignore_eos=True))
-    for r in reqs:
-        e.submit(r)
-    e.run_until_idle()
-    e.pool.check_all_free()
-    out = []
-    for ev in events:
-        toks = [x for x in ev if x.token_id is not None]
-        out.append(([x.token_id for x in toks], [x.logprob for x in toks], ev[-1].num_cached_tokens))
-    return out
+    loras = [None if name is None else e.executor.adapters.request(name) for _, name in jobs]
+    answers = families_run(e, [prompt for prompt, _ in jobs], max_tokens, loras)
+    return [(a.tokens, a.logprobs, a.num_cached) for a in answers]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -67,12 +67,16 @@ class Answer:
     num_cached: int
 
 
-def run(e: Engine, prompts: list[list[int]], max_tokens: int = NEW_TOKENS, **sampling) -> list[Answer]:
-    """Submit every prompt at once (greedy, logprobs on, unless `sampling` says), step until
+def run(e: Engine, prompts: list[list[int]], max_tokens: int = NEW_TOKENS, loras: list | None = None,
+        **sampling) -> list[Answer]:
+    """Submit every prompt at once (greedy, logprobs on, unless `sampling` says), each on its
+    LoRA adapter in `loras` (`LoraRequest` or None; default: all on the base model), step until
     idle; each request's `Answer`. The pool ends with every block free."""
     sampling = dict(temperature=0.0, logprobs=True, ignore_eos=True) | sampling
     events: list[list] = [[] for _ in prompts]
-    reqs = [new_request(p, max_tokens, ev, **sampling) for p, ev in zip(prompts, events)]
+    loras = loras or [None] * len(prompts)
+    reqs = [new_request(p, max_tokens, ev, lora=lora, **sampling)
+            for p, ev, lora in zip(prompts, events, loras)]
     for r in reqs:
         e.submit(r)
     e.run_until_idle()
