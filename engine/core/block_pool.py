@@ -85,6 +85,7 @@ class BlockPool:
         num_usable: blocks that can be handed out: `num_blocks`, less the null block with
             sliding groups.
         num_groups: KV groups (block tables per request).
+        sliding: True when some group has a sliding window (then `slide` gives blocks back).
 
     Check/act pairs: call `can_allocate(n)` before `ensure_capacity`, which raises
     `BlockPoolError` when the free list cannot cover the request (a scheduler bug).
@@ -107,9 +108,9 @@ class BlockPool:
         self.prefix_caching = prefix_caching
         self.windows = tuple(windows)
         self.num_groups = len(self.windows)
-        sliding = any(w is not None for w in self.windows)
-        self._null = NULL_BLOCK if sliding else None      # reserved in a pool with sliding groups
-        first = 1 if sliding else 0
+        self.sliding = any(w is not None for w in self.windows)
+        self._null = NULL_BLOCK if self.sliding else None  # reserved in a pool with sliding groups
+        first = 1 if self.sliding else 0
         self.num_usable = num_blocks - first
         self._free: deque[int] = deque(range(first, num_blocks))
         self._ref_count = [0] * num_blocks
@@ -284,7 +285,7 @@ class BlockPool:
         Returns:
             Blocks that became free (cached ones included).
         """
-        tables = self._tables.get(request_id)
+        tables = self._tables.get(request_id) if self.sliding else None
         if not tables:
             return 0
         returned = 0

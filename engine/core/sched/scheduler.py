@@ -387,8 +387,7 @@ class Scheduler:
         # counted `request_step_tokens` of them, so a request's pieces stop there (without the
         # cap a step the cost model allows could need more blocks than the pool has, and a lone
         # request would preempt itself every step).
-        sliding = any(w is not None for w in self.pool.windows)
-        cap = self.budget.request_step_tokens() if sliding else None
+        cap = self.budget.request_step_tokens() if self.pool.sliding else None
         for req in prefilling:
             pos = req.num_computed
             while pos < req.num_prompt and req in self.running:
