@@ -228,6 +228,26 @@ class BlockPool:
             need += max(0, bound - held)
         return need
 
+    def max_request_tokens(self, step_tokens: int, limit: int) -> int:
+        """The longest request (prompt + answer, in tokens, at most `limit`) that fits the empty
+        pool alone: the largest n with `blocks_to_compute(None, n, step_tokens)` ≤ `num_usable`,
+        so a request of n tokens is admitted once nothing else holds blocks. 0 when not even one
+        token fits.
+
+        Args:
+            step_tokens: the most prompt tokens of one request a step computes
+                (`StepBudget.request_step_tokens`).
+            limit: the largest n asked about (the engine's `max_context`).
+        """
+        lo, hi = 0, limit                      # blocks_to_compute grows with n: bisect
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.blocks_to_compute(None, mid, step_tokens) <= self.num_usable:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
     def can_allocate(self, num_blocks: int) -> bool:
         """True when at least `num_blocks` blocks are free (cached-but-unused ones included)."""
         return num_blocks <= self.num_free

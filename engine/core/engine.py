@@ -49,8 +49,13 @@ class Engine:
         cost_model: the per-token costs admission control and the step budget predict steps with
             (None: the design's, `CostModel()`); the scheduler owns it from here on.
         clock: seconds, monotonic (tests pass a fake one).
+    `config.max_context` is lowered (in place, logged) to the longest request the pool holds
+    alone (`BlockPool.max_request_tokens`), so a request that could never be admitted is refused
+    by validation (400) rather than left waiting until its deadline.
+
     Raises:
-        ValueError: neither `num_blocks` nor `config.num_blocks` gives the pool's size.
+        ValueError: neither `num_blocks` nor `config.num_blocks` gives the pool's size, or the
+            pool holds no request.
 
     Attributes:
         pool: the block pool the executor's KV cache is indexed by.
@@ -77,6 +82,16 @@ class Engine:
         self.pool = BlockPool.from_config(config, num_blocks, kv_windows)
         self.clock = clock
         self.scheduler = Scheduler(config, self.pool, cost_model)
+        fits = self.pool.max_request_tokens(self.scheduler.budget.request_step_tokens(), config.max_context)
+        if fits == 0:
+            raise ValueError(f"a KV pool of {num_blocks} blocks holds no request")
+        if fits < config.max_context:
+            # a longer request could never be admitted: it would wait until its deadline, so the
+            # limit is lowered and the API refuses it (400) instead
+            log.warning("the KV pool (%d blocks of %d tokens) holds one request of at most %d "
+                        "tokens; max_context lowered from %d", num_blocks, config.block_size, fits,
+                        config.max_context)
+            config.max_context = fits
         self.lock = threading.Lock()
         self._wake = threading.Condition(self.lock)
         self._requests: dict[str, Request] = {}      # client-visible id → request (sample 0)

@@ -93,3 +93,30 @@ def test_prefix_hits_need_each_sliding_groups_window_blocks():
     engine.run_until_idle()
     assert third.stats.num_cached == 0
     pool.check_all_free()
+
+
+@pytest.mark.parametrize("windows, expected", [
+    ((None,), 8 * 16),                 # one global group: every block of the pool
+    ((None, None), 4 * 16),            # two global groups share the blocks
+    # 7 usable (block 0 is the null block); at 16 tokens a step the sliding group holds up to
+    # ⌈(32 - 1 + 16) / 16⌉ + 1 = 4 blocks: 3 + 3 fit, 4 + 4 do not
+    ((None, 32), 3 * 16),
+])
+def test_max_context_is_lowered_to_the_longest_request_the_pool_holds(windows, expected):
+    engine, _ = sim_engine(num_blocks=8, kv_windows=windows, max_context=8192,
+                           prefill_token_budget=16, prefill_token_budget_few_rows=16,
+                           prefill_piece=16)
+    assert engine.config.max_context == expected
+    # the longest request still runs to its end alone, holding the whole pool at its last step
+    req = make_request(expected - 4, 4, ignore_eos=True)
+    engine.submit(req)
+    engine.run_until_idle(max_steps=10_000)
+    assert len(req.generated) == 4
+    engine.pool.check_all_free()
+
+
+def test_a_pool_that_holds_every_request_leaves_max_context_alone():
+    engine, _ = sim_engine(num_blocks=1024, max_context=4096)
+    assert engine.config.max_context == 4096
+    with pytest.raises(ValueError, match="holds no request"):
+        sim_engine(num_blocks=2, kv_windows=(None, None, None))

@@ -132,7 +132,7 @@ async def test_service_serves_the_checkpoint_under_its_name(gpt2_checkpoint):
 
 
 def test_random_model_builds_with_a_byte_tokenizer():
-    config = EngineConfig(**CPU)
+    config = EngineConfig(**{**CPU, "num_blocks": 256})      # a pool of 4,096 tokens
     loaded = build_engine(config, "random:tiny:seed=2", calibrate=False)
     assert loaded.model_name == "random-tiny-seed2" and loaded.args == random_shape("tiny")
     assert config.max_context == loaded.engine.config.max_context == 4096   # the model's positions, not 8,192

@@ -127,12 +127,15 @@ def test_engine_greedy_tokens_and_logprobs_match_teacher_forced_transformers(fam
     assert again.num_cached >= 64
     assert again.tokens == generated
     assert max(abs(a - b) for a, b in zip(again.logprobs, logprobs)) < 1e-5
-    # Pools just big enough to admit the prompt (what it takes in every KV group: a sliding
-    # group only its window's blocks), growing a block at a time until one is outgrown by the
-    # three requests and preempts: the recomputed answer is the same in every pool.
-    need = e.pool.blocks_to_compute(None, PROMPT_LEN, e.config.prefill_step_tokens)
+    # Pools just big enough to hold the request alone (what any request of its length takes in
+    # every KV group at the prefill's peak: a sliding group only its window's blocks plus a
+    # step's 16 prompt tokens), growing a block at a time until one is outgrown by the three
+    # requests and preempts: the recomputed answer is the same in every pool.
+    step = dict(prefill_token_budget=16, prefill_token_budget_few_rows=16, prefill_piece=16)
+    need = e.pool.blocks_to_compute(None, PROMPT_LEN + NEW_TOKENS, 16)
     for num_blocks in range(need + 1, need + 16):
-        small = engine(directory, num_blocks=num_blocks, free_margin=0.0)
+        small = engine(directory, num_blocks=num_blocks, free_margin=0.0, **step)
+        assert small.config.max_context >= PROMPT_LEN + NEW_TOKENS
         assert run(small, [prompt] + others[:2])[0].tokens == generated, num_blocks
         if small.scheduler.num_preemptions:
             break
