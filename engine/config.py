@@ -111,9 +111,11 @@ class EngineConfig:
             MXINT8; 0.52x the bytes of bf16 at head_dim 64): twice the tokens in the same pool and fewer bytes for decode
             attention to read, at the cost of rounding every cached key and value (the model's
             outputs change; docs/benchmarks/kv_int8.md measures by how much and how fast).
-        max_loras: LoRA adapters resident where the products run between steps (vLLM's
-            `--max-loras`); the others stay in host memory and are made resident again, least
-            recently used evicted first, when a step needs them (docs/lora.md). >= 1.
+        max_loras: the most distinct LoRA adapters one step uses (vLLM's `--max-loras`; the
+            scheduler holds a request whose adapter would exceed it in the queue) and keeps
+            resident where the products run; the others stay in host memory and are made
+            resident again, least recently used evicted first, when a step needs them
+            (docs/lora.md). >= 1.
         max_lora_rank: the largest rank a LoRA adapter may have (vLLM's `--max-lora-rank`);
             1..64.
     """

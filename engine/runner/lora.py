@@ -29,8 +29,9 @@ class LoraSlots:
 
     Args:
         device, dtype: the model's.
-        max_loras: resident adapters kept between steps; a step that uses more keeps them all
-            for that step.
+        max_loras: resident adapters kept between steps (`EngineConfig.max_loras`; the scheduler
+            gives no step more adapters than that, `engine.core.sched.lora_cap`, so none is
+            evicted while its step runs). Handed a step of more, `acquire` keeps them all for it.
 
     Attributes:
         loads: adapters made resident so far; evictions: adapters dropped to make room or

@@ -38,10 +38,13 @@ _ids = itertools.count()
 
 
 def make_request(prompt_len: int, max_tokens: int, api_key: str = "", events=None, *,
-                 prompt_ids: list[int] | None = None, cache_salt: str = "", **sampling) -> Request:
-    """A request with a synthetic prompt of `prompt_len` tokens (or `prompt_ids`, when given);
-    events, if a list, collects its TokenEvents."""
+                 prompt_ids: list[int] | None = None, cache_salt: str = "", lora=None,
+                 **sampling) -> Request:
+    """A request with a synthetic prompt of `prompt_len` tokens (or `prompt_ids`, when given),
+    its rows on LoRA adapter `lora` (a `LoraRequest`; None: the base model); events, if a list,
+    collects its TokenEvents."""
     rid = f"r{next(_ids)}"
     prompt = prompt_ids if prompt_ids is not None else [1 + (i % 1000) for i in range(prompt_len)]
     return Request(rid, api_key, prompt, max_tokens, SamplingParams(**sampling), 0.0, 0.0,
-                   on_event=events.append if events is not None else None, cache_salt=cache_salt)
+                   on_event=events.append if events is not None else None, cache_salt=cache_salt,
+                   lora=lora)

@@ -27,6 +27,7 @@ so its cache — and its later tokens — are bit-identical to a run without pre
 * `step_budget.StepBudget`: the rows that fit, each step's prefill budget (the design's token
   caps, and beyond them the time the TPOT and gap targets leave) and the order prompts fill it;
 * `batching`: when requests may join (continuous, static, dynamic) and whether prompts are cut;
+* `lora_cap.LoraCap`: at most `max_loras` distinct LoRA adapters in a step (the join holds it);
 * `engine.core.kv_cache_manager.KVCacheManager`: what a request takes from the prefix cache and
   what it offers back.
 """
@@ -46,6 +47,7 @@ from engine.core.request import Request, RequestState, final_event
 from engine.core.sched.admission import AdmissionControl
 from engine.core.sched.batching import batching_for
 from engine.core.sched.fair_queue import FairQueue
+from engine.core.sched.lora_cap import LoraCap
 from engine.core.sched.step_budget import RequestAverages, StepBudget
 
 __all__ = ["Scheduler", "SchedulerStats"]
@@ -81,8 +83,8 @@ class Scheduler:
     Attributes:
         running: running requests (samples included), in admission order: oldest first.
         by_id: request id → every queued or running request, samples included.
-        queue, admission, budget, batching, kv_cache, averages: the composed policies (see the
-            module docstring); `averages` is the average request the estimates assume.
+        queue, admission, budget, batching, kv_cache, lora_cap, averages: the composed policies
+            (see the module docstring); `averages` is the average request the estimates assume.
         margin_blocks: blocks the join keeps free (`free_margin` of the pool).
 
     Thread-safety: none. The engine loop serialises every call behind its own lock.
@@ -99,6 +101,7 @@ class Scheduler:
         self.averages = RequestAverages()
         self.margin_blocks = math.ceil(config.free_margin * pool.num_blocks)
         self.batching = batching_for(config)
+        self.lora_cap = LoraCap(config.max_loras)
         self.budget = StepBudget(config, self.batching.chunked_prefill)
         self.admission = AdmissionControl(config, pool, self.margin_blocks,
                                           self.batching.joins_between_steps,
@@ -307,16 +310,22 @@ class Scheduler:
                 self._finish(req, FinishReason.CANCELLED, detail, now, events)
 
     def _join(self, now: float, plan: StepPlan) -> None:
-        """Join: admit from the least-served key while rows and blocks allow.
+        """Join: admit from the least-served key while rows, blocks and the step's adapter cap
+        allow (`LoraCap.fits`: at most `max_loras` distinct LoRA adapters run, so every step
+        the build makes of the running rows has at most that many).
 
         When the least-served key's next request does not fit and another key holds more than
         `per_key_rows` rows, that key's newest row is preempted: a key may use more than its cap
-        only while no other key is waiting for room (`FairQueue.preemptible_key`).
+        only while no other key is waiting for room (`FairQueue.preemptible_key`). A candidate
+        that waits for an adapter slot preempts no one: the running adapters' rows end on their
+        own.
         """
         while True:
             req = self.queue.next_candidate()
             if req is None:
                 return
+            if not self.lora_cap.fits(self.running, req):
+                return          # wait for a running adapter's rows to end
             if self._fits(req):
                 self._admit(req, now, plan)
                 continue

@@ -144,6 +144,31 @@ def test_mixed_batch_gives_each_row_what_it_gets_alone(llama, dtype):
     assert answers[0][0] == base_alone[0]
 
 
+def test_steps_use_at_most_max_loras_adapters(llama, tmp_path):
+    """max_loras=2, ten requests over four adapters and the base submitted at once: every step
+    runs at most two adapters and keeps at most two resident; every request ends with the
+    tokens it gets alone and every block comes back."""
+    ckpt, adapters = llama
+    e = engine(ckpt, max_loras=2, prefix_caching=False)
+    reg = e.executor.adapters
+    for name, path in adapters.items():
+        reg.load(name, path)
+    reg.load("down8", build_adapter(ckpt, tmp_path / "down8", seed=14, r=8, targets=("down_proj",)))
+    jobs = [(tokens(n, seed=50 + n), name) for n, name in
+            [(9, "all8"), (40, "qv4"), (70, "mlp16"), (23, "down8"), (17, None), (5, "all8"),
+             (33, "down8"), (12, "qv4"), (28, None), (19, "mlp16")]]
+    alone = [run(e, [job])[0] for job in jobs]
+    per_step: list[tuple[int, int]] = []           # (adapters in the plan, resident after it)
+    e.step_listeners.append(lambda plan, events, s: per_step.append((
+        len({g.request.lora.name for g in plan.segments if g.request.lora is not None}),
+        len(e.executor.loras.resident_ids))))
+    together = run(e, jobs)                         # run() checks that every block is free
+    assert max(n for n, _ in per_step) == 2 and max(r for _, r in per_step) <= 2
+    for (prompt, name), a, t in zip(jobs, alone, together):
+        assert t[0] == a[0] and len(t[0]) == 12, name
+        assert max(abs(x - y) for x, y in zip(t[1], a[1])) < 1e-4
+
+
 def test_no_prefix_cache_hit_across_adapters(llama):
     ckpt, adapters = llama
     e = engine(ckpt)
