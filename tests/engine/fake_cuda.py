@@ -33,6 +33,9 @@ What it patches, and why (each is a place where the engine asks the device somet
 * pinning (`aten._pin_memory`, which fake mode does not implement) → the tensor itself, marked
   pinned (`aten.is_pinned` answers True for it).
 * SDPA on CUDA → the fused kernel torch picks for the inputs (`_Ledger._sdpa_kernel`).
+* `safetensors.safe_open` → each tensor read from the file for real, outside the fake mode, and
+  handed on as a fake CPU tensor of its shape and dtype (`_FakeSafeOpen`): a file's bytes cannot
+  become a fake tensor's storage, and the LoRA loader reads adapters this way.
 
 Transfers. A `TorchDispatchMode` below the fake mode records every copy between the host and
 the device (`aten.to` / `aten._to_copy` / `aten.copy_` across devices: `Transfer`), and
@@ -380,7 +383,9 @@ class FakeCuda:
         patch.setattr(builder, "model_from_weights", _model_on_device)
         patch.setattr(attention, "FlexBackend", _eager_flex())
         patch.setattr(flex_attention, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", True)
-        stack.enter_context(FakeTensorMode(allow_non_fake_inputs=False))
+        mode = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=False))
+        import safetensors
+        patch.setattr(safetensors, "safe_open", _FakeSafeOpen.opener(safetensors.safe_open, mode))
         stack.enter_context(self.ledger)
         patch.setattr(torch, "tensor", _tensor_via_host(torch.tensor))
         # torch's device contexts (`with torch.device(...)`) redirect the constructors they list
@@ -417,6 +422,39 @@ def _tensor_via_host(tensor: Callable[..., torch.Tensor]) -> Callable[..., torch
             return tensor(data, *args, **kwargs).to(device)
         return tensor(data, *args, device=device, **kwargs)
     return make
+
+
+class _FakeSafeOpen:
+    """`safetensors.safe_open(path, framework="pt")` under the fake mode: the file opened and
+    each tensor read outside it, then converted to a fake CPU tensor of the same shape and dtype
+    (`FakeTensorMode.from_tensor`)."""
+
+    def __init__(self, handle: Any, mode: FakeTensorMode) -> None:
+        self.handle, self.mode = handle, mode
+
+    @classmethod
+    def opener(cls, safe_open: Callable[..., Any], mode: FakeTensorMode) -> Callable[..., "_FakeSafeOpen"]:
+        def open_(*args: Any, **kwargs: Any) -> "_FakeSafeOpen":
+            with fake_tensor.unset_fake_temporarily():
+                return cls(safe_open(*args, **kwargs), mode)
+        return open_
+
+    def __enter__(self) -> "_FakeSafeOpen":
+        with fake_tensor.unset_fake_temporarily():
+            self.handle.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        with fake_tensor.unset_fake_temporarily():
+            self.handle.__exit__(*exc)
+
+    def keys(self) -> list[str]:
+        return list(self.handle.keys())
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        with fake_tensor.unset_fake_temporarily():
+            real = self.handle.get_tensor(name)
+        return self.mode.from_tensor(real)
 
 
 def _model_on_device(args: Any, state: dict[str, torch.Tensor], dtype: torch.dtype,

@@ -12,6 +12,10 @@ and preempted requests included.
 Memory (`test_activation_peak_fits_the_reserve`, docs/gpu.md "Memory on the device") counts
 the bytes of every live fake CUDA tensor by category.
 
+LoRA (`test_mixed_adapter_steps_on_the_device`): rows of three adapters and of the base model in
+one step; the adapters' matrices and their rows' indices are the LoRA path's own uploads, checked
+apart from the step's one upload.
+
 Other families run the same steps in bf16: Qwen3-8B, Gemma-3-12B, and Qwen3-30B-A3B's
 mixture-of-experts layers, whose experts run as grouped products (`aten._grouped_mm`, counted by
 the ledger) over stacked expert matrices, with no read back to the host.
@@ -147,10 +151,17 @@ def step_integers(engine: Engine, plan: StepPlan) -> tuple[int, str]:
             "engine/attention/base.py")
 
 
+LORA_MODULE = "engine/model/lora.py"
+
+
 def check_transfers(record: StepRecord) -> None:
     """One pinned int64 upload holding every integer of the step; the sampler's temperatures
-    (fp32, one per drawn row) at most besides; one read of exactly the sampled ids."""
-    transfers = record.transfers
+    (fp32, one per drawn row) at most besides; one read of exactly the sampled ids. The LoRA
+    path's own uploads (`LORA_MODULE`: adapters made resident, rows of each adapter) come only
+    with adapter rows, and `check_lora_transfers` checks them."""
+    has_lora = any(s.request.lora is not None for s in record.plan.segments)
+    transfers = [t for t in record.transfers if not t.where.startswith(LORA_MODULE)]
+    assert has_lora or len(transfers) == len(record.transfers), record.transfers
     h2d = [t for t in transfers if t.direction == "h2d"]
     ints = [t for t in h2d if t.dtype == torch.int64]
     numel, where = record.integers
@@ -177,8 +188,9 @@ def fake_engine(fake: FakeCuda, attention: str, monkeypatch, **config) -> Engine
     return engine
 
 
-def request(rid: str, key: str, prompt: list[int], max_tokens: int, **sampling) -> Request:
-    return Request(rid, key, prompt, max_tokens, SamplingParams(ignore_eos=True, **sampling), 0.0, 0.0)
+def request(rid: str, key: str, prompt: list[int], max_tokens: int, lora=None, **sampling) -> Request:
+    return Request(rid, key, prompt, max_tokens, SamplingParams(ignore_eos=True, **sampling), 0.0, 0.0,
+                   lora=lora)
 
 
 def prompt_of(n: int, salt: int) -> list[int]:
@@ -612,5 +624,120 @@ def test_qwen3_30b_a3b_experts_run_as_one_grouped_product_per_matrix(monkeypatch
     assert 8 * 32 in rows
     assert cached.stats.num_cached == 192
     for r in [long, cached, *others]:
+        assert r.generated == expected_tokens(r), r.request_id
+    engine.pool.check_all_free()
+
+
+# Llama-2-7B's projections (in, out) by PEFT module name
+LLAMA2_PROJECTIONS = {"self_attn.q_proj": (4096, 4096), "self_attn.k_proj": (4096, 4096),
+                      "self_attn.v_proj": (4096, 4096), "self_attn.o_proj": (4096, 4096),
+                      "mlp.gate_proj": (4096, 11008), "mlp.up_proj": (4096, 11008),
+                      "mlp.down_proj": (11008, 4096)}
+
+
+def write_llama2_adapter(directory, layers: dict[int, tuple[str, ...]], r: int = 8) -> str:
+    """A PEFT LoRA directory of rank `r` for Llama-2-7B's shapes, on the modules `layers` gives
+    per layer (real host tensors, written before the fake device exists). Returns its path."""
+    from safetensors.torch import save_file
+
+    directory.mkdir()
+    modules = sorted({m.rpartition(".")[2] for ms in layers.values() for m in ms})
+    (directory / "adapter_config.json").write_text(
+        f'{{"peft_type": "LORA", "r": {r}, "lora_alpha": 16, "target_modules": {modules!r}}}'.replace("'", '"'))
+    g = torch.Generator().manual_seed(len(modules))
+    tensors = {}
+    for layer, ms in layers.items():
+        for m in ms:
+            width, out = LLAMA2_PROJECTIONS[m]
+            prefix = f"base_model.model.model.layers.{layer}.{m}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(r, width, generator=g) * 0.01
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out, r, generator=g) * 0.01
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    return str(directory)
+
+
+def lora_index_uploads(plan: StepPlan) -> list[int]:
+    """The row indices the LoRA path uploads for `plan` (`LoraBatch._select`), by length: one per
+    distinct set of the step's adapters that change a fused matrix, holding those adapters' rows."""
+    rows: dict[int, int] = {}                     # adapter load id -> its rows, in first-row order
+    adapters = {}
+    for seg in plan.segments:
+        if seg.request.lora is not None:
+            rows[seg.request.lora.lora_id] = rows.get(seg.request.lora.lora_id, 0) + seg.length
+            adapters[seg.request.lora.lora_id] = seg.request.lora.adapter
+    keys = set().union(*(a.matrices for a in adapters.values()))
+    present = {tuple(key in adapters[lid].matrices for lid in rows) for key in keys}
+    return sorted(sum(n for n, on in zip(rows.values(), p) if on) for p in present)
+
+
+def test_mixed_adapter_steps_on_the_device(monkeypatch, tmp_path):
+    """Rows of three LoRA adapters and of the base model in the same steps, on Llama-2-7B in fp16:
+    every step's integers still in its one pinned upload and one read of its sampled ids; each
+    adapter's matrices uploaded once, in the model's dtype, when a step first needs it, and
+    resident on the device from then on (no host copy in a product: the fake device raises on a
+    mix of devices); each step's LoRA row indices uploaded once per set of adapters that change a
+    matrix; one delta (`index_add_`) per adapted matrix a step; every request ends with the ids
+    the device handed back."""
+    import engine.runner.model_runner as model_runner
+
+    dirs = {
+        "qv": write_llama2_adapter(tmp_path / "qv", {0: ("self_attn.q_proj", "self_attn.v_proj"),
+                                                     5: ("self_attn.q_proj", "self_attn.v_proj")}),
+        "mlp": write_llama2_adapter(tmp_path / "mlp", {2: ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}),
+        "o": write_llama2_adapter(tmp_path / "o", {0: ("self_attn.o_proj",), 31: ("self_attn.o_proj",)}, r=16),
+    }
+    batches = []
+    real_lora_batch = model_runner.lora_batch
+    monkeypatch.setattr(model_runner, "lora_batch",
+                        lambda *a: batches.append(real_lora_batch(*a)) or batches[-1])
+    with FakeCuda() as fake:
+        engine = fake_engine(fake, "sdpa", monkeypatch, num_blocks=512)
+        reg = engine.executor.adapters
+        for name, path in dirs.items():
+            reg.load(name, path)
+        index_adds = fake.ledger.op_calls[torch.ops.aten.index_add_.default]
+        script = Script(engine, fake)
+        reqs = [request(f"m{i}", f"key{i % 3}", prompt_of(20 + 9 * i, 40 + i), 4,
+                        lora=None if i % 4 == 3 else reg.request(("qv", "mlp", "o")[i % 4]),
+                        **({"temperature": 0.0} if i % 2 else {"temperature": 0.7, "seed": i}))
+                for i in range(12)]
+        for r in reqs:
+            engine.submit(r)
+        script.run()
+        index_adds = fake.ledger.op_calls[torch.ops.aten.index_add_.default] - index_adds
+
+    records = [r for r in script.records if r.plan is not None]
+    mixed = [r for r in records if len({s.request.lora for s in r.plan.segments}) == 4]
+    assert mixed, "no step held rows of the three adapters and of the base model"
+    matrix_numel = {name: sum(a.numel() + b.numel() for a, b in
+                              ((m.a, m.b) for m in reg.request(name).adapter.matrices.values()))
+                    for name in dirs}
+    assert matrix_numel == {"qv": 2 * (16 * 4096 + 12288 * 16), "o": 2 * 2 * 16 * 4096,
+                            "mlp": 16 * 4096 + 22016 * 16 + 8 * 11008 + 4096 * 8}
+    uploaded: set[str] = set()
+    deltas = 0
+    for record in records:
+        lora = [t for t in record.transfers if t.where.startswith(LORA_MODULE)]
+        matrices = [t for t in lora if t.dtype == torch.float16]
+        indices = [t for t in lora if t.dtype == torch.int64]
+        assert len(matrices) + len(indices) == len(lora), lora
+        assert sorted(t.numel for t in indices) == lora_index_uploads(record.plan)
+        names = {s.request.lora.name for s in record.plan.segments if s.request.lora is not None}
+        new = sorted(n for n in names if n not in uploaded)
+        assert sum(t.numel for t in matrices) == sum(matrix_numel[n] for n in new), (new, matrices)
+        uploaded.update(new)
+        deltas += len(set().union(*(reg.request(n).adapter.matrices for n in names)) if names else ())
+    assert set(uploaded) == set(dirs)
+    assert index_adds == deltas
+    resident = [res for batch in batches if batch is not None for res, _ in batch.groups]
+    assert {res.adapter.name for res in resident} == set(dirs)
+    for res in resident:
+        assert res.packed == {}                         # the per-adapter products off the CPU
+        for (layer, matrix), (a, b) in res.matrices.items():
+            host = res.adapter.matrices[(layer, matrix)]
+            assert (a.device, b.device, a.dtype, b.dtype) == (DEVICE, DEVICE, torch.float16, torch.float16)
+            assert (a.shape, b.shape) == (host.a.shape, host.b.shape)
+    assert engine.executor.loras.loads == 3 and engine.executor.loras.evictions == 0
+    for r in reqs:
         assert r.generated == expected_tokens(r), r.request_id
     engine.pool.check_all_free()
