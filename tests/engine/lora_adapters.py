@@ -2,7 +2,9 @@
 inside the tests, and PEFT's own logits to compare genserve's to.
 
 PEFT initialises lora_B to zero (an adapter that changes nothing); `build_adapter` redraws every
-lora_A and lora_B from a seeded generator so each adapter moves the logits.
+lora_A and lora_B from a seeded generator so each adapter moves the logits. `write_adapter` writes one for
+a model known only by its `ModelArgs` (a random or GGUF model: no transformers checkpoint), its
+matrices drawn directly.
 """
 
 from __future__ import annotations
@@ -53,3 +55,40 @@ def peft_logits(checkpoint: pathlib.Path, adapter: pathlib.Path | None, token_id
     if adapter is not None:
         model = PeftModel.from_pretrained(model, adapter).eval()
     return model(input_ids=torch.tensor([token_ids]), use_cache=False).logits[0].float()
+
+
+def projection_shapes(args) -> dict[str, tuple[int, int]]:
+    """(in, out) of each Llama-style projection PEFT names (`self_attn.q_proj` ...) for the model
+    `args` (`engine.model.config.ModelArgs`) describes."""
+    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    return {"self_attn.q_proj": (args.dim, q), "self_attn.k_proj": (args.dim, kv),
+            "self_attn.v_proj": (args.dim, kv), "self_attn.o_proj": (q, args.dim),
+            "mlp.gate_proj": (args.dim, args.intermediate_size), "mlp.up_proj": (args.dim, args.intermediate_size),
+            "mlp.down_proj": (args.intermediate_size, args.dim)}
+
+
+def write_adapter(directory: pathlib.Path, args, layers: dict[int, tuple[str, ...]], r: int = 8,
+                  seed: int = 0, std: float = 0.01) -> pathlib.Path:
+    """Write a PEFT LoRA directory of rank `r` for the model `args` describes into `directory`,
+    on the projections `layers` names per layer index ("self_attn.q_proj", ...; shapes from
+    `projection_shapes`), lora_A and lora_B drawn with standard deviation `std` from a generator
+    seeded by `seed`. Returns `directory`."""
+    import json
+
+    from safetensors.torch import save_file
+
+    shapes = projection_shapes(args)
+    directory.mkdir(parents=True, exist_ok=True)
+    modules = sorted({m.rpartition(".")[2] for ms in layers.values() for m in ms})
+    (directory / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": r, "lora_alpha": 2 * r, "target_modules": modules}))
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer, ms in layers.items():
+        for m in ms:
+            width, out = shapes[m]
+            prefix = f"base_model.model.model.layers.{layer}.{m}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(r, width, generator=g) * std
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out, r, generator=g) * std
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    return directory

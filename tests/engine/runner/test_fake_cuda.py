@@ -38,7 +38,9 @@ from engine.runner.builder import build_engine
 from engine.runner.cuda_graphs import DecodeGraphs, _Graph, decode_forward, pad_decode_step
 from engine.runner.inputs import StepInputs
 from engine.runner.model_runner import ModelRunner
+from engine.model.weights import random_shape
 from tests.engine.fake_cuda import DEVICE, FakeCuda, Transfer, default_reply, install_cuda_guard
+from tests.engine.lora_adapters import write_adapter
 
 pytestmark = pytest.mark.slow
 
@@ -628,34 +630,6 @@ def test_qwen3_30b_a3b_experts_run_as_one_grouped_product_per_matrix(monkeypatch
     engine.pool.check_all_free()
 
 
-# Llama-2-7B's projections (in, out) by PEFT module name
-LLAMA2_PROJECTIONS = {"self_attn.q_proj": (4096, 4096), "self_attn.k_proj": (4096, 4096),
-                      "self_attn.v_proj": (4096, 4096), "self_attn.o_proj": (4096, 4096),
-                      "mlp.gate_proj": (4096, 11008), "mlp.up_proj": (4096, 11008),
-                      "mlp.down_proj": (11008, 4096)}
-
-
-def write_llama2_adapter(directory, layers: dict[int, tuple[str, ...]], r: int = 8) -> str:
-    """A PEFT LoRA directory of rank `r` for Llama-2-7B's shapes, on the modules `layers` gives
-    per layer (real host tensors, written before the fake device exists). Returns its path."""
-    from safetensors.torch import save_file
-
-    directory.mkdir()
-    modules = sorted({m.rpartition(".")[2] for ms in layers.values() for m in ms})
-    (directory / "adapter_config.json").write_text(
-        f'{{"peft_type": "LORA", "r": {r}, "lora_alpha": 16, "target_modules": {modules!r}}}'.replace("'", '"'))
-    g = torch.Generator().manual_seed(len(modules))
-    tensors = {}
-    for layer, ms in layers.items():
-        for m in ms:
-            width, out = LLAMA2_PROJECTIONS[m]
-            prefix = f"base_model.model.model.layers.{layer}.{m}"
-            tensors[f"{prefix}.lora_A.weight"] = torch.randn(r, width, generator=g) * 0.01
-            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out, r, generator=g) * 0.01
-    save_file(tensors, str(directory / "adapter_model.safetensors"))
-    return str(directory)
-
-
 def lora_index_uploads(plan: StepPlan) -> list[int]:
     """The row indices the LoRA path uploads for `plan` (`LoraBatch._select`), by length: one per
     distinct set of the step's adapters that change a fused matrix, holding those adapters' rows."""
@@ -680,11 +654,12 @@ def test_mixed_adapter_steps_on_the_device(monkeypatch, tmp_path):
     the device handed back."""
     import engine.runner.model_runner as model_runner
 
-    dirs = {
-        "qv": write_llama2_adapter(tmp_path / "qv", {0: ("self_attn.q_proj", "self_attn.v_proj"),
-                                                     5: ("self_attn.q_proj", "self_attn.v_proj")}),
-        "mlp": write_llama2_adapter(tmp_path / "mlp", {2: ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}),
-        "o": write_llama2_adapter(tmp_path / "o", {0: ("self_attn.o_proj",), 31: ("self_attn.o_proj",)}, r=16),
+    args = random_shape("llama-2-7b")
+    dirs = {                                  # written before the fake device exists
+        "qv": write_adapter(tmp_path / "qv", args, {0: ("self_attn.q_proj", "self_attn.v_proj"),
+                                                    5: ("self_attn.q_proj", "self_attn.v_proj")}),
+        "mlp": write_adapter(tmp_path / "mlp", args, {2: ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}),
+        "o": write_adapter(tmp_path / "o", args, {0: ("self_attn.o_proj",), 31: ("self_attn.o_proj",)}, r=16),
     }
     batches = []
     real_lora_batch = model_runner.lora_batch
@@ -694,7 +669,7 @@ def test_mixed_adapter_steps_on_the_device(monkeypatch, tmp_path):
         engine = fake_engine(fake, "sdpa", monkeypatch, num_blocks=512)
         reg = engine.executor.adapters
         for name, path in dirs.items():
-            reg.load(name, path)
+            reg.load(name, str(path))
         index_adds = fake.ledger.op_calls[torch.ops.aten.index_add_.default]
         script = Script(engine, fake)
         reqs = [request(f"m{i}", f"key{i % 3}", prompt_of(20 + 9 * i, 40 + i), 4,
