@@ -9,6 +9,13 @@ some over gRPC, a fifth of the clients disconnecting mid-stream and some cancell
 DELETE /v1/requests/{id} (gRPC: Cancel). Every `--sample-s` it records the engine's and the
 bridge's resident memory and the free KV blocks.
 
+Given LoRA adapters (`--adapter NAME=PATH`, PEFT directories for the served model), a third of the
+way into the load it loads and unloads each in turn through the admin endpoints
+(`--admin-key`): POST /v1/load_lora_adapter, `ADAPTER_STREAMS` streams on it (REST, `model` the
+adapter), POST /v1/unload_lora_adapter once each has its first token, then
+`AFTER_UNLOAD_REQUESTS` requests naming it, each to be a 404 model_not_found, while the streams
+run on to their last token.
+
 At the end it checks (`SoakResult.checks`, all must hold):
 
 * free KV blocks are the whole pool again, and no request runs or waits;
@@ -19,7 +26,9 @@ At the end it checks (`SoakResult.checks`, all must hold):
 * no transport error other than the planned disconnects;
 * every served request's events are complete: each sample finished (`finish_reason`, and
   "cancelled" for the cancelled ones), then [DONE]; the engine counted every accepted sample
-  finished exactly once.
+  finished exactly once (the adapter streams included);
+* with adapters: each loaded and unloaded (200 each), every stream on it complete with all its
+  tokens through the unload, every request after the unload a 404 model_not_found.
 
 It writes `soak.json` (settings, counts, checks, the samples) and `soak.png` (RSS and free blocks
 over time) into `--out`, and exits 1 when a check fails. The CI runs a 2-minute version
@@ -31,6 +40,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import pathlib
 import random
@@ -57,6 +67,9 @@ N2_SHARE = 0.05            # requests asking for n = 2 samples
 LOAD = 0.7                 # share of the measured capacity
 PROBE_WORKERS = 28         # closed-loop clients of the capacity probe (just under the 32-row cap)
 GRPC_FAILURES = {"UNAVAILABLE", "INTERNAL", "UNKNOWN", "DATA_LOSS"}   # gRPC's 5xx
+ADAPTER_STREAMS = 3        # streams on each adapter when it is unloaded
+ADAPTER_TOKENS = 24        # tokens each of them asks for (it runs on well past the unload)
+AFTER_UNLOAD_REQUESTS = 2  # requests naming each adapter after its unload: 404 each
 
 
 @dataclass
@@ -126,6 +139,7 @@ class Plan:
     temperature: float
     disconnect_after: int | None      # leave after this many tokens
     cancel_after: int | None          # DELETE / Cancel after this many tokens, read on
+    model: str = ""                   # REST `model` (a LoRA adapter's name); "": none sent
 
 
 def plans(items: Sequence[WorkItem], seed: int) -> list[Plan]:
@@ -143,11 +157,24 @@ def plans(items: Sequence[WorkItem], seed: int) -> list[Plan]:
     return out
 
 
-async def rest_request(client: httpx.AsyncClient, base_url: str, plan: Plan) -> Outcome:
-    """One request over REST + SSE (see `Plan`)."""
+async def rest_request(client: httpx.AsyncClient, base_url: str, plan: Plan,
+                       first_token: asyncio.Event | None = None) -> Outcome:
+    """One request over REST + SSE (see `Plan`); `first_token`, when given, is set once the
+    first token arrives or the request ends."""
+    try:
+        return await _rest_stream(client, base_url, plan, first_token)
+    finally:
+        if first_token is not None:
+            first_token.set()
+
+
+async def _rest_stream(client: httpx.AsyncClient, base_url: str, plan: Plan,
+                       first_token: asyncio.Event | None) -> Outcome:
     item = plan.item
     body = {"prompt": item.prompt_ids(), "max_tokens": item.output_tokens, "ignore_eos": True,
             "temperature": plan.temperature, "seed": item.index, "n": plan.n, "stream": True}
+    if plan.model:
+        body["model"] = plan.model
     headers = {"Authorization": f"Bearer {item.api_key}"} if item.api_key else {}
     async with client.stream("POST", f"{base_url}/v1/completions", json=body, headers=headers) as r:
         if r.status_code != 200:
@@ -169,6 +196,8 @@ async def rest_request(client: httpx.AsyncClient, base_url: str, plan: Plan) -> 
                 ev = json.loads(data)
                 if "token_id" in ev:
                     tokens += 1
+                    if first_token is not None:
+                        first_token.set()
                     if plan.disconnect_after is not None and tokens >= plan.disconnect_after:
                         return Outcome("disconnected", plan.n, True)
                     if plan.cancel_after is not None and tokens >= plan.cancel_after and not cancelled:
@@ -177,6 +206,56 @@ async def rest_request(client: httpx.AsyncClient, base_url: str, plan: Plan) -> 
                 elif ev.get("finish_reason"):
                     reasons.append(ev["finish_reason"])
         return Outcome("incomplete", plan.n, True, "no [DONE]")
+
+
+async def adapter_phase(target: Target, adapters: Sequence[tuple[str, str]], admin_key: str,
+                        items: Iterator[WorkItem]) -> tuple[dict, list[Outcome]]:
+    """Load, stream on, unload and ask again for each adapter (name, directory) in turn (the
+    module doc), with `admin_key` ("": none sent); the streams' prompts are `items`' (their
+    answers `ADAPTER_TOKENS` long). Returns the check's figures and the streams' outcomes."""
+    base = target.base_url
+    admin = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
+    figures = {"loaded": 0, "unloaded": 0, "streams": 0, "streams_complete": 0, "not_found": 0, "errors": []}
+    outcomes: list[Outcome] = []
+    async with httpx.AsyncClient(timeout=3600) as client:
+        for name, path in adapters:
+            r = await client.post(f"{base}/v1/load_lora_adapter", headers=admin,
+                                  json={"lora_name": name, "lora_path": path})
+            if r.status_code != 200:
+                figures["errors"].append(f"load {name}: {r.status_code} {r.text[:200]}")
+                continue
+            figures["loaded"] += 1
+            firsts = [asyncio.Event() for _ in range(ADAPTER_STREAMS)]
+            streams = [asyncio.create_task(rest_request(client, base, Plan(
+                dataclasses.replace(next(items), output_tokens=ADAPTER_TOKENS), grpc=False, n=1,
+                temperature=0.0, disconnect_after=None, cancel_after=None, model=name), first))
+                for first in firsts]
+            await asyncio.gather(*(first.wait() for first in firsts))
+            r = await client.post(f"{base}/v1/unload_lora_adapter", headers=admin, json={"lora_name": name})
+            if r.status_code == 200:
+                figures["unloaded"] += 1
+            else:
+                figures["errors"].append(f"unload {name}: {r.status_code} {r.text[:200]}")
+            for _ in range(AFTER_UNLOAD_REQUESTS):
+                r = await client.post(f"{base}/v1/completions", headers=admin,
+                                      json={"model": name, "prompt": [1, 2, 3], "max_tokens": 2})
+                code = r.json().get("error", {}).get("code") if r.status_code == 404 else None
+                if code == "model_not_found":
+                    figures["not_found"] += 1
+                else:
+                    figures["errors"].append(f"after unloading {name}: {r.status_code} {r.text[:200]}")
+            for out in await asyncio.gather(*streams):
+                outcomes.append(out)
+                figures["streams"] += 1
+                figures["streams_complete"] += out.kind == "complete"
+                if out.kind != "complete":
+                    figures["errors"].append(f"stream on {name}: {out.kind} {out.detail}")
+    expected = len(adapters)
+    figures["ok"] = (figures["loaded"] == figures["unloaded"] == expected
+                     and figures["streams_complete"] == expected * ADAPTER_STREAMS
+                     and figures["not_found"] == expected * AFTER_UNLOAD_REQUESTS and not figures["errors"])
+    figures["errors"] = figures["errors"][:10]
+    return figures, outcomes
 
 
 def _ended(plan: Plan, reasons: list[str], cancelled: bool) -> Outcome:
@@ -289,14 +368,29 @@ async def _sample(target: Target, every_s: float, stop: asyncio.Event, out: list
                 await asyncio.wait_for(stop.wait(), every_s)
 
 
-async def _soak(target: Target, todo: Sequence[Plan], sample_s: float, samples: list[dict]) -> list[Outcome]:
+async def _soak(target: Target, todo: Sequence[Plan], sample_s: float, samples: list[dict],
+                adapters: Sequence[tuple[str, str]] = (), admin_key: str = "", adapters_at_s: float = 0.0,
+                adapter_items: Iterator[WorkItem] = iter(())) -> tuple[list[Outcome], dict | None]:
+    """The load, the samples and, with `adapters`, `adapter_phase` from `adapters_at_s` on.
+    Returns every outcome (the adapter streams' included) and the phase's figures (None
+    without adapters)."""
     stop = asyncio.Event()
     sampler = asyncio.create_task(_sample(target, sample_s, stop, samples))
+
+    async def phase() -> tuple[dict, list[Outcome]] | None:
+        if not adapters:
+            return None
+        await asyncio.sleep(adapters_at_s)
+        return await adapter_phase(target, adapters, admin_key, adapter_items)
+
     try:
-        return await _drive(target, todo)
+        outcomes, lora = await asyncio.gather(_drive(target, todo), phase())
     finally:
         stop.set()
         await sampler
+    if lora is None:
+        return outcomes, None
+    return outcomes + lora[1], lora[0]
 
 
 def rss_growth(samples: Sequence[dict], key: str, warmup_s: float) -> float:
@@ -318,7 +412,8 @@ def rss_growth(samples: Sequence[dict], key: str, warmup_s: float) -> float:
 
 def run_soak(target: Target, *, duration_s: float, capacity_rps: float | None = None, probe_s: float = 60.0,
              load: float = LOAD, scale: float = 0.064, warmup_s: float = 600.0, rss_tolerance: float = 0.05,
-             sample_s: float = 5.0, keys: Sequence[str] = ("",), seed: int = 0) -> SoakResult:
+             sample_s: float = 5.0, keys: Sequence[str] = ("",), seed: int = 0,
+             adapters: Sequence[tuple[str, str]] = (), admin_key: str = "") -> SoakResult:
     """Run the soak against `target` (see the module doc) and check its end state.
 
     Args:
@@ -331,6 +426,10 @@ def run_soak(target: Target, *, duration_s: float, capacity_rps: float | None = 
         rss_tolerance: largest relative RSS growth after the warm-up (`rss_growth`).
         sample_s: seconds between samples.
         keys: API keys, round-robin ("" sends none).
+        adapters: (name, directory) of LoRA adapters for the served model: loaded and unloaded
+            under the load (`adapter_phase`), a third of `duration_s` in; () for no such phase.
+        admin_key: the key the adapter phase authenticates with ("" sends none: a server
+            without keys takes every caller as an admin).
     Raises:
         RuntimeError: the capacity probe completed nothing.
     """
@@ -343,13 +442,15 @@ def run_soak(target: Target, *, duration_s: float, capacity_rps: float | None = 
     todo = plans(items, seed)
     samples: list[dict] = []
     start = time.monotonic()
-    outcomes = asyncio.run(_soak(target, todo, sample_s, samples))
+    adapter_items = iter(synthetic_workload([0.0] * (len(adapters) * ADAPTER_STREAMS), mix, keys, seed=seed + 11))
+    outcomes, lora = asyncio.run(_soak(target, todo, sample_s, samples, adapters, admin_key,
+                                       duration_s / 3, adapter_items))
     after = wait_idle(target.base_url)
     counts = {k: sum(1 for o in outcomes if o.kind == k) for k in sorted({o.kind for o in outcomes})}
     settings = {"duration_s": duration_s, "capacity_rps": round(capacity_rps, 4), "rate_rps": round(rate, 4),
                 "load": load, "scale": scale, "warmup_s": warmup_s, "rss_tolerance": rss_tolerance,
                 "sample_s": sample_s, "requests": len(todo), "wall_s": round(time.monotonic() - start, 1),
-                "seed": seed}
+                "seed": seed, "adapters": [name for name, _ in adapters]}
     result = SoakResult(settings, counts, samples,
                         failures=[asdict(o) for o in outcomes if o.kind not in
                                   ("complete", "disconnected", "cancelled", "rejected")][:50])
@@ -369,6 +470,8 @@ def run_soak(target: Target, *, duration_s: float, capacity_rps: float | None = 
                                  and finished == accepted,
                                  "incomplete": counts.get("incomplete", 0), "engine_finished": finished,
                                  "accepted_samples": accepted}
+    if lora is not None:
+        checks["adapters_loaded_and_unloaded_under_load"] = lora
     checks["disconnects_and_cancels_happened"] = {"ok": counts.get("disconnected", 0) > 0
                                                   and counts.get("cancelled", 0) > 0}
     return result
@@ -456,6 +559,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--sample-s", type=float, default=5.0, help="seconds between samples (default %(default)s)")
     p.add_argument("--key", action="append", default=None, help="API key (repeat; default: none)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
+                   help="a PEFT LoRA adapter of the served model to load and unload under the load (repeat)")
+    p.add_argument("--admin-key", default="", help="API key of the adapter loads and unloads (default: none)")
     p.add_argument("--base-url", help="drive this genserve (with --grpc-target and --supervisor-pid) "
                                       "instead of starting one")
     p.add_argument("--grpc-target")
@@ -464,7 +570,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     options = dict(duration_s=args.duration_s, capacity_rps=args.capacity_rps, probe_s=args.probe_s,
                    load=args.load, scale=args.scale, warmup_s=args.warmup_s, rss_tolerance=args.rss_tolerance,
-                   sample_s=args.sample_s, keys=args.key or ("",), seed=args.seed)
+                   sample_s=args.sample_s, keys=args.key or ("",), seed=args.seed,
+                   adapters=[tuple(a.split("=", 1)) for a in args.adapter], admin_key=args.admin_key)
     if args.base_url:
         if not (args.grpc_target and args.supervisor_pid):
             p.error("--base-url needs --grpc-target and --supervisor-pid")
