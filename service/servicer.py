@@ -184,10 +184,8 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
         self.load = LoadReporter()     # counts ended requests; writes the ORCA load reports
         self.num_watching = 0          # WatchScheduler streams open now
         # The LoRA adapters served by name (engine.runner.lora.LoraRegistry), set by the server
-        # once the model has loaded; None: no adapter can be served. `lora_enabled`: adapters
-        # are served (--enable-lora, --lora-modules, or one was loaded): a request naming a model
-        # that is neither the base nor a loaded adapter is then NOT_FOUND; off, any name is the
-        # base model (as before adapters).
+        # once the model has loaded; None: no adapter can be served. `lora_enabled`: the server
+        # was started to serve adapters (--enable-lora, --lora-modules); see `serves_adapters`.
         self.adapters = None
         self.lora_enabled = False
         self.adapter_loaded_s: dict[str, int] = {}
@@ -413,7 +411,7 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
         policy = self.auth.policy(api_key)
         if not name or name == self.info.model_name:
             name = policy.default_adapter
-        if not name or not self.lora_enabled or self.adapters is None:
+        if not name or not self.serves_adapters():
             return None                    # the base model (LoRA off: any model name is the base)
         if not policy.allows(name):
             raise LookupError(name)
@@ -421,6 +419,13 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
             return self.adapters.request(name)
         except KeyError:
             raise LookupError(name) from None
+
+    def serves_adapters(self) -> bool:
+        """Whether a request's model name picks an adapter: the server was started to serve them
+        (`lora_enabled`), or an adapter loaded at run time is still loaded. Then a name that is
+        neither the base model nor a loaded adapter is NOT_FOUND; otherwise any name is the base
+        model (as before adapters), so unloading the last run-time adapter restores that."""
+        return self.adapters is not None and (self.lora_enabled or bool(self.adapters.adapters()))
 
     async def _model_not_found(self, context: grpc.aio.ServicerContext, name: str,
                                span: trace.Span | None = None) -> NoReturn:
@@ -434,7 +439,7 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
             await self._unavailable(context, "engine is loading; retry shortly")
         base = self.info.model_name
         cards = [pb.ModelCard(id=base, created=self.adapter_loaded_s.get("", 0))]
-        if self.adapters is not None and self.lora_enabled:
+        if self.serves_adapters():
             policy = self.auth.policy(api_key)
             cards += [pb.ModelCard(id=a.name, parent=base, root=a.path, created=self.adapter_loaded_s.get(a.name, 0))
                       for a in self.adapters.adapters() if policy.allows(a.name)]
@@ -469,7 +474,6 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
         if problem is not None:
             context.set_trailing_metadata(((INVALID_FIELD_METADATA, field),))
             await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, problem)
-        self.lora_enabled = True
         self.adapter_loaded_s[name] = int(time.time())
         log.info("LoRA adapter %r loaded from %s (rank %d, %s)", name, path, adapter.rank, ", ".join(adapter.targets))
         return pb.LoadLoraAdapterResponse(lora_name=name, rank=adapter.rank)

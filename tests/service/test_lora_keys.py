@@ -43,6 +43,9 @@ class FakeAdapters:
     def __init__(self, *names: str) -> None:
         self.names = list(names)
 
+    def adapters(self) -> list[str]:
+        return list(self.names)
+
     def request(self, name: str) -> LoraRequest:
         if name not in self.names:
             raise KeyError(name)
@@ -67,4 +70,17 @@ def test_a_request_runs_on_its_adapter_its_keys_default_or_the_base():
         with pytest.raises(LookupError):                        # refused or missing: one answer
             s.lora_for(name, key)
     off = servicer(enabled=False)
+    off.adapters = FakeAdapters()
     assert off.lora_for("gpt-4o", "k3") is None                 # LoRA off: any name is the base
+
+
+def test_a_server_started_without_adapters_serves_them_while_one_loaded_at_run_time_is_loaded():
+    s = servicer(enabled=False)
+    s.adapters = FakeAdapters()
+    assert not s.serves_adapters() and s.lora_for("gpt-4o", "k3") is None
+    s.adapters.names.append("late")                             # loaded by an admin at run time
+    assert s.serves_adapters() and s.lora_for("late", "k3") == LoraRequest("late", 1)
+    with pytest.raises(LookupError):
+        s.lora_for("gpt-4o", "k3")
+    s.adapters.names.remove("late")                             # its unload: any name is the base again
+    assert not s.serves_adapters() and s.lora_for("gpt-4o", "k3") is None
