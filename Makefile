@@ -40,7 +40,7 @@ proto: $(STAMP)
 
 # The hour-long soak (loadgen/soak.py): starts genserve, measures its capacity, drives 70 % of it
 # through Envoy for SOAK_S seconds, writes soak.json and soak.png into SOAK_OUT, exits 1 on a
-# failed check. `make soak SOAK_S=120` is the CI length.
+# failed check. `make soak SOAK_S=60` is the length the suite runs (tests/e2e/test_soak.py).
 SOAK_S ?= 3600
 SOAK_OUT ?= docs/benchmarks/soak
 soak: $(STAMP) $(TOOLS_STAMP)
