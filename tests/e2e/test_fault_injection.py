@@ -105,7 +105,7 @@ def test_a_forward_pass_fault_ends_every_open_stream_with_an_error_and_the_engin
     # The supervisor restarts the engine; the bridge recovers by itself.
     while httpx.get(f"{srv.base_url}/health", timeout=10).status_code != 200:
         assert time.monotonic() - failed_at < RECOVERY_TIMEOUT_S, "engine did not come back"
-        time.sleep(0.5)
+        time.sleep(0.1)
     print(f"\n  engine back {time.monotonic() - failed_at:.1f} s after the fault")
     assert any("engine exited with 1" in line for line in srv.output), srv.output[-20:]
     ok = httpx.post(f"{srv.base_url}/v1/completions",
