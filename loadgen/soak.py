@@ -31,8 +31,8 @@ At the end it checks (`SoakResult.checks`, all must hold):
   tokens through the unload, every request after the unload a 404 model_not_found.
 
 It writes `soak.json` (settings, counts, checks, the samples) and `soak.png` (RSS and free blocks
-over time) into `--out`, and exits 1 when a check fails. The CI runs a 2-minute version
-(tests/e2e/test_soak.py).
+over time) into `--out`, and exits 1 when a check fails. The suite runs a one-minute version
+(tests/e2e/test_soak.py; longer where a minute's plan is too thin).
 """
 
 from __future__ import annotations
