@@ -57,16 +57,23 @@ def prompt(marker: str) -> str:
 
 async def _rest(client: httpx.AsyncClient, base: str, marker: str) -> dict:
     body = {"prompt": prompt(marker), "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
-    text, finish = [], None
+    text, finish, errors, kind = [], None, [], "message"
     async with client.stream("POST", f"{base}/v1/completions", json=body) as r:
         assert r.status_code == 200, await r.aread()
         async for line in r.aiter_lines():
-            if line.startswith("data:") and line != "data: [DONE]":
+            if line.startswith("event:"):
+                kind = line[6:].strip()
+            elif line.startswith("data:") and line != "data: [DONE]":
                 event = json.loads(line[5:])
+                if kind == "error":
+                    errors.append(event)       # shown by the assertion if the request failed
                 if "token_id" in event:
                     text.append(event["text"])
                 finish = event.get("finish_reason") or finish
-    return {"marker": marker, "text": "".join(text), "finish_reason": finish}
+            elif not line:
+                kind = "message"
+    return {"marker": marker, "text": "".join(text), "finish_reason": finish, "errors": errors,
+            "status": r.status_code, "headers": dict(r.headers)}
 
 
 async def _grpc(stub: pb_grpc.GenerateServiceStub, marker: str) -> dict:
