@@ -8,15 +8,17 @@ Two engines over the one embedded network (`engine_from_model` twice: the same w
 each): "base" runs every row on the base model, "lora" runs them on `--adapters` random rank
 `--rank` adapters on every projection (q, k, v, o, gate, up, down of all 30 layers; written as PEFT
 directories, `write_adapter`, and loaded through the engine's `LoraRegistry`), row r on adapter
-r mod N. For each row count the engines take one decode step each in turn
-(`benchmarks._measure.step_in_turn`, so load from other processes weighs on both), counting
-pure-decode steps at that many rows (the executor's time: forward, logits, sampling). Printed:
-the median step of each and lora / base. Targets (docs/lora.md): 32 rows over 8 adapters ≤ 1.15×
-the base step; one row on an adapter ≤ 1.10× one base row.
+r mod N. With `--python-loop`, two more: "base_python" and "lora_python", the same without the
+C++ decode loop (the model's Python block loop, which prefill and mixed steps take). For each row
+count the engines take one decode step each in turn (`benchmarks._measure.step_in_turn`, so load
+from other processes weighs on all), counting pure-decode steps at that many rows (the executor's
+time: forward, logits, sampling). Printed: the median step of each and lora / base. Targets
+(docs/benchmarks/lora.md): 32 rows over 8 adapters ≤ 1.15× the base step; one row on an adapter
+≤ 1.10× one base row.
 
-The base engine's pure-decode steps run genserve's C++ decode loop; a step with adapter rows runs
-the model's Python block loop with the adapters' grouped products (`engine.model.lora`), so the
-ratio holds both the deltas and the loop's difference. Other processes on the machine distort
+Pure-decode steps run genserve's C++ decode loop, with adapter rows too where the adapters' deltas
+run `lora_delta_` (bf16 on a CPU with AVX512-BF16): each product of the loop adds the rows' deltas
+(`engine.model.lora`). Other processes on the machine distort
 the figures: the load average is printed and recorded.
 """
 
@@ -74,22 +76,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--json", type=pathlib.Path, default=None)
     parser.add_argument("--python-loop", action="store_true",
-                        help="a third engine: the base model through the Python block loop (no C++ decode loop)")
+                        help="two more engines: the base model and the adapters through the Python block loop "
+                             "(no C++ decode loop)")
     args = parser.parse_args(argv)
     config = EngineConfig(dtype="bfloat16", num_blocks=1024, queue_budget_s=1e6, max_loras=args.adapters)
     loaded = build_engine(config, calibrate=False)
     base = loaded.engine
-    lora = engine_from_model(config, base.executor.model)
+    engines = {"base": base, "lora": engine_from_model(config, base.executor.model)}
+    if args.python_loop:              # both through the Python block loop (prefill and mixed steps take it)
+        for name in ("base_python", "lora_python"):
+            engines[name] = engine_from_model(config, base.executor.model)
+            engines[name].executor.decode_loop = None
+    names = [f"adapter{a}" for a in range(args.adapters)]
     with tempfile.TemporaryDirectory() as tmp:
-        names = []
-        for a in range(args.adapters):
-            names.append(f"adapter{a}")
-            lora.executor.adapters.load(names[-1], write_adapter(pathlib.Path(tmp) / names[-1], loaded.args,
-                                                                 args.rank, seed=a))
-    engines = {"base": base, "lora": lora}
-    if args.python_loop:              # the base model through the Python block loop the lora steps take
-        engines["base_python"] = engine_from_model(config, base.executor.model)
-        engines["base_python"].executor.decode_loop = None
+        for a, name in enumerate(names):
+            path = write_adapter(pathlib.Path(tmp) / name, loaded.args, args.rank, seed=a)
+            for engine_name, engine in engines.items():
+                if engine_name.startswith("lora"):
+                    engine.executor.adapters.load(name, path)
     gen = torch.Generator().manual_seed(0)
     vocab = loaded.args.vocab_size
     results = {"adapters": args.adapters, "rank": args.rank, "load_average_before": os.getloadavg(),
@@ -99,21 +103,22 @@ def main(argv: list[str] | None = None) -> None:
         def submit(name: str, engine) -> None:
             for i in range(rows):
                 ids = torch.randint(10, vocab, (args.prompt_len,), generator=gen).tolist()
-                req = Request(f"{name}-{rows}-{i}-{len(results['rows'])}", "bench", ids, max_tokens,
-                              SamplingParams(temperature=0.0, ignore_eos=True), 0.0, 0.0)
-                if name == "lora":
-                    req.lora = engine.executor.adapters.request(names[i % len(names)])
-                engine.submit(req)
+                lora_request = (engine.executor.adapters.request(names[i % len(names)])
+                                if name.startswith("lora") else None)
+                engine.submit(Request(f"{name}-{rows}-{i}-{len(results['rows'])}", "bench", ids, max_tokens,
+                                      SamplingParams(temperature=0.0, ignore_eos=True), 0.0, 0.0,
+                                      lora=lora_request))
         return submit
 
-    step_in_turn(engines, 4, 4, submit_for(4, 12))                     # warm-up: both paths
+    step_in_turn(engines, 4, 4, submit_for(4, 12))                     # warm-up: every path
     for rows in (int(r) for r in args.rows.split(",")):
         times = step_in_turn(engines, rows, args.steps, submit_for(rows, args.steps + 8))
         med = {name: statistics.median(t) * 1000 for name, t in times.items()}
         ratio = med["lora"] / med["base"]
         results["rows"][rows] = {**{f"{name}_ms": v for name, v in med.items()}, "ratio": ratio,
                                  "steps": {name: len(t) for name, t in times.items()}}
-        python = f", base through the Python loop {med['base_python']:.2f} ms" if "base_python" in med else ""
+        python = (f"; through the Python block loop: base {med['base_python']:.2f} ms, lora {med['lora_python']:.2f} ms"
+                  if "base_python" in med else "")
         print(f"{rows:3d} rows over {min(rows, args.adapters)} adapters (rank {args.rank}, all projections): "
               f"base {med['base']:.2f} ms, lora {med['lora']:.2f} ms, ratio {ratio:.3f}{python}", flush=True)
     results["load_average_after"] = os.getloadavg()

@@ -48,6 +48,10 @@
   and FMA, `fma_linear_available()`.
 * `engine/kernels/csrc/decode_layers.cpp`: all blocks of a pure-decode step in one call
   (`torch.ops.genserve.decode_layers`), the same ops in the same order as the Python loop.
+* `engine/kernels/csrc/lora_delta.cpp`: a step's LoRA deltas on one fused projection in one call
+  (`torch.ops.genserve.lora_delta_`: every adapter row's shrink and expand added in place, each
+  adapter's matrices read from one buffer, `engine.model.lora.kernel_tables`) — AVX512-BF16 builds
+  only; `lora_delta_available()` says whether this build has it. `decode_layers` runs it too.
 * `engine/kernels/csrc/greedy.cpp`: greedy sampling's argmax (`torch.ops.genserve.argmax_rows`):
   per row of fp32 logits the first index of its maximum (NaN counting as the maximum), the indices
   `torch.max(x, dim=-1)` gives, in two vectorized passes instead of a scalar loop.
@@ -88,10 +92,10 @@ SOURCES = [pathlib.Path(__file__).with_name("csrc") / name
            for name in ("decode_attention.cpp", "prefill_attention.cpp", "layer_ops.cpp",
                         "packed_linear.cpp", "q4_linear.cpp", "amx_linear.cpp",
                         "int8_linear.cpp", "q4q8_linear.cpp", "fma_linear.cpp", "decode_layers.cpp",
-                        "greedy.cpp", "qk_linear.cpp")]
+                        "greedy.cpp", "qk_linear.cpp", "lora_delta.cpp")]
 OPS = ("paged_decode", "rms_norm", "add_rms_norm_", "rope_store_kv", "silu_mul", "int8_linear",
        "decode_layers", "argmax_rows", "qk_linear", "qk_linear_grouped")
-AVX512_BF16_OPS = ("packed_linear", "q4_linear")     # built only where the CPU has AVX512-BF16
+AVX512_BF16_OPS = ("packed_linear", "q4_linear", "lora_delta_")     # built only where the CPU has AVX512-BF16
 PREFILL_OPS = ("paged_prefill", "paged_prefill_pieces")   # built where the compiler targets AVX512-BF16, or AVX2 and FMA
 AMX_OPS = ("q4_amx_linear", "q8_amx_linear")   # built only where the compiler targets AMX-BF16
 FMA_OPS = ("fma_linear",)      # built only where the compiler targets AVX2 and FMA
@@ -247,6 +251,13 @@ def packed_linear_grouped_available() -> bool:
     """True if this build has `packed_linear_grouped` (packed_linear.cpp, AVX512-BF16): several
     weights' products over consecutive row groups in one call (a mixture of experts' step)."""
     return available() and hasattr(torch.ops.genserve, "packed_linear_grouped")
+
+
+@functools.cache
+def lora_delta_available() -> bool:
+    """True if the kernels built and this CPU's build includes `lora_delta_` (lora_delta.cpp,
+    AVX512-BF16): a step's LoRA deltas on one fused projection in one call."""
+    return available() and hasattr(torch.ops.genserve, "lora_delta_")
 
 
 @functools.cache

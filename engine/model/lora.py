@@ -19,11 +19,14 @@ included; a mixture-of-experts layer's experts take no adapter (transformers' ex
 A step's rows are grouped by adapter (`LoraBatch`, built by the model runner from the plan):
 each fused matrix's delta is one grouped shrink and one grouped expand over every adapter row of
 the step (punica's SGMV, S-LoRA), added to the base product's output, whatever `LinearMethod`
-computed it. On a bf16 CPU with genserve's kernels the two products are `packed_linear_grouped`
-calls over the adapters' matrices in `packed_linear`'s layout (`vnni_pack`, R padded with zeros
-to a multiple of 64): each row's bits are those of its row alone, whatever its neighbours'
-adapters. Elsewhere one product per adapter group (`engine.model.linear.linear`). Rows of the
-base model take no delta: their bits are the base model's.
+computed it. On a bf16 CPU with genserve's kernels the whole delta of a fused matrix is one
+`lora_delta_` call (engine/kernels/csrc/lora_delta.cpp: gather, shrink, expand and add in place,
+over each adapter's matrices in one buffer, `kernel_tables`, which holds each part's block of
+B_f and not its zeros): each row's bits are those of its row alone, whatever its neighbours'
+adapters, and pure-decode steps keep the C++ decode loop, which runs the same call
+(`engine.runner.decode_loop`). Elsewhere one product per adapter group
+(`engine.model.linear.linear`). Rows of the base model take no delta: their bits are the base
+model's.
 
 Which adapters are served and which are resident where the products run is the runner's
 (`engine.runner.lora`: `LoraRegistry`, `LoraSlots`).
@@ -35,13 +38,13 @@ import json
 import math
 import pathlib
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from engine import kernels
 from engine.model.config import ModelArgs
-from engine.model.linear import linear, vnni_pack
+from engine.model.linear import linear
 from engine.model.registry import family_for
 from engine.model.rope import interleave_rope_rows
 
@@ -60,11 +63,6 @@ FUSED_PARTS: dict[str, tuple[str, ...]] = {
 # Checkpoint-fused loader names (Phi-3) -> the fused matrix whose every row they cover.
 _WHOLE = {"attention.wqkv_checkpoint": "attention.wqkv", "feed_forward.w13_checkpoint": "feed_forward.w13"}
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(.+)\.lora_([AB])(?:\.[^.]+)?\.weight$")
-# Packed-path granularity of R: `packed_linear` needs N a multiple of 64 and K of 32, so the
-# shrink's A pads R to 64 rows and the expand's B to 32 columns (its input is the shrink's output
-# cut to that many: the columns cut are zeros).
-_PACK_R = 64
-_PACK_K = 32
 
 
 @dataclass(frozen=True)
@@ -75,10 +73,13 @@ class LoraMatrix:
         a: [R, in], the targeted parts' lora_A stacked (R = the sum of their ranks).
         b: [out, R], block-diagonal: each part's lora_B times its scale in the part's rows (the
             fused matrix's row order, RoPE-interleaved for Q and K) and its own R columns.
+        parts: per targeted part, (lo, hi, r_lo, r_hi): its rows [lo, hi) of b and its columns
+            [r_lo, r_hi) (rows of a); b is zero outside these blocks. Empty: one part, all of b.
     """
 
     a: torch.Tensor
     b: torch.Tensor
+    parts: tuple[tuple[int, int, int, int], ...] = ()
 
 
 @dataclass(eq=False)
@@ -267,19 +268,32 @@ def load_adapter(directory: str | pathlib.Path, args: ModelArgs, dtype: torch.dt
         a_f = torch.zeros(total, width)
         b_f = torch.zeros(sum(rows), total)
         col = 0
+        blocks = []
         for lo, hi, a, b in pieces:
             r = a.shape[0]
             a_f[col:col + r] = a
             b_f[lo:hi, col:col + r] = b
+            blocks.append((lo, hi, col, col + r))
             col += r
         if fused == "attention.wqkv":             # Q and K rows as the fused base weight has them
             q, k, v = b_f.split(rows)
             b_f = torch.cat([interleave_rope_rows(q, args.n_heads, args.rotary_dim),
                              interleave_rope_rows(k, args.n_kv_heads, args.rotary_dim), v])
-        matrices[(layer, fused)] = LoraMatrix(a_f.to(dtype).contiguous(), b_f.to(dtype).contiguous())
+        # (the RoPE order moves rows within Q and within K: each part keeps its rows [lo, hi))
+        matrices[(layer, fused)] = LoraMatrix(a_f.to(dtype).contiguous(), b_f.to(dtype).contiguous(),
+                                              tuple(blocks))
     targets_found = sorted({module.rpartition(".")[2] for _, module in pairs})
     return LoraAdapter(name or directory.name, str(directory), lora_id, max_rank, alpha_default,
                        tuple(targets_found), matrices)
+
+
+# The fused matrices in `lora_delta_`'s slot order (slot = 4 · layer + kind), which is also the
+# order of `decode_layers`' products.
+KINDS = ("attention.wqkv", "attention.wo", "feed_forward.w13", "feed_forward.w2")
+# `lora_delta_`'s table: per slot a_off, R, K, parts, then (lo, hi, r_lo, r_hi, b_off) per part
+# (engine/kernels/csrc/genserve_ops.h, LORA_MAX_PARTS and LORA_SLOT_FIELDS).
+_MAX_PARTS = 3
+_SLOT_FIELDS = 4 + 5 * _MAX_PARTS
 
 
 @dataclass(eq=False)
@@ -289,47 +303,74 @@ class ResidentLora:
     Attributes:
         adapter: the host adapter.
         matrices: (layer, fused matrix) -> (a [R, in], b [out, R]) on the device.
-        packed: (layer, fused matrix) -> (a, b) in `packed_linear`'s layout (`vnni_pack`), a's R
-            rows padded with zeros to a multiple of 64 and b's R columns to one of 32, on a bf16 CPU with `packed_linear_grouped` built and
-            the widths fitting its blocks; else empty.
+        kernel: (blob, table) for `lora_delta_` (`kernel_tables`) on a bf16 CPU where it is built
+            (`kernel_path`); else None.
     """
 
     adapter: LoraAdapter
     matrices: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
-    packed: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    kernel: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
-def packed_path(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether adapters' products run `packed_linear_grouped` here (bf16 on a CPU where it is
-    built)."""
-    return (device.type == "cpu" and dtype == torch.bfloat16 and kernels.available()
-            and kernels.packed_linear_grouped_available())
+def kernel_path(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether adapters' deltas run `lora_delta_` here (bf16 on a CPU where it is built)."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and kernels.lora_delta_available()
 
 
-def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
-    return torch.cat([t, t.new_zeros(rows - t.shape[0], t.shape[1])]) if rows > t.shape[0] else t
+def kernel_tables(adapter: LoraAdapter) -> tuple[torch.Tensor, torch.Tensor]:
+    """`adapter`'s bf16 pairs as `lora_delta_` reads them (engine/kernels/csrc/lora_delta.cpp).
+
+    Returns:
+        blob: bf16 [values], every fused matrix's a [R, in] (row-major) and, per part, its block
+            of b in the VNNI pair order [ceil(r_p / 2)][hi - lo][2] (an odd rank's last pair
+            holding a zero); only the parts' blocks, not b's zeros.
+        table: int64 [4 · layers, 19], row 4 · layer + kind (`KINDS`): a_off, R, K, parts, then
+            lo, hi, r_lo, r_hi, b_off per part (offsets in values of blob); R = 0 where the
+            adapter leaves the matrix alone.
+    Raises:
+        ValueError: a matrix of more than 3 parts, or a part's rank above 128.
+    """
+    layers = 1 + max(layer for layer, _ in adapter.matrices)
+    table = torch.zeros(4 * layers, _SLOT_FIELDS, dtype=torch.int64)
+    pieces, size = [], 0
+    for (layer, name), m in sorted(adapter.matrices.items()):
+        a = m.a.to(torch.bfloat16)
+        parts = m.parts or ((0, m.b.shape[0], 0, m.a.shape[0]),)
+        if len(parts) > _MAX_PARTS or any(r1 - r0 > 128 for _, _, r0, r1 in parts):
+            raise ValueError(f"LoRA adapter {adapter.name}: {name} of layer {layer} has {len(parts)} parts "
+                             f"of ranks {[r1 - r0 for _, _, r0, r1 in parts]} (the kernel takes 3, up to 128)")
+        entry = [size, a.shape[0], a.shape[1], len(parts)]
+        pieces.append(a.reshape(-1))
+        size += a.numel()
+        for lo, hi, r0, r1 in parts:
+            b = m.b[lo:hi, r0:r1].to(torch.bfloat16)
+            if b.shape[1] % 2:
+                b = torch.cat([b, b.new_zeros(b.shape[0], 1)], 1)
+            pairs = b.reshape(hi - lo, -1, 2).transpose(0, 1).reshape(-1)     # [pairs][n][2]
+            entry += [lo, hi, r0, r1, size]
+            pieces.append(pairs)
+            size += pairs.numel()
+        table[4 * layer + KINDS.index(name), :len(entry)] = torch.tensor(entry)
+    return torch.cat(pieces).contiguous(), table
 
 
 def make_resident(adapter: LoraAdapter, device: torch.device, dtype: torch.dtype) -> ResidentLora:
-    """`adapter`'s pairs on `device`, with their packed copies where `packed_path` says (a fused
-    matrix whose widths do not fit `packed_linear`'s blocks runs the per-group products)."""
+    """`adapter`'s pairs on `device`, with its `kernel_tables` where `kernel_path` says."""
     matrices = {k: (m.a.to(device), m.b.to(device)) for k, m in adapter.matrices.items()}
-    packed = {}
-    if packed_path(dtype, device):
-        for key, (a, b) in matrices.items():
-            r = -(-a.shape[0] // _PACK_R) * _PACK_R
-            k = -(-a.shape[0] // _PACK_K) * _PACK_K
-            if a.shape[1] % 32 == 0 and b.shape[0] % 64 == 0:
-                packed[key] = (vnni_pack(_pad_rows(a, r)), vnni_pack(_pad_rows(b.t(), k).t().contiguous()))
-    return ResidentLora(adapter, matrices, packed)
+    return ResidentLora(adapter, matrices, kernel_tables(adapter) if kernel_path(dtype, device) else None)
 
 
 class LoraBatch:
     """One step's rows grouped by adapter, and the delta each fused matrix adds (module docstring).
 
     Args:
-        row_adapters: [T] per flat-batch row, the `ResidentLora` it runs on, or None (base).
+        groups: per adapter, its `ResidentLora` and its rows of the flat batch (ascending).
         device: where the step runs.
+
+    Attributes:
+        kernel_args: (rows int64 [N], the adapter rows grouped; offsets [G + 1]; blobs; tables):
+            `lora_delta_`'s arguments but y, x and the slot, when every adapter has its
+            `kernel_tables`; else None. The C++ decode loop takes them too (`DecodeLoop.run`).
 
     Build with `LoraBatch.from_rows`; None when no row has an adapter.
     """
@@ -338,10 +379,23 @@ class LoraBatch:
         self.groups = groups
         self.device = device
         self._selections: dict[tuple[bool, ...], tuple[torch.Tensor, list[int], list[ResidentLora]]] = {}
+        self.kernel_args = None
+        if all(res.kernel is not None for res, _ in groups):
+            rows = [r for _, group in groups for r in group]
+            offsets = [0]
+            for _, group in groups:
+                offsets.append(offsets[-1] + len(group))
+            self.kernel_args = (torch.tensor(rows, dtype=torch.int64), offsets,
+                                [res.kernel[0] for res, _ in groups], [res.kernel[1] for res, _ in groups])
 
     @classmethod
     def from_rows(cls, row_adapters: list[ResidentLora | None], device: torch.device) -> "LoraBatch | None":
-        """Group the rows by adapter (adapters in first-row order, rows ascending within one)."""
+        """Group the rows by adapter (adapters in first-row order, rows ascending within one).
+
+        Args:
+            row_adapters: [T] per flat-batch row, the `ResidentLora` it runs on, or None (base).
+            device: where the step runs.
+        """
         by: dict[int, tuple[ResidentLora, list[int]]] = {}
         for row, res in enumerate(row_adapters):
             if res is not None:
@@ -376,38 +430,18 @@ class LoraBatch:
         B·A·x of fused matrix `matrix` ("attention.wqkv" ...) in layer `layer`, in place; rows of
         the base model or of adapters that do not change this matrix are left as they are.
         Returns y."""
+        if self.kernel_args is not None:
+            if x.stride(-1) != 1:
+                x = x.contiguous()
+            rows, offsets, blobs, tables = self.kernel_args
+            return torch.ops.genserve.lora_delta_(y, x, rows, offsets, blobs, tables,
+                                                  4 * layer + KINDS.index(matrix))
         sel = self._select((layer, matrix))
         if sel is None:
             return y
         index, offsets, adapters = sel
         xs = x.index_select(0, index)                                            # [N, in]
         key = (layer, matrix)
-        if all(key in res.packed for res in adapters):
-            delta = self._packed(xs, key, offsets, adapters)
-        else:
-            delta = torch.cat([linear(linear(xs[lo:hi], res.matrices[key][0]), res.matrices[key][1])
-                               for res, lo, hi in zip(adapters, offsets, offsets[1:])])
+        delta = torch.cat([linear(linear(xs[lo:hi], res.matrices[key][0]), res.matrices[key][1])
+                           for res, lo, hi in zip(adapters, offsets, offsets[1:])])
         return y.index_add_(0, index, delta)
-
-    @staticmethod
-    def _packed(xs: torch.Tensor, key: tuple[int, str], offsets: list[int],
-                adapters: list[ResidentLora]) -> torch.Tensor:
-        """The groups' deltas [N, out] through `packed_linear_grouped`: one shrink and one expand
-        call when the adapters' ranks pad alike, else one pair per adapter."""
-        xs = xs.contiguous()
-        shapes = {(res.packed[key][0].shape[0], res.packed[key][1].shape[1]) for res in adapters}
-        if len(shapes) == 1:
-            (_, k), = shapes
-            a = [res.packed[key][0] for res in adapters]
-            b = [res.packed[key][1] for res in adapters]
-            shrunk = torch.ops.genserve.packed_linear_grouped(xs, a, offsets, [xs.shape[1]] * len(a))
-            if shrunk.shape[1] != k:                   # the padding's zero columns, cut
-                shrunk = shrunk[:, :k].contiguous()
-            return torch.ops.genserve.packed_linear_grouped(shrunk, b, offsets, [k] * len(b))
-        parts = []
-        for res, lo, hi in zip(adapters, offsets, offsets[1:]):
-            a, b = res.packed[key]
-            shrunk = torch.ops.genserve.packed_linear(xs[lo:hi].contiguous(), a, a.shape[1])
-            shrunk = shrunk[:, :b.shape[1]].contiguous()
-            parts.append(torch.ops.genserve.packed_linear(shrunk, b, b.shape[1]))
-        return torch.cat(parts)

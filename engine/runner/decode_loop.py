@@ -12,7 +12,11 @@ import torch
 from engine.attention.base import AttentionMetadata
 from engine.model.layer_ops import KernelLayerOps
 from engine.model.linear import ANY_ROWS, PACKED_LINEAR_MAX_ROWS
+from engine.model.lora import LoraBatch
 from engine.model.transformer import Transformer
+
+# The adapter rows of a step without any (an empty int64 tensor; never written).
+_NO_ROWS = torch.empty(0, dtype=torch.int64)
 
 
 @dataclass(frozen=True)
@@ -131,21 +135,39 @@ class DecodeLoop:
                    scale=args.head_dim ** -0.5, **products)
 
     def run(self, model: Transformer, token_ids: torch.Tensor, positions: torch.Tensor,
-            kv_layers: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        """`model(token_ids, positions, kv_layers, meta)` for a pure-decode step, in one C++ call:
-        the same ops, in the same order and with the same bits, as `Transformer.forward`'s Python
-        loop with `KernelLayerOps`.
+            kv_layers: list[torch.Tensor], meta: AttentionMetadata,
+            lora: LoraBatch | None = None) -> torch.Tensor:
+        """`model(token_ids, positions, kv_layers, meta, KernelLayerOps, lora)` for a pure-decode
+        step, in one C++ call: the same ops, in the same order and with the same bits, as
+        `Transformer.forward`'s Python loop with `KernelLayerOps`.
 
         Args:
             model: the network these weights were taken from.
             token_ids, positions: int64 [B]; kv_layers: per-layer K and V pools; meta: a
                 pure-decode step's metadata (B rows, the genserve-kernels CPU backend).
+            lora: the step's adapter rows, or None; its `kernel_args` must be set
+                (`accepts`), each product then adding the rows' deltas (`lora_delta_`).
         Returns:
             [B, dim] final-norm hidden states.
+        Raises:
+            ValueError: `lora` without `kernel_args`.
         """
+        if lora is None:
+            rows, offsets, blobs, tables = _NO_ROWS, [0], [], []
+        elif lora.kernel_args is None:
+            raise ValueError("DecodeLoop.run: the step's adapters have no lora_delta_ tables")
+        else:
+            rows, offsets, blobs, tables = lora.kernel_args
         h, x = model.embed(token_ids, KernelLayerOps)
         return torch.ops.genserve.decode_layers(
             h, x, self.wqkv, self.wo, self.w13, self.w2, self.ffn_norm, self.next_norm, self.eps,
             model.rope, positions, kv_layers, meta.slots, meta.decode_blocks.view(meta.num_decode, -1),
             meta.decode_lens, self.n_heads, self.n_kv_heads, self.scale, self.k_chunks,
-            self.max_rows, self.q4, self.i8, self.q4q8, self.qk, self.qk_kinds, self.qk_counts)
+            self.max_rows, self.q4, self.i8, self.q4q8, self.qk, self.qk_kinds, self.qk_counts,
+            rows, offsets, blobs, tables)
+
+    @staticmethod
+    def accepts(lora: LoraBatch | None) -> bool:
+        """Whether `run` takes a step with these adapter rows: none, or every adapter with its
+        `lora_delta_` tables (`LoraBatch.kernel_args`)."""
+        return lora is None or lora.kernel_args is not None

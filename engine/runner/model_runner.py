@@ -86,9 +86,11 @@ class ModelRunner:
             state, grammar matcher), dropped the step after the request finished.
         adapters: the LoRA adapters served by name (`engine.runner.lora.LoraRegistry`: load,
             unload, each new request's `LoraRequest`).
-        loras: the resident LoRA adapters (`LoraSlots`); a step with adapter rows runs the
-            model's Python block loop (neither the C++ decode loop nor a CUDA graph adds the
-            deltas), each dense projection adding the rows' deltas (`engine.model.lora`).
+        loras: the resident LoRA adapters (`LoraSlots`); each dense projection of a step with
+            adapter rows adds the rows' deltas (`engine.model.lora`): in the C++ decode loop for
+            a pure-decode step where the adapters have `lora_delta_`'s tables
+            (`DecodeLoop.accepts`), else in the model's Python block loop (no CUDA graph adds
+            them).
         decode_loop: the C++ decode loop (`engine.runner.decode_loop.DecodeLoop`) that runs
             pure-decode steps, or None (then the model's Python block loop runs them; set it to
             None to compare the two).
@@ -199,9 +201,9 @@ class ModelRunner:
         with stage("genserve.forward"):
             if graph_rows is not None:
                 hidden, sampling = self.graphs.run(graph_rows, inputs)
-            elif self.decode_loop is not None and inputs.decode_only and lora is None:
-                # A pure-decode step: the model's block loop, run in C++.
-                hidden = self.decode_loop.run(self.model, token_ids, positions, self.kv.layers, meta)
+            elif self.decode_loop is not None and inputs.decode_only and self.decode_loop.accepts(lora):
+                # A pure-decode step: the model's block loop, run in C++ (adapter rows' deltas too).
+                hidden = self.decode_loop.run(self.model, token_ids, positions, self.kv.layers, meta, lora)
             else:
                 hidden = self.model(token_ids, positions, self.kv.layers, meta, self.layer_ops, lora)
         sample_index, draw_index, greedy_index, drawn_index = sampling

@@ -14,7 +14,9 @@
 //   for each layer i:  x = next_norm_i(h += W2 silu_mul(W13 ffn_norm_i(h += Wo attn(Wqkv x))))
 //
 // h [B, dim] is the residual stream (updated in place); x = attention_norm_0(h) on entry; the
-// result is the final norm of h (next_norm of the last layer).
+// result is the final norm of h (next_norm of the last layer). With LoRA adapter rows
+// (`lora_blobs` not empty) each of the four products takes the rows' deltas right after it,
+// `lora_delta_` with slot 4 i + kind, as `LoraBatch.add` adds them in the Python loop.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -76,7 +78,9 @@ at::Tensor decode_layers(at::Tensor h, at::Tensor x, at::TensorList wqkv, at::Te
                          double scale, at::IntArrayRef k_chunks, int64_t max_rows,
                          at::TensorList q4, at::TensorList i8, at::TensorList q4q8,
                          at::TensorList qk, at::IntArrayRef qk_kinds,
-                         at::IntArrayRef qk_counts) {
+                         at::IntArrayRef qk_counts, const at::Tensor& lora_rows,
+                         at::IntArrayRef lora_offsets, at::TensorList lora_blobs,
+                         at::TensorList lora_tables) {
   const size_t layers = wqkv.size();
   TORCH_CHECK(wo.size() == layers && w13.size() == layers && w2.size() == layers &&
                   ffn_norm.size() == layers && next_norm.size() == layers &&
@@ -120,24 +124,38 @@ at::Tensor decode_layers(at::Tensor h, at::Tensor x, at::TensorList wqkv, at::Te
   const auto int8 = [&](size_t i, size_t kind) -> const at::Tensor* {
     return i8.empty() ? nullptr : &i8[16 * i + 4 * kind];
   };
+  // The adapter rows' deltas of kind `kind` of layer `i` added to y = linear(x), if any.
+  const auto lora = [&](const at::Tensor& y, const at::Tensor& x, size_t i, size_t kind) {
+    if (lora_blobs.empty()) return;
+#ifdef GENSERVE_LORA_DELTA
+    genserve::lora_delta_(y, x, lora_rows, lora_offsets, lora_blobs, lora_tables,
+                          static_cast<int64_t>(4 * i + kind));
+#else
+    TORCH_CHECK(false, "decode_layers: LoRA deltas need the AVX512-BF16 build of lora_delta_");
+#endif
+  };
   const int64_t rows = h.size(0);
   for (size_t i = 0; i < layers; ++i) {
     const at::Tensor qkv =
         linear(x, wqkv[i], blocks(i, 0), k_chunks[0], max_rows, int8(i, 0), q4_1(i, 0),
                k_segments(i, 0), k_kinds(i, 0));
+    lora(qkv, x, i, 0);
     const at::Tensor q = genserve::rope_store_kv(qkv, rope, positions, caches[i], slots, n_heads,
                                                  n_kv_heads);
     const at::Tensor o = genserve::paged_decode(q, caches[i][0], caches[i][1], tables, lens, scale);
-    const at::Tensor attn_out = linear(o.reshape({rows, -1}), wo[i], blocks(i, 1), k_chunks[1],
-                                       max_rows, int8(i, 1), q4_1(i, 1), k_segments(i, 1),
-                                       k_kinds(i, 1));
+    const at::Tensor o_rows = o.reshape({rows, -1});
+    const at::Tensor attn_out = linear(o_rows, wo[i], blocks(i, 1), k_chunks[1], max_rows,
+                                       int8(i, 1), q4_1(i, 1), k_segments(i, 1), k_kinds(i, 1));
+    lora(attn_out, o_rows, i, 1);
     x = genserve::add_rms_norm_(h, attn_out, ffn_norm[i], eps);
-    const at::Tensor act = genserve::silu_mul(
-        linear(x, w13[i], blocks(i, 2), k_chunks[2], max_rows, int8(i, 2), q4_1(i, 2),
-               k_segments(i, 2), k_kinds(i, 2)));
+    const at::Tensor gate_up = linear(x, w13[i], blocks(i, 2), k_chunks[2], max_rows,
+                                      int8(i, 2), q4_1(i, 2), k_segments(i, 2), k_kinds(i, 2));
+    lora(gate_up, x, i, 2);
+    const at::Tensor act = genserve::silu_mul(gate_up);
     const at::Tensor ffn_out =
         linear(act, w2[i], blocks(i, 3), k_chunks[3], max_rows, int8(i, 3), q4_1(i, 3),
                k_segments(i, 3), k_kinds(i, 3));
+    lora(ffn_out, act, i, 3);
     x = genserve::add_rms_norm_(h, ffn_out, next_norm[i], eps);
   }
   return x;
@@ -151,7 +169,8 @@ TORCH_LIBRARY_FRAGMENT(genserve, m) {
         "Tensor positions, Tensor[] caches, Tensor slots, Tensor tables, Tensor lens, "
         "int n_heads, int n_kv_heads, float scale, int[] k_chunks, int max_rows, "
         "Tensor[] q4, Tensor[] i8, Tensor[] q4q8, Tensor[] qk, int[] qk_kinds, "
-        "int[] qk_counts) -> Tensor");
+        "int[] qk_counts, Tensor lora_rows, int[] lora_offsets, Tensor[] lora_blobs, "
+        "Tensor[] lora_tables) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(genserve, CPU, m) { m.impl("decode_layers", &decode_layers); }

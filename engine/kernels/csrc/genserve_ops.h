@@ -31,6 +31,18 @@ at::Tensor q4q8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n)
 at::Tensor qk_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRef kinds,
                      int64_t path);
 
+// The table of one adapter's buffer for `lora_delta_` (lora_delta.cpp): per fused matrix slot
+// a_off, R, K, parts, then lo, hi, r_lo, r_hi, b_off per part (`engine.model.lora.kernel_tables`).
+constexpr int64_t LORA_MAX_PARTS = 3;
+constexpr int64_t LORA_SLOT_FIELDS = 4 + 5 * LORA_MAX_PARTS;
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define GENSERVE_LORA_DELTA 1
+// y[rows] += each adapter row's LoRA delta of one fused matrix, in place (lora_delta.cpp).
+void lora_delta_(const at::Tensor& y, const at::Tensor& x, const at::Tensor& rows,
+                 at::IntArrayRef offsets, at::TensorList blobs, at::TensorList index, int64_t slot);
+#endif
+
 #if defined(__AVX2__) && defined(__FMA__)
 #define GENSERVE_FMA_LINEAR 1
 // x [M, K] bf16 @ W^T with W in 16-column panels [N/16, K, 16] bf16 (fma_linear.cpp).

@@ -7,7 +7,10 @@ Checked:
   on Llama 3, Qwen2 (q/k/v biases), Qwen3 (q/k norms), Gemma 2, Phi-3 (checkpoint-fused
   qkv_proj / gate_up_proj) and Qwen3-MoE (attention and the dense layer's MLP);
 * a batch of three adapters and the base gives each row the tokens (fp32) and the bits (bf16,
-  genserve's grouped kernel) it gets alone;
+  genserve's `lora_delta_`) it gets alone;
+* `lora_delta_` against the fp32 product of each part (adapters of different ranks, parts left
+  out, odd ranks), each row's bits alone equal to its bits in the batch; pure-decode steps with
+  adapter rows in the C++ decode loop give the Python loop's bits;
 * no prefix-cache hit across adapters, nor from the base, nor after an adapter is reloaded;
 * an adapter unloaded while its requests run: they finish on it, new requests are refused, its
   resident copy leaves;
@@ -27,7 +30,7 @@ import torch
 from engine.config import EngineConfig
 from engine.core.engine import Engine
 from engine.model.layer_ops import TorchLayerOps
-from engine.model.lora import MAX_LORA_RANK, LoraBatch, load_adapter, make_resident, packed_path
+from engine.model.lora import MAX_LORA_RANK, LoraBatch, kernel_path, load_adapter, make_resident
 from engine.model.transformer import Transformer
 from engine.model.weights import load_safetensors
 from engine.runner.builder import engine_from_weights
@@ -132,7 +135,7 @@ def test_mixed_batch_gives_each_row_what_it_gets_alone(llama, dtype):
     together = run(e, jobs)
     for (prompt, name), a, t in zip(jobs, alone, together):
         assert t[0] == a[0], name
-        if dtype == "bfloat16" and packed_path(torch.bfloat16, CPU):
+        if dtype == "bfloat16" and kernel_path(torch.bfloat16, CPU):
             assert t[1] == a[1], name                    # the same bits, not just the same tokens
         else:        # fp32 products are F.linear's, whose low bits may follow the row count
             assert max(abs(x - y) for x, y in zip(t[1], a[1])) < 1e-4
@@ -303,23 +306,54 @@ def test_bad_adapter_directories_are_clear_errors(llama, tmp_path):
         reg.load("good", good)
 
 
-@pytest.mark.skipif(not packed_path(torch.bfloat16, CPU), reason="packed_linear_grouped is not built here")
-def test_grouped_kernel_delta_matches_per_adapter_products_and_keeps_row_bits(llama):
+@pytest.mark.skipif(not kernel_path(torch.bfloat16, CPU), reason="lora_delta_ is not built here")
+def test_kernel_delta_matches_each_part_and_keeps_row_bits(llama):
     ckpt, adapters = llama
     args, _ = load_safetensors(ckpt, torch.float32)
     res = [make_resident(load_adapter(p, args, torch.bfloat16, n, i + 1), CPU, torch.bfloat16)
            for i, (n, p) in enumerate(adapters.items())]
-    assert all(r.packed for r in res)                  # every tiny matrix fits the kernel's blocks
+    assert all(r.kernel is not None for r in res)
     x = torch.randn(9, args.dim, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    y0 = torch.randn(9, 128, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
     owners = [res[0], None, res[1], res[2], res[0], None, res[1], res[0], res[2]]
     key = (0, "attention.wqkv")
-    y = LoraBatch.from_rows(owners, CPU).add(torch.zeros(9, 128, dtype=torch.bfloat16), x, *key)
+    y = LoraBatch.from_rows(owners, CPU).add(y0.clone(), x, *key)
     for row, r in enumerate(owners):
         if r is None or key not in r.matrices:
-            assert not y[row].any()                    # base rows, and rows of an adapter without it
+            assert torch.equal(y[row], y0[row])        # base rows, and rows of an adapter without it
             continue
-        a, b = r.adapter.matrices[key].a.float(), r.adapter.matrices[key].b.float()
-        want = (x[row].float() @ a.t()).to(torch.bfloat16).float() @ b.t()
-        assert torch.allclose(y[row].float(), want, rtol=2e-2, atol=2e-2), row
-        alone = LoraBatch.from_rows([r], CPU).add(torch.zeros(1, 128, dtype=torch.bfloat16), x[row:row + 1], *key)
+        m = r.adapter.matrices[key]
+        shrunk = (x[row].float() @ m.a.float().t()).to(torch.bfloat16).float()     # bf16, as the kernel
+        want = y0[row].float() + shrunk @ m.b.float().t()
+        assert torch.allclose(y[row].float(), want, rtol=1e-2, atol=1e-2), row
+        untouched = torch.ones(128, dtype=torch.bool)
+        for lo, hi, _, _ in m.parts:
+            untouched[lo:hi] = False
+        assert torch.equal(y[row][untouched], y0[row][untouched])      # parts it leaves alone (k of qv4)
+        alone = LoraBatch.from_rows([r], CPU).add(y0[row:row + 1].clone(), x[row:row + 1], *key)
         assert torch.equal(alone[0], y[row])           # its bits alone, whatever its neighbours
+    assert res[1].adapter.matrices[key].parts == ((0, 64, 0, 4), (96, 128, 4, 8))   # q and v, rank 4
+
+
+@pytest.mark.skipif(not kernel_path(torch.bfloat16, CPU), reason="lora_delta_ is not built here")
+def test_decode_steps_with_adapters_keep_the_cpp_loop_and_the_python_loop_bits(tmp_path):
+    # head_dim 64: the C++ decode loop's attention kernel
+    ckpt = build_checkpoint("llama3", tmp_path / "base", head_dim=64)
+    adapters = {"all8": build_adapter(ckpt, tmp_path / "all8", seed=21, r=8),
+                "qv4": build_adapter(ckpt, tmp_path / "qv4", seed=22, r=4, targets=("q_proj", "v_proj")),
+                "mlp16": build_adapter(ckpt, tmp_path / "mlp16", seed=23, r=16,
+                                       targets=("gate_proj", "up_proj", "down_proj"))}
+    e = engine(ckpt, "bfloat16", prefix_caching=False)
+    loop = e.executor.decode_loop
+    assert loop is not None
+    for name, path in adapters.items():
+        e.executor.adapters.load(name, path)
+    jobs = [(tokens(n, seed=50 + n), name) for n, name in [(9, "all8"), (12, "qv4"), (7, "mlp16"), (5, None)]]
+    with_loop = run(e, jobs)
+    e.executor.decode_loop = None
+    try:
+        python_loop = run(e, jobs)
+    finally:
+        e.executor.decode_loop = loop
+    assert with_loop == python_loop                    # tokens and logprobs, bit for bit
+    assert len({tuple(a[0]) for a in with_loop}) == len(jobs)

@@ -1,0 +1,263 @@
+// A step's LoRA deltas on one fused projection in one call: for every adapter row r of the step,
+//
+//   y[r, lo:hi] += bf16( bf16(x[r] · A_p^T) · B_p^T )      for each part p (lo, hi) of r's adapter
+//
+// (gather, shrink, expand and add in place; `engine.model.lora` documents the parts and scales).
+// The adapters' matrices are read where they lie, one buffer per adapter (`blob`, bf16) with
+// an int64 table (`index`) saying where each fused matrix of each layer is in it:
+//
+//   index[slot] (slot = 4 · layer + kind, kind 0..3 = wqkv, wo, w13, w2), LORA_SLOT_FIELDS int64:
+//     a_off, R, K, parts,              A [R, K] row-major at blob[a_off]; R = 0: no delta here
+//     then per part (at most LORA_MAX_PARTS): lo, hi, r_lo, r_hi, b_off
+//       output columns [lo, hi) of y take the product through A's rows [r_lo, r_hi) and B_p,
+//       [ceil(r_p / 2)][hi - lo][2] at blob[b_off] (r_p = r_hi - r_lo; the VNNI pair order:
+//       for each pair of ranks, every column's two weights side by side; an odd rank's last pair
+//       holds a zero).
+//
+// Only the targeted parts' ranks are stored: no rank padding, and no zero blocks of the fused
+// B's block-diagonal layout.
+//
+// Arithmetic per row, fixed whatever the batch (so a row's bits are those of its row alone):
+// the shrink s_j = sum over k of x_k A_jk is one vdpbf16ps chain over k in chunks of 32 (16
+// fp32 lanes, each a pair of k) from zero, then the 16 lanes summed by _mm512_reduce_add_ps and
+// rounded to bf16 (nearest even); the expand is, per output column, one vdpbf16ps chain over
+// the rank pairs from zero, added to y's value in fp32 and rounded to bf16 once. Rows go 4 at a
+// time through the same per-row instructions; the column blocks a task covers change nothing
+// per column.
+//
+// Work: tasks (adapter, part, column block of the part) shared by the threads
+// (at::parallel_for); each computes its rows' shrink of its part (a few µs of arithmetic for
+// r_p · K values per row) and expands its columns. A part is split into column blocks only when
+// the step has fewer (adapter, part) pairs than twice the threads (few adapters, few rows), so
+// the shrink is not repeated where there is enough other work.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "genserve_ops.h"
+
+#ifdef GENSERVE_LORA_DELTA
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int TILE = 4;          // rows per pass
+constexpr int VECS = 4;          // 16-column vectors per pass of the expand
+constexpr int64_t COLS = 16 * VECS;
+
+struct Part {
+  int64_t lo, hi, r_lo, r_hi, b_off;
+};
+
+struct Task {
+  int64_t group;
+  const uint16_t* a;      // the adapter's A, [R, K]
+  const uint16_t* b;      // the part's B, [pairs][n][2]
+  int64_t lo, n, r_lo, rank, c0, c1;   // part columns [lo, lo + n), its rank, task columns [c0, c1) of the part
+};
+
+// bf16 bits, rounded to nearest even (NaN kept a NaN).
+inline uint16_t round_bf16(float f) { return c10::BFloat16(f).x; }
+
+// s[t][j] (bf16 bits) = bf16(x_t · a_j) for `T` rows and `J` consecutive rows j of A.
+template <int T, int J>
+void shrink_rows(const uint16_t* const* x, const uint16_t* a, int64_t k, uint16_t* s, int64_t s_stride) {
+  __m512 acc[T][J];
+  for (int t = 0; t < T; ++t)
+    for (int j = 0; j < J; ++j) acc[t][j] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < k; c += 32) {
+    const __mmask32 m = k - c >= 32 ? ~__mmask32(0) : (__mmask32(1) << (k - c)) - 1;
+    __m512bh w[J];
+    for (int j = 0; j < J; ++j) w[j] = (__m512bh)_mm512_maskz_loadu_epi16(m, a + j * k + c);
+    for (int t = 0; t < T; ++t) {
+      const __m512bh v = (__m512bh)_mm512_maskz_loadu_epi16(m, x[t] + c);
+      for (int j = 0; j < J; ++j) acc[t][j] = _mm512_dpbf16_ps(acc[t][j], v, w[j]);
+    }
+  }
+  for (int t = 0; t < T; ++t)
+    for (int j = 0; j < J; ++j) s[t * s_stride + j] = round_bf16(_mm512_reduce_add_ps(acc[t][j]));
+}
+
+template <int T>
+void shrink(const uint16_t* const* x, const uint16_t* a, int64_t k, int64_t rank, uint16_t* s,
+            int64_t s_stride) {
+  int64_t j = 0;
+  for (; j + 4 <= rank; j += 4) shrink_rows<T, 4>(x, a + j * k, k, s + j, s_stride);
+  switch (rank - j) {
+    case 3: shrink_rows<T, 3>(x, a + j * k, k, s + j, s_stride); break;
+    case 2: shrink_rows<T, 2>(x, a + j * k, k, s + j, s_stride); break;
+    case 1: shrink_rows<T, 1>(x, a + j * k, k, s + j, s_stride); break;
+    default: break;
+  }
+}
+
+// y_t[c0:c1] += bf16(s_t · B^T) for `T` rows: B [pairs][n][2], s_t `pairs` bf16 pairs.
+template <int T>
+void expand(const uint32_t* s, int64_t pairs, const uint16_t* b, int64_t n, int64_t c0, int64_t c1,
+            c10::BFloat16* const* y) {
+  for (int64_t c = c0; c < c1; c += COLS) {
+    __mmask16 m[VECS];
+    for (int v = 0; v < VECS; ++v) {
+      const int64_t left = c1 - c - 16 * v;
+      m[v] = left >= 16 ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
+    }
+    __m512 acc[T][VECS];
+    for (int t = 0; t < T; ++t)
+      for (int v = 0; v < VECS; ++v) acc[t][v] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; ++p) {
+      __m512bh w[VECS];
+      for (int v = 0; v < VECS; ++v)
+        w[v] = (__m512bh)_mm512_maskz_loadu_epi32(m[v], b + (p * n + c + 16 * v) * 2);
+      for (int t = 0; t < T; ++t) {
+        const __m512bh sv = (__m512bh)_mm512_set1_epi32(static_cast<int>(s[t * pairs + p]));
+        for (int v = 0; v < VECS; ++v) acc[t][v] = _mm512_dpbf16_ps(acc[t][v], sv, w[v]);
+      }
+    }
+    for (int t = 0; t < T; ++t)
+      for (int v = 0; v < VECS; ++v) {
+        if (m[v] == 0) continue;
+        c10::BFloat16* out = y[t] + c + 16 * v;
+        const __m256i old = _mm256_maskz_loadu_epi16(m[v], out);
+        const __m512 sum = _mm512_add_ps(
+            _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(old), 16)), acc[t][v]);
+        _mm256_mask_storeu_epi16(out, m[v], (__m256i)_mm512_cvtneps_pbh(sum));
+      }
+  }
+}
+
+// One task's rows `rows` (indices into x and y), `T` at a time.
+template <int T>
+void run_rows(const Task& task, const int64_t* rows, const uint16_t* x, int64_t x_stride, int64_t k,
+              c10::BFloat16* y, int64_t y_stride) {
+  const uint16_t* xr[T];
+  c10::BFloat16* yr[T];
+  for (int t = 0; t < T; ++t) {
+    xr[t] = x + rows[t] * x_stride;
+    yr[t] = y + rows[t] * y_stride + task.lo;
+  }
+  const int64_t pairs = (task.rank + 1) / 2;
+  uint16_t s[T * 2 * 64];          // ranks up to 128 per part
+  for (int t = 0; t < T; ++t) s[t * 2 * pairs + 2 * pairs - 1] = 0;     // an odd rank's zero
+  shrink<T>(xr, task.a + task.r_lo * k, k, task.rank, s, 2 * pairs);
+  expand<T>(reinterpret_cast<const uint32_t*>(s), pairs, task.b, task.n, task.c0, task.c1, yr);
+}
+
+}  // namespace
+
+namespace genserve {
+
+// y [T, N] bf16 (rows contiguous; updated in place) += each adapter row's delta of fused matrix
+// `slot` (4 · layer + kind), from x [T, K] bf16 (rows contiguous). rows: int64 [M], the adapter
+// rows, grouped; group g = rows[offsets[g]:offsets[g + 1]] runs on the adapter whose buffer is
+// blobs[g] (bf16, 1-D) and table index[g] (int64 [S, LORA_SLOT_FIELDS], the layout above); a
+// slot >= S or with R = 0 leaves the group's rows as they are. Raises (RuntimeError) on other
+// dtypes or shapes, a table entry outside its buffer or not matching x and y, a part rank above
+// 128, or a row outside [0, T).
+void lora_delta_(const at::Tensor& y, const at::Tensor& x, const at::Tensor& rows,
+                 at::IntArrayRef offsets, at::TensorList blobs, at::TensorList index, int64_t slot) {
+  TORCH_CHECK(y.dim() == 2 && x.dim() == 2 && y.scalar_type() == at::kBFloat16 &&
+                  x.scalar_type() == at::kBFloat16 && y.stride(1) == 1 && x.stride(1) == 1 &&
+                  x.size(0) == y.size(0),
+              "lora_delta_: y [T, N] and x [T, K] must be bf16 with contiguous rows");
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.is_contiguous(),
+              "lora_delta_: rows must be a contiguous int64 [M] tensor");
+  const int64_t groups = static_cast<int64_t>(blobs.size());
+  TORCH_CHECK(static_cast<int64_t>(index.size()) == groups &&
+                  static_cast<int64_t>(offsets.size()) == groups + 1 && offsets[0] == 0 &&
+                  offsets[groups] == rows.numel(),
+              "lora_delta_: one buffer and one table per group, groups + 1 offsets from 0 to M");
+  const int64_t t_rows = x.size(0), k = x.size(1), n_out = y.size(1);
+  const int64_t* row = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < rows.numel(); ++i)
+    TORCH_CHECK(row[i] >= 0 && row[i] < t_rows, "lora_delta_: row ", row[i], " outside [0, ", t_rows, ")");
+  std::vector<Part> parts;
+  std::vector<Task> tasks;
+  std::vector<int64_t> task_parts;         // per (group, part) pair: its index in `parts`
+  std::vector<std::pair<int64_t, const uint16_t*>> pair_group;   // per pair: group, blob
+  for (int64_t g = 0; g < groups; ++g) {
+    TORCH_CHECK(offsets[g] <= offsets[g + 1], "lora_delta_: offsets must not decrease");
+    const at::Tensor& table = index[g];
+    const at::Tensor& blob = blobs[g];
+    TORCH_CHECK(table.dim() == 2 && table.size(1) == LORA_SLOT_FIELDS && table.scalar_type() == at::kLong &&
+                    table.is_contiguous() && blob.dim() == 1 && blob.scalar_type() == at::kBFloat16 &&
+                    blob.is_contiguous(),
+                "lora_delta_: each table must be int64 [S, ", LORA_SLOT_FIELDS, "] and each buffer bf16 1-D");
+    if (offsets[g] == offsets[g + 1] || slot >= table.size(0)) continue;
+    const int64_t* e = table.data_ptr<int64_t>() + slot * LORA_SLOT_FIELDS;
+    const int64_t a_off = e[0], rank = e[1], width = e[2], count = e[3];
+    if (rank == 0) continue;
+    const int64_t size = blob.numel();
+    TORCH_CHECK(width == k && a_off >= 0 && a_off + rank * k <= size && count >= 1 &&
+                    count <= LORA_MAX_PARTS,
+                "lora_delta_: slot ", slot, " of group ", g, " holds A [", rank, ", ", width,
+                "] at ", a_off, " in ", count, " parts; x has K = ", k, ", the buffer ", size, " values");
+    for (int64_t p = 0; p < count; ++p) {
+      const int64_t* f = e + 4 + 5 * p;
+      const Part part{f[0], f[1], f[2], f[3], f[4]};
+      const int64_t r_p = part.r_hi - part.r_lo;
+      TORCH_CHECK(part.lo >= 0 && part.lo < part.hi && part.hi <= n_out && part.r_lo >= 0 &&
+                      r_p >= 1 && r_p <= 128 && part.r_hi <= rank && part.b_off >= 0 &&
+                      part.b_off + (r_p + 1) / 2 * 2 * (part.hi - part.lo) <= size,
+                  "lora_delta_: slot ", slot, " of group ", g, ", part ", p, " does not fit y [",
+                  t_rows, ", ", n_out, "], its rank ", rank, " (at most 128 per part) or its buffer");
+      parts.push_back(part);
+      pair_group.emplace_back(g, reinterpret_cast<const uint16_t*>(blob.data_ptr()));
+    }
+  }
+  if (parts.empty()) return;
+  // Column blocks per part: 1 with enough (group, part) pairs for the threads, else enough to
+  // give every thread two tasks.
+  const int64_t pairs = static_cast<int64_t>(parts.size());
+  const int64_t want = 2 * at::get_num_threads();
+  const int64_t split = pairs >= want ? 1 : (want + pairs - 1) / pairs;
+  for (int64_t i = 0; i < pairs; ++i) {
+    const Part& p = parts[i];
+    const auto [g, blob] = pair_group[i];
+    const int64_t n = p.hi - p.lo;
+    const int64_t step = std::max<int64_t>(16, ((n + split - 1) / split + 15) / 16 * 16);
+    const int64_t a_off = index[g].data_ptr<int64_t>()[slot * LORA_SLOT_FIELDS];
+    for (int64_t c0 = 0; c0 < n; c0 += step)
+      tasks.push_back({g, blob + a_off, blob + p.b_off, p.lo, n, p.r_lo, p.r_hi - p.r_lo, c0,
+                       std::min(n, c0 + step)});
+  }
+  const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  auto* ys = y.data_ptr<c10::BFloat16>();
+  const int64_t x_stride = x.stride(0), y_stride = y.stride(0);
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const Task& task = tasks[i];
+      const int64_t first = offsets[task.group], last = offsets[task.group + 1];
+      int64_t r = first;
+      for (; r + TILE <= last; r += TILE) run_rows<TILE>(task, row + r, xs, x_stride, k, ys, y_stride);
+      switch (last - r) {
+        case 3: run_rows<3>(task, row + r, xs, x_stride, k, ys, y_stride); break;
+        case 2: run_rows<2>(task, row + r, xs, x_stride, k, ys, y_stride); break;
+        case 1: run_rows<1>(task, row + r, xs, x_stride, k, ys, y_stride); break;
+        default: break;
+      }
+    }
+  });
+}
+
+}  // namespace genserve
+
+namespace {
+at::Tensor lora_delta_op(at::Tensor y, const at::Tensor& x, const at::Tensor& rows, at::IntArrayRef offsets,
+                         at::TensorList blobs, at::TensorList index, int64_t slot) {
+  genserve::lora_delta_(y, x, rows, offsets, blobs, index, slot);
+  return y;
+}
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(genserve, m) {
+  m.def("lora_delta_(Tensor(a!) y, Tensor x, Tensor rows, int[] offsets, Tensor[] blobs, "
+        "Tensor[] index, int slot) -> Tensor(a!)");
+}
+TORCH_LIBRARY_IMPL(genserve, CPU, m) { m.impl("lora_delta_", &lora_delta_op); }
+
+#endif  // GENSERVE_LORA_DELTA
