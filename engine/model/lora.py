@@ -294,6 +294,8 @@ KINDS = ("attention.wqkv", "attention.wo", "feed_forward.w13", "feed_forward.w2"
 # (engine/kernels/csrc/genserve_ops.h, LORA_MAX_PARTS and LORA_SLOT_FIELDS).
 _MAX_PARTS = 3
 _SLOT_FIELDS = 4 + 5 * _MAX_PARTS
+# Columns per block of a part's B in that buffer (lora_delta.cpp's COLS).
+_BLOCK_COLS = 64
 
 
 @dataclass(eq=False)
@@ -322,8 +324,9 @@ def kernel_tables(adapter: LoraAdapter) -> tuple[torch.Tensor, torch.Tensor]:
 
     Returns:
         blob: bf16 [values], every fused matrix's a [R, in] (row-major) and, per part, its block
-            of b in the VNNI pair order [ceil(r_p / 2)][hi - lo][2] (an odd rank's last pair
-            holding a zero); only the parts' blocks, not b's zeros.
+            of b in runs of 64 columns (the last narrower), each in the VNNI pair order
+            [ceil(r_p / 2)][cols][2] (an odd rank's last pair holding a zero); only the parts'
+            blocks, not b's zeros.
         table: int64 [4 · layers, 19], row 4 · layer + kind (`KINDS`): a_off, R, K, parts, then
             lo, hi, r_lo, r_hi, b_off per part (offsets in values of blob); R = 0 where the
             adapter leaves the matrix alone.
@@ -346,10 +349,10 @@ def kernel_tables(adapter: LoraAdapter) -> tuple[torch.Tensor, torch.Tensor]:
             b = m.b[lo:hi, r0:r1].to(torch.bfloat16)
             if b.shape[1] % 2:
                 b = torch.cat([b, b.new_zeros(b.shape[0], 1)], 1)
-            pairs = b.reshape(hi - lo, -1, 2).transpose(0, 1).reshape(-1)     # [pairs][n][2]
             entry += [lo, hi, r0, r1, size]
-            pieces.append(pairs)
-            size += pairs.numel()
+            for block in b.split(_BLOCK_COLS):                   # [pairs][cols][2] per 64 columns
+                pieces.append(block.reshape(block.shape[0], -1, 2).transpose(0, 1).reshape(-1))
+                size += pieces[-1].numel()
         table[4 * layer + KINDS.index(name), :len(entry)] = torch.tensor(entry)
     return torch.cat(pieces).contiguous(), table
 

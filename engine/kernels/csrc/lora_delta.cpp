@@ -9,10 +9,11 @@
 //   index[slot] (slot = 4 · layer + kind, kind 0..3 = wqkv, wo, w13, w2), LORA_SLOT_FIELDS int64:
 //     a_off, R, K, parts,              A [R, K] row-major at blob[a_off]; R = 0: no delta here
 //     then per part (at most LORA_MAX_PARTS): lo, hi, r_lo, r_hi, b_off
-//       output columns [lo, hi) of y take the product through A's rows [r_lo, r_hi) and B_p,
-//       [ceil(r_p / 2)][hi - lo][2] at blob[b_off] (r_p = r_hi - r_lo; the VNNI pair order:
-//       for each pair of ranks, every column's two weights side by side; an odd rank's last pair
-//       holds a zero).
+//       output columns [lo, hi) of y take the product through A's rows [r_lo, r_hi) and B_p at
+//       blob[b_off]: r_p = r_hi - r_lo, pairs = ceil(r_p / 2); blocks of 64 columns (the last
+//       narrower), each [pairs][cols][2] (the VNNI pair order: for each pair of ranks, the
+//       block's columns' two weights side by side; an odd rank's last pair holds a zero), so
+//       that a block is one contiguous run of bytes.
 //
 // Only the targeted parts' ranks are stored: no rank padding, and no zero blocks of the fused
 // B's block-diagonal layout.
@@ -38,6 +39,8 @@
 
 #ifdef GENSERVE_LORA_DELTA
 
+#include "prefetch.h"
+
 #include <immintrin.h>
 
 #include <algorithm>
@@ -50,6 +53,21 @@ constexpr int TILE = 4;          // rows per pass
 constexpr int VECS = 4;          // 16-column vectors per pass of the expand
 constexpr int64_t COLS = 16 * VECS;
 
+// Software prefetch running PREFETCH_AHEAD bytes ahead of a task's reads, over its two runs
+// of bytes (its rows of A, then its blocks of B): at one row the arithmetic between two lines is
+// too short for the hardware's prefetchers to hide the memory's latency.
+constexpr int64_t PREFETCH_AHEAD = 4096;
+struct Cursor {
+  const char* run[2];
+  int64_t size[2];
+  int64_t done = 0, fetched = 0;     // bytes read, bytes prefetched, of both runs
+  void advance(int64_t bytes) {
+    done += bytes;
+    for (; fetched < done + PREFETCH_AHEAD && fetched < size[0] + size[1]; fetched += 64)
+      genserve::prefetch_l1(fetched < size[0] ? run[0] + fetched : run[1] + (fetched - size[0]));
+  }
+};
+
 struct Part {
   int64_t lo, hi, r_lo, r_hi, b_off;
 };
@@ -57,7 +75,7 @@ struct Part {
 struct Task {
   int64_t group;
   const uint16_t* a;      // the adapter's A, [R, K]
-  const uint16_t* b;      // the part's B, [pairs][n][2]
+  const uint16_t* b;      // the part's B, blocks of 64 columns [pairs][cols][2]
   int64_t lo, n, r_lo, rank, c0, c1;   // part columns [lo, lo + n), its rank, task columns [c0, c1) of the part
 };
 
@@ -66,11 +84,13 @@ inline uint16_t round_bf16(float f) { return c10::BFloat16(f).x; }
 
 // s[t][j] (bf16 bits) = bf16(x_t · a_j) for `T` rows and `J` consecutive rows j of A.
 template <int T, int J>
-void shrink_rows(const uint16_t* const* x, const uint16_t* a, int64_t k, uint16_t* s, int64_t s_stride) {
+void shrink_rows(const uint16_t* const* x, const uint16_t* a, int64_t k, uint16_t* s, int64_t s_stride,
+                 Cursor& cursor) {
   __m512 acc[T][J];
   for (int t = 0; t < T; ++t)
     for (int j = 0; j < J; ++j) acc[t][j] = _mm512_setzero_ps();
   for (int64_t c = 0; c < k; c += 32) {
+    cursor.advance(J * 64);
     const __mmask32 m = k - c >= 32 ? ~__mmask32(0) : (__mmask32(1) << (k - c)) - 1;
     __m512bh w[J];
     for (int j = 0; j < J; ++j) w[j] = (__m512bh)_mm512_maskz_loadu_epi16(m, a + j * k + c);
@@ -83,36 +103,42 @@ void shrink_rows(const uint16_t* const* x, const uint16_t* a, int64_t k, uint16_
     for (int j = 0; j < J; ++j) s[t * s_stride + j] = round_bf16(_mm512_reduce_add_ps(acc[t][j]));
 }
 
+// The shrink of `rank` rows of A, 4 at a time.
 template <int T>
 void shrink(const uint16_t* const* x, const uint16_t* a, int64_t k, int64_t rank, uint16_t* s,
-            int64_t s_stride) {
+            int64_t s_stride, Cursor& cursor) {
   int64_t j = 0;
-  for (; j + 4 <= rank; j += 4) shrink_rows<T, 4>(x, a + j * k, k, s + j, s_stride);
+  for (; j + 4 <= rank; j += 4) shrink_rows<T, 4>(x, a + j * k, k, s + j, s_stride, cursor);
   switch (rank - j) {
-    case 3: shrink_rows<T, 3>(x, a + j * k, k, s + j, s_stride); break;
-    case 2: shrink_rows<T, 2>(x, a + j * k, k, s + j, s_stride); break;
-    case 1: shrink_rows<T, 1>(x, a + j * k, k, s + j, s_stride); break;
+    case 3: shrink_rows<T, 3>(x, a + j * k, k, s + j, s_stride, cursor); break;
+    case 2: shrink_rows<T, 2>(x, a + j * k, k, s + j, s_stride, cursor); break;
+    case 1: shrink_rows<T, 1>(x, a + j * k, k, s + j, s_stride, cursor); break;
     default: break;
   }
 }
 
-// y_t[c0:c1] += bf16(s_t · B^T) for `T` rows: B [pairs][n][2], s_t `pairs` bf16 pairs.
+// y_t[c0:c1] += bf16(s_t · B^T) for `T` rows: B in blocks of 64 columns (the last of the part
+// narrower), each [pairs][cols][2]; c0 a multiple of 64, c1 one or the part's end; s_t `pairs`
+// bf16 pairs.
 template <int T>
-void expand(const uint32_t* s, int64_t pairs, const uint16_t* b, int64_t n, int64_t c0, int64_t c1,
-            c10::BFloat16* const* y) {
+void expand(const uint32_t* s, int64_t pairs, const uint16_t* b, int64_t c0, int64_t c1,
+            c10::BFloat16* const* y, Cursor& cursor) {
   for (int64_t c = c0; c < c1; c += COLS) {
+    const int64_t cols = std::min(COLS, c1 - c);
+    const uint16_t* block = b + c * pairs * 2;
     __mmask16 m[VECS];
     for (int v = 0; v < VECS; ++v) {
-      const int64_t left = c1 - c - 16 * v;
+      const int64_t left = cols - 16 * v;
       m[v] = left >= 16 ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
     }
     __m512 acc[T][VECS];
     for (int t = 0; t < T; ++t)
       for (int v = 0; v < VECS; ++v) acc[t][v] = _mm512_setzero_ps();
     for (int64_t p = 0; p < pairs; ++p) {
+      cursor.advance(cols * 4);
       __m512bh w[VECS];
       for (int v = 0; v < VECS; ++v)
-        w[v] = (__m512bh)_mm512_maskz_loadu_epi32(m[v], b + (p * n + c + 16 * v) * 2);
+        w[v] = (__m512bh)_mm512_maskz_loadu_epi32(m[v], block + (p * cols + 16 * v) * 2);
       for (int t = 0; t < T; ++t) {
         const __m512bh sv = (__m512bh)_mm512_set1_epi32(static_cast<int>(s[t * pairs + p]));
         for (int v = 0; v < VECS; ++v) acc[t][v] = _mm512_dpbf16_ps(acc[t][v], sv, w[v]);
@@ -143,8 +169,13 @@ void run_rows(const Task& task, const int64_t* rows, const uint16_t* x, int64_t 
   const int64_t pairs = (task.rank + 1) / 2;
   uint16_t s[T * 2 * 64];          // ranks up to 128 per part
   for (int t = 0; t < T; ++t) s[t * 2 * pairs + 2 * pairs - 1] = 0;     // an odd rank's zero
-  shrink<T>(xr, task.a + task.r_lo * k, k, task.rank, s, 2 * pairs);
-  expand<T>(reinterpret_cast<const uint32_t*>(s), pairs, task.b, task.n, task.c0, task.c1, yr);
+  const uint16_t* a = task.a + task.r_lo * k;
+  const uint16_t* b = task.b + task.c0 * pairs * 2;
+  Cursor cursor{{reinterpret_cast<const char*>(a), reinterpret_cast<const char*>(b)},
+                {task.rank * k * 2, (task.c1 - task.c0) * pairs * 4}};
+  cursor.advance(0);
+  shrink<T>(xr, a, k, task.rank, s, 2 * pairs, cursor);
+  expand<T>(reinterpret_cast<const uint32_t*>(s), pairs, task.b, task.c0, task.c1, yr, cursor);
 }
 
 }  // namespace
@@ -219,7 +250,7 @@ void lora_delta_(const at::Tensor& y, const at::Tensor& x, const at::Tensor& row
     const Part& p = parts[i];
     const auto [g, blob] = pair_group[i];
     const int64_t n = p.hi - p.lo;
-    const int64_t step = std::max<int64_t>(16, ((n + split - 1) / split + 15) / 16 * 16);
+    const int64_t step = std::max<int64_t>(COLS, ((n + split - 1) / split + COLS - 1) / COLS * COLS);
     const int64_t a_off = index[g].data_ptr<int64_t>()[slot * LORA_SLOT_FIELDS];
     for (int64_t c0 = 0; c0 < n; c0 += step)
       tasks.push_back({g, blob + a_off, blob + p.b_off, p.lo, n, p.r_lo, p.r_hi - p.r_lo, c0,
