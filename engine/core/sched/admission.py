@@ -24,10 +24,11 @@ from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.core.block_pool import BlockPool
+from engine.core.cost_model import CostModel, StepFeatures
 from engine.core.request import Request
 from engine.core.sched.fair_queue import FairQueue
 
-__all__ = ["AdmissionControl", "AdmissionRejected", "WaitingWork"]
+__all__ = ["AdmissionControl", "AdmissionRejected", "WaitingWork", "row_free_ms"]
 
 
 class AdmissionRejected(Exception):
@@ -115,7 +116,7 @@ class AdmissionControl:
             rows: the rows a join may fill (`StepBudget.queue_rows`).
             prefill_ms: device time of prefilling n prompt tokens, ms (`CostModel.prefill_ms`).
             row_free_ms: returns when each running row is expected to leave, ms from now,
-                ascending (`Scheduler.row_free_ms`); called only when the row wait counts.
+                ascending (`row_free_ms`); called only when the row wait counts.
                 None: no row-wait term.
             is_aged: whether a running prompt goes ahead of its key's later ones by age at a
                 time (s) (`StepBudget.is_aged`), for `prefill_backlog_ms`; None: never.
@@ -266,3 +267,25 @@ class AdmissionControl:
         if total <= budget_ms:
             return False
         return own > budget_ms / len(queue.active_keys(req.api_key)) or total > 2 * budget_ms
+
+
+def row_free_ms(running: Sequence[Request], cost: CostModel, average_answer: float,
+                prefill_token_budget: int) -> list[float]:
+    """When each running row is expected to leave, ms from now, ascending (`row_wait_ms`'s input).
+
+    A row's tokens still to come are min(max_tokens, `average_answer`) less those it has (at
+    least 1), plus one step per `prefill_token_budget` tokens of its prompt still to prefill;
+    each costs the cost model's step of the running batch (its rows, their contexts, no
+    prefill). An estimate that errs toward admitting: a row already past the average answer is
+    taken to leave at the next step.
+    """
+    if not running:
+        return []
+    step = cost.step_ms(StepFeatures(rows=len(running), context=sum(r.num_tokens for r in running)))
+    left = []
+    for r in running:
+        tokens = max(1.0, min(r.max_tokens, average_answer) - len(r.generated))
+        if r.is_prefilling:
+            tokens += math.ceil((r.num_prompt - r.num_computed) / prefill_token_budget)
+        left.append(tokens * step)
+    return sorted(left)

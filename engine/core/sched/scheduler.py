@@ -39,12 +39,12 @@ from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.core.block_pool import BlockPool
-from engine.core.cost_model import CostModel, StepFeatures
+from engine.core.cost_model import CostModel
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.outputs import FinishReason, PromptLogprobs, SampledTokens, TokenEvent
 from engine.core.plan import Lifecycle, LifecycleEvent, Segment, StepPlan
 from engine.core.request import Request, RequestState, final_event
-from engine.core.sched.admission import AdmissionControl
+from engine.core.sched.admission import AdmissionControl, row_free_ms
 from engine.core.sched.batching import batching_for
 from engine.core.sched.fair_queue import FairQueue
 from engine.core.sched.lora_cap import LoraCap
@@ -115,7 +115,8 @@ class Scheduler:
         """Queue `req` under its API key, or reject it when the queue is over budget.
 
         Its device-time estimate (`est_device_ms`) charges the prompt tokens not already in the
-        prefix cache and min(max_tokens, the average answer) tokens per sample at `full_rows`.
+        prefix cache and min(max_tokens, the average answer) tokens per sample at
+        `StepBudget.full_rows`.
 
         Raises:
             AdmissionRejected: the queueing delay this request would see, in device-seconds of
@@ -132,14 +133,16 @@ class Scheduler:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
         expected = min(req.max_tokens, self.averages.output_tokens) * req.n
         to_compute = req.num_prompt - self.kv_cache.num_cached_tokens(req, self.config.prefill_piece)
-        req.est_device_ms = self.cost.estimate_ms(to_compute, expected, self.full_rows())
+        req.est_device_ms = self.cost.estimate_ms(to_compute, expected, self.budget.full_rows())
         self.averages.observe_prompt(req.num_prompt)
         for child in req.children:
             child.stats.arrival_s, child.deadline_s = req.stats.arrival_s, req.deadline_s
         if self.queue.depth or any(r.is_prefilling for r in self.running):
             rows = self.budget.queue_rows()
             self.admission.check(req, self.queue, self.running, rows, self.cost.prefill_ms,
-                                 self.row_free_ms, self.budget.is_aged)
+                                 lambda: row_free_ms(self.running, self.cost, self.averages.output_tokens,
+                                                     self.config.prefill_token_budget),
+                                 self.budget.is_aged)
         req.state = RequestState.QUEUED
         self.queue.enqueue(req)
         self.by_id[req.request_id] = req
@@ -152,35 +155,6 @@ class Scheduler:
         """Flag `req` and its samples for cancellation at the next step boundary."""
         for r in (req, *req.children):
             r.cancel_requested = True
-
-    def row_free_ms(self) -> list[float]:
-        """When each running row is expected to leave, ms from now, ascending (admission control's
-        wait for a row, `AdmissionControl.row_wait_ms`).
-
-        A row's tokens still to come are min(max_tokens, the average answer) less those it has
-        (at least 1), plus one step per `prefill_token_budget` tokens of its prompt still to
-        prefill; each costs the cost model's step of the running batch (its rows, their
-        contexts, no prefill). An estimate that errs toward admitting: a row already past the
-        average answer is taken to leave at the next step.
-        """
-        if not self.running:
-            return []
-        step = self.cost.step_ms(StepFeatures(rows=len(self.running),
-                                              context=sum(r.num_tokens for r in self.running)))
-        avg = self.averages.output_tokens
-        budget = self.config.prefill_token_budget
-        left = []
-        for r in self.running:
-            tokens = max(1.0, min(r.max_tokens, avg) - len(r.generated))
-            if r.is_prefilling:
-                tokens += math.ceil((r.num_prompt - r.num_computed) / budget)
-            left.append(tokens * step)
-        return sorted(left)
-
-    def full_rows(self) -> int:
-        """Rows of a full step, for the device-time estimates of admission control
-        (`StepBudget.full_rows`)."""
-        return self.budget.full_rows()
 
     def join_wait_s(self, now: float) -> float:
         """Seconds until the batching mode lets queued requests join (rows and blocks

@@ -8,7 +8,7 @@ import pytest
 
 from engine.core.outputs import FinishReason
 from engine.core.plan import Lifecycle
-from engine.core.sched.admission import AdmissionRejected
+from engine.core.sched.admission import AdmissionRejected, row_free_ms
 from engine.core.sched.step_budget import AGED_AFTER_BUDGETS
 from tests.engine.sim import CAPS_ONLY, make_request, sim_engine
 
@@ -377,7 +377,7 @@ def test_a_request_that_waits_for_a_row_counts_that_wait_against_the_budget():
         engine.step()
     running = engine.scheduler.running
     assert len(running) == 32 and not any(r.is_prefilling for r in running)
-    free_ms = engine.scheduler.row_free_ms()
+    free_ms = row_free(engine.scheduler)
     assert free_ms[:3] == pytest.approx([190 * 40.0, 200 * 40.0, 210 * 40.0])
     assert free_ms[-1] == pytest.approx(290 * 40.0)        # 300 - 10 for every row from 300 on
     engine.submit(make_request(20, 300))
@@ -431,7 +431,12 @@ def test_a_row_that_leaves_soon_seats_the_next_request():
         engine.step()
     engine.submit(make_request(20, 20))
     engine.submit(make_request(20, 20))
-    assert engine.scheduler.row_free_ms()[0] == pytest.approx((20 - 10) * 40.0)
+    assert row_free(engine.scheduler)[0] == pytest.approx((20 - 10) * 40.0)
     engine.run_until_idle()
     assert engine.scheduler.num_finished == 34
     engine.pool.check_all_free()
+
+
+def row_free(s) -> list[float]:
+    """`row_free_ms` of scheduler `s`'s running rows, as its admission check computes it."""
+    return row_free_ms(s.running, s.cost, s.averages.output_tokens, s.config.prefill_token_budget)
