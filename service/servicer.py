@@ -188,6 +188,9 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
         # was started to serve adapters (--enable-lora, --lora-modules); see `serves_adapters`.
         self.adapters = None
         self.lora_enabled = False
+        # Names of adapters unloaded at run time (and not loaded again): a request naming one is
+        # NOT_FOUND even when no adapter is served any more, never silently the base model.
+        self.unloaded_adapters: set[str] = set()
         self.adapter_loaded_s: dict[str, int] = {}
         # Names this process in scheduler snapshots; the server adds its port once bound.
         self.engine_label = f"{socket.gethostname()} pid {os.getpid()}"
@@ -411,8 +414,10 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
         policy = self.auth.policy(api_key)
         if not name or name == self.info.model_name:
             name = policy.default_adapter
-        if not name or not self.serves_adapters():
-            return None                    # the base model (LoRA off: any model name is the base)
+        if not name or self.adapters is None:
+            return None
+        if not self.serves_adapters() and name not in self.unloaded_adapters:
+            return None                    # the base model (LoRA off: any other name is the base)
         if not policy.allows(name):
             raise LookupError(name)
         try:
@@ -424,7 +429,7 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
         """Whether a request's model name picks an adapter: the server was started to serve them
         (`lora_enabled`), or an adapter loaded at run time is still loaded. Then a name that is
         neither the base model nor a loaded adapter is NOT_FOUND; otherwise any name is the base
-        model (as before adapters), so unloading the last run-time adapter restores that."""
+        model (as before adapters) except an unloaded adapter's, which stays NOT_FOUND."""
         return self.adapters is not None and (self.lora_enabled or bool(self.adapters.adapters()))
 
     async def _model_not_found(self, context: grpc.aio.ServicerContext, name: str,
@@ -475,6 +480,7 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
             context.set_trailing_metadata(((INVALID_FIELD_METADATA, field),))
             await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, problem)
         self.adapter_loaded_s[name] = int(time.time())
+        self.unloaded_adapters.discard(name)
         log.info("LoRA adapter %r loaded from %s (rank %d, %s)", name, path, adapter.rank, ", ".join(adapter.targets))
         return pb.LoadLoraAdapterResponse(lora_name=name, rank=adapter.rank)
 
@@ -487,6 +493,7 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
             await self._abort(context, grpc.StatusCode.NOT_FOUND,
                               f"lora_name: no LoRA adapter {request.lora_name!r} is loaded")
         self.adapter_loaded_s.pop(request.lora_name, None)
+        self.unloaded_adapters.add(request.lora_name)
         log.info("LoRA adapter %r unloaded (running requests finish on it)", request.lora_name)
         return pb.UnloadLoraAdapterResponse(lora_name=request.lora_name)
 

@@ -82,5 +82,8 @@ def test_a_server_started_without_adapters_serves_them_while_one_loaded_at_run_t
     assert s.serves_adapters() and s.lora_for("late", "k3") == LoraRequest("late", 1)
     with pytest.raises(LookupError):
         s.lora_for("gpt-4o", "k3")
-    s.adapters.names.remove("late")                             # its unload: any name is the base again
+    s.adapters.names.remove("late")                             # its unload: any name is the base again,
+    s.unloaded_adapters.add("late")                             # but never the unloaded adapter's
     assert not s.serves_adapters() and s.lora_for("gpt-4o", "k3") is None
+    with pytest.raises(LookupError):
+        s.lora_for("late", "k3")
