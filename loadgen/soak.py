@@ -70,6 +70,7 @@ GRPC_FAILURES = {"UNAVAILABLE", "INTERNAL", "UNKNOWN", "DATA_LOSS"}   # gRPC's 5
 ADAPTER_STREAMS = 3        # streams on each adapter when it is unloaded
 ADAPTER_TOKENS = 24        # tokens each of them asks for (it runs on well past the unload)
 AFTER_UNLOAD_REQUESTS = 2  # requests naming each adapter after its unload: 404 each
+FIRST_TOKEN_WAIT_S = 120.0 # the most the phase waits for its streams' first tokens before unloading
 
 
 @dataclass
@@ -230,7 +231,10 @@ async def adapter_phase(target: Target, adapters: Sequence[tuple[str, str]], adm
                 dataclasses.replace(next(items), output_tokens=ADAPTER_TOKENS), grpc=False, n=1,
                 temperature=0.0, disconnect_after=None, cancel_after=None, model=name), first))
                 for first in firsts]
-            await asyncio.gather(*(first.wait() for first in firsts))
+            try:                      # a stalled server fails the phase instead of hanging it
+                await asyncio.wait_for(asyncio.gather(*(first.wait() for first in firsts)), FIRST_TOKEN_WAIT_S)
+            except asyncio.TimeoutError:
+                figures["errors"].append(f"{name}: no first token on every stream in {FIRST_TOKEN_WAIT_S:.0f} s")
             r = await client.post(f"{base}/v1/unload_lora_adapter", headers=admin, json={"lora_name": name})
             if r.status_code == 200:
                 figures["unloaded"] += 1

@@ -142,6 +142,7 @@ class EngineServer:
         so the process keeps one OpenMP worker pool, the engine thread's (`Engine.start`)."""
         loaded = await _on_daemon_thread(self.build, self.config, self.model_path)
         engine = loaded.engine
+        self.config = engine.config          # its max_context lowered where the KV pool is small
         adapters = getattr(engine.executor, "adapters", None)     # the model runner's registry
         for name, path in self.lora_modules:    # raises ValueError naming the adapter's problem
             if adapters is None:

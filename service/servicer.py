@@ -487,15 +487,15 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
     async def UnloadLoraAdapter(self, request: pb.UnloadLoraAdapterRequest, context: grpc.aio.ServicerContext):
         """Stop serving `lora_name` to new requests (admin keys); running ones finish on it."""
         await self._admin(context)
+        name = request.lora_name.strip()          # as LoadLoraAdapter reads it
         try:
-            self.adapters.unload(request.lora_name)
+            self.adapters.unload(name)
         except KeyError:
-            await self._abort(context, grpc.StatusCode.NOT_FOUND,
-                              f"lora_name: no LoRA adapter {request.lora_name!r} is loaded")
-        self.adapter_loaded_s.pop(request.lora_name, None)
-        self.unloaded_adapters.add(request.lora_name)
-        log.info("LoRA adapter %r unloaded (running requests finish on it)", request.lora_name)
-        return pb.UnloadLoraAdapterResponse(lora_name=request.lora_name)
+            await self._abort(context, grpc.StatusCode.NOT_FOUND, f"lora_name: no LoRA adapter {name!r} is loaded")
+        self.adapter_loaded_s.pop(name, None)
+        self.unloaded_adapters.add(name)
+        log.info("LoRA adapter %r unloaded (running requests finish on it)", name)
+        return pb.UnloadLoraAdapterResponse(lora_name=name)
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext):
         if self.engine is None:

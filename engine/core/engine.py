@@ -9,6 +9,7 @@ to its event loop), so the loop never waits on a socket.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -49,9 +50,10 @@ class Engine:
         cost_model: the per-token costs admission control and the step budget predict steps with
             (None: the design's, `CostModel()`); the scheduler owns it from here on.
         clock: seconds, monotonic (tests pass a fake one).
-    `config.max_context` is lowered (in place, logged) to the longest request the pool holds
-    alone (`BlockPool.max_request_tokens`), so a request that could never be admitted is refused
-    by validation (400) rather than left waiting until its deadline.
+    The engine's `config` is `config`, or a copy with `max_context` lowered (logged) to the
+    longest request the pool holds alone (`BlockPool.max_request_tokens`), so a request that
+    could never be admitted is refused by validation (400, which reads the engine's config)
+    rather than left waiting until its deadline.
 
     Raises:
         ValueError: neither `num_blocks` nor `config.num_blocks` gives the pool's size, or the
@@ -87,11 +89,12 @@ class Engine:
             raise ValueError(f"a KV pool of {num_blocks} blocks holds no request")
         if fits < config.max_context:
             # a longer request could never be admitted: it would wait until its deadline, so the
-            # limit is lowered and the API refuses it (400) instead
+            # limit is lowered (on this engine's copy of the config) and the API refuses it (400)
             log.warning("the KV pool (%d blocks of %d tokens) holds one request of at most %d "
                         "tokens; max_context lowered from %d", num_blocks, config.block_size, fits,
                         config.max_context)
-            config.max_context = fits
+            self.config = dataclasses.replace(config, max_context=fits)
+            self.scheduler = Scheduler(self.config, self.pool, cost_model)
         self.lock = threading.Lock()
         self._wake = threading.Condition(self.lock)
         self._requests: dict[str, Request] = {}      # client-visible id → request (sample 0)

@@ -42,15 +42,18 @@ SEED = 0                 # run_soak's default seed
 def soak_length(rate_rps: float, duration_s: float, step_s: float = 15.0) -> float:
     """The shortest duration, from `duration_s` up in steps of `step_s` seconds, whose seeded plan
     at `rate_rps` (requests/s; what `run_soak` builds: its default scale, key and seed) holds at
-    least MIN_REQUESTS requests, a disconnect and a cancel."""
+    least MIN_REQUESTS requests, a disconnect and a cancel; at most 4 × `duration_s` (a host so
+    slow that even that plan is thin fails the soak's checks rather than running for ever)."""
     mix = LengthMix.design(SCALE)
-    while True:
+    longest = 4 * duration_s
+    while duration_s < longest:
         todo = plans(synthetic_workload(arrival_times(rate_rps, duration_s=duration_s, seed=SEED), mix, ("",),
                                         seed=SEED), SEED)
         if (len(todo) >= MIN_REQUESTS and any(p.disconnect_after is not None for p in todo)
                 and any(p.cancel_after is not None for p in todo)):
             return duration_s
         duration_s += step_s
+    return longest
 
 
 def test_soak_length_grows_until_the_plan_has_every_case():

@@ -14,7 +14,7 @@ when (admit, preempt, finish, charge).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 
 from engine.core.request import Request
@@ -82,12 +82,13 @@ class FairQueue:
         active = {k for k, q in self.waiting.items() if q}
         return active | {k for k, u in self.usage.items() if u.running_rows} | {api_key}
 
-    def next_candidate(self) -> Request | None:
+    def next_candidate(self, skip: Collection[str] = ()) -> Request | None:
         """Head of the least-served waiting key; keys under the row cap first (work-conserving:
         when every waiting key is at its cap, the least-served one still gets the free row).
-        Ties go to the key with fewer rows, then to the older head request. None when nothing
+        Ties go to the key with fewer rows, then to the older head request. Keys in `skip` are
+        passed over (their heads wait for something else than rows or blocks). None when nothing
         waits."""
-        keys = [k for k, q in self.waiting.items() if q]
+        keys = [k for k, q in self.waiting.items() if q and k not in skip]
         if not keys:
             return None
         under = [k for k in keys if self.usage[k].running_rows < self.per_key_rows]

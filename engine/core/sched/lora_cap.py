@@ -2,16 +2,15 @@
 `--max-loras`), the base model not counted.
 
 A step's rows come from the running requests alone (`Scheduler._build`), so the cap holds at
-the join: a queued request whose adapter none of the
-running rows uses joins only while fewer than `max_loras` adapters run. It waits otherwise, as a
-request waits for rows or blocks (the fair queue's candidate, never skipped); it is neither
-failed nor preempts anyone, and the rows already running keep running on their adapters.
+the join: a queued request whose adapter none of the running rows uses joins only while fewer
+than `max_loras` adapters run. Otherwise it waits; it is neither failed nor preempts anyone, and
+the rows already running keep running on their adapters. It holds back only its own key's
+queue (FIFO per key): other keys' requests join past it, the base model's and those on a
+running adapter, so one waiting adapter does not stall every tenant.
 
-A waiting request is not passed over for ever: while it is the candidate nothing joins, the
-running adapters' rows end (every request has `max_tokens`) and its adapter takes a slot that
-frees. It waits to be the candidate by the fair queue's rules alone: its key's later requests
-queue behind it, so its key's service stops growing once its running rows end and the other
-keys', whose rows run, overtakes it.
+It is not passed over for ever: once it has waited `StepBudget.aged_after_s` nothing joins
+while it is the fair queue's candidate, so the running adapters' rows end (every request has
+`max_tokens`) and its adapter takes the slot that frees.
 
 Pure bookkeeping over the running rows: no clock, no blocks, no tensors.
 """

@@ -291,15 +291,20 @@ class Scheduler:
         When the least-served key's next request does not fit and another key holds more than
         `per_key_rows` rows, that key's newest row is preempted: a key may use more than its cap
         only while no other key is waiting for room (`FairQueue.preemptible_key`). A candidate
-        that waits for an adapter slot preempts no one: the running adapters' rows end on their
-        own.
+        that waits for an adapter slot preempts no one and holds back only its own key's queue:
+        other keys join past it (base-model rows, running adapters) until it has waited
+        `aged_after_s`; then nothing joins and the running adapters' rows end on their own.
         """
+        waiting_for_adapter: set[str] = set()
         while True:
-            req = self.queue.next_candidate()
+            req = self.queue.next_candidate(skip=waiting_for_adapter)
             if req is None:
                 return
             if not self.lora_cap.fits(self.running, req):
-                return          # wait for a running adapter's rows to end
+                if now - req.stats.arrival_s >= self.budget.aged_after_s():
+                    return      # drain: a running adapter's rows end and free its slot
+                waiting_for_adapter.add(req.api_key)
+                continue
             if self._fits(req):
                 self._admit(req, now, plan)
                 continue

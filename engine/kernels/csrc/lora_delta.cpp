@@ -1,6 +1,8 @@
 // A step's LoRA deltas on one fused projection in one call: for every adapter row r of the step,
 //
-//   y[r, lo:hi] += bf16( bf16(x[r] · A_p^T) · B_p^T )      for each part p (lo, hi) of r's adapter
+//   y[r, lo:hi] = bf16( y[r, lo:hi] + bf16(x[r] · A_p^T) · B_p^T )   for each part p (lo, hi)
+//
+// (the shrink rounded to bf16, the expand added to y in fp32 and rounded once)
 //
 // (gather, shrink, expand and add in place; `engine.model.lora` documents the parts and scales).
 // The adapters' matrices are read where they lie, one buffer per adapter (`blob`, bf16) with
@@ -218,6 +220,7 @@ void lora_delta_(const at::Tensor& y, const at::Tensor& x, const at::Tensor& row
                     table.is_contiguous() && blob.dim() == 1 && blob.scalar_type() == at::kBFloat16 &&
                     blob.is_contiguous(),
                 "lora_delta_: each table must be int64 [S, ", LORA_SLOT_FIELDS, "] and each buffer bf16 1-D");
+    TORCH_CHECK(slot >= 0, "lora_delta_: slot must be >= 0, got ", slot);
     if (offsets[g] == offsets[g + 1] || slot >= table.size(0)) continue;
     const int64_t* e = table.data_ptr<int64_t>() + slot * LORA_SLOT_FIELDS;
     const int64_t a_off = e[0], rank = e[1], width = e[2], count = e[3];

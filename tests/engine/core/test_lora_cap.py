@@ -1,6 +1,7 @@
 """The step's LoRA adapter cap on the SimExecutor (no model): at most `max_loras` distinct
 adapters in any step's plan, requests of other adapters wait and are neither failed nor passed
-over for ever, and the base model's requests are not held back by it."""
+over for ever, and the other keys' requests (the base model's, a running adapter's) are not
+held back by it."""
 
 from __future__ import annotations
 
@@ -60,6 +61,28 @@ def test_base_requests_join_while_an_adapter_waits():
     engine.run_until_idle()
     assert waiting.finish_reason == FinishReason.LENGTH
     assert max(len(s) for s in seen) == 1
+    engine.pool.check_all_free()
+
+
+def test_a_request_waiting_for_an_adapter_slot_holds_back_only_its_own_keys_queue():
+    """Key k2's request on adapter b waits behind k1's long request on a (cap of one) and is
+    the fair queue's candidate; k3's base request and k4's on the running a join past it at the
+    next step, while k2's later base request waits behind its own head."""
+    engine, clock = sim_engine(max_loras=1)
+    long = make_request(20, 300, api_key="k1", lora=ADAPTERS[0])
+    engine.submit(long)
+    engine.step()
+    waiting = make_request(20, 5, api_key="k2", lora=ADAPTERS[1])
+    behind = make_request(20, 5, api_key="k2")
+    base, same = make_request(20, 5, api_key="k3"), make_request(20, 5, api_key="k4", lora=ADAPTERS[0])
+    for req in (waiting, behind, base, same):
+        engine.submit(req)
+    engine.step()
+    running = engine.scheduler.running
+    assert base in running and same in running
+    assert waiting not in running and behind not in running          # its key's queue is FIFO
+    engine.run_until_idle()
+    assert all(r.finish_reason == FinishReason.LENGTH for r in (long, waiting, behind, base, same))
     engine.pool.check_all_free()
 
 
