@@ -18,9 +18,10 @@ $(TOOLS_STAMP): scripts/tools.sh
 serve: $(STAMP) $(TOOLS_STAMP)
 	$(VENV)/bin/genserve serve $(ARGS)
 
-# The whole suite (the README's test command, what .ci/run runs), with the 25 slowest tests.
+# The whole suite (the README's test command, what .ci/run runs), with why each skipped test
+# skipped and the 25 slowest tests.
 test: $(STAMP) $(TOOLS_STAMP)
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q -rs --durations=25
 
 # The fast tier to run after every change: everything but what starts servers (tests/e2e) and
 # the tests marked slow (pyproject.toml's markers); no Envoy or Helm needed.
