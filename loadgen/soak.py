@@ -262,6 +262,13 @@ async def adapter_phase(target: Target, adapters: Sequence[tuple[str, str]], adm
     return figures, outcomes
 
 
+def soak_plans(rate_rps: float, duration_s: float, mix: LengthMix, keys: Sequence[str], seed: int) -> list[Plan]:
+    """The seeded requests of a soak: Poisson arrivals at `rate_rps` (requests/s) for `duration_s`
+    seconds, lengths from `mix`, keys in turn, and each one's client behaviour (`plans`)."""
+    items = synthetic_workload(arrival_times(rate_rps, duration_s=duration_s, seed=seed), mix, keys, seed=seed)
+    return plans(items, seed)
+
+
 def _ended(plan: Plan, reasons: list[str], cancelled: bool) -> Outcome:
     """The outcome of a stream that ended normally with these finish reasons."""
     if len(reasons) != plan.n:
@@ -442,8 +449,7 @@ def run_soak(target: Target, *, duration_s: float, capacity_rps: float | None = 
         capacity_rps = measure_capacity(target, probe_s, mix, keys, seed)
     rate = load * capacity_rps
     before = wait_idle(target.base_url)
-    items = synthetic_workload(arrival_times(rate, duration_s=duration_s, seed=seed), mix, keys, seed=seed)
-    todo = plans(items, seed)
+    todo = soak_plans(rate, duration_s, mix, keys, seed)
     samples: list[dict] = []
     start = time.monotonic()
     adapter_items = iter(synthetic_workload([0.0] * (len(adapters) * ADAPTER_STREAMS), mix, keys, seed=seed + 11))

@@ -29,8 +29,7 @@ import os
 import pathlib
 
 from engine.model.weights import random_shape
-from loadgen.soak import LOAD, LengthMix, Target, measure_capacity, plans, run_soak, write_report
-from loadgen.workload import arrival_times, synthetic_workload
+from loadgen.soak import LOAD, LengthMix, Target, measure_capacity, run_soak, soak_plans, write_report
 from tests.engine.lora_adapters import write_adapter
 
 SOAK_S = float(os.environ.get("GENSERVE_SOAK_S", "60"))
@@ -47,8 +46,7 @@ def soak_length(rate_rps: float, duration_s: float, step_s: float = 15.0) -> flo
     mix = LengthMix.design(SCALE)
     longest = 4 * duration_s
     while duration_s < longest:
-        todo = plans(synthetic_workload(arrival_times(rate_rps, duration_s=duration_s, seed=SEED), mix, ("",),
-                                        seed=SEED), SEED)
+        todo = soak_plans(rate_rps, duration_s, mix, ("",), SEED)
         if (len(todo) >= MIN_REQUESTS and any(p.disconnect_after is not None for p in todo)
                 and any(p.cancel_after is not None for p in todo)):
             return duration_s
@@ -60,8 +58,7 @@ def test_soak_length_grows_until_the_plan_has_every_case():
     assert soak_length(3.4, 60.0) == 60.0               # a quiet host: ~200 requests in a minute
     slow = soak_length(0.3, 60.0)                       # a busy one: 18 in a minute, 40 take longer
     assert slow >= MIN_REQUESTS / 0.3 - 15
-    todo = plans(synthetic_workload(arrival_times(0.3, duration_s=slow, seed=SEED), LengthMix.design(SCALE),
-                                    ("",), seed=SEED), SEED)
+    todo = soak_plans(0.3, slow, LengthMix.design(SCALE), ("",), SEED)
     assert len(todo) >= MIN_REQUESTS and any(p.cancel_after for p in todo) and any(p.disconnect_after for p in todo)
 
 
