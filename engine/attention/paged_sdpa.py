@@ -40,6 +40,21 @@ from engine.attention.base import (AttentionMetadata, AttentionSpec, GatherBuffe
 from engine.attention.kv_quant import dequantize_kv, quantized
 
 
+KERNEL_HEAD_DIMS = (64, 128, 256)     # head sizes `paged_decode_window` is compiled for
+KERNEL_GROUPS = (1, 2, 3, 4, 8)       # query heads per KV head the decode kernels are compiled for
+
+
+def window_kernel_serves(n_heads: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                         cache_dtype: torch.dtype, spec: AttentionSpec | None) -> bool:
+    """Whether `torch.ops.genserve.paged_decode_window` computes a layer's decode rows: head_dim
+    64, 128 or 256, a group size of 1, 2, 3, 4 or 8, bf16 or fp32 pools of the queries' dtype
+    (not the 8-bit format) and no softcap (`spec.softcap`; the score scale and the sliding window
+    it takes). Says nothing of whether the kernels built (`engine.kernels.available`)."""
+    return (head_dim in KERNEL_HEAD_DIMS and n_kv_heads > 0 and n_heads % n_kv_heads == 0
+            and n_heads // n_kv_heads in KERNEL_GROUPS and dtype == cache_dtype
+            and dtype in (torch.bfloat16, torch.float32) and (spec is None or spec.softcap is None))
+
+
 def decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
                      kernels: bool = False, spec: AttentionSpec | None = None) -> torch.Tensor:
     """Attention of B one-token decode rows over their paged contexts, batched.
@@ -50,8 +65,9 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetada
             int8 rows of the 8-bit format (`engine.attention.kv_quant`), read as their dequantized values.
         meta: `decode_blocks` [B × nb] and `decode_bias` [B, 1, 1, nb × block_size]; the SDPA
             path gathers into `meta.gather` when it is set.
-        kernels: run genserve's kernel (the CPU backend with `engine.kernels` built; ignored
-            with a `spec`).
+        kernels: run genserve's kernel (the CPU backend with `engine.kernels` built):
+            `paged_decode` for head_dim 64 without a spec, else `paged_decode_window` where
+            `window_kernel_serves` (another head_dim, score scale or a sliding window), else SDPA.
         spec: the layer's scale, sliding window and softcap (`AttentionSpec`); None: plain.
     Returns:
         [B, n_heads, head_dim] in q's dtype. Scale 1/sqrt(head_dim) (Vaswani et al. 2017)
@@ -65,10 +81,16 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetada
     """
     b, n_heads, hd = q.shape
     n_kv = cache.shape[-2]
-    if kernels and spec is None:         # reads either cache format in place
+    if kernels and spec is None and hd == 64:         # reads either cache format in place
         tables = meta.decode_blocks.view(b, -1)
         return torch.ops.genserve.paged_decode(q.contiguous(), cache[0], cache[1], tables,
                                                meta.decode_lens, hd ** -0.5)
+    if kernels and b and window_kernel_serves(n_heads, n_kv, hd, q.dtype, cache.dtype, spec):
+        tables = meta.decode_blocks.view(b, -1)
+        scale = hd ** -0.5 if spec is None else spec.scale
+        window = 0 if spec is None or spec.sliding_window is None else spec.sliding_window
+        return torch.ops.genserve.paged_decode_window(q.contiguous(), cache[0], cache[1], tables,
+                                                      meta.decode_lens, scale, window)
     length = meta.decode_blocks.numel() // b * cache.shape[2] if b else 0     # padded keys per row
     pools = cache.view(2, cache.shape[1], -1)                   # [2, num_blocks, block elements]
     gathered = torch.Size((2, meta.decode_blocks.numel(), pools.shape[-1]))
@@ -81,7 +103,7 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetada
     keys = kv[0].view(b, length, n_kv, hd).transpose(1, 2)             # [B, kvh, L, hd]
     values = kv[1].view(b, length, n_kv, hd).transpose(1, 2)
     qg = q.view(b, n_kv, n_heads // n_kv, hd)              # [B, kvh, group, hd]: group as queries
-    if spec is None:
+    if spec is None and meta.decode_bias.shape[-1] == length:
         out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=meta.decode_bias)
         # reshape, not view: CUDA's fused kernels may return [B, kvh, group, hd] in another
         # memory order (with GQA, group > 1)
@@ -89,6 +111,8 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetada
     bias = meta.decode_bias
     if bias.shape[-1] != length:            # a backend that builds no decode masks
         bias = decode_mask(meta.decode_lens, length, q.dtype)
+    if spec is None:
+        return F.scaled_dot_product_attention(qg, keys, values, attn_mask=bias).reshape(b, n_heads, hd)
     if spec.sliding_window is not None:     # keys older than the window: -inf as well
         old = torch.arange(length, device=q.device)[None, :] <= (meta.decode_lens - 1 - spec.sliding_window)[:, None]
         bias = bias.masked_fill(old[:, None, None, :], float("-inf"))
@@ -161,18 +185,16 @@ def attend(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
             the 8-bit rows in place on the kernel path; every other path attends over the
             dequantized blocks of its context (`dequantized_context`).
         meta: this step's decode rows and prefill pieces.
-        kernels: genserve's CPU kernels run the decode rows (and, for bf16 with head_dim 64 on
-            AVX512-BF16 or AVX2 + FMA CPUs without usable AMX, the prefill pieces); not with a
-            `spec`, which the kernels do not implement.
+        kernels: genserve's CPU kernels run the decode rows (`decode_attention`: with a `spec`
+            too, but for a softcap) and, for bf16 with head_dim 64 on AVX512-BF16 or AVX2 + FMA
+            CPUs without usable AMX and no `spec`, the prefill pieces.
         spec: the layer's scale, sliding window and softcap (`AttentionSpec`); None: plain.
     Returns:
         [T, n_heads, head_dim] attention output, dtype of q.
     """
-    if spec is not None:
-        kernels = False
     if not meta.pieces:
         return decode_attention(q, cache, meta, kernels, spec)
-    kernel = kernels and q.dtype == torch.bfloat16 and q.shape[-1] == 64 \
+    kernel = kernels and spec is None and q.dtype == torch.bfloat16 and q.shape[-1] == 64 \
         and genserve_kernels.prefill_kernel_preferred()
     contexts = getattr(meta.state, "tables", None) is not None
     if kernel and contexts and not quantized(cache.dtype):

@@ -1,6 +1,8 @@
 """genserve's own CPU kernels, built on first use.
 
-* `engine/kernels/csrc/decode_attention.cpp`: paged decode attention, `torch.ops.genserve.paged_decode`.
+* `engine/kernels/csrc/decode_attention.cpp`: paged decode attention, `torch.ops.genserve.paged_decode`
+  (head_dim 64), and `paged_decode_window` (head_dim 64, 128 or 256, bf16 or fp32 pools, another
+  score scale, optionally a sliding window: Qwen3's and Gemma 3's layers).
 * `engine/kernels/csrc/prefill_attention.cpp`: causal prefill attention of one piece over its paged
   context, `torch.ops.genserve.paged_prefill` (bf16, head_dim 64), and of every piece of a step
   in one call, `paged_prefill_pieces` (the same bits per piece) — where the compiler targets
@@ -8,7 +10,8 @@
   says whether this build has it.
 * `engine/kernels/csrc/layer_ops.cpp`: the fused per-token steps of a block — `rms_norm`,
   `add_rms_norm_` (residual add + norm), `rope_store_kv` (RoPE on Q and K, K and V written to
-  their cache slots) and `silu_mul` — used through `engine.model.layer_ops.KernelLayerOps`.
+  their cache slots), `norm_rope_store_kv` (the same after per-head q/k RMS norms), `silu_mul` and
+  `gelu_tanh_mul` — used through `engine.model.layer_ops.KernelLayerOps`.
 * `engine/kernels/csrc/packed_linear.cpp`: x @ Wᵀ read from a weight packed in oneDNN's AB16b64a2b layout
   (oneDNN's own copy, bit for bit oneDNN's result, or genserve's `linear.vnni_pack`),
   `torch.ops.genserve.packed_linear` — AVX512-BF16 builds only; `packed_linear_available()` says
@@ -93,7 +96,8 @@ SOURCES = [pathlib.Path(__file__).with_name("csrc") / name
                         "packed_linear.cpp", "q4_linear.cpp", "amx_linear.cpp",
                         "int8_linear.cpp", "q4q8_linear.cpp", "fma_linear.cpp", "decode_layers.cpp",
                         "greedy.cpp", "qk_linear.cpp", "lora_delta.cpp")]
-OPS = ("paged_decode", "rms_norm", "add_rms_norm_", "rope_store_kv", "silu_mul", "int8_linear",
+OPS = ("paged_decode", "paged_decode_window", "rms_norm", "add_rms_norm_", "rope_store_kv",
+       "norm_rope_store_kv", "silu_mul", "gelu_tanh_mul", "int8_linear",
        "decode_layers", "argmax_rows", "qk_linear", "qk_linear_grouped")
 AVX512_BF16_OPS = ("packed_linear", "q4_linear", "lora_delta_")     # built only where the CPU has AVX512-BF16
 PREFILL_OPS = ("paged_prefill", "paged_prefill_pieces")   # built where the compiler targets AVX512-BF16, or AVX2 and FMA

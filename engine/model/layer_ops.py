@@ -3,8 +3,8 @@
 `TorchLayerOps` composes torch ops; `KernelLayerOps` calls genserve's fused CPU kernels
 (`engine/kernels/csrc/layer_ops.cpp`, built by `engine.kernels`), one pass over the rows per step instead
 of 3–12 torch ops with their dispatch and fp32 temporaries. Both compute the same formulas in fp32
-and round once to the activation dtype (the kernels round `silu(gate) · up` once where torch
-rounds `silu(gate)` first, so bf16 results may differ in the last bit); every row is computed
+and round once to the activation dtype (the kernels round `silu(gate) · up` and `gelu(gate) · up`
+once where torch rounds the activation first, so bf16 results may differ in the last bit); every row is computed
 alone, so neither makes a row depend on the rest of the batch. One process uses one of them,
 chosen by the model runner with its attention backend (`Transformer.forward`'s `ops`).
 
@@ -61,10 +61,33 @@ class TorchLayerOps:
         return q
 
     @staticmethod
+    def norm_rope_store_kv(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                           eps: float, rope: torch.Tensor, positions: torch.Tensor,
+                           cache: torch.Tensor, slots: torch.Tensor, n_heads: int,
+                           n_kv_heads: int) -> torch.Tensor:
+        """`rope_store_kv` after each q head and each k head of `qkv` is RMS-normed over its hd
+        dimensions (`rms_norm` with q_weight / k_weight, fp32 [hd] in interleaved-RoPE order;
+        Qwen3, Gemma 3: before RoPE), v unchanged. Same arguments, result and errors as
+        `rope_store_kv` otherwise."""
+        t, hd = qkv.shape[0], qkv.shape[1] // (n_heads + 2 * n_kv_heads)
+        q, k, v = qkv.split([n_heads * hd, n_kv_heads * hd, n_kv_heads * hd], dim=-1)
+        q = TorchLayerOps.rms_norm(q.reshape(-1, hd), q_weight, eps).view(t, -1)
+        k = TorchLayerOps.rms_norm(k.reshape(-1, hd), k_weight, eps).view(t, -1)
+        return TorchLayerOps.rope_store_kv(torch.cat([q, k, v], dim=-1), rope, positions, cache,
+                                           slots, n_heads, n_kv_heads)
+
+    @staticmethod
     def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         """SwiGLU's product (Shazeer 2020): gate_up [T, 2F] = gate | up → silu(gate) · up [T, F]."""
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate).mul_(up)
+
+    @staticmethod
+    def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        """GeGLU's product (Gemma): gate_up [T, 2F] = gate | up → gelu_tanh(gate) · up [T, F],
+        GELU's tanh approximation 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh").mul_(up)
 
 
 class KernelLayerOps:
@@ -92,6 +115,21 @@ class KernelLayerOps:
                                                 n_heads, n_kv_heads)
 
     @staticmethod
+    def norm_rope_store_kv(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                           eps: float, rope: torch.Tensor, positions: torch.Tensor,
+                           cache: torch.Tensor, slots: torch.Tensor, n_heads: int,
+                           n_kv_heads: int) -> torch.Tensor:
+        """See `TorchLayerOps.norm_rope_store_kv` (one pass: each head normed, rounded to qkv's
+        dtype, rotated)."""
+        return torch.ops.genserve.norm_rope_store_kv(qkv, q_weight, k_weight, eps, rope, positions,
+                                                     cache, slots, n_heads, n_kv_heads)
+
+    @staticmethod
     def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         """See `TorchLayerOps.silu_mul`."""
         return torch.ops.genserve.silu_mul(gate_up)
+
+    @staticmethod
+    def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        """See `TorchLayerOps.gelu_tanh_mul` (rounded once, after the product)."""
+        return torch.ops.genserve.gelu_tanh_mul(gate_up)

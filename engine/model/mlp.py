@@ -28,7 +28,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine import kernels
@@ -58,10 +57,7 @@ def grouped_mm_device(moe: MoEArgs, dim: int, dtype: torch.dtype, device: torch.
 
 def gated(gate_up: torch.Tensor, gelu: bool, ops: type[TorchLayerOps]) -> torch.Tensor:
     """act(gate) · up for gate_up [N, 2·F] (gate columns, then up): [N, F], SiLU or tanh-GELU."""
-    if gelu:
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.gelu(gate, approximate="tanh").mul_(up)
-    return ops.silu_mul(gate_up)
+    return ops.gelu_tanh_mul(gate_up) if gelu else ops.silu_mul(gate_up)
 
 
 class FeedForward(nn.Module):

@@ -130,10 +130,12 @@ class Attention(nn.Module):
             lora.add(qkv, x, layer, "attention.wqkv")
         if self.bqkv is not None:
             qkv = qkv + self.bqkv
-        if self.q_norm is not None:
-            qkv = self.norm_qk(qkv, ops)
-        q = ops.rope_store_kv(qkv, rope, positions, cache, meta.slots,   # [T, H, hd]; K, V stored
-                              self.n_heads, self.n_kv)
+        if self.q_norm is not None:      # per-head q/k norms (Qwen3, Gemma 3), then RoPE
+            q = ops.norm_rope_store_kv(qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                                       rope, positions, cache, meta.slots, self.n_heads, self.n_kv)
+        else:
+            q = ops.rope_store_kv(qkv, rope, positions, cache, meta.slots,   # [T, H, hd]; K, V stored
+                                  self.n_heads, self.n_kv)
         o = meta.backend.attend(q, cache, meta) if self.spec is None else \
             meta.backend.attend(q, cache, meta, self.spec)
         o = o.reshape(x.shape[0], -1)
@@ -141,15 +143,6 @@ class Attention(nn.Module):
         if lora is not None:
             lora.add(out, o, layer, "attention.wo")
         return out if self.bo is None else out + self.bo
-
-    def norm_qk(self, qkv: torch.Tensor, ops: type[TorchLayerOps]) -> torch.Tensor:
-        """qkv [T, (H + 2·KVH)·hd] with each q head and each k head RMS-normed over its hd
-        dimensions (Qwen3, Gemma 3: before RoPE); v unchanged."""
-        t, hd = qkv.shape[0], self.hd
-        q, k, v = qkv.split([self.n_heads * hd, self.n_kv * hd, self.n_kv * hd], dim=-1)
-        q = ops.rms_norm(q.reshape(-1, hd), self.q_norm.weight, self.q_norm.eps).view(t, -1)
-        k = ops.rms_norm(k.reshape(-1, hd), self.k_norm.weight, self.k_norm.eps).view(t, -1)
-        return torch.cat([q, k, v], dim=-1)
 
 
 class Block(nn.Module):

@@ -24,12 +24,14 @@ from engine.attention import BACKENDS, AttentionBackend, CpuBackend, choose_back
 from engine.attention import ENV as ATTENTION_ENV
 from engine.attention.base import GatherBuffer, build_metadata
 from engine.attention.kv_quant import quantized
+from engine.attention.paged_sdpa import window_kernel_serves
 from engine.core.outputs import SampledTokens
 from engine.core.plan import StepPlan
 from engine.core.request import Request
 from engine.model.layer_ops import KernelLayerOps, TorchLayerOps
+from engine.model.config import ModelArgs
 from engine.model.mlp import MoEFeedForward
-from engine.model.transformer import Transformer
+from engine.model.transformer import Transformer, layer_spec
 from engine.runner.cuda_graphs import DecodeGraphs
 from engine.runner.decode_loop import DecodeLoop
 from engine.runner.inputs import StepInputs
@@ -64,8 +66,9 @@ class ModelRunner:
         model: the network (its dtype is the serving dtype).
         kv: the paged K/V tensors.
         kernels: run genserve's CPU kernels (`engine.kernels`: decode and prefill attention, the
-            fused per-token steps of each block, the C++ decode loop); None: when they build here
-            (CPU, head_dim 64), else torch SDPA and plain torch ops. Never on another device.
+            fused per-token steps of each block, the C++ decode loop for the plain Llama block);
+            None: when they build here (CPU) and serve every layer (`kernel_layers`), else torch
+            SDPA and plain torch ops. Never on another device.
         attention: force an attention backend (a key of `engine.attention.BACKENDS`: "cpu",
             "sdpa", "flex", "xformers"); None: the process's choice
             (`engine.attention.choose_backend`).
@@ -117,10 +120,11 @@ class ModelRunner:
         if not on_cpu and model.output_packed is not None:
             model.pack()                  # moved after packing: drop the CPU-only copies
         if kernels is None:
-            kernels = (model.args.head_dim == 64 and on_cpu and genserve_kernels.available())
-        if kernels and not model.args.plain_llama_attention:
-            log.info("%s: options beyond the plain Llama block (bias, q/k norm, softcap, window ...): "
-                     "the torch ops run, not genserve's fused CPU kernels", model.args.architecture)
+            kernels = on_cpu and genserve_kernels.available()
+        if kernels and not kernel_layers(model.args, model.dtype):
+            log.info("%s: head_dim %d, %d query heads per KV head or an attention softcap: the torch "
+                     "ops and SDPA run, not genserve's fused CPU kernels", model.args.architecture,
+                     model.args.head_dim, model.args.n_heads // max(model.args.n_kv_heads, 1))
             kernels = False
         if quantized(kv.layers[0].dtype):
             # a backend forced by $GENSERVE_ATTENTION is checked too, not replaced by the default
@@ -162,7 +166,7 @@ class ModelRunner:
     @kernels.setter
     def kernels(self, on: bool) -> None:
         args = self.model.args
-        self._kernels = bool(on) and self.device.type == "cpu" and args.plain_llama_attention
+        self._kernels = bool(on) and self.device.type == "cpu" and kernel_layers(args, self.model.dtype)
         specs = any(layer.attention.spec is not None for layer in self.model.layers)
         self.attention: AttentionBackend = choose_backend(
             self.device, self.model.dtype, self.kv.block_size, args.n_heads, args.n_kv_heads,
@@ -230,6 +234,21 @@ class ModelRunner:
                                            raw_logits=logits if processed is not logits else None,
                                            split=(greedy_index, drawn_index), kernel=self.kernels)
         return SampledTokens(tokens, logprobs, top, time.perf_counter() - t0, prompt)
+
+
+def kernel_layers(args: ModelArgs, dtype: torch.dtype) -> bool:
+    """Whether genserve's CPU kernel path (`KernelLayerOps` and the "cpu-kernels" decode
+    attention) serves every layer of a model with `args` in `dtype`: the plain head_dim-64
+    attention (`paged_decode`, as before), or every layer's decode attention in
+    `paged_decode_window` (head_dim 64, 128 or 256, 1-4 or 8 query heads per KV head, any score
+    scale and sliding window, no softcap: Qwen3, Qwen3-MoE, Gemma 3). The options outside attention
+    (biases, q/k norms, sandwich norms, GELU, embedding scale, mixtures of experts) run in the
+    Python block loop either way, their elementwise steps in `KernelLayerOps`."""
+    specs = [layer_spec(args, i) for i in range(args.n_layers)]
+    if args.head_dim == 64 and all(spec is None for spec in specs):
+        return True
+    return all(window_kernel_serves(args.n_heads, args.n_kv_heads, args.head_dim, dtype, dtype, spec)
+               for spec in specs)
 
 
 def stage(name: str) -> contextlib.AbstractContextManager:

@@ -42,11 +42,12 @@ namespace {
 
 using genserve::to_float;
 
-template <typename T, int G>
+// The generic loop (any dtype, any x86 build): head_dim D, and with `window` > 0 only the row's
+// last `window` positions are read (a sliding-window layer; 0: the whole context).
+template <typename T, int G, int D = 64>
 void decode_kernel(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                    const at::Tensor& tables, const at::Tensor& lens, at::Tensor& out,
-                   double scale) {
-  constexpr int D = 64;                                   // head_dim (checked by the caller)
+                   double scale, int64_t window = 0) {
   const int64_t heads = q.size(1);
   const int64_t block = k_pool.size(1), kv_heads = k_pool.size(2), table_width = tables.size(1);
   const int64_t block_stride = block * kv_heads * D, token_stride = kv_heads * D;
@@ -62,7 +63,9 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_pool, const at::Tens
     std::vector<float> scores;
     alignas(64) float qf[G][D], acc[G][D], kf[D];
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / kv_heads, h = item % kv_heads, len = ld[b];
+      const int64_t b = item / kv_heads, h = item % kv_heads, end_pos = ld[b];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, end_pos - window) : 0;
+      const int64_t len = end_pos - first;                // positions read
       const int64_t* table = td + b * table_width;
       scores.resize(G * len);
       for (int g = 0; g < G; ++g)
@@ -70,17 +73,19 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_pool, const at::Tens
           qf[g][d] = to_float(qd[(b * heads + h * G + g) * D + d]) * fscale;
       float mx[G];
       for (int g = 0; g < G; ++g) mx[g] = -std::numeric_limits<float>::max();
-      // Walks the row's context in position order through its block table; for each token j
-      // loads that token's head vector from `pool` into kf (fp32) and calls visit(j).
+      // Walks positions first .. end_pos - 1 in order through the row's block table; for each
+      // loads that token's head vector from `pool` into kf (fp32) and calls visit(its index
+      // among the positions read).
       auto each_token = [&](const T* pool, auto&& visit) {
-        for (int64_t start = 0; start < len; start += block) {
-          const T* base = pool + table[start / block] * block_stride + h * D;
-          const int64_t n = std::min(block, len - start);
+        for (int64_t pos = first; pos < end_pos;) {
+          const int64_t in = pos % block, n = std::min(block - in, end_pos - pos);
+          const T* base = pool + table[pos / block] * block_stride + in * token_stride + h * D;
           for (int64_t t = 0; t < n; ++t) {
             const T* row = base + t * token_stride;
             for (int d = 0; d < D; ++d) kf[d] = to_float(row[d]);
-            visit(start + t);
+            visit(pos - first + t);
           }
+          pos += n;
         }
       };
       each_token(kd, [&](int64_t j) {
@@ -801,6 +806,106 @@ void decode_bf16(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor
     return decode_rows<G, Q8Rows>(q, k_pool, v_pool, tables, lens, out, scale);
   decode_rows<G, Bf16Rows>(q, k_pool, v_pool, tables, lens, out, scale);
 }
+
+// bf16 decode rows of head_dim D (64, 128 or 256) over bf16 pools, optionally over a sliding
+// window (`window` > 0: the row's last `window` positions), for `paged_decode_window`: the layers
+// the one-pass kernel above does not serve (Qwen3's 128, Gemma 3's 256, sliding layers).
+//
+// Work item = (row, KV head), its G query heads in the lanes of one zmm. Two passes over the
+// positions read, in position order:
+//   S[t][g] = q[g] · k[t] · scale     vdpbf16ps over D / 32 pairs of registers (two chains),
+//                                     then one `lane_sums` tree per key for the G heads
+//   p[t] = exp(S[t] − max S), l = Σ p  lane-wise (one exp per key for every head)
+//   out[g] = Σₜ p[t][g] · v[t] / l[g]  fp32 FMAs, 64 dimensions at a time
+// Every order is fixed by the row's own length and window, so a row's bits do not depend on the
+// batch or on how the items are split between threads.
+template <int G, int D>
+void decode_wide_avx512(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                        const at::Tensor& tables, const at::Tensor& lens, at::Tensor& out,
+                        double scale, int64_t window) {
+  static_assert(G <= LANES && D % 64 == 0, "G query heads in one zmm, whole 64-dimension chunks");
+  constexpr int NQ = D / 32;                              // 32-bf16 registers per head vector
+  const int64_t heads = q.size(1);
+  const int64_t block = k_pool.size(1), kv_heads = k_pool.size(2), table_width = tables.size(1);
+  const int64_t block_stride = block * kv_heads * D, token_stride = kv_heads * D;
+  const auto* qd = reinterpret_cast<const uint16_t*>(q.data_ptr<c10::BFloat16>());
+  const auto* kd = reinterpret_cast<const uint16_t*>(k_pool.data_ptr<c10::BFloat16>());
+  const auto* vd = reinterpret_cast<const uint16_t*>(v_pool.data_ptr<c10::BFloat16>());
+  const int64_t* td = tables.data_ptr<int64_t>();
+  const int64_t* ld = lens.data_ptr<int64_t>();
+  auto* od = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
+  const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale));
+
+  at::parallel_for(0, q.size(0) * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;                            // [positions read, LANES]
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / kv_heads, h = item % kv_heads, end_pos = ld[b];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, end_pos - window) : 0;
+      const int64_t len = end_pos - first;
+      const int64_t* table = td + b * table_width;
+      scores.resize(len * LANES);
+      // Positions first .. end_pos - 1 in order: visit(index among them, the token's head
+      // vector from `offset` on).
+      auto each_token = [&](const uint16_t* pool, int64_t offset, auto&& visit) {
+        for (int64_t pos = first; pos < end_pos;) {
+          const int64_t in = pos % block, n = std::min(block - in, end_pos - pos);
+          const uint16_t* base = pool + table[pos / block] * block_stride + in * token_stride + h * D + offset;
+          for (int64_t t = 0; t < n; ++t) visit(pos - first + t, base + t * token_stride);
+          pos += n;
+        }
+      };
+      __m512i qv[G][NQ];
+      for (int g = 0; g < G; ++g)
+        for (int i = 0; i < NQ; ++i)
+          qv[g][i] = _mm512_loadu_si512(qd + (b * heads + h * G + g) * D + 32 * i);
+      const __m512 zero = _mm512_setzero_ps();
+      __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::max());
+      each_token(kd, 0, [&](int64_t t, const uint16_t* row) {
+        __m512i k[NQ];
+        for (int i = 0; i < NQ; ++i) k[i] = _mm512_loadu_si512(row + 32 * i);
+        __m512 part[G];
+        for (int g = 0; g < G; ++g) {
+          __m512 a0 = _mm512_dpbf16_ps(zero, (__m512bh)qv[g][0], (__m512bh)k[0]);
+          __m512 a1 = _mm512_dpbf16_ps(zero, (__m512bh)qv[g][1], (__m512bh)k[1]);
+          for (int i = 2; i < NQ; i += 2) {
+            a0 = _mm512_dpbf16_ps(a0, (__m512bh)qv[g][i], (__m512bh)k[i]);
+            a1 = _mm512_dpbf16_ps(a1, (__m512bh)qv[g][i + 1], (__m512bh)k[i + 1]);
+          }
+          part[g] = _mm512_add_ps(a0, a1);
+        }
+        const __m512 s = _mm512_mul_ps(lane_sums(part, G), vscale);
+        _mm512_storeu_ps(&scores[t * LANES], s);
+        mx = _mm512_max_ps(mx, s);
+      });
+      __m512 l = zero;
+      for (int64_t t = 0; t < len; ++t) {
+        const __m512 p = genserve::exp_ps(_mm512_sub_ps(_mm512_loadu_ps(&scores[t * LANES]), mx));
+        _mm512_storeu_ps(&scores[t * LANES], p);
+        l = _mm512_add_ps(l, p);
+      }
+      alignas(64) float inv[LANES];
+      _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), l));
+      for (int64_t c = 0; c < D / 64; ++c) {
+        __m512 o[G][4];
+        for (int g = 0; g < G; ++g)
+          for (int i = 0; i < 4; ++i) o[g][i] = zero;
+        each_token(vd, 64 * c, [&](int64_t t, const uint16_t* row) {
+          __m512 v[4];
+          Bf16Rows::values(row, v);
+          for (int g = 0; g < G; ++g) {
+            const __m512 p = _mm512_set1_ps(scores[t * LANES + g]);
+            for (int i = 0; i < 4; ++i) o[g][i] = _mm512_fmadd_ps(p, v[i], o[g][i]);
+          }
+        });
+        for (int g = 0; g < G; ++g) {
+          const __m512 r = _mm512_set1_ps(inv[g]);
+          for (int i = 0; i < 4; ++i) o[g][i] = _mm512_mul_ps(o[g][i], r);
+          Bf16Rows::store(od + (b * heads + h * G + g) * D + 64 * c, o[g]);
+        }
+      }
+    }
+  });
+}
 #endif  // __AVX512BF16__ && __AVX512BW__
 
 // Calls run(std::integral_constant<int, G>{}) for G = the query heads per KV head, one of the
@@ -833,11 +938,25 @@ void dispatch_group(const at::Tensor& q, const at::Tensor& k_pool, const at::Ten
   });
 }
 
-}  // namespace
+// paged_decode_window's loops: head_dim D, the group from q and the pools.
+template <typename T, int D>
+void dispatch_window(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                     const at::Tensor& tables, const at::Tensor& lens, at::Tensor& out,
+                     double scale, int64_t window) {
+  with_group(q.size(1) / k_pool.size(2), [&](auto group) {
+    constexpr int G = decltype(group)::value;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    if constexpr (std::is_same_v<T, c10::BFloat16>)
+      return decode_wide_avx512<G, D>(q, k_pool, v_pool, tables, lens, out, scale, window);
+#endif
+    return decode_kernel<T, G, D>(q, k_pool, v_pool, tables, lens, out, scale, window);
+  });
+}
 
-at::Tensor genserve::paged_decode(const at::Tensor& q, const at::Tensor& k_pool,
-                                  const at::Tensor& v_pool, const at::Tensor& tables,
-                                  const at::Tensor& lens, double scale) {
+// The checks both ops make of q, the pools and the block tables: every block a row reads is in
+// its table and in the pool (the kernels do not check again).
+void check_decode_inputs(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                         const at::Tensor& tables, const at::Tensor& lens) {
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 4 && v_pool.sizes() == k_pool.sizes(),
               "q [B, H, D], pools [blocks, block, kv_heads, D]");
   TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous() &&
@@ -846,19 +965,25 @@ at::Tensor genserve::paged_decode(const at::Tensor& q, const at::Tensor& k_pool,
   TORCH_CHECK(k_pool.scalar_type() == v_pool.scalar_type(), "K and V pools share a dtype");
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == q.size(0) && lens.numel() == q.size(0),
               "tables [B, blocks per row] and lens [B] for q's B rows");
-  {  // every block a row reads is in its table and in the pool (the kernels do not check again)
-    const int64_t block = k_pool.size(1), blocks = k_pool.size(0), width = tables.size(1);
-    const int64_t* ld = lens.data_ptr<int64_t>();
-    const int64_t* td = tables.data_ptr<int64_t>();
-    for (int64_t b = 0; b < q.size(0); ++b) {
-      TORCH_CHECK(ld[b] >= 1 && ld[b] <= width * block, "lens[", b, "] = ", ld[b],
-                  ": a row's context is 1 to ", width * block,
-                  " tokens (its block table's width times the block size)");
-      for (int64_t i = 0; i < (ld[b] + block - 1) / block; ++i)
-        TORCH_CHECK(td[b * width + i] >= 0 && td[b * width + i] < blocks, "tables[", b, ", ", i,
-                    "] = ", td[b * width + i], ": not a block of the pool (0 to ", blocks - 1, ")");
-    }
+  const int64_t block = k_pool.size(1), blocks = k_pool.size(0), width = tables.size(1);
+  const int64_t* ld = lens.data_ptr<int64_t>();
+  const int64_t* td = tables.data_ptr<int64_t>();
+  for (int64_t b = 0; b < q.size(0); ++b) {
+    TORCH_CHECK(ld[b] >= 1 && ld[b] <= width * block, "lens[", b, "] = ", ld[b],
+                ": a row's context is 1 to ", width * block,
+                " tokens (its block table's width times the block size)");
+    for (int64_t i = 0; i < (ld[b] + block - 1) / block; ++i)
+      TORCH_CHECK(td[b * width + i] >= 0 && td[b * width + i] < blocks, "tables[", b, ", ", i,
+                  "] = ", td[b * width + i], ": not a block of the pool (0 to ", blocks - 1, ")");
   }
+}
+
+}  // namespace
+
+at::Tensor genserve::paged_decode(const at::Tensor& q, const at::Tensor& k_pool,
+                                  const at::Tensor& v_pool, const at::Tensor& tables,
+                                  const at::Tensor& lens, double scale) {
+  check_decode_inputs(q, k_pool, v_pool, tables, lens);
   at::Tensor out = at::empty_like(q);
   if (k_pool.scalar_type() == at::kChar) {           // the 8-bit format
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -883,8 +1008,39 @@ at::Tensor genserve::paged_decode(const at::Tensor& q, const at::Tensor& k_pool,
   return out;
 }
 
-TORCH_LIBRARY(genserve, m) {
-  m.def("paged_decode(Tensor q, Tensor k_pool, Tensor v_pool, Tensor tables, Tensor lens, float scale) -> Tensor");
+at::Tensor genserve::paged_decode_window(const at::Tensor& q, const at::Tensor& k_pool,
+                                         const at::Tensor& v_pool, const at::Tensor& tables,
+                                         const at::Tensor& lens, double scale, int64_t window) {
+  check_decode_inputs(q, k_pool, v_pool, tables, lens);
+  TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() &&
+                  (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat),
+              "q and pools: bf16 or fp32, one dtype (not the 8-bit format)");
+  const int64_t hd = q.size(2);
+  TORCH_CHECK((hd == 64 || hd == 128 || hd == 256) && k_pool.size(3) == hd &&
+                  q.size(1) % k_pool.size(2) == 0,
+              "head_dim 64, 128 or 256 and whole GQA groups");
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: the whole context)");
+  at::Tensor out = at::empty_like(q);
+  auto run = [&](auto head_dim) {
+    constexpr int D = decltype(head_dim)::value;
+    if (q.scalar_type() == at::kBFloat16)
+      dispatch_window<c10::BFloat16, D>(q, k_pool, v_pool, tables, lens, out, scale, window);
+    else
+      dispatch_window<float, D>(q, k_pool, v_pool, tables, lens, out, scale, window);
+  };
+  if (hd == 64) run(std::integral_constant<int, 64>{});
+  else if (hd == 128) run(std::integral_constant<int, 128>{});
+  else run(std::integral_constant<int, 256>{});
+  return out;
 }
 
-TORCH_LIBRARY_IMPL(genserve, CPU, m) { m.impl("paged_decode", &genserve::paged_decode); }
+TORCH_LIBRARY(genserve, m) {
+  m.def("paged_decode(Tensor q, Tensor k_pool, Tensor v_pool, Tensor tables, Tensor lens, float scale) -> Tensor");
+  m.def("paged_decode_window(Tensor q, Tensor k_pool, Tensor v_pool, Tensor tables, Tensor lens, "
+        "float scale, int window) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(genserve, CPU, m) {
+  m.impl("paged_decode", &genserve::paged_decode);
+  m.impl("paged_decode_window", &genserve::paged_decode_window);
+}

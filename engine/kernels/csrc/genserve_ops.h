@@ -15,13 +15,23 @@ inline int64_t kv8_head_dim(int64_t row_bytes) { return row_bytes * KV8_GROUP / 
 
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                         const at::Tensor& tables, const at::Tensor& lens, double scale);
+// q [B, H, D] over bf16 / fp32 pools, D 64, 128 or 256, the row's last `window` positions
+// (0: all of them) (decode_attention.cpp).
+at::Tensor paged_decode_window(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                               const at::Tensor& tables, const at::Tensor& lens, double scale,
+                               int64_t window);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor add_rms_norm_(at::Tensor h, const at::Tensor& delta, const at::Tensor& weight,
                          double eps);
 at::Tensor rope_store_kv(const at::Tensor& qkv, const at::Tensor& rope, const at::Tensor& positions,
                          at::Tensor cache, const at::Tensor& slots, int64_t n_heads,
                          int64_t n_kv_heads);
+at::Tensor norm_rope_store_kv(const at::Tensor& qkv, const at::Tensor& q_weight,
+                              const at::Tensor& k_weight, double eps, const at::Tensor& rope,
+                              const at::Tensor& positions, at::Tensor cache, const at::Tensor& slots,
+                              int64_t n_heads, int64_t n_kv_heads);
 at::Tensor silu_mul(const at::Tensor& gate_up);
+at::Tensor gelu_tanh_mul(const at::Tensor& gate_up);
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
                        const at::Tensor& outliers, const at::Tensor& outlier_q);
 // Always defined; raises where the build does not target AVX512-VNNI (q4q8_linear.cpp).

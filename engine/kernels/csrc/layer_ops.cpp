@@ -6,7 +6,11 @@
 //   rope_store_kv(qkv, rope, pos, cache, slots, H, KVH)
 //                                   -> q rotated; k rotated and v written into their cache slots
 //                                      (in the 8-bit format when the cache is int8)
+//   norm_rope_store_kv(qkv, q_w, k_w, eps, rope, pos, cache, slots, H, KVH)
+//                                   -> rope_store_kv after each q and k head is RMS-normed over
+//                                      its head_dim (Qwen3, Gemma 3), rounded to qkv's dtype first
 //   silu_mul(gate_up)               -> silu(gate) * up                           (fp32 math)
+//   gelu_tanh_mul(gate_up)          -> gelu_tanh(gate) * up                      (fp32 math)
 //
 // Every row is computed alone, in a fixed order, so a row's bits never depend on the other rows
 // of the batch (batch invariance). Tensors are bf16 or fp32; norm weights and the RoPE table fp32.
@@ -127,9 +131,13 @@ at::Tensor genserve::add_rms_norm_(at::Tensor h, const at::Tensor& delta,
   return out;
 }
 
-at::Tensor genserve::rope_store_kv(const at::Tensor& qkv, const at::Tensor& rope, const at::Tensor& positions,
-                         at::Tensor cache, const at::Tensor& slots, int64_t n_heads,
-                         int64_t n_kv_heads) {
+namespace {
+
+// rope_store_kv, with q_norm / k_norm (fp32 [hd]) each q / k head first RMS-normed (a head's
+// normed numbers rounded to qkv's dtype, as the separate `rms_norm` gives them); null: no norm.
+at::Tensor rope_store_kv_impl(const at::Tensor& qkv, const at::Tensor& rope, const at::Tensor& positions,
+                              at::Tensor cache, const at::Tensor& slots, int64_t n_heads,
+                              int64_t n_kv_heads, const float* q_norm, const float* k_norm, float eps) {
   check_rows(qkv, "qkv");
   const bool eight_bit = cache.scalar_type() == at::kChar;
   TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.is_contiguous() &&
@@ -172,20 +180,28 @@ at::Tensor genserve::rope_store_kv(const at::Tensor& qkv, const at::Tensor& rope
     at::parallel_for(0, t_len, grain(width), [&](int64_t b, int64_t e) {
       std::vector<scalar_t> k(eight_bit ? hd : 0);
       std::vector<float> x(eight_bit ? hd : 0);
+      std::vector<scalar_t> normed(q_norm ? hd : 0);
+      // head vector `in` as RoPE reads it: normed by `w` into `normed` first when w is set
+      const auto head = [&](const scalar_t* in, const float* w) -> const scalar_t* {
+        if (!w) return in;
+        norm_rows(in, normed.data(), w, 1, hd, eps);
+        return normed.data();
+      };
       for (int64_t t = b; t < e; ++t) {
         const scalar_t* row = src + t * width;
         const float* c = cs + pos[t] * hd;
-        for (int64_t h = 0; h < n_heads; ++h) rotate(row + h * hd, c, qd + (t * n_heads + h) * hd, hd);
+        for (int64_t h = 0; h < n_heads; ++h)
+          rotate(head(row + h * hd, q_norm), c, qd + (t * n_heads + h) * hd, hd);
         const scalar_t* v = row + (n_heads + n_kv_heads) * hd;
         if (!eight_bit) {
           scalar_t* k_dst = kd + slot[t] * kv_row;
           for (int64_t h = 0; h < n_kv_heads; ++h)
-            rotate(row + (n_heads + h) * hd, c, k_dst + h * hd, hd);
+            rotate(head(row + (n_heads + h) * hd, k_norm), c, k_dst + h * hd, hd);
           std::memcpy(vd + slot[t] * kv_row, v, kv_row * sizeof(scalar_t));
           continue;
         }
         for (int64_t h = 0; h < n_kv_heads; ++h) {
-          rotate(row + (n_heads + h) * hd, c, k.data(), hd);
+          rotate(head(row + (n_heads + h) * hd, k_norm), c, k.data(), hd);
           for (int64_t i = 0; i < hd; ++i) x[i] = to_float(k[i]);
           quantize_row(x.data(), kd8 + (slot[t] * n_kv_heads + h) * row8, hd);
           for (int64_t i = 0; i < hd; ++i) x[i] = to_float(v[h * hd + i]);
@@ -195,6 +211,50 @@ at::Tensor genserve::rope_store_kv(const at::Tensor& qkv, const at::Tensor& rope
     });
   });
   return q;
+}
+
+}  // namespace
+
+at::Tensor genserve::rope_store_kv(const at::Tensor& qkv, const at::Tensor& rope, const at::Tensor& positions,
+                                   at::Tensor cache, const at::Tensor& slots, int64_t n_heads,
+                                   int64_t n_kv_heads) {
+  return rope_store_kv_impl(qkv, rope, positions, cache, slots, n_heads, n_kv_heads, nullptr, nullptr, 0.f);
+}
+
+at::Tensor genserve::norm_rope_store_kv(const at::Tensor& qkv, const at::Tensor& q_weight,
+                                        const at::Tensor& k_weight, double eps, const at::Tensor& rope,
+                                        const at::Tensor& positions, at::Tensor cache,
+                                        const at::Tensor& slots, int64_t n_heads, int64_t n_kv_heads) {
+  check_rows(qkv, "qkv");
+  const int64_t hd = qkv.size(1) / (n_heads + 2 * n_kv_heads);
+  check_norm_weight(q_weight, hd);
+  check_norm_weight(k_weight, hd);
+  return rope_store_kv_impl(qkv, rope, positions, cache, slots, n_heads, n_kv_heads,
+                            q_weight.data_ptr<float>(), k_weight.data_ptr<float>(),
+                            static_cast<float>(eps));
+}
+
+at::Tensor genserve::gelu_tanh_mul(const at::Tensor& gate_up) {
+  check_rows(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up must hold gate and up halves");
+  const int64_t f = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({gate_up.size(0), f}, gate_up.options());
+  constexpr float k0 = 0.7978845608028654f, k1 = 0.044715f;     // sqrt(2 / pi), GELU's cubic term
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, gate_up.scalar_type(), "gelu_tanh_mul", [&] {
+    at::parallel_for(0, gate_up.size(0), grain(2 * f), [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        const scalar_t* g = gate_up.data_ptr<scalar_t>() + r * 2 * f;
+        const scalar_t* u = g + f;
+        scalar_t* y = out.data_ptr<scalar_t>() + r * f;
+        for (int64_t i = 0; i < f; ++i) {
+          const float x = to_float(g[i]);
+          const float gelu = 0.5f * x * (1.f + std::tanh(k0 * (x + k1 * x * x * x)));
+          y[i] = store<scalar_t>(gelu * to_float(u[i]));
+        }
+      }
+    });
+  });
+  return out;
 }
 
 at::Tensor genserve::silu_mul(const at::Tensor& gate_up) {
@@ -223,12 +283,17 @@ TORCH_LIBRARY_FRAGMENT(genserve, m) {
   m.def("add_rms_norm_(Tensor(a!) h, Tensor delta, Tensor weight, float eps) -> Tensor");
   m.def("rope_store_kv(Tensor qkv, Tensor rope, Tensor positions, Tensor(a!) cache, Tensor slots, "
         "int n_heads, int n_kv_heads) -> Tensor");
+  m.def("norm_rope_store_kv(Tensor qkv, Tensor q_weight, Tensor k_weight, float eps, Tensor rope, "
+        "Tensor positions, Tensor(a!) cache, Tensor slots, int n_heads, int n_kv_heads) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("gelu_tanh_mul(Tensor gate_up) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(genserve, CPU, m) {
   m.impl("rms_norm", &genserve::rms_norm);
   m.impl("add_rms_norm_", &genserve::add_rms_norm_);
   m.impl("rope_store_kv", &genserve::rope_store_kv);
+  m.impl("norm_rope_store_kv", &genserve::norm_rope_store_kv);
   m.impl("silu_mul", &genserve::silu_mul);
+  m.impl("gelu_tanh_mul", &genserve::gelu_tanh_mul);
 }

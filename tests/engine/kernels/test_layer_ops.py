@@ -129,3 +129,47 @@ def test_kernel_rope_store_kv_rejects_positions_and_slots_out_of_range():
         KernelLayerOps.rope_store_kv(qkv, rope_table(64), torch.tensor([0, 1]), cache,
                                      torch.tensor([0, 64]), H, KVH)
     assert not cache.any()                       # checked before anything is written
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_tanh_mul_matches_the_formula(kernels, dtype):
+    gate_up = rand(6, 2 * F, dtype=dtype, seed=7)
+    g, u = gate_up.double().chunk(2, dim=-1)
+    gelu = 0.5 * g * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (g + 0.044715 * g ** 3)))
+    close(ops_for(kernels).gelu_tanh_mul(gate_up), gelu * u, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_heads", [1, 2])
+@pytest.mark.parametrize("hd", [128, 256])
+def test_norm_rope_store_kv_is_the_norms_then_rope_store_kv(dtype, kv_heads, hd):
+    """The fused per-head q/k norms + RoPE + K/V store (Qwen3, Gemma 3) against the torch ops'
+    norms and RoPE, at their head sizes; with one KV head too (Gemma 3 270M)."""
+    require_kernels()
+    heads, t = 4, 5
+    qkv = rand(t, (heads + 2 * kv_heads) * hd, dtype=dtype, seed=11)
+    qw, kw = rand(hd, seed=12) + 1.0, rand(hd, seed=13) + 1.0
+    rope = torch.view_as_real(rope_tables(hd, 64, 10000.0))
+    positions, slots = torch.tensor([0, 3, 9, 31, 63]), torch.tensor([5, 0, 62, 17, 33])
+    caches = [torch.zeros(2, 4, 16, kv_heads, hd, dtype=dtype) for _ in range(2)]
+    qs = [ops.norm_rope_store_kv(qkv, qw, kw, 1e-6, rope, positions, cache, slots, heads, kv_heads)
+          for ops, cache in zip((KernelLayerOps, TorchLayerOps), caches)]
+    close(qs[0], qs[1], dtype)
+    close(caches[0], caches[1], dtype)
+    assert torch.equal(caches[0][1], caches[1][1])            # v copied, not normed
+    # batch invariance: each row alone gives the bits it has in the batch
+    for i in range(t):
+        alone = torch.zeros_like(caches[0])
+        q = KernelLayerOps.norm_rope_store_kv(qkv[i:i + 1], qw, kw, 1e-6, rope, positions[i:i + 1],
+                                              alone, slots[i:i + 1], heads, kv_heads)
+        assert torch.equal(q[0], qs[0][i])
+        rows = slice(int(slots[i]), int(slots[i]) + 1)
+        assert torch.equal(alone.view(2, -1, kv_heads, hd)[:, rows], caches[0].view(2, -1, kv_heads, hd)[:, rows])
+
+
+def test_gelu_tanh_mul_rows_alone_and_in_a_batch():
+    require_kernels()
+    gate_up = rand(300, 2 * F, dtype=torch.bfloat16, seed=8)
+    together = KernelLayerOps.gelu_tanh_mul(gate_up)
+    for i in (0, 1, 150, 299):
+        assert torch.equal(KernelLayerOps.gelu_tanh_mul(gate_up[i:i + 1]), together[i:i + 1])

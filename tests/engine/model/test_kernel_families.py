@@ -1,0 +1,98 @@
+"""genserve's fused CPU kernel path (`KernelLayerOps` and the "cpu-kernels" decode attention,
+`paged_decode_window`) on blocks beyond the plain Llama one: Gemma 3 at head_dim 256 (q/k norms,
+sandwich norms, GELU, another score scale, sliding windows, 4 query heads per KV head), Qwen3 and
+Qwen3-MoE at head_dim 128. Tiny random transformers checkpoints (tests/engine/hf_families.py)
+with those head sizes:
+
+* the runner chooses the kernel path for them (it chose torch ops and SDPA before);
+* fp32 logits over prefill pieces and decode steps within 1e-4 of transformers', on that path;
+* through the engine, greedy tokens and logprobs equal to transformers' teacher-forced ones
+  (1e-4), and in bf16 a request's tokens and logprobs the same alone and in a batch.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import torch
+
+from engine import kernels as genserve_kernels
+from engine.model.layer_ops import KernelLayerOps
+from engine.model.transformer import Transformer
+from engine.model.weights import load_safetensors
+from engine.runner.kv_cache import KVCache
+from engine.runner.model_runner import kernel_layers
+from tests.engine.attention_oracle import step_metadata
+from tests.engine.hf_families import build_checkpoint, reference_logits
+from tests.engine.model.test_model_families import engine, run, tokens
+
+CASES = {
+    "gemma3_hd256": ("gemma3", dict(head_dim=256, num_key_value_heads=1)),
+    "qwen3_hd128": ("qwen3", dict(head_dim=128)),
+    "qwen3_moe_hd128": ("qwen3_moe", dict(head_dim=128)),
+}
+
+
+@pytest.fixture(autouse=True)
+def _kernels_built():
+    if not genserve_kernels.available():
+        pytest.skip("genserve's CPU kernels did not build here (g++/ninja missing?)")
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def checkpoint(request, tmp_path_factory) -> tuple[str, pathlib.Path]:
+    family, overrides = CASES[request.param]
+    return request.param, build_checkpoint(family, tmp_path_factory.mktemp(request.param), **overrides)
+
+
+def test_the_runner_chooses_the_kernel_path(checkpoint):
+    _, directory = checkpoint
+    for dtype in ("float32", "bfloat16"):
+        executor = engine(directory, dtype).executor
+        assert kernel_layers(executor.model.args, executor.model.dtype)
+        assert executor.kernels and executor.attention.name == "cpu-kernels"
+        assert executor.layer_ops is KernelLayerOps
+        assert executor.decode_loop is None          # the C++ loop is the plain Llama block's
+
+
+def test_kernel_path_logits_match_transformers(checkpoint):
+    name, directory = checkpoint
+    args, state = load_safetensors(directory, torch.float32)
+    model = Transformer.from_state_dict(args, state, torch.float32)
+    ids = torch.tensor(tokens(40, seed=1))
+    kv = KVCache(args, 8, 16, torch.float32, "cpu")
+    table = [3, 1, 5]
+    rows = []
+    with torch.inference_mode():
+        for start, length in [(0, 16), (16, 16)] + [(p, 1) for p in range(32, 40)]:
+            meta = step_metadata([(start, length, table, length == 1)], 16, kernels=True, num_blocks=8)
+            hidden = model(ids[start:start + length], torch.arange(start, start + length), kv.layers,
+                           meta, KernelLayerOps)
+            rows.append(model.logits(hidden))
+    diff = (torch.cat(rows) - reference_logits(directory, ids.tolist())).abs().max().item()
+    print(f"{name} (kernel path): max |logit difference| over 40 positions = {diff:.2e}")
+    assert diff < 1e-4, diff
+
+
+def test_engine_greedy_matches_transformers_on_the_kernel_path(checkpoint):
+    _, directory = checkpoint
+    prompt = tokens(70, seed=2)
+    e = engine(directory)
+    assert e.executor.kernels
+    first = run(e, [prompt] + [tokens(n, seed=10 + n) for n in (5, 33, 90)])[0]
+    ref = torch.log_softmax(reference_logits(directory, prompt + first.tokens), dim=-1)
+    positions = range(len(prompt) - 1, len(prompt) - 1 + len(first.tokens))
+    assert first.tokens == [int(ref[p].argmax()) for p in positions]
+    want = [ref[p, t].item() for p, t in zip(positions, first.tokens)]
+    assert max(abs(a - b) for a, b in zip(first.logprobs, want)) < 1e-4
+
+
+def test_bf16_kernel_path_is_batch_invariant(checkpoint):
+    _, directory = checkpoint
+    e = engine(directory, "bfloat16")
+    assert e.executor.kernels
+    prompt = tokens(50, seed=3)
+    alone = run(e, [prompt], max_tokens=12)[0]
+    batch = run(e, [tokens(9, seed=5), prompt, tokens(80, seed=6)], max_tokens=12)[1]
+    assert (alone.tokens, alone.logprobs) == (batch.tokens, batch.logprobs)
