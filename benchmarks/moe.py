@@ -17,8 +17,8 @@ speed does not depend on the values.
 * ``step``: the MoE model and its **dense twin** (`dense_twin`: the same attention, a dense SwiGLU
   MLP of top_k · expert width = 6,144, the width a token's experts add up to, so the two read the
   same bytes per token but the router's) as bf16 engines (`engine_from_model`, the path `genserve
-  serve` runs for such a model: torch ops, since q/k norms and head_dim 128 keep genserve's fused
-  kernels off for both). Each engine gets the same `rows` greedy requests of `--prompt-len`
+  serve` runs for such a model: genserve's CPU kernel path, `KernelLayerOps` and the
+  "cpu-kernels" decode attention at head_dim 128; before 2026-12-07 torch ops and SDPA). Each engine gets the same `rows` greedy requests of `--prompt-len`
   random token ids, prefills them, and then the engines take one decode step each in turn
   (`decode_in_turn`, as `benchmarks.q4` does, so load from other processes weighs on both); a
   short run first warms both up. Counted: pure-decode steps at `rows` rows, the executor's time

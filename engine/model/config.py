@@ -249,12 +249,12 @@ class ModelArgs:
 
     @property
     def plain_llama(self) -> bool:
-        """True when the network is the 2023 Llama block genserve's fused CPU kernels and C++
-        decode loop implement: no bias, no q/k norm, no sandwich norms, SwiGLU, no softcaps,
-        the default score scale, no embedding scale, full rotary, every layer global and every
-        MLP dense. Any
-        other model runs the torch ops (`engine.runner.model_runner`), which implement every
-        option."""
+        """True when the network is the 2023 Llama block genserve's C++ decode loop implements:
+        no bias, no q/k norm, no sandwich norms, SwiGLU, no softcaps, the default score scale,
+        no embedding scale, full rotary, every layer global and every MLP dense. Any other model
+        runs the Python block loop, with genserve's fused CPU kernels where its decode attention
+        computes the layers (`engine.runner.model_runner.kernel_layers`), else with the torch
+        ops, which implement every option."""
         return (not (self.qkv_bias or self.o_bias or self.qk_norm or self.sandwich_norm)
                 and self.activation == "silu" and self.embedding_scale == 1.0
                 and self.attn_softcap is None and self.final_softcap is None
@@ -263,9 +263,8 @@ class ModelArgs:
 
     @property
     def plain_llama_attention(self) -> bool:
-        """`plain_llama` but for the MLP, which may be a mixture of experts (Mixtral): genserve's
-        fused CPU kernels (attention, norms, RoPE, SiLU) serve such a model; the C++ decode loop,
-        which implements the dense MLP, needs `plain_llama`."""
+        """`plain_llama` but for the MLP, which may be a mixture of experts (Mixtral): the C++
+        decode loop, which implements the dense MLP, needs `plain_llama`."""
         return self.replace(moe=None).plain_llama
 
     def is_sparse(self, i: int) -> bool:

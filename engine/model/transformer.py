@@ -16,8 +16,10 @@ window, softcap; None for the plain case, which every backend's fast path serves
 
 The plain Llama block (`ModelArgs.plain_llama`) takes exactly the path it always took, so
 genserve's fused CPU kernels (`engine.model.layer_ops.KernelLayerOps`) and the C++ decode loop
-(`engine.runner.decode_loop`) serve it unchanged; any other option runs `TorchLayerOps` (the model
-runner decides).
+(`engine.runner.decode_loop`) serve it unchanged. Other blocks run this Python loop with
+`KernelLayerOps` where genserve's decode attention computes their layers
+(`engine.runner.model_runner.kernel_layers`), else with `TorchLayerOps` (the model runner
+decides).
 """
 
 from __future__ import annotations

@@ -129,3 +129,19 @@ def test_backend_decode_rows_match_the_sdpa_path(hd):
         meta, _ = build_metadata(backend, layout, q.dtype, cache.device, cache.shape[1], GatherBuffer())
         outs.append(backend.attend(q, cache, meta, spec).float())
     assert (outs[0] - outs[1]).abs().max().item() < 2e-2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("hd", [128, 256])
+def test_the_avx2_build_matches_dense_reference(request, hd):
+    """The x86-64-v3 build (AVX2 without AVX512: the generic loop) of the same op, on a host
+    whose own build is AVX512's (the fixture `avx2_attention` skips elsewhere)."""
+    request.getfixturevalue("avx2_attention")
+    from tests.engine.avx2_builds import ATTENTION_LIBRARY
+
+    op = getattr(torch.ops, ATTENTION_LIBRARY).paged_decode_window
+    for window in (0, 20):
+        q, k, v, tables, lens = make_case([1, 17, 45, 130], 2, 4, hd, 16, torch.bfloat16, seed=hd + window)
+        out = op(q, k, v, tables, lens, 0.0625, window)
+        want = dense_reference(q, k, v, tables, lens, 0.0625, window)
+        assert bool(((out.float() - want).abs() <= want.abs() * 2.0 ** -8 + 2e-5).all())
