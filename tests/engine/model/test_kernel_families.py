@@ -1,7 +1,7 @@
 """genserve's fused CPU kernel path (`KernelLayerOps` and the "cpu-kernels" decode attention,
 `paged_decode_window`) on blocks beyond the plain Llama one: Gemma 3 at head_dim 256 (q/k norms,
 sandwich norms, GELU, another score scale, sliding windows, 4 query heads per KV head), Qwen3 and
-Qwen3-MoE at head_dim 128. Tiny random transformers checkpoints (tests/engine/hf_families.py)
+Qwen3-MoE at head_dim 128, Qwen2 (biases) and Llama 3 (RoPE scaling) at head_dim 64. Tiny random transformers checkpoints (tests/engine/hf_families.py)
 with those head sizes:
 
 * the runner chooses the kernel path for them (it chose torch ops and SDPA before);
@@ -31,6 +31,12 @@ CASES = {
     "gemma3_hd256": ("gemma3", dict(head_dim=256, num_key_value_heads=1)),
     "qwen3_hd128": ("qwen3", dict(head_dim=128)),
     "qwen3_moe_hd128": ("qwen3_moe", dict(head_dim=128)),
+    # head_dim 64 with options beyond the plain Llama block, which took the torch ops before:
+    # q/k/v biases (Qwen2), Llama 3's RoPE scaling
+    "qwen2_hd64": ("qwen2", dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
+                                 head_dim=64)),
+    "llama3_hd64": ("llama3", dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
+                                   head_dim=64)),
 }
 
 
@@ -53,7 +59,8 @@ def test_the_runner_chooses_the_kernel_path(checkpoint):
         assert kernel_layers(executor.model.args, executor.model.dtype)
         assert executor.kernels and executor.attention.name == "cpu-kernels"
         assert executor.layer_ops is KernelLayerOps
-        assert executor.decode_loop is None          # the C++ loop is the plain Llama block's
+        if not executor.model.args.plain_llama:      # the C++ loop is the plain Llama block's
+            assert executor.decode_loop is None
 
 
 def test_kernel_path_logits_match_transformers(checkpoint):
