@@ -13,7 +13,7 @@ export GENSERVE_TOOLS_DIR ?= $(abspath $(TOOLS_DIR))
 # on one worker, the modules sharing a session server or the Gemma 3 file together, groups handed
 # out in the order tests/conftest.py sorts them; each worker gets its share of the CPUs.
 TEST_WORKERS ?= 2
-PARALLEL := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
+PARALLEL := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --max-worker-restart 0)
 
 $(STAMP): pyproject.toml scripts/bootstrap.sh
 	VENV=$(VENV) bash scripts/bootstrap.sh
