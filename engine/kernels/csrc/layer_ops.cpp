@@ -234,48 +234,40 @@ at::Tensor genserve::norm_rope_store_kv(const at::Tensor& qkv, const at::Tensor&
                             static_cast<float>(eps));
 }
 
-at::Tensor genserve::gelu_tanh_mul(const at::Tensor& gate_up) {
+namespace {
+
+// act(gate) * up for each row of gate_up [T, 2F] = gate | up, in fp32, rounded once to the
+// input's dtype: the shared loop of the gated MLP products below. `act` maps float -> float.
+template <typename Act>
+at::Tensor gated_product(const at::Tensor& gate_up, Act act) {
   check_rows(gate_up, "gate_up");
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up must hold gate and up halves");
   const int64_t f = gate_up.size(1) / 2;
   at::Tensor out = at::empty({gate_up.size(0), f}, gate_up.options());
-  constexpr float k0 = 0.7978845608028654f, k1 = 0.044715f;     // sqrt(2 / pi), GELU's cubic term
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, gate_up.scalar_type(), "gelu_tanh_mul", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, gate_up.scalar_type(), "gated_product", [&] {
     at::parallel_for(0, gate_up.size(0), grain(2 * f), [&](int64_t b, int64_t e) {
       for (int64_t r = b; r < e; ++r) {
         const scalar_t* g = gate_up.data_ptr<scalar_t>() + r * 2 * f;
         const scalar_t* u = g + f;
         scalar_t* y = out.data_ptr<scalar_t>() + r * f;
-        for (int64_t i = 0; i < f; ++i) {
-          const float x = to_float(g[i]);
-          const float gelu = 0.5f * x * (1.f + std::tanh(k0 * (x + k1 * x * x * x)));
-          y[i] = store<scalar_t>(gelu * to_float(u[i]));
-        }
+        for (int64_t i = 0; i < f; ++i) y[i] = store<scalar_t>(act(to_float(g[i])) * to_float(u[i]));
       }
     });
   });
   return out;
 }
 
-at::Tensor genserve::silu_mul(const at::Tensor& gate_up) {
-  check_rows(gate_up, "gate_up");
-  TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up must hold gate and up halves");
-  const int64_t f = gate_up.size(1) / 2;
-  at::Tensor out = at::empty({gate_up.size(0), f}, gate_up.options());
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, gate_up.scalar_type(), "silu_mul", [&] {
-    at::parallel_for(0, gate_up.size(0), grain(2 * f), [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; ++r) {
-        const scalar_t* g = gate_up.data_ptr<scalar_t>() + r * 2 * f;
-        const scalar_t* u = g + f;
-        scalar_t* y = out.data_ptr<scalar_t>() + r * f;
-        for (int64_t i = 0; i < f; ++i) {
-          const float gv = to_float(g[i]);
-          y[i] = store<scalar_t>(gv / (1.f + std::exp(-gv)) * to_float(u[i]));
-        }
-      }
-    });
+}  // namespace
+
+at::Tensor genserve::gelu_tanh_mul(const at::Tensor& gate_up) {
+  constexpr float k0 = 0.7978845608028654f, k1 = 0.044715f;     // sqrt(2 / pi), GELU's cubic term
+  return gated_product(gate_up, [](float x) {
+    return 0.5f * x * (1.f + std::tanh(k0 * (x + k1 * x * x * x)));
   });
-  return out;
+}
+
+at::Tensor genserve::silu_mul(const at::Tensor& gate_up) {
+  return gated_product(gate_up, [](float x) { return x / (1.f + std::exp(-x)); });
 }
 
 TORCH_LIBRARY_FRAGMENT(genserve, m) {

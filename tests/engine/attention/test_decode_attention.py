@@ -36,22 +36,22 @@ def decode(request, monkeypatch) -> Callable:
 
 
 def make_case(contexts: list[int], kv_heads: int, group: int, block: int, dtype: torch.dtype,
-              seed: int, q_scale: float = 1.0):
+              seed: int, q_scale: float = 1.0, hd: int = HD):
     """Random pools of just enough blocks (plus 7 spare) for `contexts`, handed out to the rows
     in a shuffled order, each row's table padded with block 0 to the widest; returns
-    (q [B, H, D], k_pool, v_pool [blocks, block, kv_heads, D], tables int64 [B, nb], lens int64 [B])."""
+    (q [B, H, hd], k_pool, v_pool [blocks, block, kv_heads, hd], tables int64 [B, nb], lens int64 [B])."""
     g = torch.Generator().manual_seed(seed)
     need = [-(-c // block) for c in contexts]
     n_blocks = sum(need) + 7
-    k_pool = torch.randn(n_blocks, block, kv_heads, HD, generator=g).to(dtype)
-    v_pool = torch.randn(n_blocks, block, kv_heads, HD, generator=g).to(dtype)
+    k_pool = torch.randn(n_blocks, block, kv_heads, hd, generator=g).to(dtype)
+    v_pool = torch.randn(n_blocks, block, kv_heads, hd, generator=g).to(dtype)
     order = torch.randperm(n_blocks, generator=g).tolist()
     tables = torch.zeros(len(contexts), max(need), dtype=torch.long)
     at = 0
     for row, n in enumerate(need):
         tables[row, :n] = torch.tensor(order[at:at + n])
         at += n
-    q = (torch.randn(len(contexts), kv_heads * group, HD, generator=g) * q_scale).to(dtype)
+    q = (torch.randn(len(contexts), kv_heads * group, hd, generator=g) * q_scale).to(dtype)
     return q, k_pool, v_pool, tables, torch.tensor(contexts, dtype=torch.long)
 
 

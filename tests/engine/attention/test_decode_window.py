@@ -12,6 +12,7 @@ import torch
 from engine import kernels as genserve_kernels
 from engine.attention.base import AttentionSpec
 from engine.attention.paged_sdpa import window_kernel_serves
+from tests.engine.attention.test_decode_attention import make_case as decode_attention_case
 
 
 @pytest.fixture(autouse=True)
@@ -22,21 +23,9 @@ def _kernels_built():
 
 def make_case(contexts: list[int], kv_heads: int, group: int, hd: int, block: int,
               dtype: torch.dtype, seed: int):
-    """Random pools of just enough blocks (plus 5 spare) for `contexts`, handed out in a
-    shuffled order, tables padded with block 0; (q [B, H, hd], k_pool, v_pool, tables, lens)."""
-    g = torch.Generator().manual_seed(seed)
-    need = [-(-c // block) for c in contexts]
-    n_blocks = sum(need) + 5
-    k_pool = torch.randn(n_blocks, block, kv_heads, hd, generator=g).to(dtype)
-    v_pool = torch.randn(n_blocks, block, kv_heads, hd, generator=g).to(dtype)
-    order = torch.randperm(n_blocks, generator=g).tolist()
-    tables = torch.zeros(len(contexts), max(need), dtype=torch.long)
-    at = 0
-    for row, n in enumerate(need):
-        tables[row, :n] = torch.tensor(order[at:at + n])
-        at += n
-    q = torch.randn(len(contexts), kv_heads * group, hd, generator=g).to(dtype)
-    return q, k_pool, v_pool, tables, torch.tensor(contexts, dtype=torch.long)
+    """test_decode_attention's `make_case` at head size `hd`: (q [B, H, hd], k_pool, v_pool,
+    tables, lens)."""
+    return decode_attention_case(contexts, kv_heads, group, block, dtype, seed, hd=hd)
 
 
 def dense_reference(q, k_pool, v_pool, tables, lens, scale: float, window: int) -> torch.Tensor:
