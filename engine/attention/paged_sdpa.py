@@ -103,15 +103,12 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetada
     keys = kv[0].view(b, length, n_kv, hd).transpose(1, 2)             # [B, kvh, L, hd]
     values = kv[1].view(b, length, n_kv, hd).transpose(1, 2)
     qg = q.view(b, n_kv, n_heads // n_kv, hd)              # [B, kvh, group, hd]: group as queries
-    if spec is None and meta.decode_bias.shape[-1] == length:
-        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=meta.decode_bias)
-        # reshape, not view: CUDA's fused kernels may return [B, kvh, group, hd] in another
-        # memory order (with GQA, group > 1)
-        return out.reshape(b, n_heads, hd)
     bias = meta.decode_bias
     if bias.shape[-1] != length:            # a backend that builds no decode masks
         bias = decode_mask(meta.decode_lens, length, q.dtype)
     if spec is None:
+        # reshape, not view: CUDA's fused kernels may return [B, kvh, group, hd] in another
+        # memory order (with GQA, group > 1)
         return F.scaled_dot_product_attention(qg, keys, values, attn_mask=bias).reshape(b, n_heads, hd)
     if spec.sliding_window is not None:     # keys older than the window: -inf as well
         old = torch.arange(length, device=q.device)[None, :] <= (meta.decode_lens - 1 - spec.sliding_window)[:, None]
