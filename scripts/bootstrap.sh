@@ -43,5 +43,9 @@ if ! command -v promtool >/dev/null 2>&1 && [ ! -x "$VENV_ABS/bin/promtool" ] &&
     echo "bootstrap: promtool copied into $VENV_ABS/bin"
   ) || echo "bootstrap: promtool not available (the test that runs it will skip)"
 fi
+# genserve's CPU kernels (engine/kernels: C++ built with torch's cpp_extension, cached per
+# checkout and CPU kind), on every core here rather than in the first engine or test that needs
+# them; a build that fails is reported and the engine then runs torch ops instead.
+"$VENV/bin/python" -c "from engine import kernels; print('bootstrap: genserve kernels', 'ready' if kernels.available() else 'not available: the engine will run torch ops')"
 touch "$VENV/.installed"
 echo "bootstrap: $VENV ready"

@@ -28,8 +28,15 @@ _GEMMA3_MODULES = ("test_gemma3_gguf.py", "test_gguf_tokenizer.py", "test_qk_lin
                    "test_gemma3_gguf_serve.py")
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Test tiers and how pytest-xdist splits the suite.
+
+    Runs first (`tryfirst`): a pytest-xdist worker turns the `xdist_group` marks into node id
+    suffixes in its own `pytest_collection_modifyitems`, which would otherwise run before this
+    one (a worker registers that hook after loading this file, and pluggy calls the plugins
+    registered last first) and find no marks: each test would be its own group, and a module's
+    fixtures (a fleet, a server) would be built once on each worker.
 
     Every test under tests/e2e gets the `e2e` marker (they start whole stacks), so `make check`
     (`-m "not e2e and not slow"`) is the fast tier and `make test` runs everything.
@@ -47,10 +54,10 @@ def pytest_collection_modifyitems(config, items):
         if _E2E in path.parents:
             item.add_marker(pytest.mark.e2e)
         module = item.nodeid.split("::")[0]
-        if any(name in item.fixturenames for name in _SHARED_SERVERS):
-            modules[module] = "shared-servers"
-        elif path.name in _GEMMA3_MODULES:
+        if path.name in _GEMMA3_MODULES:      # before the servers: one of them has its own `server`
             modules[module] = "gemma3-270m"
+        elif any(name in item.fixturenames for name in _SHARED_SERVERS):
+            modules[module] = "shared-servers"
         else:
             modules.setdefault(module, module)
     weight: dict[str, int] = {}
@@ -68,10 +75,21 @@ def pytest_configure(config):
     """Under pytest-xdist, gives each worker its own share of the CPUs (worker i of n the CPUs
     i, i + n, ...; `os.sched_setaffinity`), inherited by the servers its tests start: a server
     sizes its threads by the CPUs it may use (`engine.runner.builder.set_threads`), so two workers
-    on two cores run one thread each instead of four threads contending for two cores."""
+    on two cores run one thread each instead of four threads contending for two cores. The
+    controller builds genserve's CPU kernels first, on every CPU."""
     import os
 
     worker = os.environ.get("PYTEST_XDIST_WORKER")          # "gw0", "gw1", ...
+    if not worker and getattr(config.option, "numprocesses", None):
+        # The controller, before it starts the workers: build genserve's CPU kernels (or find
+        # the cached build) on every CPU, in a child process so that this one stays small,
+        # rather than in the first worker that needs them, pinned to one CPU while the other
+        # worker waits on the build lock (a fresh clone's build: about 85 s against 150 s).
+        import subprocess
+        import sys
+
+        subprocess.run([sys.executable, "-c", "from engine import kernels; kernels.available()"],
+                       cwd=config.rootpath, check=False)
     count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if not worker or count < 2 or not hasattr(os, "sched_setaffinity"):
         return

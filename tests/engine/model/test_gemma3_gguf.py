@@ -47,7 +47,7 @@ def test_gemma3_270m_gguf_greedy_and_logprobs_match_transformers_on_the_same_fil
     args, state = weights
     assert (args.architecture, args.n_layers, args.dim, args.head_dim) == ("Gemma3ForCausalLM", 18, 640, 256)
     assert [layer.sliding_window for layer in args.layers[:6]] == [512] * 5 + [None]
-    engine = engine_from_weights(EngineConfig(device="cpu", dtype="float32", num_blocks=96,
+    engine = engine_from_weights(EngineConfig(device="cpu", dtype="float32", num_blocks=320,
                                               queue_budget_s=1e6), args, state)
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
     assert all(p[0] == 2 for p in prompts)                       # <bos>, as the file asks
