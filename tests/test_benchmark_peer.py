@@ -17,6 +17,7 @@ import torch
 from benchmarks import peer
 from benchmarks.peer import (GENSERVE, LLAMA_CPP, RoundResult, SseReader, StreamResult, markdown, round_result,
                              schedule, slot_context, summarize)
+from tests.ports import reserve_ports
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -216,7 +217,7 @@ def test_one_round_against_llama_cpp(gguf_path, gguf_tokenizer):
     if binary is None:
         pytest.skip("llama.cpp's llama-server is not installed (scripts/llama_cpp.sh installs it)")
     prompts = peer.prompt_texts(gguf_tokenizer, 2, 32, "test")
-    port = peer.free_port()
+    port = reserve_ports(1)[0]
     argv = peer.llama_server_argv(binary, gguf_path, port, threads=2, slots=2, per_slot=slot_context(32, 4))
     with peer.llama_server(argv, port, timeout_s=120) as url:
         r = peer.run_round(LLAMA_CPP, url, prompts, 4, 1)

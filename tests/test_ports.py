@@ -116,3 +116,21 @@ def test_genserve_serve_checks_the_second_replica_port():
             break
     assert proc.returncode == EXIT_PORT_IN_USE, proc.stderr[-2000:]
     assert f"port {first + 1} on 127.0.0.1 is already in use (engine 1 gRPC)" in proc.stderr
+
+
+def test_reserved_ports_lie_below_the_ephemeral_range_in_this_workers_share(monkeypatch):
+    """`reserve_ports` takes ports where no outgoing connection or `bind(0)` lands (below the
+    ephemeral range), and two pytest-xdist workers' shares do not overlap."""
+    from tests import ports
+
+    shares = []
+    for worker in ("gw0", "gw1"):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
+        monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
+        share = ports.port_range()
+        firsts = reserve_ports(1, 3, 2)
+        assert all(share.start <= p and p + 2 < share.stop for p in firsts), (firsts, share)
+        assert len({firsts[0], *range(firsts[1], firsts[1] + 3), *range(firsts[2], firsts[2] + 2)}) == 6
+        shares.append(share)
+    assert shares[0].stop <= shares[1].start < ports.ephemeral_start()
+    assert shares[0].start == ports.LOWEST_PORT and shares[1].stop <= ports.ephemeral_start()

@@ -29,7 +29,6 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from genserve.deploy import envoy
-from genserve.common.ports import free_port
 from genserve.v1 import generate_pb2 as pb, generate_pb2_grpc as pb_grpc
 from service.load_report import HEADER as LOAD_REPORT_HEADER, Load, report_text
 from tests.deploy.helpers import tool
@@ -50,7 +49,7 @@ class FakeEngine(pb_grpc.GenerateServiceServicer):
     admission does) or "unavailable" (UNAVAILABLE + retry-after 2, as a draining engine does)."""
 
     name: str
-    port: int = field(default_factory=free_port)
+    port: int = field(default_factory=lambda: reserve_ports(1)[0])
     mode: str = "ok"
     calls: int = 0
     running: set[str] = field(default_factory=set)   # request ids Cancel finds here
