@@ -19,13 +19,10 @@ import torch
 
 from engine import kernels as genserve_kernels
 from engine.model.layer_ops import KernelLayerOps
-from engine.model.transformer import Transformer
-from engine.model.weights import load_safetensors
-from engine.runner.kv_cache import KVCache
 from engine.runner.model_runner import kernel_layers
-from tests.engine.attention_oracle import step_metadata
 from tests.engine.hf_families import build_checkpoint, reference_logits
-from tests.engine.model.test_model_families import engine, run, tokens
+from tests.engine.model.test_model_families import (engine, max_logit_difference_over_pieces_and_decode_steps,
+                                                     run, tokens)
 
 CASES = {
     "gemma3_hd256": ("gemma3", dict(head_dim=256, num_key_value_heads=1)),
@@ -65,19 +62,7 @@ def test_the_runner_chooses_the_kernel_path(checkpoint):
 
 def test_kernel_path_logits_match_transformers(checkpoint):
     name, directory = checkpoint
-    args, state = load_safetensors(directory, torch.float32)
-    model = Transformer.from_state_dict(args, state, torch.float32)
-    ids = torch.tensor(tokens(40, seed=1))
-    kv = KVCache(args, 8, 16, torch.float32, "cpu")
-    table = [3, 1, 5]
-    rows = []
-    with torch.inference_mode():
-        for start, length in [(0, 16), (16, 16)] + [(p, 1) for p in range(32, 40)]:
-            meta = step_metadata([(start, length, table, length == 1)], 16, kernels=True, num_blocks=8)
-            hidden = model(ids[start:start + length], torch.arange(start, start + length), kv.layers,
-                           meta, KernelLayerOps)
-            rows.append(model.logits(hidden))
-    diff = (torch.cat(rows) - reference_logits(directory, ids.tolist())).abs().max().item()
+    diff = max_logit_difference_over_pieces_and_decode_steps(directory, kernels=True)
     print(f"{name} (kernel path): max |logit difference| over 40 positions = {diff:.2e}")
     assert diff < 1e-4, diff
 

@@ -25,7 +25,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core.engine import Engine
-from engine.model.layer_ops import TorchLayerOps
+from engine.model.layer_ops import KernelLayerOps, TorchLayerOps
 from engine.model.transformer import Transformer
 from engine.model.weights import load_safetensors
 from engine.runner.builder import engine_from_weights
@@ -89,22 +89,30 @@ def run(e: Engine, prompts: list[list[int]], max_tokens: int = NEW_TOKENS, loras
     return answers
 
 
-def test_logits_match_transformers_over_pieces_and_decode_steps(family):
-    name, directory = family
+def max_logit_difference_over_pieces_and_decode_steps(directory, kernels: bool = False) -> float:
+    """Max |logit difference| against transformers' forward over 40 positions of the fp32
+    checkpoint in `directory`: two 16-token prefill pieces, then 8 decode steps, on shuffled
+    blocks of a KV pool; with `kernels`, the CPU kernel path (`KernelLayerOps`, the kernels'
+    metadata), else the torch ops."""
     args, state = load_safetensors(directory, torch.float32)
     model = Transformer.from_state_dict(args, state, torch.float32)
     ids = torch.tensor(tokens(40, seed=1))
     kv = KVCache(args, 8, 16, torch.float32, "cpu")
     table = [3, 1, 5]                                    # shuffled block ids
+    ops = KernelLayerOps if kernels else TorchLayerOps
     rows = []
     with torch.inference_mode():
         for start, length in [(0, 16), (16, 16)] + [(p, 1) for p in range(32, 40)]:
-            meta = step_metadata([(start, length, table, length == 1)], 16, num_blocks=8)
+            meta = step_metadata([(start, length, table, length == 1)], 16, kernels=kernels, num_blocks=8)
             hidden = model(ids[start:start + length], torch.arange(start, start + length), kv.layers,
-                           meta, TorchLayerOps)
+                           meta, ops)
             rows.append(model.logits(hidden))
-    ours, ref = torch.cat(rows), reference_logits(directory, ids.tolist())
-    diff = (ours - ref).abs().max().item()
+    return (torch.cat(rows) - reference_logits(directory, ids.tolist())).abs().max().item()
+
+
+def test_logits_match_transformers_over_pieces_and_decode_steps(family):
+    name, directory = family
+    diff = max_logit_difference_over_pieces_and_decode_steps(directory)
     print(f"{name}: max |logit difference| over 40 positions = {diff:.2e}")
     assert diff < 1e-4, diff
 
