@@ -656,19 +656,10 @@ class LoraSet:
         """What the report records about the adapters."""
         from benchmarks.lora import TARGETS
 
-        return {"adapters": len(self.names), "rank": self.rank, "alpha": 2 * self.rank,
+        config = json.loads((self.directory / self.names[0] / "adapter_config.json").read_text())
+        return {"adapters": len(self.names), "rank": self.rank, "alpha": config["lora_alpha"],
                 "max_lora_rank": max_lora_rank(self.rank), "targets": list(TARGETS), "names": list(self.names),
                 "seeds": list(range(len(self.names))), "written_by": "benchmarks.lora.write_adapter"}
-
-
-def common_prefix(a: Sequence, b: Sequence) -> int:
-    """How many leading items `a` and `b` share."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 @dataclass(frozen=True)
@@ -688,9 +679,7 @@ def complete_once(server: str, url: str, prompt: str, tokens: int, model: str | 
     """
     import httpx
 
-    body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0.0, "ignore_eos": True, "logprobs": 1}
-    if model is not None:
-        body["model"] = model
+    body = {**request_body(prompt, tokens, model=model), "stream": False, "logprobs": 1}
     resp = httpx.post(f"{url}/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S)
     if resp.status_code != 200:
         raise RuntimeError(f"{server}, adapter check on {model or BASE}: {url} answered {resp.status_code}: "
@@ -748,7 +737,7 @@ def adapter_agreement(tokenizer, answers: dict[str, dict[str, Answer]]) -> dict:
     (a, b) = answers.values()
     out: dict = {"agree_tokens": {}, "first_logprob": {}, "first_logprob_diff": {}}
     for model in a:
-        agree = common_prefix(tokenizer.encode(a[model].text), tokenizer.encode(b[model].text))
+        agree = len(os.path.commonprefix([tokenizer.encode(a[model].text), tokenizer.encode(b[model].text)]))
         out["agree_tokens"][model] = agree
         out["first_logprob"][model] = [a[model].logprobs[0], b[model].logprobs[0]]
         out["first_logprob_diff"][model] = abs(a[model].logprobs[0] - b[model].logprobs[0]) if agree else None

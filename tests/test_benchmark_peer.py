@@ -392,7 +392,7 @@ def test_the_adapter_check_needs_every_adapter_to_move_the_answer(monkeypatch, g
 
 
 def test_the_page_names_the_adapters_and_the_check(tmp_path):
-    lora = fake_lora(tmp_path, 2, 16)
+    lora = peer.LoraSet.write(tmp_path, 2, 16)          # the alpha on the page is what was written
     results = []
     for round_no in (1, 2):
         results += [measured(GENSERVE, round_no, 2, 1.0), measured(peer.VLLM, round_no, 2, 2.0)]
