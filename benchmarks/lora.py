@@ -2,7 +2,8 @@
 
 Run from the repository root (docs/benchmarks/lora.md has the runs and figures)::
 
-    python -m benchmarks.lora [--adapters 8] [--rank 16] [--rows 32,1] [--steps 40] [--python-loop] [--json PATH]
+    python -m benchmarks.lora [--adapters 8] [--rank 16] [--rows 32,1] [--steps 40] [--lora-dtype auto]
+                              [--model-dtype-pairs] [--python-loop] [--json PATH]
 
 Two engines over the one embedded network (`engine_from_model` twice: the same weights, a KV pool
 each): "base" runs every row on the base model, "lora" runs them on `--adapters` random rank
@@ -17,6 +18,10 @@ fastest step of each and their ratio (the steps least disturbed on a loaded host
 (docs/benchmarks/lora.md): 32 rows over 8 adapters ≤ 1.15× the base step; one row on an adapter
 ≤ 1.10× one base row.
 
+`--lora-dtype` is `EngineConfig.lora_dtype` ("auto": int8 pairs where the base's products are
+8-bit, as `q4q8` is on a CPU with AVX512-VNNI and no AMX); `--model-dtype-pairs` adds an engine
+with the same adapters in bf16, so both kinds of pairs are measured in the same turns.
+
 Pure-decode steps run genserve's C++ decode loop, with adapter rows too where the adapters' deltas
 run `lora_delta_` (bf16 on a CPU with AVX512-BF16): each product of the loop adds the rows' deltas
 (`engine.model.lora`). Other processes on the machine distort
@@ -26,6 +31,7 @@ the figures: the load average is printed and recorded.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
@@ -76,14 +82,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=40, help="counted steps per engine and row count")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--json", type=pathlib.Path, default=None)
+    parser.add_argument("--lora-dtype", default="auto", choices=("auto", "model", "int8"),
+                        help="EngineConfig.lora_dtype: how the adapters' pairs are stored and multiplied")
+    parser.add_argument("--model-dtype-pairs", action="store_true",
+                        help="one more engine: the adapters with their pairs in the model dtype "
+                             "(--lora-dtype model), stepped in turn with the others")
     parser.add_argument("--python-loop", action="store_true",
                         help="two more engines: the base model and the adapters through the Python block loop "
                              "(no C++ decode loop)")
     args = parser.parse_args(argv)
-    config = EngineConfig(dtype="bfloat16", num_blocks=1024, queue_budget_s=1e6, max_loras=args.adapters)
+    config = EngineConfig(dtype="bfloat16", num_blocks=1024, queue_budget_s=1e6, max_loras=args.adapters,
+                          lora_dtype=args.lora_dtype)
     loaded = build_engine(config, calibrate=False)
     base = loaded.engine
     engines = {"base": base, "lora": engine_from_model(config, base.executor.model)}
+    if args.model_dtype_pairs:        # the same adapters, bf16 pairs, in the same turns
+        engines["lora_model"] = engine_from_model(dataclasses.replace(config, lora_dtype="model"),
+                                                  base.executor.model)
     if args.python_loop:              # both through the Python block loop (prefill and mixed steps take it)
         for name in ("base_python", "lora_python"):
             engines[name] = engine_from_model(config, base.executor.model)
@@ -97,8 +112,10 @@ def main(argv: list[str] | None = None) -> None:
                     engine.executor.adapters.load(name, path)
     gen = torch.Generator().manual_seed(0)
     vocab = loaded.args.vocab_size
+    int8 = engines["lora"].executor.loras.int8
+    print(f"adapters' pairs: {'int8' if int8 else 'model dtype'} (--lora-dtype {args.lora_dtype})", flush=True)
     results = {"adapters": args.adapters, "rank": args.rank, "load_average_before": os.getloadavg(),
-               "kernels": base.executor.kernels, "rows": {}}
+               "kernels": base.executor.kernels, "lora_dtype": args.lora_dtype, "int8_pairs": int8, "rows": {}}
 
     def submit_for(rows: int, max_tokens: int):
         def submit(name: str, engine) -> None:
@@ -123,6 +140,9 @@ def main(argv: list[str] | None = None) -> None:
                                  "steps": {name: len(t) for name, t in times.items()}}
         python = (f"; through the Python block loop: base {med['base_python']:.2f} ms, lora {med['lora_python']:.2f} ms"
                   if "base_python" in med else "")
+        if "lora_model" in med:
+            results["rows"][rows]["ratio_model_dtype_pairs"] = med["lora_model"] / med["base"]
+            python += (f"; bf16 pairs: lora {med['lora_model']:.2f} ms, ratio {med['lora_model'] / med['base']:.3f}")
         print(f"{rows:3d} rows over {min(rows, args.adapters)} adapters (rank {args.rank}, all projections): "
               f"base {med['base']:.2f} ms, lora {med['lora']:.2f} ms, ratio {ratio:.3f}{python} "
               f"(fastest steps: base {least['base']:.2f} ms, lora {least['lora']:.2f} ms, "

@@ -14,6 +14,7 @@ DTYPES = ("bfloat16", "float32", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 WEIGHTS = ("auto", "bf16", "q4", "int8", "q4q8")
 KV_CACHE_DTYPES = ("auto", "int8")
+LORA_DTYPES = ("auto", "model", "int8")
 PREFIX_CACHE_SCOPES = ("key", "global")
 CAPS_ALONE = (("tpot_target_ms", 1.0), ("gap_target_ms", 1.0))
 """`EngineConfig` overrides under which the design's token caps alone size each step's prefill:
@@ -118,6 +119,15 @@ class EngineConfig:
             (docs/lora.md). >= 1.
         max_lora_rank: the largest rank a LoRA adapter may have (vLLM's `--max-lora-rank`);
             1..64.
+        lora_dtype: how LoRA adapters' pairs are stored and multiplied where genserve's CPU
+            kernel runs them (`LORA_DTYPES`, after vLLM's `--lora-dtype`): "model": in the model
+            dtype (bf16), the deltas PEFT computes up to bf16 rounding; "int8": rounded to int8
+            with a scale per rank and per output column, inputs rounded to int8 per block of 32
+            (llama.cpp's kind of arithmetic, `engine.model.lora.kernel_tables_q8`; half the
+            bytes and the integer dot product's rate); "auto" (default): "int8" where the model's
+            block products already round their inputs to 8 bits (`weights` q4q8 or the GGUF's
+            K-quant / Q8_0 / int8 products), else "model". Elsewhere (CUDA, fp32, CPUs without
+            the kernel) the pairs stay in the model dtype.
     """
 
     block_size: int = 16
@@ -149,6 +159,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     max_loras: int = 8
     max_lora_rank: int = 64
+    lora_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -194,6 +205,8 @@ class EngineConfig:
             raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
         if not 1 <= self.max_lora_rank <= 64:
             raise ValueError(f"max_lora_rank must be in 1..64, got {self.max_lora_rank}")
+        if self.lora_dtype not in LORA_DTYPES:
+            raise ValueError(f"lora_dtype must be one of {LORA_DTYPES}, got {self.lora_dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got "
                              f"{self.kv_cache_dtype!r}")

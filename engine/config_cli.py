@@ -24,7 +24,7 @@ import typing
 from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
-from engine.config import (BATCHING_MODES, DEVICES, DTYPES, KV_CACHE_DTYPES, PREFIX_CACHE_SCOPES,
+from engine.config import (BATCHING_MODES, DEVICES, DTYPES, KV_CACHE_DTYPES, LORA_DTYPES, PREFIX_CACHE_SCOPES,
                            WEIGHTS, EngineConfig)
 
 GIB = 1024**3
@@ -71,6 +71,7 @@ FLAG_CHOICES: typing.Mapping[str, tuple[str, ...]] = types.MappingProxyType({
     "batching": BATCHING_MODES,
     "device": DEVICES,
     "kv_cache_dtype": KV_CACHE_DTYPES,
+    "lora_dtype": LORA_DTYPES,
     "prefix_cache_scope": PREFIX_CACHE_SCOPES,
     "weights": WEIGHTS,
 })

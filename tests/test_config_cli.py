@@ -27,7 +27,7 @@ NON_DEFAULT = EngineConfig(
     num_threads=3, batching="dynamic", dynamic_window_s=0.02, device="cpu",
     activation_reserve_bytes=2_500_000_000, tpot_target_ms=50.0, gap_target_ms=80.0,
     prefix_caching=False, prefix_cache_scope="global", weights="q4",
-    kv_cache_dtype="int8", max_loras=3, max_lora_rank=32)
+    kv_cache_dtype="int8", max_loras=3, max_lora_rank=32, lora_dtype="int8")
 
 
 def parser() -> argparse.ArgumentParser:

@@ -22,7 +22,8 @@ the step (punica's SGMV, S-LoRA), added to the base product's output, whatever `
 computed it. On a bf16 CPU with genserve's kernels the whole delta of a fused matrix is one
 `lora_delta_` call (engine/kernels/csrc/lora_delta.cpp: gather, shrink, expand and add in place,
 over each adapter's matrices in one buffer, `kernel_tables`, which holds each part's block of
-B_f and not its zeros): each row's bits are those of its row alone, whatever its neighbours'
+B_f and not its zeros, in bf16, or `kernel_tables_q8`, in int8 with fp32 scales, where
+`EngineConfig.lora_dtype` asks for 8-bit pairs): each row's bits are those of its row alone, whatever its neighbours'
 adapters, and pure-decode steps keep the C++ decode loop, which runs the same call
 (`engine.runner.decode_loop`). Elsewhere one product per adapter group
 (`engine.model.linear.linear`). Rows of the base model take no delta: their bits are the base
@@ -305,8 +306,8 @@ class ResidentLora:
     Attributes:
         adapter: the host adapter.
         matrices: (layer, fused matrix) -> (a [R, in], b [out, R]) on the device.
-        kernel: (blob, table) for `lora_delta_` (`kernel_tables`) on a bf16 CPU where it is built
-            (`kernel_path`); else None.
+        kernel: (blob, table) for `lora_delta_` (`kernel_tables`, or `kernel_tables_q8` for
+            8-bit pairs) on a bf16 CPU where it is built (`kernel_path`); else None.
     """
 
     adapter: LoraAdapter
@@ -357,10 +358,70 @@ def kernel_tables(adapter: LoraAdapter) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat(pieces).contiguous(), table
 
 
-def make_resident(adapter: LoraAdapter, device: torch.device, dtype: torch.dtype) -> ResidentLora:
-    """`adapter`'s pairs on `device`, with its `kernel_tables` where `kernel_path` says."""
+def _q8_rows(m: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of `m` [rows, width] (fp32) rounded to int8 with a scale per row (max |row| / 127,
+    nearest even), the rows padded with zero rows to a multiple of `groups`: (q int8, scale fp32)."""
+    pad = -m.shape[0] % groups
+    m = torch.cat([m, m.new_zeros(pad, m.shape[1])]) if pad else m
+    scale = m.abs().amax(dim=1) / 127
+    q = torch.where(scale[:, None] > 0, m / scale.clamp_min(torch.finfo(torch.float32).tiny)[:, None], 0.0)
+    return q.round().clamp(-127, 127).to(torch.int8), scale
+
+
+def kernel_tables_q8(adapter: LoraAdapter) -> tuple[torch.Tensor, torch.Tensor]:
+    """`adapter`'s pairs in `lora_delta_`'s 8-bit format (engine/kernels/csrc/lora_delta.cpp):
+    A and B rounded to int8 with an fp32 scale per rank and per output column, for models whose
+    block products already round their inputs to 8 bits (`EngineConfig.lora_dtype`).
+
+    Returns:
+        blob: uint8 [bytes], per fused matrix and part one record (padded to 64 bytes): A
+            [ceil(r/16)][K/32][8][16][4] as q + 128, its scales [16 · ceil(r/16)] fp32, B
+            [ceil(n/16)][ceil(r/4)][16][4] as q + 128, its scales [16 · ceil(n/16)] fp32 (r: the
+            part's rank, n: its output columns; zero rows and columns past them).
+        table: int64 [4 · layers, 19] as `kernel_tables`' (a_off: the first part's record;
+            b_off: each part's record; offsets in bytes).
+    Raises:
+        ValueError: a matrix of more than 3 parts, a part's rank above 128, or an input width
+            that is not a multiple of 32.
+    """
+    layers = 1 + max(layer for layer, _ in adapter.matrices)
+    table = torch.zeros(4 * layers, _SLOT_FIELDS, dtype=torch.int64)
+    pieces, size = [], 0
+    for (layer, name), m in sorted(adapter.matrices.items()):
+        parts = m.parts or ((0, m.b.shape[0], 0, m.a.shape[0]),)
+        width = m.a.shape[1]
+        if len(parts) > _MAX_PARTS or any(r1 - r0 > 128 for _, _, r0, r1 in parts) or width % 32:
+            raise ValueError(f"LoRA adapter {adapter.name}: {name} of layer {layer} has {len(parts)} parts "
+                             f"of ranks {[r1 - r0 for _, _, r0, r1 in parts]} and input width {width} "
+                             "(the 8-bit kernel takes 3, up to 128, and a multiple of 32)")
+        entry = [size, m.a.shape[0], width, len(parts)]
+        for lo, hi, r0, r1 in parts:
+            aq, a_scale = _q8_rows(m.a[r0:r1].float(), 16)                        # [r16, K]
+            a_bytes = (aq.view(-1, 16, width // 32, 8, 4).permute(0, 2, 3, 1, 4).reshape(-1)
+                       .to(torch.int16) + 128).to(torch.uint8)
+            b = m.b[lo:hi, r0:r1].float()
+            b = torch.cat([b, b.new_zeros(b.shape[0], -b.shape[1] % 4)], 1)       # ranks to a multiple of 4
+            bq, b_scale = _q8_rows(b, 16)                                        # [n16, r4]
+            b_bytes = (bq.view(-1, 16, bq.shape[1] // 4, 4).permute(0, 2, 1, 3).reshape(-1)
+                       .to(torch.int16) + 128).to(torch.uint8)
+            record = torch.cat([a_bytes, a_scale.view(torch.uint8), b_bytes, b_scale.view(torch.uint8)])
+            record = torch.cat([record, record.new_zeros(-record.numel() % 64)])
+            entry += [lo, hi, r0, r1, size]
+            pieces.append(record)
+            size += record.numel()
+        table[4 * layer + KINDS.index(name), :len(entry)] = torch.tensor(entry)
+    return torch.cat(pieces).contiguous(), table
+
+
+def make_resident(adapter: LoraAdapter, device: torch.device, dtype: torch.dtype,
+                  int8: bool = False) -> ResidentLora:
+    """`adapter`'s pairs on `device`, with its `kernel_tables` where `kernel_path` says (its
+    `kernel_tables_q8` with `int8`, where every input width is a multiple of 32)."""
     matrices = {k: (m.a.to(device), m.b.to(device)) for k, m in adapter.matrices.items()}
-    return ResidentLora(adapter, matrices, kernel_tables(adapter) if kernel_path(dtype, device) else None)
+    if not kernel_path(dtype, device):
+        return ResidentLora(adapter, matrices)
+    q8 = int8 and all(m.a.shape[1] % 32 == 0 for m in adapter.matrices.values())
+    return ResidentLora(adapter, matrices, kernel_tables_q8(adapter) if q8 else kernel_tables(adapter))
 
 
 class LoraBatch:

@@ -300,7 +300,7 @@ def engine_from_model(config: EngineConfig, model: Transformer) -> Engine:
     kv = KVCache(model.args, num_blocks, config.block_size, kv_dtype, device, groups)
     # genserve's CPU kernels take bf16 or fp32 only; fp16 on the CPU runs the torch ops
     kernels = False if model.dtype == torch.float16 else None
-    runner = ModelRunner(model, kv, kernels=kernels, max_loras=config.max_loras)
+    runner = ModelRunner(model, kv, kernels=kernels, max_loras=config.max_loras, lora_dtype=config.lora_dtype)
     runner.adapters.max_rank = config.max_lora_rank
     return Engine(config, runner, num_blocks, kv_windows=groups.windows)
 

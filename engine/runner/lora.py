@@ -32,6 +32,8 @@ class LoraSlots:
         max_loras: resident adapters kept between steps (`EngineConfig.max_loras`; the scheduler
             gives no step more adapters than that, `engine.core.sched.lora_cap`, so none is
             evicted while its step runs). Handed a step of more, `acquire` keeps them all for it.
+        int8: store the pairs in `lora_delta_`'s 8-bit format where its kernel runs them
+            (`EngineConfig.lora_dtype`; `engine.model.lora.make_resident`).
 
     Attributes:
         loads: adapters made resident so far; evictions: adapters dropped to make room or
@@ -40,10 +42,11 @@ class LoraSlots:
     Thread-safety: the model runner's thread only.
     """
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, max_loras: int = 8) -> None:
+    def __init__(self, device: torch.device, dtype: torch.dtype, max_loras: int = 8,
+                 int8: bool = False) -> None:
         if max_loras < 1:
             raise ValueError(f"max_loras must be >= 1, got {max_loras}")
-        self.device, self.dtype, self.max_loras = device, dtype, max_loras
+        self.device, self.dtype, self.max_loras, self.int8 = device, dtype, max_loras, int8
         self._resident: OrderedDict[int, ResidentLora] = OrderedDict()
         self.loads = 0
         self.evictions = 0
@@ -63,7 +66,7 @@ class LoraSlots:
                 continue
             res = self._resident.pop(lora.lora_id, None)
             if res is None:
-                res = make_resident(lora.adapter, self.device, self.dtype)
+                res = make_resident(lora.adapter, self.device, self.dtype, self.int8)
                 self.loads += 1
             self._resident[lora.lora_id] = res
             used[lora.lora_id] = res

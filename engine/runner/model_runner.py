@@ -59,6 +59,17 @@ def request_generator(req: Request, state: CachedRequestState,
     return state.generator
 
 
+# The block products that round their inputs to 8 bits (`engine.model.linear` method names).
+EIGHT_BIT_METHODS = frozenset({"q4q8", "q8q8", "qk", "int8", "q8_amx"})
+
+
+def eight_bit_products(model: Transformer) -> bool:
+    """Whether `model`'s first layer's Q | K | V product rounds its inputs to 8 bits (`q4q8`,
+    the GGUF's K-quant or Q8_0 products, int8 weights): where "auto" serves adapters 8-bit."""
+    packed = model.layers[0].attention.wqkv_packed
+    return packed is not None and packed.method.name in EIGHT_BIT_METHODS
+
+
 class ModelRunner:
     """The real model over the paged KV cache.
 
@@ -75,6 +86,7 @@ class ModelRunner:
         cuda_graphs: replay decode-only steps of up to 64 rows from CUDA graphs captured per
             row bucket (`engine.runner.cuda_graphs.DecodeGraphs`); CUDA only, off by default.
         max_loras: LoRA adapters kept resident between steps (`engine.runner.lora.LoraSlots`).
+        lora_dtype: `EngineConfig.lora_dtype` ("auto" resolved by `eight_bit_products`).
     Raises:
         ValueError: the weights and the KV pools are on different devices, `attention` is
             not a backend name, or the pools are in the 8-bit format (int8) with a backend that
@@ -110,7 +122,8 @@ class ModelRunner:
     """
 
     def __init__(self, model: Transformer, kv: KVCache, kernels: bool | None = None,
-                 attention: str | None = None, cuda_graphs: bool = False, max_loras: int = 8) -> None:
+                 attention: str | None = None, cuda_graphs: bool = False, max_loras: int = 8,
+                 lora_dtype: str = "auto") -> None:
         self.model = model
         self.kv = kv
         self.device = kv.layers[0].device
@@ -148,7 +161,8 @@ class ModelRunner:
         self.graphs = DecodeGraphs(model, kv) if cuda_graphs else None
         self.grammar = GrammarMasks()        # constrained rows' token masks (engine/structured)
         self.states = RequestStates()        # generators, processor and grammar state per request
-        self.loras = LoraSlots(self.device, model.dtype, max_loras)
+        self.loras = LoraSlots(self.device, model.dtype, max_loras,
+                               int8=lora_dtype == "int8" or (lora_dtype == "auto" and eight_bit_products(model)))
         self.adapters = LoraRegistry(model.args, model.dtype)   # the served adapters, by name
 
     def expert_load(self) -> list[tuple[int, list[int]]]:

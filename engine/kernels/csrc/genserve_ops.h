@@ -46,7 +46,8 @@ at::Tensor qk_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRe
 constexpr int64_t LORA_MAX_PARTS = 3;
 constexpr int64_t LORA_SLOT_FIELDS = 4 + 5 * LORA_MAX_PARTS;
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// (every CPU with AVX512-BF16 has AVX512-VNNI, which the 8-bit format uses)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define GENSERVE_LORA_DELTA 1
 // y[rows] += each adapter row's LoRA delta of one fused matrix, in place (lora_delta.cpp).
 void lora_delta_(const at::Tensor& y, const at::Tensor& x, const at::Tensor& rows,

@@ -28,6 +28,28 @@
 // time through the same per-row instructions; the column blocks a task covers change nothing
 // per column.
 //
+// The 8-bit format (`engine.model.lora.kernel_tables_q8`; buffers uint8, offsets in bytes): the
+// table's fields as above, but each part's own record at b_off (a_off: the first part's record):
+//
+//   A  [ceil(r_p/16)][K/32][8][16][4] uint8   q + 128 of A_p's rows (16 ranks per group, zero
+//                                              ranks past r_p), for each block of 32 k and j,
+//                                              the 16 ranks' k = 4j .. 4j + 3
+//   a_scale [16 · ceil(r_p/16)] fp32          per rank: A_p[j] ≈ a_scale[j] · q[j]
+//   B  [ceil(n/16)][ceil(r_p/4)][16][4] uint8  q + 128 of B_p's rows (the part's n output
+//                                              columns, zero past n and past r_p), for each 16
+//                                              columns and 4 ranks, the columns' 4 weights
+//   b_scale [16 · ceil(n/16)] fp32            per output column
+//
+// (`q8_part_bytes`; K a multiple of 32). Arithmetic per row, fixed whatever the batch: x rounded
+// to int8 per block of 32 once per call, as the 8-bit base products round it (q8_rows.h); the shrink's int32
+// dot per block (vpdpbusd of q + 128 against x's int8, less 128 · Σ x's int8), times the block's
+// scale, summed over the blocks in order in fp32, times the rank's scale; those r_p values
+// rounded to int8 with one scale (max / 127); the expand's int32 dot per column over the ranks
+// (likewise), times (that scale · the column's scale), added to y in fp32 and rounded to bf16
+// once. This is llama.cpp's kind of arithmetic (8-bit blocks, an int32 dot, fp32 scales), for a
+// model whose block products already run it (`q4q8`); the bf16 format keeps the adapters' bf16
+// values.
+//
 // Work: tasks (adapter, part, column block of the part) shared by the threads
 // (at::parallel_for); each computes its rows' shrink of its part (a few µs of arithmetic for
 // r_p · K values per row) and expands its columns. A part is split into column blocks only when
@@ -42,11 +64,14 @@
 #ifdef GENSERVE_LORA_DELTA
 
 #include "prefetch.h"
+#include "q8_rows.h"
 
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -76,10 +101,26 @@ struct Part {
 
 struct Task {
   int64_t group;
-  const uint16_t* a;      // the adapter's A, [R, K]
-  const uint16_t* b;      // the part's B, blocks of 64 columns [pairs][cols][2]
+  const uint16_t* a;      // bf16: the adapter's A, [R, K]
+  const uint16_t* b;      // bf16: the part's B, blocks of 64 columns [pairs][cols][2]
+  const uint8_t* record;  // 8-bit: the part's record
   int64_t lo, n, r_lo, rank, c0, c1;   // part columns [lo, lo + n), its rank, task columns [c0, c1) of the part
 };
+
+// out[0:16] = bf16(out + v) for the lanes of `m` (nearest even), the others left as they are. A
+// whole vector takes plain loads and stores: masked stores are slow on AMD's Zen 4 (the one-row
+// expand spent a quarter of its time in them).
+inline void add_to_bf16(c10::BFloat16* out, __mmask16 m, __m512 v) {
+  if (m == __mmask16(0xFFFF)) {
+    const __m256i old = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(out));
+    const __m512 sum = _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(old), 16)), v);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh(sum));
+    return;
+  }
+  const __m256i old = _mm256_maskz_loadu_epi16(m, out);
+  const __m512 sum = _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(old), 16)), v);
+  _mm256_mask_storeu_epi16(out, m, (__m256i)_mm512_cvtneps_pbh(sum));
+}
 
 // bf16 bits, rounded to nearest even (NaN kept a NaN).
 inline uint16_t round_bf16(float f) { return c10::BFloat16(f).x; }
@@ -149,11 +190,7 @@ void expand(const uint32_t* s, int64_t pairs, const uint16_t* b, int64_t c0, int
     for (int t = 0; t < T; ++t)
       for (int v = 0; v < VECS; ++v) {
         if (m[v] == 0) continue;
-        c10::BFloat16* out = y[t] + c + 16 * v;
-        const __m256i old = _mm256_maskz_loadu_epi16(m[v], out);
-        const __m512 sum = _mm512_add_ps(
-            _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(old), 16)), acc[t][v]);
-        _mm256_mask_storeu_epi16(out, m[v], (__m256i)_mm512_cvtneps_pbh(sum));
+        add_to_bf16(y[t] + c + 16 * v, m[v], acc[t][v]);
       }
   }
 }
@@ -180,6 +217,142 @@ void run_rows(const Task& task, const int64_t* rows, const uint16_t* x, int64_t 
   expand<T>(reinterpret_cast<const uint32_t*>(s), pairs, task.b, task.c0, task.c1, yr, cursor);
 }
 
+// ---- The 8-bit format ----
+
+constexpr int64_t Q8_BLOCK = 32;       // k per block of x's and A's int8 values
+
+// Bytes of one part's record (the 8-bit format above): rank r_p, K = k, n output columns.
+int64_t q8_part_bytes(int64_t rank, int64_t k, int64_t n) {
+  const int64_t r16 = (rank + 15) / 16 * 16, r4 = (rank + 3) / 4 * 4, n16 = (n + 15) / 16 * 16;
+  return r16 / 16 * (k / Q8_BLOCK) * 512 + r16 * 4 + n16 / 16 * (r4 / 4) * 64 + n16 * 4;
+}
+
+// The adapter rows of one call rounded to int8 per block of 32 (q8_rows.h: as the 8-bit base
+// products round their inputs): q [M][K], scale, scale · Σ q and Σ q per block.
+struct Q8Rows {
+  std::unique_ptr<int8_t[]> q;       // [M][K]
+  std::unique_ptr<float[]> scale;    // [M][K / 32]
+  std::unique_ptr<float[]> xsum;     // [M][K / 32] (not used here)
+  std::unique_ptr<int32_t[]> sum;    // [M][K / 32]
+};
+
+// `T` rows (positions `pos` in Q8Rows) of one task: the part's shrink, its rounding to int8, and
+// the expand of the task's columns into y.
+template <int T>
+void q8_run_rows(const Task& task, const int64_t* pos, const int64_t* rows, const Q8Rows& xr,
+                 int64_t k, c10::BFloat16* y, int64_t y_stride) {
+  const int64_t kb = k / Q8_BLOCK, rank = task.rank;
+  const int64_t r16 = (rank + 15) / 16 * 16, r4 = (rank + 3) / 4 * 4;
+  const uint8_t* a = task.record;
+  const float* a_scale = reinterpret_cast<const float*>(a + r16 / 16 * kb * 512);
+  const uint8_t* b = reinterpret_cast<const uint8_t*>(a_scale + r16);
+  const float* b_scale = reinterpret_cast<const float*>(b + (task.n + 15) / 16 * (r4 / 4) * 64);
+  Cursor cursor{{reinterpret_cast<const char*>(a), nullptr},
+                {q8_part_bytes(rank, k, task.n), 0}};
+  cursor.advance(0);
+  const int8_t* xq[T];
+  const float* xs[T];
+  const int32_t* xsum[T];
+  for (int t = 0; t < T; ++t) {
+    xq[t] = xr.q.get() + pos[t] * k;
+    xs[t] = xr.scale.get() + pos[t] * kb;
+    xsum[t] = xr.sum.get() + pos[t] * kb;
+  }
+  // The shrink: s[t][j] for the part's ranks (16 per vector).
+  alignas(64) float s[T][128];
+  for (int64_t c = 0; c < r16 / 16; ++c) {
+    __m512 acc[T];
+    for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+    for (int64_t blk = 0; blk < kb; ++blk) {
+      const uint8_t* w = a + (c * kb + blk) * 512;
+      cursor.advance(512);
+      __m512i ia[T];
+      for (int t = 0; t < T; ++t) ia[t] = _mm512_set1_epi32(-128 * xsum[t][blk]);
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        const __m512i wv = _mm512_loadu_si512(w + 64 * j);
+        for (int t = 0; t < T; ++t)
+          ia[t] = _mm512_dpbusd_epi32(
+              ia[t], wv, _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xq[t] + blk * Q8_BLOCK + 4 * j)));
+      }
+      for (int t = 0; t < T; ++t)
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[t]), _mm512_set1_ps(xs[t][blk]), acc[t]);
+    }
+    const __m512 sc = _mm512_loadu_ps(a_scale + 16 * c);
+    for (int t = 0; t < T; ++t) _mm512_store_ps(s[t] + 16 * c, _mm512_mul_ps(acc[t], sc));
+  }
+  // s rounded to int8, one scale per row (ranks past r_p are zero and stay zero).
+  alignas(64) int8_t sq[T][128];
+  float ss[T];
+  int32_t ssum[T];
+  for (int t = 0; t < T; ++t) {
+    float amax = 0.0f;
+    for (int64_t j = 0; j < rank; ++j) amax = std::max(amax, std::fabs(s[t][j]));
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    ss[t] = amax / 127.0f;
+    ssum[t] = 0;
+    for (int64_t j = 0; j < r4; ++j) {
+      const int32_t v = j < rank ? static_cast<int32_t>(std::nearbyint(s[t][j] * inv)) : 0;
+      sq[t][j] = static_cast<int8_t>(v);
+      ssum[t] += v;
+    }
+  }
+  // The expand, 16 columns at a time.
+  c10::BFloat16* yr[T];
+  for (int t = 0; t < T; ++t) yr[t] = y + rows[t] * y_stride + task.lo;
+  for (int64_t c = task.c0; c < task.c1; c += 16) {
+    const uint8_t* w = b + (c / 16) * (r4 / 4) * 64;
+    __m512i ia[T];
+    for (int t = 0; t < T; ++t) ia[t] = _mm512_set1_epi32(-128 * ssum[t]);
+    for (int64_t g = 0; g < r4 / 4; ++g) {
+      const __m512i wv = _mm512_loadu_si512(w + 64 * g);
+      for (int t = 0; t < T; ++t)
+        ia[t] = _mm512_dpbusd_epi32(ia[t], wv, _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(sq[t] + 4 * g)));
+    }
+    const int64_t cols = std::min<int64_t>(16, task.c1 - c);
+    const __mmask16 m = cols >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1);
+    const __m512 bs = _mm512_loadu_ps(b_scale + c);
+    for (int t = 0; t < T; ++t) {
+      const __m512 delta = _mm512_mul_ps(_mm512_cvtepi32_ps(ia[t]), _mm512_mul_ps(_mm512_set1_ps(ss[t]), bs));
+      add_to_bf16(yr[t] + c, m, delta);
+    }
+  }
+}
+
+// The 8-bit format's tasks: the call's adapter rows rounded once, then every task's rows, `TILE`
+// at a time. offsets: the groups' positions in `row`.
+void lora_delta_q8(const std::vector<Task>& tasks, at::IntArrayRef offsets, const int64_t* row,
+                   const at::Tensor& x, int64_t k, const at::Tensor& y) {
+  const int64_t m = offsets.back(), kb = k / Q8_BLOCK;
+  Q8Rows xr{std::unique_ptr<int8_t[]>(new int8_t[m * k]), std::unique_ptr<float[]>(new float[m * kb]),
+            std::unique_ptr<float[]>(new float[m * kb]), std::unique_ptr<int32_t[]>(new int32_t[m * kb])};
+  const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const int64_t x_stride = x.stride(0);
+  at::parallel_for(0, m, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      genserve::round_row_q8(xs + row[i] * x_stride, k, xr.q.get() + i * k, xr.scale.get() + i * kb,
+                             xr.xsum.get() + i * kb, xr.sum.get() + i * kb);
+  });
+  auto* ys = y.data_ptr<c10::BFloat16>();
+  const int64_t y_stride = y.stride(0);
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const Task& task = tasks[i];
+      const int64_t first = offsets[task.group], last = offsets[task.group + 1];
+      int64_t pos[TILE];
+      for (int64_t r = first; r < last; r += TILE) {
+        for (int t = 0; t < TILE; ++t) pos[t] = r + t;
+        switch (std::min<int64_t>(TILE, last - r)) {
+          case 4: q8_run_rows<4>(task, pos, row + r, xr, k, ys, y_stride); break;
+          case 3: q8_run_rows<3>(task, pos, row + r, xr, k, ys, y_stride); break;
+          case 2: q8_run_rows<2>(task, pos, row + r, xr, k, ys, y_stride); break;
+          default: q8_run_rows<1>(task, pos, row + r, xr, k, ys, y_stride); break;
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 
 namespace genserve {
@@ -187,10 +360,11 @@ namespace genserve {
 // y [T, N] bf16 (rows contiguous; updated in place) += each adapter row's delta of fused matrix
 // `slot` (4 · layer + kind), from x [T, K] bf16 (rows contiguous). rows: int64 [M], the adapter
 // rows, grouped; group g = rows[offsets[g]:offsets[g + 1]] runs on the adapter whose buffer is
-// blobs[g] (bf16, 1-D) and table index[g] (int64 [S, LORA_SLOT_FIELDS], the layout above); a
-// slot >= S or with R = 0 leaves the group's rows as they are. Raises (RuntimeError) on other
-// dtypes or shapes, a table entry outside its buffer or not matching x and y, a part rank above
-// 128, or a row outside [0, T).
+// blobs[g] (1-D: bf16 for the bf16 format, uint8 for the 8-bit one; one format for all groups)
+// and table index[g] (int64 [S, LORA_SLOT_FIELDS], the layouts above); a slot >= S or with R = 0
+// leaves the group's rows as they are. Raises (RuntimeError) on other dtypes or shapes, buffers
+// of both formats, a table entry outside its buffer or not matching x and y, a part rank above
+// 128, K not a multiple of 32 (8-bit format), or a row outside [0, T).
 void lora_delta_(const at::Tensor& y, const at::Tensor& x, const at::Tensor& rows,
                  at::IntArrayRef offsets, at::TensorList blobs, at::TensorList index, int64_t slot) {
   TORCH_CHECK(y.dim() == 2 && x.dim() == 2 && y.scalar_type() == at::kBFloat16 &&
@@ -212,21 +386,26 @@ void lora_delta_(const at::Tensor& y, const at::Tensor& x, const at::Tensor& row
   std::vector<Task> tasks;
   std::vector<int64_t> task_parts;         // per (group, part) pair: its index in `parts`
   std::vector<std::pair<int64_t, const uint16_t*>> pair_group;   // per pair: group, blob
+  const bool q8 = groups > 0 && blobs[0].scalar_type() == at::kByte;
+  const at::ScalarType blob_type = q8 ? at::kByte : at::kBFloat16;
+  TORCH_CHECK(!q8 || k % Q8_BLOCK == 0, "lora_delta_: the 8-bit format needs K a multiple of ",
+              Q8_BLOCK, ", got ", k);
   for (int64_t g = 0; g < groups; ++g) {
     TORCH_CHECK(offsets[g] <= offsets[g + 1], "lora_delta_: offsets must not decrease");
     const at::Tensor& table = index[g];
     const at::Tensor& blob = blobs[g];
     TORCH_CHECK(table.dim() == 2 && table.size(1) == LORA_SLOT_FIELDS && table.scalar_type() == at::kLong &&
-                    table.is_contiguous() && blob.dim() == 1 && blob.scalar_type() == at::kBFloat16 &&
+                    table.is_contiguous() && blob.dim() == 1 && blob.scalar_type() == blob_type &&
                     blob.is_contiguous(),
-                "lora_delta_: each table must be int64 [S, ", LORA_SLOT_FIELDS, "] and each buffer bf16 1-D");
+                "lora_delta_: each table must be int64 [S, ", LORA_SLOT_FIELDS, "] and each buffer 1-D, "
+                "all bf16 or all uint8");
     TORCH_CHECK(slot >= 0, "lora_delta_: slot must be >= 0, got ", slot);
     if (offsets[g] == offsets[g + 1] || slot >= table.size(0)) continue;
     const int64_t* e = table.data_ptr<int64_t>() + slot * LORA_SLOT_FIELDS;
     const int64_t a_off = e[0], rank = e[1], width = e[2], count = e[3];
     if (rank == 0) continue;
     const int64_t size = blob.numel();
-    TORCH_CHECK(width == k && a_off >= 0 && a_off + rank * k <= size && count >= 1 &&
+    TORCH_CHECK(width == k && a_off >= 0 && (q8 || a_off + rank * k <= size) && count >= 1 &&
                     count <= LORA_MAX_PARTS,
                 "lora_delta_: slot ", slot, " of group ", g, " holds A [", rank, ", ", width,
                 "] at ", a_off, " in ", count, " parts; x has K = ", k, ", the buffer ", size, " values");
@@ -236,7 +415,8 @@ void lora_delta_(const at::Tensor& y, const at::Tensor& x, const at::Tensor& row
       const int64_t r_p = part.r_hi - part.r_lo;
       TORCH_CHECK(part.lo >= 0 && part.lo < part.hi && part.hi <= n_out && part.r_lo >= 0 &&
                       r_p >= 1 && r_p <= 128 && part.r_hi <= rank && part.b_off >= 0 &&
-                      part.b_off + (r_p + 1) / 2 * 2 * (part.hi - part.lo) <= size,
+                      part.b_off + (q8 ? q8_part_bytes(r_p, k, part.hi - part.lo)
+                                       : (r_p + 1) / 2 * 2 * (part.hi - part.lo)) <= size,
                   "lora_delta_: slot ", slot, " of group ", g, ", part ", p, " does not fit y [",
                   t_rows, ", ", n_out, "], its rank ", rank, " (at most 128 per part) or its buffer");
       parts.push_back(part);
@@ -255,9 +435,18 @@ void lora_delta_(const at::Tensor& y, const at::Tensor& x, const at::Tensor& row
     const int64_t n = p.hi - p.lo;
     const int64_t step = std::max<int64_t>(COLS, ((n + split - 1) / split + COLS - 1) / COLS * COLS);
     const int64_t a_off = index[g].data_ptr<int64_t>()[slot * LORA_SLOT_FIELDS];
-    for (int64_t c0 = 0; c0 < n; c0 += step)
-      tasks.push_back({g, blob + a_off, blob + p.b_off, p.lo, n, p.r_lo, p.r_hi - p.r_lo, c0,
-                       std::min(n, c0 + step)});
+    for (int64_t c0 = 0; c0 < n; c0 += step) {
+      if (q8)
+        tasks.push_back({g, nullptr, nullptr, reinterpret_cast<const uint8_t*>(blob) + p.b_off, p.lo, n,
+                         p.r_lo, p.r_hi - p.r_lo, c0, std::min(n, c0 + step)});
+      else
+        tasks.push_back({g, blob + a_off, blob + p.b_off, nullptr, p.lo, n, p.r_lo, p.r_hi - p.r_lo,
+                         c0, std::min(n, c0 + step)});
+    }
+  }
+  if (q8) {
+    lora_delta_q8(tasks, offsets, row, x, k, y);
+    return;
   }
   const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
   auto* ys = y.data_ptr<c10::BFloat16>();

@@ -63,6 +63,7 @@
 #include <immintrin.h>
 
 #include "prefetch.h"
+#include "q8_rows.h"
 
 #include <algorithm>
 #include <vector>
@@ -106,33 +107,10 @@ inline void prefetch_ahead(const uint8_t* blk, int64_t block_bytes) {
 #ifdef GENSERVE_Q4Q8_AVX512
 
 // Row `in` (bf16 bits, k values) rounded per block of 32 into xq, scale, xsum and isum (the
-// exact int sum Σ_k xq of each block; see above).
-void quantize_row(const uint16_t* in, int64_t k, int8_t* xq, float* scale, float* xsum,
-                  int32_t* isum) {
-  const __m512 inv_qmax = _mm512_set1_ps(1.0f / 127.0f);
-  const __m512 one = _mm512_set1_ps(1.0f);
-  for (int64_t b = 0; b < k / QK; ++b) {
-    const uint16_t* p = in + b * QK;
-    const __m512 v0 = _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-    const __m512 v1 = _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16))), 16));
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-    __m512 s = _mm512_mul_round_ps(_mm512_set1_ps(amax), inv_qmax, RN);
-    s = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(s, _mm512_setzero_ps(), _CMP_EQ_OQ), s, one);
-    const __m512 inv = _mm512_div_round_ps(one, s, RN);
-    const __m512i q0 = _mm512_cvtps_epi32(
-        _mm512_roundscale_ps(_mm512_mul_round_ps(v0, inv, RN), RN));
-    const __m512i q1 = _mm512_cvtps_epi32(
-        _mm512_roundscale_ps(_mm512_mul_round_ps(v1, inv, RN), RN));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * QK), _mm512_cvtepi32_epi8(q0));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * QK + 16), _mm512_cvtepi32_epi8(q1));
-    const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-    scale[b] = _mm512_cvtss_f32(s);
-    isum[b] = sum;
-    xsum[b] = _mm512_cvtss_f32(
-        _mm512_mul_round_ps(s, _mm512_set1_ps(static_cast<float>(sum)), RN));
-  }
+// exact int sum Σ_k xq of each block; see above): q8_rows.h, shared with `lora_delta_`.
+inline void quantize_row(const uint16_t* in, int64_t k, int8_t* xq, float* scale, float* xsum,
+                         int32_t* isum) {
+  genserve::round_row_q8(in, k, xq, scale, xsum, isum);
 }
 
 // ROWS rows from r0 (ROWS <= 4) times one panel of 32 columns -> y (bf16). Each (row, group)

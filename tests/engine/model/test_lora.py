@@ -307,12 +307,14 @@ def test_bad_adapter_directories_are_clear_errors(llama, tmp_path):
 
 
 @pytest.mark.skipif(not kernel_path(torch.bfloat16, CPU), reason="lora_delta_ is not built here")
-def test_kernel_delta_matches_each_part_and_keeps_row_bits(llama):
+@pytest.mark.parametrize("int8", [False, True], ids=["bf16-pairs", "int8-pairs"])
+def test_kernel_delta_matches_each_part_and_keeps_row_bits(llama, int8):
     ckpt, adapters = llama
     args, _ = load_safetensors(ckpt, torch.float32)
-    res = [make_resident(load_adapter(p, args, torch.bfloat16, n, i + 1), CPU, torch.bfloat16)
+    res = [make_resident(load_adapter(p, args, torch.bfloat16, n, i + 1), CPU, torch.bfloat16, int8)
            for i, (n, p) in enumerate(adapters.items())]
-    assert all(r.kernel is not None for r in res)
+    assert all(r.kernel is not None and r.kernel[0].dtype == (torch.uint8 if int8 else torch.bfloat16)
+               for r in res)
     x = torch.randn(9, args.dim, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     y0 = torch.randn(9, 128, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
     owners = [res[0], None, res[1], res[2], res[0], None, res[1], res[0], res[2]]
@@ -323,9 +325,16 @@ def test_kernel_delta_matches_each_part_and_keeps_row_bits(llama):
             assert torch.equal(y[row], y0[row])        # base rows, and rows of an adapter without it
             continue
         m = r.adapter.matrices[key]
-        shrunk = (x[row].float() @ m.a.float().t()).to(torch.bfloat16).float()     # bf16, as the kernel
-        want = y0[row].float() + shrunk @ m.b.float().t()
-        assert torch.allclose(y[row].float(), want, rtol=1e-2, atol=1e-2), row
+        if int8:
+            # int8 pairs and inputs: within 2 % of the delta's largest value (plus y's rounding)
+            delta = (x[row].float() @ m.a.float().t()) @ m.b.float().t()
+            err = (y[row].float() - (y0[row].float() + delta)).abs()
+            assert (err <= 0.02 * delta.abs().max() + 2 ** -7 * y[row].float().abs()).all(), row
+            assert delta.abs().max() > 0.1                     # a delta that a dropped one would fail
+        else:
+            shrunk = (x[row].float() @ m.a.float().t()).to(torch.bfloat16).float()     # bf16, as the kernel
+            want = y0[row].float() + shrunk @ m.b.float().t()
+            assert torch.allclose(y[row].float(), want, rtol=1e-2, atol=1e-2), row
         untouched = torch.ones(128, dtype=torch.bool)
         for lo, hi, _, _ in m.parts:
             untouched[lo:hi] = False
@@ -336,16 +345,18 @@ def test_kernel_delta_matches_each_part_and_keeps_row_bits(llama):
 
 
 @pytest.mark.skipif(not kernel_path(torch.bfloat16, CPU), reason="lora_delta_ is not built here")
-def test_decode_steps_with_adapters_keep_the_cpp_loop_and_the_python_loop_bits(tmp_path):
+@pytest.mark.parametrize("lora_dtype", ["model", "int8"])
+def test_decode_steps_with_adapters_keep_the_cpp_loop_and_the_python_loop_bits(tmp_path, lora_dtype):
     # head_dim 64: the C++ decode loop's attention kernel
     ckpt = build_checkpoint("llama3", tmp_path / "base", head_dim=64)
     adapters = {"all8": build_adapter(ckpt, tmp_path / "all8", seed=21, r=8),
                 "qv4": build_adapter(ckpt, tmp_path / "qv4", seed=22, r=4, targets=("q_proj", "v_proj")),
                 "mlp16": build_adapter(ckpt, tmp_path / "mlp16", seed=23, r=16,
                                        targets=("gate_proj", "up_proj", "down_proj"))}
-    e = engine(ckpt, "bfloat16", prefix_caching=False)
+    e = engine(ckpt, "bfloat16", prefix_caching=False, lora_dtype=lora_dtype)
     loop = e.executor.decode_loop
     assert loop is not None
+    assert e.executor.loras.int8 == (lora_dtype == "int8")
     for name, path in adapters.items():
         e.executor.adapters.load(name, path)
     jobs = [(tokens(n, seed=50 + n), name) for n, name in [(9, "all8"), (12, "qv4"), (7, "mlp16"), (5, None)]]
@@ -356,4 +367,29 @@ def test_decode_steps_with_adapters_keep_the_cpp_loop_and_the_python_loop_bits(t
     finally:
         e.executor.decode_loop = loop
     assert with_loop == python_loop                    # tokens and logprobs, bit for bit
+    used = e.executor.loras.acquire([e.executor.adapters.request(name) for name in adapters])
+    assert {r.kernel[0].dtype for r in used.values()} == {torch.uint8 if lora_dtype == "int8" else torch.bfloat16}
     assert len({tuple(a[0]) for a in with_loop}) == len(jobs)
+
+
+def test_lora_dtype_auto_follows_the_base_products(llama, tmp_path):
+    import gguf
+
+    from engine.kernels import q4q8_linear_available
+    from engine.model.gguf_blocks import attach_gguf_blocks
+    from engine.model.weights import load_gguf
+    from engine.runner.builder import engine_from_model, model_from_weights
+    from tests.engine.gguf_families import write_gguf
+
+    with pytest.raises(ValueError, match="lora_dtype must be one of"):
+        EngineConfig(lora_dtype="fp8")
+    ckpt, _ = llama
+    assert not engine(ckpt, "bfloat16").executor.loras.int8      # bf16 block products: bf16 pairs
+    if not (kernel_path(torch.bfloat16, CPU) and q4q8_linear_available()):
+        pytest.skip("the 8-bit products or lora_delta_ are not built here")
+    path = write_gguf("llama3", tmp_path / "ckpt", tmp_path / "q4_1.gguf", gguf.GGMLQuantizationType.Q4_1)
+    model = model_from_weights(*load_gguf(path), torch.bfloat16)
+    assert attach_gguf_blocks(model, gguf.GGUFReader(path))["q4q8"] > 0     # Q4_1 x Q8 products
+    settings = dict(device="cpu", dtype="bfloat16", num_blocks=8)
+    assert engine_from_model(EngineConfig(**settings), model).executor.loras.int8
+    assert not engine_from_model(EngineConfig(**settings, lora_dtype="model"), model).executor.loras.int8
