@@ -16,11 +16,14 @@
 // h [B, dim] is the residual stream (updated in place); x = attention_norm_0(h) on entry; the
 // result is the final norm of h (next_norm of the last layer). With LoRA adapter rows
 // (`lora_blobs` not empty) each of the four products takes the rows' deltas right after it,
-// `lora_delta_` with slot 4 i + kind, as `LoraBatch.add` adds them in the Python loop.
+// `lora_delta_` with slot 4 i + kind, as `LoraBatch.add` adds them in the Python loop; with the
+// adapters' 8-bit format over a `q4q8_linear` product, x's rows are rounded once for both (the
+// same rounding either would do, so the same bits).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <optional>
 #include <vector>
 
 #include "genserve_ops.h"
@@ -34,12 +37,14 @@ namespace {
 // and whose Q4_1 blocks in `q4q8_linear`'s layout are `q4q8` (undefined or empty: none; else
 // they run every product), whose Q4_K / Q6_K row segments in `qk_linear`'s layout are `qk` with
 // kinds `qk_kinds` (empty: none; else they run every product). A 3-D `packed` is `fma_linear`'s
-// bf16 panels, which run every other product.
+// bf16 panels, which run every other product. `rounded` (or null): x's rows as `q8_round_rows`
+// gives them, which `q4q8_linear` then takes.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& q4,
                   int64_t k_chunk, int64_t max_rows, const at::Tensor* i8,
-                  const at::Tensor& q4q8, at::TensorList qk, at::IntArrayRef qk_kinds) {
+                  const at::Tensor& q4q8, at::TensorList qk, at::IntArrayRef qk_kinds,
+                  const genserve::Q8Rows* rounded) {
   if (q4q8.defined() && q4q8.numel() > 0)
-    return genserve::q4q8_linear(x.contiguous(), q4q8, q4q8.size(0));
+    return genserve::q4q8_linear(x.contiguous(), q4q8, q4q8.size(0), rounded);
   if (!qk.empty()) return genserve::qk_linear(x.contiguous(), qk, qk_kinds, -1);
   if (i8 != nullptr) return genserve::int8_linear(x.contiguous(), i8[0], i8[1], i8[2], i8[3]);
 #ifdef GENSERVE_FMA_LINEAR
@@ -124,38 +129,38 @@ at::Tensor decode_layers(at::Tensor h, at::Tensor x, at::TensorList wqkv, at::Te
   const auto int8 = [&](size_t i, size_t kind) -> const at::Tensor* {
     return i8.empty() ? nullptr : &i8[16 * i + 4 * kind];
   };
-  // The adapter rows' deltas of kind `kind` of layer `i` added to y = linear(x), if any.
-  const auto lora = [&](const at::Tensor& y, const at::Tensor& x, size_t i, size_t kind) {
-    if (lora_blobs.empty()) return;
+  // Adapter rows whose pairs are in the 8-bit format (`lora_delta_`'s uint8 buffers): over a
+  // `q4q8_linear` product, x's rows are rounded once for both.
+  const bool lora_q8 = !lora_blobs.empty() && lora_blobs[0].scalar_type() == at::kByte;
+  // y = linear(x) of kind `kind` of layer `i`, plus the adapter rows' deltas, if any.
+  const auto product = [&](const at::Tensor& x, const at::Tensor& w, size_t i, size_t kind) {
+    std::optional<genserve::Q8Rows> rounded;
+    if (lora_q8 && q4_1(i, kind).defined() && q4_1(i, kind).numel() > 0)
+      rounded.emplace(genserve::q8_round_rows(x.contiguous()));
+    const genserve::Q8Rows* shared = rounded ? &*rounded : nullptr;
+    at::Tensor y = linear(x, w, blocks(i, kind), k_chunks[kind], max_rows, int8(i, kind),
+                          q4_1(i, kind), k_segments(i, kind), k_kinds(i, kind), shared);
+    if (lora_blobs.empty()) return y;
 #ifdef GENSERVE_LORA_DELTA
     genserve::lora_delta_(y, x, lora_rows, lora_offsets, lora_blobs, lora_tables,
-                          static_cast<int64_t>(4 * i + kind));
+                          static_cast<int64_t>(4 * i + kind), shared);
 #else
     TORCH_CHECK(false, "decode_layers: LoRA deltas need the AVX512-BF16 build of lora_delta_");
 #endif
+    return y;
   };
   const int64_t rows = h.size(0);
   for (size_t i = 0; i < layers; ++i) {
-    const at::Tensor qkv =
-        linear(x, wqkv[i], blocks(i, 0), k_chunks[0], max_rows, int8(i, 0), q4_1(i, 0),
-               k_segments(i, 0), k_kinds(i, 0));
-    lora(qkv, x, i, 0);
+    const at::Tensor qkv = product(x, wqkv[i], i, 0);
     const at::Tensor q = genserve::rope_store_kv(qkv, rope, positions, caches[i], slots, n_heads,
                                                  n_kv_heads);
     const at::Tensor o = genserve::paged_decode(q, caches[i][0], caches[i][1], tables, lens, scale);
     const at::Tensor o_rows = o.reshape({rows, -1});
-    const at::Tensor attn_out = linear(o_rows, wo[i], blocks(i, 1), k_chunks[1], max_rows,
-                                       int8(i, 1), q4_1(i, 1), k_segments(i, 1), k_kinds(i, 1));
-    lora(attn_out, o_rows, i, 1);
+    const at::Tensor attn_out = product(o_rows, wo[i], i, 1);
     x = genserve::add_rms_norm_(h, attn_out, ffn_norm[i], eps);
-    const at::Tensor gate_up = linear(x, w13[i], blocks(i, 2), k_chunks[2], max_rows,
-                                      int8(i, 2), q4_1(i, 2), k_segments(i, 2), k_kinds(i, 2));
-    lora(gate_up, x, i, 2);
+    const at::Tensor gate_up = product(x, w13[i], i, 2);
     const at::Tensor act = genserve::silu_mul(gate_up);
-    const at::Tensor ffn_out =
-        linear(act, w2[i], blocks(i, 3), k_chunks[3], max_rows, int8(i, 3), q4_1(i, 3),
-               k_segments(i, 3), k_kinds(i, 3));
-    lora(ffn_out, act, i, 3);
+    const at::Tensor ffn_out = product(act, w2[i], i, 3);
     x = genserve::add_rms_norm_(h, ffn_out, next_norm[i], eps);
   }
   return x;

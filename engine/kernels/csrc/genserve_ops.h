@@ -4,6 +4,8 @@
 
 #include <ATen/ATen.h>
 
+#include "q8_rows.h"
+
 namespace genserve {
 
 // The 8-bit KV cache format (engine/attention/kv_quant.py, OCP MX's MXINT8 block): a row is head_dim int8 q,
@@ -35,7 +37,11 @@ at::Tensor gelu_tanh_mul(const at::Tensor& gate_up);
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
                        const at::Tensor& outliers, const at::Tensor& outlier_q);
 // Always defined; raises where the build does not target AVX512-VNNI (q4q8_linear.cpp).
-at::Tensor q4q8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n);
+// rounded: x's rows as `q8_round_rows` gives them, or null (rounded inside).
+at::Tensor q4q8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                       const Q8Rows* rounded = nullptr);
+// x [M, K] bf16's rows rounded as the 8-bit products round them (q4q8_linear.cpp, q8_rows.h).
+Q8Rows q8_round_rows(const at::Tensor& x);
 // x [M, K] bf16 or fp32 @ W^T, W in Q4_K / Q6_K row segments (qk_linear.cpp); every build, every
 // CPU (the path is chosen at run time; -1: the best this CPU runs).
 at::Tensor qk_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRef kinds,
@@ -50,8 +56,11 @@ constexpr int64_t LORA_SLOT_FIELDS = 4 + 5 * LORA_MAX_PARTS;
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define GENSERVE_LORA_DELTA 1
 // y[rows] += each adapter row's LoRA delta of one fused matrix, in place (lora_delta.cpp).
+// rounded: x's rows as `q8_round_rows` gives them (all T rows), which the 8-bit format then
+// takes instead of rounding them again; or null.
 void lora_delta_(const at::Tensor& y, const at::Tensor& x, const at::Tensor& rows,
-                 at::IntArrayRef offsets, at::TensorList blobs, at::TensorList index, int64_t slot);
+                 at::IntArrayRef offsets, at::TensorList blobs, at::TensorList index, int64_t slot,
+                 const Q8Rows* rounded = nullptr);
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)

@@ -72,6 +72,7 @@
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -227,20 +228,11 @@ int64_t q8_part_bytes(int64_t rank, int64_t k, int64_t n) {
   return r16 / 16 * (k / Q8_BLOCK) * 512 + r16 * 4 + n16 / 16 * (r4 / 4) * 64 + n16 * 4;
 }
 
-// The adapter rows of one call rounded to int8 per block of 32 (q8_rows.h: as the 8-bit base
-// products round their inputs): q [M][K], scale, scale · Σ q and Σ q per block.
-struct Q8Rows {
-  std::unique_ptr<int8_t[]> q;       // [M][K]
-  std::unique_ptr<float[]> scale;    // [M][K / 32]
-  std::unique_ptr<float[]> xsum;     // [M][K / 32] (not used here)
-  std::unique_ptr<int32_t[]> sum;    // [M][K / 32]
-};
-
-// `T` rows (positions `pos` in Q8Rows) of one task: the part's shrink, its rounding to int8, and
-// the expand of the task's columns into y.
+// `T` rows (`rows`: indices into x and y; `xr` holds them rounded) of one task: the part's
+// shrink, its rounding to int8, and the expand of the task's columns into y.
 template <int T>
-void q8_run_rows(const Task& task, const int64_t* pos, const int64_t* rows, const Q8Rows& xr,
-                 int64_t k, c10::BFloat16* y, int64_t y_stride) {
+void q8_run_rows(const Task& task, const int64_t* rows, const genserve::Q8Rows& xr, int64_t k,
+                 c10::BFloat16* y, int64_t y_stride) {
   const int64_t kb = k / Q8_BLOCK, rank = task.rank;
   const int64_t r16 = (rank + 15) / 16 * 16, r4 = (rank + 3) / 4 * 4;
   const uint8_t* a = task.record;
@@ -254,9 +246,9 @@ void q8_run_rows(const Task& task, const int64_t* pos, const int64_t* rows, cons
   const float* xs[T];
   const int32_t* xsum[T];
   for (int t = 0; t < T; ++t) {
-    xq[t] = xr.q.get() + pos[t] * k;
-    xs[t] = xr.scale.get() + pos[t] * kb;
-    xsum[t] = xr.sum.get() + pos[t] * kb;
+    xq[t] = xr.q_row(rows[t]);
+    xs[t] = xr.scale_row(rows[t]);
+    xsum[t] = xr.isum_row(rows[t]);
   }
   // The shrink: s[t][j] for the part's ranks (16 per vector).
   alignas(64) float s[T][128];
@@ -319,34 +311,38 @@ void q8_run_rows(const Task& task, const int64_t* pos, const int64_t* rows, cons
   }
 }
 
-// The 8-bit format's tasks: the call's adapter rows rounded once, then every task's rows, `TILE`
-// at a time. offsets: the groups' positions in `row`.
+// The 8-bit format's tasks: the call's adapter rows rounded once (or `rounded`: all of x's rows,
+// rounded by the caller the same way), then every task's rows, `TILE` at a time. offsets: the
+// groups' positions in `row`.
 void lora_delta_q8(const std::vector<Task>& tasks, at::IntArrayRef offsets, const int64_t* row,
-                   const at::Tensor& x, int64_t k, const at::Tensor& y) {
+                   const at::Tensor& x, int64_t k, const at::Tensor& y, const genserve::Q8Rows* rounded) {
   const int64_t m = offsets.back(), kb = k / Q8_BLOCK;
-  Q8Rows xr{std::unique_ptr<int8_t[]>(new int8_t[m * k]), std::unique_ptr<float[]>(new float[m * kb]),
-            std::unique_ptr<float[]>(new float[m * kb]), std::unique_ptr<int32_t[]>(new int32_t[m * kb])};
-  const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  const int64_t x_stride = x.stride(0);
-  at::parallel_for(0, m, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i)
-      genserve::round_row_q8(xs + row[i] * x_stride, k, xr.q.get() + i * k, xr.scale.get() + i * kb,
-                             xr.xsum.get() + i * kb, xr.sum.get() + i * kb);
-  });
+  std::optional<genserve::Q8Rows> own;
+  if (rounded == nullptr) {
+    own.emplace(x.size(0), k);
+    const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
+    const int64_t x_stride = x.stride(0);
+    at::parallel_for(0, m, 8, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t r = row[i];
+        genserve::round_row_q8(xs + r * x_stride, k, own->xq.get() + r * k, own->scale.get() + r * kb,
+                               own->xsum.get() + r * kb, own->isum.get() + r * kb);
+      }
+    });
+  }
+  const genserve::Q8Rows& xr = rounded != nullptr ? *rounded : *own;
   auto* ys = y.data_ptr<c10::BFloat16>();
   const int64_t y_stride = y.stride(0);
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const Task& task = tasks[i];
       const int64_t first = offsets[task.group], last = offsets[task.group + 1];
-      int64_t pos[TILE];
       for (int64_t r = first; r < last; r += TILE) {
-        for (int t = 0; t < TILE; ++t) pos[t] = r + t;
         switch (std::min<int64_t>(TILE, last - r)) {
-          case 4: q8_run_rows<4>(task, pos, row + r, xr, k, ys, y_stride); break;
-          case 3: q8_run_rows<3>(task, pos, row + r, xr, k, ys, y_stride); break;
-          case 2: q8_run_rows<2>(task, pos, row + r, xr, k, ys, y_stride); break;
-          default: q8_run_rows<1>(task, pos, row + r, xr, k, ys, y_stride); break;
+          case 4: q8_run_rows<4>(task, row + r, xr, k, ys, y_stride); break;
+          case 3: q8_run_rows<3>(task, row + r, xr, k, ys, y_stride); break;
+          case 2: q8_run_rows<2>(task, row + r, xr, k, ys, y_stride); break;
+          default: q8_run_rows<1>(task, row + r, xr, k, ys, y_stride); break;
         }
       }
     }
@@ -366,7 +362,8 @@ namespace genserve {
 // of both formats, a table entry outside its buffer or not matching x and y, a part rank above
 // 128, K not a multiple of 32 (8-bit format), or a row outside [0, T).
 void lora_delta_(const at::Tensor& y, const at::Tensor& x, const at::Tensor& rows,
-                 at::IntArrayRef offsets, at::TensorList blobs, at::TensorList index, int64_t slot) {
+                 at::IntArrayRef offsets, at::TensorList blobs, at::TensorList index, int64_t slot,
+                 const Q8Rows* rounded) {
   TORCH_CHECK(y.dim() == 2 && x.dim() == 2 && y.scalar_type() == at::kBFloat16 &&
                   x.scalar_type() == at::kBFloat16 && y.stride(1) == 1 && x.stride(1) == 1 &&
                   x.size(0) == y.size(0),
@@ -445,7 +442,8 @@ void lora_delta_(const at::Tensor& y, const at::Tensor& x, const at::Tensor& row
     }
   }
   if (q8) {
-    lora_delta_q8(tasks, offsets, row, x, k, y);
+    TORCH_CHECK(rounded == nullptr || rounded->k == k, "lora_delta_: rounded rows of another K");
+    lora_delta_q8(tasks, offsets, row, x, k, y, rounded);
     return;
   }
   const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());

@@ -51,6 +51,9 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "genserve_ops.h"
+#include "q8_rows.h"
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define GENSERVE_Q4Q8_LINEAR 1
 #define GENSERVE_Q4Q8_AVX512 1
@@ -63,9 +66,9 @@
 #include <immintrin.h>
 
 #include "prefetch.h"
-#include "q8_rows.h"
 
 #include <algorithm>
+#include <optional>
 #include <vector>
 #endif
 
@@ -470,34 +473,31 @@ void check_operands(const char* op, const at::Tensor& x, const at::Tensor& packe
 
 #ifdef GENSERVE_Q4Q8_LINEAR
 // x's rows rounded to 8 bits per block of 32 (the top of the file), once per call.
-struct RoundedRows {
-  std::vector<int8_t> xq;        // [M, K]
-  std::vector<float> scale;      // [M, K / 32]
-  std::vector<float> xsum;       // [M, K / 32]
-  std::vector<int32_t> isum;     // [M, K / 32]: Σ_k xq per block, exact
-
-  explicit RoundedRows(const at::Tensor& x)
-      : xq(x.numel()), scale(x.numel() / QK), xsum(x.numel() / QK), isum(x.numel() / QK) {
-    const int64_t m = x.size(0), k = x.size(1), kb_count = k / QK;
-    const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
-    at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r)
-        quantize_row(xp + r * k, k, xq.data() + r * k, scale.data() + r * kb_count,
-                     xsum.data() + r * kb_count, isum.data() + r * kb_count);
-    });
-  }
-};
+genserve::Q8Rows round_rows(const at::Tensor& x) {
+  const int64_t m = x.size(0), k = x.size(1), kb_count = k / QK;
+  genserve::Q8Rows rows(m, k);
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      quantize_row(xp + r * k, k, rows.xq.get() + r * k, rows.scale.get() + r * kb_count,
+                   rows.xsum.get() + r * kb_count, rows.isum.get() + r * kb_count);
+  });
+  return rows;
+}
 
 // y = x @ W^T for packed weights of `group_bytes` per 16 columns and 32 k: x's rows rounded
 // once (RoundedRows), then panel(rows, the panel's weights, r0, count, y, first column) for every
 // panel of 32 columns (split across threads) and row tile of up to 4 rows.
 template <typename Panel>
 at::Tensor rounded_rows_times(const at::Tensor& x, const at::Tensor& packed, int64_t n,
-                              int64_t group_bytes, const Panel& panel) {
+                              int64_t group_bytes, const Panel& panel,
+                              const genserve::Q8Rows* rounded = nullptr) {
   const int64_t m = x.size(0);
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0) return y;
-  const RoundedRows rows(x);
+  std::optional<genserve::Q8Rows> own;
+  if (rounded == nullptr) own.emplace(round_rows(x));
+  const genserve::Q8Rows& rows = rounded != nullptr ? *rounded : *own;
   const uint8_t* w = packed.data_ptr<uint8_t>();
   c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
   const int64_t panel_bytes = (PANEL_N / GROUP_N) * (x.size(1) / QK) * group_bytes;
@@ -517,18 +517,33 @@ at::Tensor rounded_rows_times(const at::Tensor& x, const at::Tensor& packed, int
 // blocks in the layout above (`engine.model.quant.q4q8_pack`); n: N, a multiple of 32. Returns
 // bf16 [M, N]. Raises (RuntimeError) on another dtype or shape, and on a build whose compiler
 // targeted neither AVX512-VNNI with AVX512-BF16 and AVX512BW nor AVX2 with FMA and F16C
-// (`engine.kernels.q4q8_linear_available()` says whether this build has it).
-at::Tensor q4q8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
+// (`engine.kernels.q4q8_linear_available()` says whether this build has it). rounded: x's rows
+// as `q8_round_rows` gives them (null: rounded here), for a caller that needs them again.
+at::Tensor q4q8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                       const genserve::Q8Rows* rounded) {
   check_operands("q4q8_linear", x, packed, n, GROUP_BYTES / GROUP_N);
+  TORCH_CHECK(rounded == nullptr || rounded->k == x.size(1), "q4q8_linear: rounded rows of another K");
 #ifdef GENSERVE_Q4Q8_LINEAR
   return rounded_rows_times(x, packed, n, GROUP_BYTES,
-                            [&](const RoundedRows& rows, const uint8_t* panel, int64_t r0,
+                            [&](const genserve::Q8Rows& rows, const uint8_t* panel, int64_t r0,
                                 int count, c10::BFloat16* y, int64_t col0) {
-    panel_rows(rows.xq.data(), rows.scale.data(), rows.xsum.data(), panel, x.size(1), r0, count,
+    panel_rows(rows.xq.get(), rows.scale.get(), rows.xsum.get(), panel, x.size(1), r0, count,
                y, n, col0);
-  });
+  }, rounded);
 #else
   return at::Tensor();     // unreachable: check_operands raised
+#endif
+}
+
+// x: bf16 [M, K] contiguous, K % 32 == 0 -> its rows rounded as `q4q8_linear` rounds them (q8_rows.h).
+// Raises (RuntimeError) where `q4q8_linear` would.
+genserve::Q8Rows q8_round_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16 && x.size(1) % QK == 0,
+              "q8_round_rows: x must be a contiguous bf16 [M, K] tensor, K a multiple of ", QK);
+#ifdef GENSERVE_Q4Q8_LINEAR
+  return round_rows(x);
+#else
+  TORCH_CHECK(false, "q8_round_rows: this build of genserve's kernels has no int8 product");
 #endif
 }
 
@@ -539,14 +554,19 @@ at::Tensor q8q8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n)
   check_operands("q8q8_linear", x, packed, n, Q8_GROUP_BYTES_PER_COLUMN);
 #ifdef GENSERVE_Q4Q8_LINEAR
   return rounded_rows_times(x, packed, n, Q8_GROUP_BYTES,
-                            [&](const RoundedRows& rows, const uint8_t* panel, int64_t r0,
+                            [&](const genserve::Q8Rows& rows, const uint8_t* panel, int64_t r0,
                                 int count, c10::BFloat16* y, int64_t col0) {
-    q8_panel_rows(rows.xq.data(), rows.scale.data(), rows.isum.data(), panel, x.size(1), r0,
+    q8_panel_rows(rows.xq.get(), rows.scale.get(), rows.isum.get(), panel, x.size(1), r0,
                   count, y, n, col0);
   });
 #else
   return at::Tensor();     // unreachable: check_operands raised
 #endif
+}
+
+// The op: `q4q8_linear` rounding x itself.
+at::Tensor q4q8_linear_op(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
+  return q4q8_linear(x, packed, n, nullptr);
 }
 
 }  // namespace genserve
@@ -556,6 +576,6 @@ TORCH_LIBRARY_FRAGMENT(genserve, m) {
   m.def("q8q8_linear(Tensor x, Tensor packed, int n) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(genserve, CPU, m) {
-  m.impl("q4q8_linear", &genserve::q4q8_linear);
+  m.impl("q4q8_linear", &genserve::q4q8_linear_op);
   m.impl("q8q8_linear", &genserve::q8q8_linear);
 }

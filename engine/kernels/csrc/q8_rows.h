@@ -6,11 +6,33 @@
 // each step rounded once in fp32; Σ q exactly; and s · Σ q in fp32.
 #pragma once
 
+#include <cstdint>
+#include <memory>
+
+namespace genserve {
+
+// Rows rounded to 8 bits per block of 32: xq [M][K] and, per block, scale, xsum (scale · Σ xq)
+// and isum (Σ xq, exact). Allocated, not filled: the rounding functions fill the rows they round.
+struct Q8Rows {
+  int64_t k = 0;
+  std::unique_ptr<int8_t[]> xq;
+  std::unique_ptr<float[]> scale, xsum;
+  std::unique_ptr<int32_t[]> isum;
+
+  Q8Rows(int64_t m, int64_t k_)
+      : k(k_), xq(new int8_t[m * k_]), scale(new float[m * (k_ / 32)]), xsum(new float[m * (k_ / 32)]),
+        isum(new int32_t[m * (k_ / 32)]) {}
+  const int8_t* q_row(int64_t r) const { return xq.get() + r * k; }
+  const float* scale_row(int64_t r) const { return scale.get() + r * (k / 32); }
+  const float* xsum_row(int64_t r) const { return xsum.get() + r * (k / 32); }
+  const int32_t* isum_row(int64_t r) const { return isum.get() + r * (k / 32); }
+};
+
+}  // namespace genserve
+
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 
 #include <immintrin.h>
-
-#include <cstdint>
 
 namespace genserve {
 

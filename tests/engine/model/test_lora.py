@@ -123,6 +123,24 @@ def run(e: Engine, jobs: list[tuple[list[int], str | None]], max_tokens: int = 1
     return [(a.tokens, a.logprobs, a.num_cached) for a in answers]
 
 
+def run_both_loops(e: Engine, adapters: dict[str, pathlib.Path], jobs: list[tuple[list[int], str | None]]):
+    """Load `adapters` into `e`, then `run` the jobs with its C++ decode loop and again through
+    the Python block loop. Returns (with the loop, without it) and the adapters' dtypes where the
+    products run (their `lora_delta_` buffers')."""
+    loop = e.executor.decode_loop
+    assert loop is not None
+    for name, path in adapters.items():
+        e.executor.adapters.load(name, path)
+    with_loop = run(e, jobs)
+    e.executor.decode_loop = None
+    try:
+        python_loop = run(e, jobs)
+    finally:
+        e.executor.decode_loop = loop
+    used = e.executor.loras.acquire([e.executor.adapters.request(name) for name in adapters])
+    return with_loop, python_loop, {r.kernel[0].dtype for r in used.values()}
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_mixed_batch_gives_each_row_what_it_gets_alone(llama, dtype):
     ckpt, adapters = llama
@@ -354,21 +372,11 @@ def test_decode_steps_with_adapters_keep_the_cpp_loop_and_the_python_loop_bits(t
                 "mlp16": build_adapter(ckpt, tmp_path / "mlp16", seed=23, r=16,
                                        targets=("gate_proj", "up_proj", "down_proj"))}
     e = engine(ckpt, "bfloat16", prefix_caching=False, lora_dtype=lora_dtype)
-    loop = e.executor.decode_loop
-    assert loop is not None
     assert e.executor.loras.int8 == (lora_dtype == "int8")
-    for name, path in adapters.items():
-        e.executor.adapters.load(name, path)
     jobs = [(tokens(n, seed=50 + n), name) for n, name in [(9, "all8"), (12, "qv4"), (7, "mlp16"), (5, None)]]
-    with_loop = run(e, jobs)
-    e.executor.decode_loop = None
-    try:
-        python_loop = run(e, jobs)
-    finally:
-        e.executor.decode_loop = loop
+    with_loop, python_loop, dtypes = run_both_loops(e, adapters, jobs)
     assert with_loop == python_loop                    # tokens and logprobs, bit for bit
-    used = e.executor.loras.acquire([e.executor.adapters.request(name) for name in adapters])
-    assert {r.kernel[0].dtype for r in used.values()} == {torch.uint8 if lora_dtype == "int8" else torch.bfloat16}
+    assert dtypes == {torch.uint8 if lora_dtype == "int8" else torch.bfloat16}
     assert len({tuple(a[0]) for a in with_loop}) == len(jobs)
 
 
@@ -393,3 +401,34 @@ def test_lora_dtype_auto_follows_the_base_products(llama, tmp_path):
     settings = dict(device="cpu", dtype="bfloat16", num_blocks=8)
     assert engine_from_model(EngineConfig(**settings), model).executor.loras.int8
     assert not engine_from_model(EngineConfig(**settings, lora_dtype="model"), model).executor.loras.int8
+
+
+@pytest.mark.skipif(not kernel_path(torch.bfloat16, CPU), reason="lora_delta_ is not built here")
+def test_int8_pairs_over_q4q8_products_keep_the_cpp_loop_and_the_python_loop_bits(tmp_path):
+    # the C++ loop rounds each input once for the Q4_1 x Q8 product and the adapters' deltas
+    import gguf
+
+    from engine.kernels import q4q8_linear_available
+    from engine.model.gguf_blocks import attach_gguf_blocks
+    from engine.model.weights import load_gguf
+    from engine.runner.builder import engine_from_model, model_from_weights
+    from tests.engine.gguf_families import write_gguf
+
+    if not q4q8_linear_available():
+        pytest.skip("the 8-bit products are not built here")
+    path = write_gguf("llama3", tmp_path / "ckpt", tmp_path / "q4_1.gguf", gguf.GGMLQuantizationType.Q4_1,
+                      head_dim=64)
+    model = model_from_weights(*load_gguf(path), torch.bfloat16)
+    attach_gguf_blocks(model, gguf.GGUFReader(path))
+    e = engine_from_model(EngineConfig(device="cpu", dtype="bfloat16", num_blocks=64, queue_budget_s=1e6,
+                                       prefix_caching=False), model)
+    assert e.executor.loras.int8
+    assert all(blocks.numel() > 0 for blocks in e.executor.decode_loop.q4q8)   # every product Q4_1 x Q8
+    adapters = {"all8": build_adapter(tmp_path / "ckpt", tmp_path / "all8", seed=31, r=8),
+                "mlp16": build_adapter(tmp_path / "ckpt", tmp_path / "mlp16", seed=32, r=16,
+                                       targets=("gate_proj", "up_proj", "down_proj"))}
+    jobs = [(tokens(n, seed=60 + n), name) for n, name in [(9, "all8"), (7, "mlp16"), (5, None), (6, "all8")]]
+    with_loop, python_loop, dtypes = run_both_loops(e, adapters, jobs)
+    assert with_loop == python_loop                    # tokens and logprobs, bit for bit
+    assert dtypes == {torch.uint8}
+    assert len({tuple(a[0]) for a in with_loop[:3]}) == 3
