@@ -41,8 +41,9 @@
 //   b_scale [16 · ceil(n/16)] fp32            per output column
 //
 // (`q8_part_bytes`; K a multiple of 32). Arithmetic per row, fixed whatever the batch: x rounded
-// to int8 per block of 32 once per call, as the 8-bit base products round it (q8_rows.h); the shrink's int32
-// dot per block (vpdpbusd of q + 128 against x's int8, less 128 · Σ x's int8), times the block's
+// to int8 per block of 32 as the 8-bit base products round it (q8_rows.h), once per call or by
+// the caller for its own product too (`rounded`, decode_layers.cpp); the shrink's int32 dot per
+// block (vpdpbusd of q + 128 against x's int8, less 128 · Σ x's int8), times the block's
 // scale, summed over the blocks in order in fp32, times the rank's scale; those r_p values
 // rounded to int8 with one scale (max / 127); the expand's int32 dot per column over the ranks
 // (likewise), times (that scale · the column's scale), added to y in fp32 and rounded to bf16
