@@ -72,7 +72,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <memory>
 #include <optional>
 #include <vector>
 
@@ -110,8 +109,7 @@ struct Task {
 };
 
 // out[0:16] = bf16(out + v) for the lanes of `m` (nearest even), the others left as they are. A
-// whole vector takes plain loads and stores: masked stores are slow on AMD's Zen 4 (the one-row
-// expand spent a quarter of its time in them).
+// whole vector takes plain loads and stores, since masked stores are slow on AMD's Zen 4.
 inline void add_to_bf16(c10::BFloat16* out, __mmask16 m, __m512 v) {
   if (m == __mmask16(0xFFFF)) {
     const __m256i old = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(out));

@@ -380,14 +380,26 @@ def test_decode_steps_with_adapters_keep_the_cpp_loop_and_the_python_loop_bits(t
     assert len({tuple(a[0]) for a in with_loop}) == len(jobs)
 
 
-def test_lora_dtype_auto_follows_the_base_products(llama, tmp_path):
+def q4q8_llama(directory: pathlib.Path) -> Transformer:
+    """A tiny Llama 3 (head_dim 64) written as a Q4_1 GGUF under `directory` (its checkpoint in
+    `directory / "ckpt"`, for adapters), loaded with every block product on Q4_1 x Q8 blocks."""
     import gguf
 
-    from engine.kernels import q4q8_linear_available
     from engine.model.gguf_blocks import attach_gguf_blocks
     from engine.model.weights import load_gguf
-    from engine.runner.builder import engine_from_model, model_from_weights
+    from engine.runner.builder import model_from_weights
     from tests.engine.gguf_families import write_gguf
+
+    path = write_gguf("llama3", directory / "ckpt", directory / "q4_1.gguf", gguf.GGMLQuantizationType.Q4_1,
+                      head_dim=64)
+    model = model_from_weights(*load_gguf(path), torch.bfloat16)
+    assert attach_gguf_blocks(model, gguf.GGUFReader(path))["q4q8"] > 0
+    return model
+
+
+def test_lora_dtype_auto_follows_the_base_products(llama, tmp_path):
+    from engine.kernels import q4q8_linear_available
+    from engine.runner.builder import engine_from_model
 
     with pytest.raises(ValueError, match="lora_dtype must be one of"):
         EngineConfig(lora_dtype="fp8")
@@ -395,9 +407,7 @@ def test_lora_dtype_auto_follows_the_base_products(llama, tmp_path):
     assert not engine(ckpt, "bfloat16").executor.loras.int8      # bf16 block products: bf16 pairs
     if not (kernel_path(torch.bfloat16, CPU) and q4q8_linear_available()):
         pytest.skip("the 8-bit products or lora_delta_ are not built here")
-    path = write_gguf("llama3", tmp_path / "ckpt", tmp_path / "q4_1.gguf", gguf.GGMLQuantizationType.Q4_1)
-    model = model_from_weights(*load_gguf(path), torch.bfloat16)
-    assert attach_gguf_blocks(model, gguf.GGUFReader(path))["q4q8"] > 0     # Q4_1 x Q8 products
+    model = q4q8_llama(tmp_path)                                 # Q4_1 x Q8 products
     settings = dict(device="cpu", dtype="bfloat16", num_blocks=8)
     assert engine_from_model(EngineConfig(**settings), model).executor.loras.int8
     assert not engine_from_model(EngineConfig(**settings, lora_dtype="model"), model).executor.loras.int8
@@ -406,20 +416,12 @@ def test_lora_dtype_auto_follows_the_base_products(llama, tmp_path):
 @pytest.mark.skipif(not kernel_path(torch.bfloat16, CPU), reason="lora_delta_ is not built here")
 def test_int8_pairs_over_q4q8_products_keep_the_cpp_loop_and_the_python_loop_bits(tmp_path):
     # the C++ loop rounds each input once for the Q4_1 x Q8 product and the adapters' deltas
-    import gguf
-
     from engine.kernels import q4q8_linear_available
-    from engine.model.gguf_blocks import attach_gguf_blocks
-    from engine.model.weights import load_gguf
-    from engine.runner.builder import engine_from_model, model_from_weights
-    from tests.engine.gguf_families import write_gguf
+    from engine.runner.builder import engine_from_model
 
     if not q4q8_linear_available():
         pytest.skip("the 8-bit products are not built here")
-    path = write_gguf("llama3", tmp_path / "ckpt", tmp_path / "q4_1.gguf", gguf.GGMLQuantizationType.Q4_1,
-                      head_dim=64)
-    model = model_from_weights(*load_gguf(path), torch.bfloat16)
-    attach_gguf_blocks(model, gguf.GGUFReader(path))
+    model = q4q8_llama(tmp_path)
     e = engine_from_model(EngineConfig(device="cpu", dtype="bfloat16", num_blocks=64, queue_budget_s=1e6,
                                        prefix_caching=False), model)
     assert e.executor.loras.int8
