@@ -143,7 +143,7 @@ def q4q8_pack(blocks: torch.Tensor) -> torch.Tensor:
     return out.reshape(n, kb * Q4Q8_BLOCK_BYTES).contiguous()
 
 
-Q8Q8_BLOCK_BYTES = 36   # bytes per output column and 32 k in `q8q8_pack`'s layout
+Q8Q8_BLOCK_BYTES = 34   # bytes per output column and 32 k in `q8q8_pack`'s layout (the file's)
 
 
 def q8q8_pack(blocks: torch.Tensor) -> torch.Tensor:
@@ -153,14 +153,14 @@ def q8q8_pack(blocks: torch.Tensor) -> torch.Tensor:
 
     The input holds, per weight row, its Q8_0 blocks along k (bytes 0-1 fp16 d, 2-33 the int8
     q[0..31]; ggml's block_q8_0). The output holds, per group of 16 output columns and block of
-    32 k (576 bytes): the 16 columns' d as fp32 (64 bytes, exact widening), then for j = 0..7 and
-    each column c the 4 bytes q[c][4j .. 4j + 3]. Groups are in column order, blocks in k order
-    within a group.
+    32 k (544 bytes, what the file holds for them): the 16 columns' d as the file's fp16 (32
+    bytes; the kernel widens them exactly), then for j = 0..7 and each column c the 4 bytes
+    q[c][4j .. 4j + 3]. Groups are in column order, blocks in k order within a group.
 
     Args:
         blocks: uint8 [N, K / 32 · 34] (`weights.load_gguf_output_q8_0`), N a multiple of 32.
     Returns:
-        uint8 [N, K / 32 · 36], contiguous (a new tensor); row g·16 .. g·16 + 15 hold group g.
+        uint8 [N, K / 32 · 34], contiguous (a new tensor); row g·16 .. g·16 + 15 hold group g.
     Raises:
         ValueError: not uint8 2-D with whole blocks, or N not a positive multiple of 32.
     """
@@ -168,10 +168,9 @@ def q8q8_pack(blocks: torch.Tensor) -> torch.Tensor:
     n, row_bytes = blocks.shape
     ng, kb = n // 16, row_bytes // Q8_0_BLOCK_BYTES
     b = blocks.contiguous().view(ng, 16, kb, Q8_0_BLOCK_BYTES)       # [group, col, kb, 34]
-    d = b[..., 0:2].contiguous().view(torch.float16).float()          # [group, col, kb, 1]
-    d = d.squeeze(-1).permute(0, 2, 1).contiguous().view(torch.uint8)  # [group, kb, 16 * 4]
+    d = b[..., 0:2].permute(0, 2, 1, 3).reshape(ng, kb, 32)           # [group, kb, 16 * 2] fp16 bytes
     q = b[..., 2:].reshape(ng, 16, kb, 8, 4).permute(0, 2, 3, 1, 4)   # [group, kb, j, col, i]
-    out = torch.cat([d, q.reshape(ng, kb, 512)], dim=-1)               # [group, kb, 576]
+    out = torch.cat([d, q.reshape(ng, kb, 512)], dim=-1)               # [group, kb, 544]
     return out.reshape(n, kb * Q8Q8_BLOCK_BYTES).contiguous()
 
 

@@ -78,8 +78,9 @@ constexpr int64_t QK = 32;                       // weights per Q4_1 block (alon
 constexpr int64_t GROUP_N = 16;                  // output columns per packed group
 constexpr int64_t PANEL_N = 32;                  // columns per parallel panel (2 groups)
 constexpr int64_t GROUP_BYTES = 32 + 32 + 256;   // d[16] f16, m[16] f16, 4 x 64 nibble bytes
-constexpr int64_t Q8_GROUP_BYTES = 64 + 512;     // Q8_0 weights: d[16] f32, 8 x 64 int8 bytes
-constexpr int64_t Q8_GROUP_BYTES_PER_COLUMN = Q8_GROUP_BYTES / GROUP_N;   // 36
+constexpr int64_t Q8_D_BYTES = 32;               // Q8_0 weights: d[16] f16, then
+constexpr int64_t Q8_GROUP_BYTES = Q8_D_BYTES + 512;   // 8 x 64 int8 bytes
+constexpr int64_t Q8_GROUP_BYTES_PER_COLUMN = Q8_GROUP_BYTES / GROUP_N;   // 34, as in the file
 constexpr int64_t PREFETCH_BLOCKS = 4;           // how far ahead a panel's first row tile prefetches
 
 #ifdef GENSERVE_Q4Q8_LINEAR
@@ -98,9 +99,10 @@ void with_rows(int rows, Run&& run) {
 }
 
 // The block PREFETCH_BLOCKS ahead of `blk` in its group's stream (blocks of `block_bytes`, a
-// multiple of 64), asked for now. Only a panel's first row tile calls it: that tile reads the
-// panel from memory, where at 1-32 rows each block is used once and the hardware prefetcher
-// alone kept the cores at about 20 GB/s; later tiles find the panel in cache.
+// multiple of 64), asked for now. Only a Q4_1 panel's first row tile calls it: that tile reads
+// the panel from memory, where at 1-32 rows each block is used once and the hardware prefetcher
+// alone kept the cores at about 20 GB/s; later tiles find the panel in cache. (`q8q8_linear`
+// does not: docs/benchmarks/linear.md measured its one-row product faster without it.)
 inline void prefetch_ahead(const uint8_t* blk, int64_t block_bytes) {
   const char* ahead = reinterpret_cast<const char*>(blk + PREFETCH_BLOCKS * block_bytes);
   for (int64_t line = 0; line < block_bytes; line += 64) genserve::prefetch_l1(ahead + line);
@@ -323,13 +325,18 @@ void panel_rows(const int8_t* X, const float* XS, const float* XSUM, const uint8
 // vpdpbusd's exact sum Σ (q + 128) · xq less 128 · Σ xq (the row's `isum`) is Σ q · xq: the same
 // int32 sum, then the same fp32 operations, so both builds give the same bits.
 //
-// Layout (`engine.model.quant.q8q8_pack`), 576 bytes per 16 output columns x 32 k:
+// Layout (`engine.model.quant.q8q8_pack`), 544 bytes per 16 output columns x 32 k (the file's
+// 34 per column and block):
 //
-//   [N/16 groups][K/32 blocks]{ d[16] fp32, q[8 j][16 columns c][4 bytes i] }
+//   [N/16 groups][K/32 blocks]{ d[16] fp16, q[8 j][16 columns c][4 bytes i] }
 //
-// where byte i of (j, c) is q[c][4j + i]. Work as `q4q8_linear`'s: panels of 32 columns across
+// where byte i of (j, c) is q[c][4j + i]; d stays the file's fp16, widened exactly (vcvtph2ps)
+// where a block is used: at one row the product waits on reading these bytes, and fp32 copies of
+// d made them 36 per column and block. Work as `q4q8_linear`'s: panels of 32 columns across
 // threads; within a panel, tiles of up to 4 rows times 32 columns (two zmm of fp32 each) on
-// AVX512, 4 rows times 8 columns (one ymm) on AVX2.
+// AVX512, 4 rows times 8 columns (one ymm) on AVX2. No software prefetch: a thread's panels are
+// one sequential stream, which the hardware prefetcher follows at the machine's read rate here,
+// and `prefetch_ahead`'s bursts of 9 lines per block made the one-row product slower.
 #ifdef GENSERVE_Q4Q8_AVX512
 
 // ROWS rows from r0 (ROWS <= 4) times one panel of 32 Q8_0 columns -> y (bf16).
@@ -345,8 +352,6 @@ void q8_panel_tile(const int8_t* X, const float* XS, const int32_t* ISUM, const 
   for (int64_t b = 0; b < kb_count; ++b) {
     const uint8_t* blk[G];
     for (int g = 0; g < G; ++g) blk[g] = panel + (g * kb_count + b) * Q8_GROUP_BYTES;
-    if (r0 == 0)
-      for (int g = 0; g < G; ++g) prefetch_ahead(blk[g], Q8_GROUP_BYTES);
     __m512i iacc[ROWS][G];
     for (int r = 0; r < ROWS; ++r) {
       // -128 · Σ xq to start with, so the sum over (q + 128) · xq ends as Σ q · xq
@@ -357,7 +362,7 @@ void q8_panel_tile(const int8_t* X, const float* XS, const int32_t* ISUM, const 
     for (int j = 0; j < 8; ++j) {
       __m512i w[G];
       for (int g = 0; g < G; ++g)
-        w[g] = _mm512_xor_si512(_mm512_loadu_si512(blk[g] + 64 + 64 * j), top);
+        w[g] = _mm512_xor_si512(_mm512_loadu_si512(blk[g] + Q8_D_BYTES + 64 * j), top);
       for (int r = 0; r < ROWS; ++r) {
         const int8_t* xr = X + (r0 + r) * k + b * QK;
         const __m512i xb = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xr + 4 * j));
@@ -367,7 +372,7 @@ void q8_panel_tile(const int8_t* X, const float* XS, const int32_t* ISUM, const 
     for (int r = 0; r < ROWS; ++r) {
       const __m512 s = _mm512_set1_ps(XS[(r0 + r) * kb_count + b]);
       for (int g = 0; g < G; ++g) {
-        const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(blk[g]));
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[g])));
         acc[r][g] = _mm512_fmadd_ps(_mm512_mul_round_ps(_mm512_cvtepi32_ps(iacc[r][g]), s, RN),
                                     d, acc[r][g]);
       }
@@ -401,7 +406,7 @@ void q8_half_rows(const int8_t* X, const float* XS, const uint8_t* group, int64_
     __m256i iacc[ROWS];
     for (int r = 0; r < ROWS; ++r) iacc[r] = _mm256_setzero_si256();
     for (int j = 0; j < 8; ++j) {
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 + 64 * j + 32 * h));
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + Q8_D_BYTES + 64 * j + 32 * h));
       const __m256i aw = _mm256_abs_epi8(w);
       for (int r = 0; r < ROWS; ++r) {
         const int8_t* xr = X + (r0 + r) * k + b * QK;
@@ -410,7 +415,7 @@ void q8_half_rows(const int8_t* X, const float* XS, const uint8_t* group, int64_
         iacc[r] = _mm256_add_epi32(iacc[r], _mm256_madd_epi16(p, ones));
       }
     }
-    const __m256 d = _mm256_loadu_ps(reinterpret_cast<const float*>(blk) + 8 * h);
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * h)));
     for (int r = 0; r < ROWS; ++r) {
       const __m256 s = _mm256_set1_ps(XS[(r0 + r) * kb_count + b]);
       acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(iacc[r]), s), d, acc[r]);
@@ -547,7 +552,7 @@ genserve::Q8Rows q8_round_rows(const at::Tensor& x) {
 #endif
 }
 
-// x: bf16 [M, K] contiguous, K % 32 == 0; packed: uint8 [N, K / 32 * 36] contiguous, W's Q8_0
+// x: bf16 [M, K] contiguous, K % 32 == 0; packed: uint8 [N, K / 32 * 34] contiguous, W's Q8_0
 // blocks in `q8q8_linear`'s layout (`engine.model.quant.q8q8_pack`); n: N, a multiple of 32.
 // Returns bf16 [M, N]: llama.cpp's Q8_0 x Q8_0 product (above). Raises as `q4q8_linear`.
 at::Tensor q8q8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
