@@ -82,6 +82,7 @@ constexpr int64_t Q8_D_BYTES = 32;               // Q8_0 weights: d[16] f16, the
 constexpr int64_t Q8_GROUP_BYTES = Q8_D_BYTES + 512;   // 8 x 64 int8 bytes
 constexpr int64_t Q8_GROUP_BYTES_PER_COLUMN = Q8_GROUP_BYTES / GROUP_N;   // 34, as in the file
 constexpr int64_t PREFETCH_BLOCKS = 4;           // how far ahead a panel's first row tile prefetches
+constexpr int64_t Q8_PREFETCH_BLOCKS = 8;        // the same for Q8_0 blocks, into L2, a line per j
 
 #ifdef GENSERVE_Q4Q8_LINEAR
 constexpr int RN = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
@@ -102,7 +103,8 @@ void with_rows(int rows, Run&& run) {
 // multiple of 64), asked for now. Only a Q4_1 panel's first row tile calls it: that tile reads
 // the panel from memory, where at 1-32 rows each block is used once and the hardware prefetcher
 // alone kept the cores at about 20 GB/s; later tiles find the panel in cache. (`q8q8_linear`
-// does not: docs/benchmarks/linear.md measured its one-row product faster without it.)
+// asks for its lines one at a time into L2 instead: these bursts into L1 made its product
+// slower, docs/benchmarks/linear.md.)
 inline void prefetch_ahead(const uint8_t* blk, int64_t block_bytes) {
   const char* ahead = reinterpret_cast<const char*>(blk + PREFETCH_BLOCKS * block_bytes);
   for (int64_t line = 0; line < block_bytes; line += 64) genserve::prefetch_l1(ahead + line);
@@ -334,9 +336,11 @@ void panel_rows(const int8_t* X, const float* XS, const float* XSUM, const uint8
 // where a block is used: at one row the product waits on reading these bytes, and fp32 copies of
 // d made them 36 per column and block. Work as `q4q8_linear`'s: panels of 32 columns across
 // threads; within a panel, tiles of up to 4 rows times 32 columns (two zmm of fp32 each) on
-// AVX512, 4 rows times 8 columns (one ymm) on AVX2. No software prefetch: a thread's panels are
-// one sequential stream, which the hardware prefetcher follows at the machine's read rate here,
-// and `prefetch_ahead`'s bursts of 9 lines per block made the one-row product slower.
+// AVX512, 4 rows times 8 columns (one ymm) on AVX2. On AVX512 a panel's first row tile asks for
+// the block Q8_PREFETCH_BLOCKS ahead in each group's stream into L2, one line per j (as
+// `qk_linear` does): 0.77-0.93x the time of no prefetch at 1-32 rows on a Zen 4 host, where
+// `prefetch_ahead`'s bursts of 9 lines per block into L1 cost 1.03-1.3x
+// (docs/benchmarks/linear.md).
 #ifdef GENSERVE_Q4Q8_AVX512
 
 // ROWS rows from r0 (ROWS <= 4) times one panel of 32 Q8_0 columns -> y (bf16).
@@ -360,6 +364,11 @@ void q8_panel_tile(const int8_t* X, const float* XS, const int32_t* ISUM, const 
     }
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
+      if (r0 == 0)          // the first row tile reads the panel from memory: ask for a line ahead
+        for (int g = 0; g < G; ++g) {
+          genserve::prefetch_l2(blk[g] + Q8_PREFETCH_BLOCKS * Q8_GROUP_BYTES + 64 * j);
+          if (j == 7) genserve::prefetch_l2(blk[g] + Q8_PREFETCH_BLOCKS * Q8_GROUP_BYTES + 512);
+        }
       __m512i w[G];
       for (int g = 0; g < G; ++g)
         w[g] = _mm512_xor_si512(_mm512_loadu_si512(blk[g] + Q8_D_BYTES + 64 * j), top);
