@@ -143,7 +143,7 @@ def q4q8_pack(blocks: torch.Tensor) -> torch.Tensor:
     return out.reshape(n, kb * Q4Q8_BLOCK_BYTES).contiguous()
 
 
-Q8Q8_BLOCK_BYTES = 34   # bytes per output column and 32 k in `q8q8_pack`'s layout (the file's)
+Q8Q8_BLOCK_BYTES = Q8_0_BLOCK_BYTES   # bytes per output column and 32 k in `q8q8_pack`'s layout: the file's
 
 
 def q8q8_pack(blocks: torch.Tensor) -> torch.Tensor:

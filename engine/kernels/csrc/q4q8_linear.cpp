@@ -338,9 +338,9 @@ void panel_rows(const int8_t* X, const float* XS, const float* XSUM, const uint8
 // threads; within a panel, tiles of up to 4 rows times 32 columns (two zmm of fp32 each) on
 // AVX512, 4 rows times 8 columns (one ymm) on AVX2. On AVX512 a panel's first row tile asks for
 // the block Q8_PREFETCH_BLOCKS ahead in each group's stream into L2, one line per j (as
-// `qk_linear` does): 0.77-0.93x the time of no prefetch at 1-32 rows on a Zen 4 host, where
-// `prefetch_ahead`'s bursts of 9 lines per block into L1 cost 1.03-1.3x
-// (docs/benchmarks/linear.md).
+// `qk_linear` does), which measured faster than no prefetch at 1-32 rows on a Zen 4 host, where
+// `prefetch_ahead`'s bursts of 9 lines per block into L1 were slower than none
+// (docs/benchmarks/linear.md has the figures).
 #ifdef GENSERVE_Q4Q8_AVX512
 
 // ROWS rows from r0 (ROWS <= 4) times one panel of 32 Q8_0 columns -> y (bf16).
