@@ -249,23 +249,15 @@ class ModelArgs:
 
     @property
     def plain_llama(self) -> bool:
-        """True when the network is the 2023 Llama block genserve's C++ decode loop implements:
-        no bias, no q/k norm, no sandwich norms, SwiGLU, no softcaps, the default score scale,
-        no embedding scale, full rotary, every layer global and every MLP dense. Any other model
-        runs the Python block loop, with genserve's fused CPU kernels where its decode attention
-        computes the layers (`engine.runner.model_runner.kernel_layers`), else with the torch
-        ops, which implement every option."""
+        """True when the network is the 2023 Llama block: no bias, no q/k norm, no sandwich
+        norms, SwiGLU, no softcaps, the default score scale, no embedding scale, full rotary,
+        every layer global and every MLP dense (the embedded model's; the 4-bit `--weights q4`
+        reader takes only this block)."""
         return (not (self.qkv_bias or self.o_bias or self.qk_norm or self.sandwich_norm)
                 and self.activation == "silu" and self.embedding_scale == 1.0
                 and self.attn_softcap is None and self.final_softcap is None
                 and self.query_scale in (0.0, self.head_dim ** -0.5) and self.partial_rotary == 1.0
                 and all(w is None for w in self.sliding_windows) and self.moe is None)
-
-    @property
-    def plain_llama_attention(self) -> bool:
-        """`plain_llama` but for the MLP, which may be a mixture of experts (Mixtral): the C++
-        decode loop, which implements the dense MLP, needs `plain_llama`."""
-        return self.replace(moe=None).plain_llama
 
     def is_sparse(self, i: int) -> bool:
         """Whether layer i's MLP is the mixture of experts (`moe`)."""

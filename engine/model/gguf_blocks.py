@@ -261,7 +261,7 @@ def attach_gguf_blocks(model: Transformer, reader: gguf.GGUFReader,
     """Serve each of `model`'s block matrices from the GGUF's own blocks where a native product
     takes them, llama.cpp's arithmetic: Q4_1 matrices on `q4q8_linear` (`PackedWeight.q4q8`,
     `engine.model.quant.q4q8_pack`), Q8_0 matrices on `q8q8_linear` (`PackedWeight.q8q8`, ggml's
-    Q8_0 x Q8_0; the Python block loop only: the C++ decode loop then stays off), and so Q5_0 and
+    Q8_0 x Q8_0), and so Q5_0 and
     Q4_0 ones (a fused one may mix the three), their blocks converted exactly to Q8_0 at load
     (`as_q8_0`: same d, q − 16 or q − 8; llama.cpp runs them as Q5_0 / Q4_0 x Q8_0, the same
     products of the same integers), Q4_K / Q6_K matrices (a fused one may mix the two) on

@@ -14,12 +14,12 @@ window, softcap; None for the plain case, which every backend's fast path serves
 (`engine.model.mlp`): down(act(gate(x)) · up(x)), gate | up fused, act SiLU (SwiGLU) or tanh-GELU
 (GeGLU); in a mixture-of-experts layer (Qwen3-MoE, Mixtral) a router's top-k of such experts.
 
-The plain Llama block (`ModelArgs.plain_llama`) takes exactly the path it always took, so
-genserve's fused CPU kernels (`engine.model.layer_ops.KernelLayerOps`) and the C++ decode loop
-(`engine.runner.decode_loop`) serve it unchanged. Other blocks run this Python loop with
-`KernelLayerOps` where genserve's decode attention computes their layers
+The plain Llama block (`ModelArgs.plain_llama`) takes exactly the path it always took. Every
+block runs this Python loop with genserve's fused CPU kernels (`engine.model.layer_ops.
+KernelLayerOps`) where genserve's decode attention computes its layers
 (`engine.runner.model_runner.kernel_layers`), else with `TorchLayerOps` (the model runner
-decides).
+decides); a dense block's pure-decode steps run the same kernels from the C++ decode loop
+(`engine.runner.decode_loop`) instead, with the same bits.
 """
 
 from __future__ import annotations

@@ -77,7 +77,7 @@ class ModelRunner:
         model: the network (its dtype is the serving dtype).
         kv: the paged K/V tensors.
         kernels: run genserve's CPU kernels (`engine.kernels`: decode and prefill attention, the
-            fused per-token steps of each block, the C++ decode loop for the plain Llama block);
+            fused per-token steps of each block, the C++ decode loop for dense blocks);
             None: when they build here (CPU) and serve every layer (`kernel_layers`), else torch
             SDPA and plain torch ops. Never on another device.
         attention: force an attention backend (a key of `engine.attention.BACKENDS`: "cpu",
@@ -188,7 +188,7 @@ class ModelRunner:
         kernel_path = self._kernels and isinstance(self.attention, CpuBackend)
         self.layer_ops: type[TorchLayerOps] = KernelLayerOps if kernel_path else TorchLayerOps
         self.gather = None if kernel_path else GatherBuffer()   # the SDPA decode path's keys, values
-        self.decode_loop = DecodeLoop.from_model(self.model) if kernel_path else None
+        self.decode_loop = DecodeLoop.from_model(self.model, self.kv.layers[0].dtype) if kernel_path else None
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> SampledTokens:

@@ -1,24 +1,31 @@
 // Every block of a pure-decode step in one call: the same ops, in the same order, on the same
 // tensors as `Transformer.forward`'s Python loop with `KernelLayerOps` — the packed matrix
 // products as `linear.linear` runs them (`q4q8_linear` on the products whose matrix the model
-// took as its Q4_1 blocks for llama.cpp's arithmetic, `qk_linear` on those it took as Q4_K / Q6_K
-// blocks, `fma_linear` on every product where
-// the weights are in its panels (CPUs without bf16 arithmetic), genserve's `q4_linear` over the 4-bit blocks up to
-// `max_rows` rows where the model was loaded with them, `int8_linear` on every product where it
-// runs on int8 arithmetic, else `packed_linear` up to `max_rows`
-// rows where the weight kind has a k chunk, else oneDNN with a one-row input doubled), `rope_store_kv`,
-// `paged_decode`, `add_rms_norm_`, `silu_mul` — so a row's bits are the ones the Python loop
-// gives (tested), but without ~25 Python calls per layer: at 1 row those cost ≈ 2.5 ms of a 9 ms
-// step.
+// took as its Q4_1 blocks for llama.cpp's arithmetic, `q8q8_linear` on those it took as Q8_0
+// blocks, `qk_linear` on those it took as Q4_K / Q6_K blocks, `fma_linear` on every product
+// where the weights are in its panels (CPUs without bf16 arithmetic), genserve's `q4_linear`
+// over the 4-bit blocks up to `max_rows` rows where the model was loaded with them,
+// `int8_linear` on every product where it runs on int8 arithmetic, else `packed_linear` up to
+// `max_rows` rows where the weight kind has a k chunk, else oneDNN with a one-row input
+// doubled), `rope_store_kv` (or `norm_rope_store_kv` with per-head q/k norms), `paged_decode`
+// (or `paged_decode_window` with the layer's score scale and sliding window), `rms_norm`,
+// `add_rms_norm_`, `silu_mul` (or `gelu_tanh_mul`) — so a row's bits are the ones the Python
+// loop gives (tested, for every family the loop serves), without ~25 Python calls per layer.
 //
-//   for each layer i:  x = next_norm_i(h += W2 silu_mul(W13 ffn_norm_i(h += Wo attn(Wqkv x))))
+//   for each layer i:
+//     a = Wo attn_i(rope_i(qk_norm_i?(Wqkv x + bqkv?))) + bo?
+//     x = ffn_norm_i(h += post_attn_norm_i?(a))
+//     x = next_norm_i(h += post_ffn_norm_i?(W2 act(W13 x)))
 //
 // h [B, dim] is the residual stream (updated in place); x = attention_norm_0(h) on entry; the
-// result is the final norm of h (next_norm of the last layer). With LoRA adapter rows
-// (`lora_blobs` not empty) each of the four products takes the rows' deltas right after it,
-// `lora_delta_` with slot 4 i + kind, as `LoraBatch.add` adds them in the Python loop; with the
-// adapters' 8-bit format over a `q4q8_linear` product, x's rows are rounded once for both (the
-// same rounding either would do, so the same bits).
+// result is the final norm of h (next_norm of the last layer). The options of the block (biases,
+// q/k norms, sandwich norms, GELU) are lists that are empty where the model has none. Each layer
+// reads its own RoPE table (`ropes[rope_index[i]]`) and its KV group's slots, tables and lens
+// (`group[i]`: models mixing sliding and global layers keep one block table per group). With
+// LoRA adapter rows (`lora_blobs` not empty) each of the four products takes the rows' deltas
+// right after it (before a bias), `lora_delta_` with slot 4 i + kind, as `LoraBatch.add` adds
+// them in the Python loop; with the adapters' 8-bit format over a `q4q8_linear` product, x's
+// rows are rounded once for both (the same rounding either would do, so the same bits).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -35,14 +42,16 @@ namespace {
 // chunk 0, the AMX kernel's products) and whose int8 copy is `i8` (null: none; else its q,
 // scale, outliers and outlier_q, `engine.model.int8.Int8Weight`, which then run every product)
 // and whose Q4_1 blocks in `q4q8_linear`'s layout are `q4q8` (undefined or empty: none; else
-// they run every product), whose Q4_K / Q6_K row segments in `qk_linear`'s layout are `qk` with
+// they run every product), whose Q8_0 blocks in `q8q8_linear`'s layout are `q8q8` (likewise),
+// whose Q4_K / Q6_K row segments in `qk_linear`'s layout are `qk` with
 // kinds `qk_kinds` (empty: none; else they run every product). A 3-D `packed` is `fma_linear`'s
 // bf16 panels, which run every other product. `rounded` (or null): x's rows as `q8_round_rows`
 // gives them, which `q4q8_linear` then takes.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& q4,
                   int64_t k_chunk, int64_t max_rows, const at::Tensor* i8,
-                  const at::Tensor& q4q8, at::TensorList qk, at::IntArrayRef qk_kinds,
-                  const genserve::Q8Rows* rounded) {
+                  const at::Tensor& q4q8, const at::Tensor& q8q8, at::TensorList qk,
+                  at::IntArrayRef qk_kinds, const genserve::Q8Rows* rounded) {
+  if (q8q8.defined() && q8q8.numel() > 0) return genserve::q8q8_linear(x.contiguous(), q8q8, q8q8.size(0));
   if (q4q8.defined() && q4q8.numel() > 0)
     return genserve::q4q8_linear(x.contiguous(), q4q8, q4q8.size(0), rounded);
   if (!qk.empty()) return genserve::qk_linear(x.contiguous(), qk, qk_kinds, -1);
@@ -74,24 +83,58 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tenso
   return one_row ? y.slice(0, 0, 1) : y;
 }
 
+// The decode attention of one layer, as `paged_sdpa.decode_attention` runs it on the kernel path:
+// window < 0: `paged_decode` (head_dim 64, no spec), else `paged_decode_window` with `scale` and
+// that window (0: the whole context).
+at::Tensor attend(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
+                  const at::Tensor& lens, double scale, int64_t window) {
+  if (window < 0) return genserve::paged_decode(q, cache[0], cache[1], tables, lens, scale);
+  return genserve::paged_decode_window(q.contiguous(), cache[0], cache[1], tables, lens, scale,
+                                       window);
+}
+
 at::Tensor decode_layers(at::Tensor h, at::Tensor x, at::TensorList wqkv, at::TensorList wo,
                          at::TensorList w13, at::TensorList w2, at::TensorList ffn_norm,
-                         at::TensorList next_norm, double eps, const at::Tensor& rope,
-                         const at::Tensor& positions, at::TensorList caches,
-                         const at::Tensor& slots, const at::Tensor& tables,
-                         const at::Tensor& lens, int64_t n_heads, int64_t n_kv_heads,
-                         double scale, at::IntArrayRef k_chunks, int64_t max_rows,
-                         at::TensorList q4, at::TensorList i8, at::TensorList q4q8,
-                         at::TensorList qk, at::IntArrayRef qk_kinds,
-                         at::IntArrayRef qk_counts, const at::Tensor& lora_rows,
-                         at::IntArrayRef lora_offsets, at::TensorList lora_blobs,
-                         at::TensorList lora_tables) {
+                         at::TensorList next_norm, double eps, at::TensorList ropes,
+                         at::IntArrayRef rope_index, const at::Tensor& positions,
+                         at::TensorList caches, at::TensorList slots, at::TensorList tables,
+                         at::TensorList lens, at::IntArrayRef group, int64_t n_heads,
+                         int64_t n_kv_heads, at::ArrayRef<double> scales, at::IntArrayRef windows,
+                         at::TensorList bqkv, at::TensorList bo, at::TensorList q_norm,
+                         at::TensorList k_norm, at::TensorList post_attn_norm,
+                         at::TensorList post_ffn_norm, bool gelu, at::IntArrayRef k_chunks,
+                         int64_t max_rows, at::TensorList q4, at::TensorList i8,
+                         at::TensorList q4q8, at::TensorList q8q8, at::TensorList qk,
+                         at::IntArrayRef qk_kinds, at::IntArrayRef qk_counts,
+                         const at::Tensor& lora_rows, at::IntArrayRef lora_offsets,
+                         at::TensorList lora_blobs, at::TensorList lora_tables) {
   const size_t layers = wqkv.size();
   TORCH_CHECK(wo.size() == layers && w13.size() == layers && w2.size() == layers &&
                   ffn_norm.size() == layers && next_norm.size() == layers &&
                   caches.size() == layers, "one weight of each kind and one cache per layer");
-  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == h.size(0) && lens.numel() == h.size(0),
-              "tables [B, nb] and lens [B] for the B decode rows");
+  TORCH_CHECK(rope_index.size() == layers && group.size() == layers && scales.size() == layers &&
+                  windows.size() == layers,
+              "one RoPE table index, KV group, score scale and window per layer");
+  TORCH_CHECK(slots.size() == tables.size() && lens.size() == tables.size(),
+              "slots, tables and lens: one of each per KV group");
+  for (size_t i = 0; i < layers; ++i)
+    TORCH_CHECK(rope_index[i] >= 0 && static_cast<size_t>(rope_index[i]) < ropes.size() &&
+                    group[i] >= 0 && static_cast<size_t>(group[i]) < tables.size(),
+                "layer ", i, ": rope_index or group out of range");
+  for (size_t g = 0; g < tables.size(); ++g)
+    TORCH_CHECK(tables[g].dim() == 2 && tables[g].size(0) == h.size(0) &&
+                    lens[g].numel() == h.size(0),
+                "tables [B, nb] and lens [B] for the B decode rows, in every KV group");
+  const auto per_layer = [&](at::TensorList list, const char* name) {
+    TORCH_CHECK(list.empty() || list.size() == layers, name, ": none, or one per layer");
+  };
+  per_layer(bqkv, "bqkv");
+  per_layer(bo, "bo");
+  per_layer(q_norm, "q_norm");
+  per_layer(post_attn_norm, "post_attn_norm");
+  per_layer(post_ffn_norm, "post_ffn_norm");
+  TORCH_CHECK(k_norm.size() == q_norm.size(), "k_norm: one per q_norm");
+  TORCH_CHECK(post_ffn_norm.size() == post_attn_norm.size(), "sandwich norms: both or neither");
   TORCH_CHECK(k_chunks.size() == 4, "one k chunk for each of wqkv, wo, w13, w2");
   TORCH_CHECK(q4.empty() || q4.size() == 4 * layers,
               "q4: none, or the 4-bit blocks of wqkv, wo, w13, w2 of every layer in turn");
@@ -99,6 +142,8 @@ at::Tensor decode_layers(at::Tensor h, at::Tensor x, at::TensorList wqkv, at::Te
               "i8: none, or q, scale, outliers, outlier_q of wqkv, wo, w13, w2 of every layer");
   TORCH_CHECK(q4q8.empty() || q4q8.size() == 4 * layers,
               "q4q8: none, or the Q4_1 blocks (empty: none) of wqkv, wo, w13, w2 of every layer in turn");
+  TORCH_CHECK(q8q8.empty() || q8q8.size() == 4 * layers,
+              "q8q8: none, or the Q8_0 blocks (empty: none) of wqkv, wo, w13, w2 of every layer in turn");
   TORCH_CHECK(qk_counts.empty() || qk_counts.size() == 4 * layers,
               "qk_counts: none, or the Q4_K / Q6_K segment count of wqkv, wo, w13, w2 of every layer");
   TORCH_CHECK(qk.size() == qk_kinds.size(), "qk: one kind per segment");
@@ -106,9 +151,9 @@ at::Tensor decode_layers(at::Tensor h, at::Tensor x, at::TensorList wqkv, at::Te
   std::vector<size_t> qk_first(qk_counts.size() + 1, 0);
   for (size_t m = 0; m < qk_counts.size(); ++m) qk_first[m + 1] = qk_first[m] + qk_counts[m];
   TORCH_CHECK(qk_first.back() == qk.size(), "qk: the segments qk_counts counts");
-  // The Q4_1 blocks for `q4q8_linear` of kind `kind` of layer `i`, or an undefined tensor.
-  const auto q4_1 = [&](size_t i, size_t kind) {
-    return q4q8.empty() ? at::Tensor() : q4q8[4 * i + kind];
+  // Matrix 4 i + kind's tensor in a per-matrix list, or an undefined tensor where the list is empty.
+  const auto of_matrix = [&](at::TensorList list, size_t i, size_t kind) {
+    return list.empty() ? at::Tensor() : list[4 * i + kind];
   };
   // The Q4_K / Q6_K segments (and their kinds) of kind `kind` of layer `i`; empty: none.
   const auto k_segments = [&](size_t i, size_t kind) {
@@ -121,10 +166,6 @@ at::Tensor decode_layers(at::Tensor h, at::Tensor x, at::TensorList wqkv, at::Te
     if (qk_counts.empty()) return at::IntArrayRef();
     return qk_kinds.slice(qk_first[m], qk_first[m + 1] - qk_first[m]);
   };
-  // The 4-bit blocks of kind `kind` of layer `i`, or an undefined tensor.
-  const auto blocks = [&](size_t i, size_t kind) {
-    return q4.empty() ? at::Tensor() : q4[4 * i + kind];
-  };
   // The int8 copy (4 tensors) of kind `kind` of layer `i`, or null.
   const auto int8 = [&](size_t i, size_t kind) -> const at::Tensor* {
     return i8.empty() ? nullptr : &i8[16 * i + 4 * kind];
@@ -134,12 +175,15 @@ at::Tensor decode_layers(at::Tensor h, at::Tensor x, at::TensorList wqkv, at::Te
   const bool lora_q8 = !lora_blobs.empty() && lora_blobs[0].scalar_type() == at::kByte;
   // y = linear(x) of kind `kind` of layer `i`, plus the adapter rows' deltas, if any.
   const auto product = [&](const at::Tensor& x, const at::Tensor& w, size_t i, size_t kind) {
+    const at::Tensor q4_1 = of_matrix(q4q8, i, kind);
+    const at::Tensor q8_0 = of_matrix(q8q8, i, kind);
+    const bool q8_0_runs = q8_0.defined() && q8_0.numel() > 0;
     std::optional<genserve::Q8Rows> rounded;
-    if (lora_q8 && q4_1(i, kind).defined() && q4_1(i, kind).numel() > 0)
+    if (lora_q8 && !q8_0_runs && q4_1.defined() && q4_1.numel() > 0)
       rounded.emplace(genserve::q8_round_rows(x.contiguous()));
     const genserve::Q8Rows* shared = rounded ? &*rounded : nullptr;
-    at::Tensor y = linear(x, w, blocks(i, kind), k_chunks[kind], max_rows, int8(i, kind),
-                          q4_1(i, kind), k_segments(i, kind), k_kinds(i, kind), shared);
+    at::Tensor y = linear(x, w, of_matrix(q4, i, kind), k_chunks[kind], max_rows, int8(i, kind),
+                          q4_1, q8_0, k_segments(i, kind), k_kinds(i, kind), shared);
     if (lora_blobs.empty()) return y;
 #ifdef GENSERVE_LORA_DELTA
     genserve::lora_delta_(y, x, lora_rows, lora_offsets, lora_blobs, lora_tables,
@@ -151,16 +195,26 @@ at::Tensor decode_layers(at::Tensor h, at::Tensor x, at::TensorList wqkv, at::Te
   };
   const int64_t rows = h.size(0);
   for (size_t i = 0; i < layers; ++i) {
-    const at::Tensor qkv = product(x, wqkv[i], i, 0);
-    const at::Tensor q = genserve::rope_store_kv(qkv, rope, positions, caches[i], slots, n_heads,
-                                                 n_kv_heads);
-    const at::Tensor o = genserve::paged_decode(q, caches[i][0], caches[i][1], tables, lens, scale);
+    const at::Tensor& rope = ropes[rope_index[i]];
+    const int64_t g = group[i];
+    at::Tensor qkv = product(x, wqkv[i], i, 0);
+    if (!bqkv.empty()) qkv = qkv + bqkv[i];
+    const at::Tensor q =
+        q_norm.empty()
+            ? genserve::rope_store_kv(qkv, rope, positions, caches[i], slots[g], n_heads,
+                                      n_kv_heads)
+            : genserve::norm_rope_store_kv(qkv, q_norm[i], k_norm[i], eps, rope, positions,
+                                           caches[i], slots[g], n_heads, n_kv_heads);
+    const at::Tensor o = attend(q, caches[i], tables[g], lens[g], scales[i], windows[i]);
     const at::Tensor o_rows = o.reshape({rows, -1});
-    const at::Tensor attn_out = product(o_rows, wo[i], i, 1);
+    at::Tensor attn_out = product(o_rows, wo[i], i, 1);
+    if (!bo.empty()) attn_out = attn_out + bo[i];
+    if (!post_attn_norm.empty()) attn_out = genserve::rms_norm(attn_out, post_attn_norm[i], eps);
     x = genserve::add_rms_norm_(h, attn_out, ffn_norm[i], eps);
     const at::Tensor gate_up = product(x, w13[i], i, 2);
-    const at::Tensor act = genserve::silu_mul(gate_up);
-    const at::Tensor ffn_out = product(act, w2[i], i, 3);
+    const at::Tensor act = gelu ? genserve::gelu_tanh_mul(gate_up) : genserve::silu_mul(gate_up);
+    at::Tensor ffn_out = product(act, w2[i], i, 3);
+    if (!post_ffn_norm.empty()) ffn_out = genserve::rms_norm(ffn_out, post_ffn_norm[i], eps);
     x = genserve::add_rms_norm_(h, ffn_out, next_norm[i], eps);
   }
   return x;
@@ -170,10 +224,12 @@ at::Tensor decode_layers(at::Tensor h, at::Tensor x, at::TensorList wqkv, at::Te
 
 TORCH_LIBRARY_FRAGMENT(genserve, m) {
   m.def("decode_layers(Tensor(a!) h, Tensor x, Tensor[] wqkv, Tensor[] wo, Tensor[] w13, "
-        "Tensor[] w2, Tensor[] ffn_norm, Tensor[] next_norm, float eps, Tensor rope, "
-        "Tensor positions, Tensor[] caches, Tensor slots, Tensor tables, Tensor lens, "
-        "int n_heads, int n_kv_heads, float scale, int[] k_chunks, int max_rows, "
-        "Tensor[] q4, Tensor[] i8, Tensor[] q4q8, Tensor[] qk, int[] qk_kinds, "
+        "Tensor[] w2, Tensor[] ffn_norm, Tensor[] next_norm, float eps, Tensor[] ropes, "
+        "int[] rope_index, Tensor positions, Tensor[] caches, Tensor[] slots, Tensor[] tables, "
+        "Tensor[] lens, int[] group, int n_heads, int n_kv_heads, float[] scales, int[] windows, "
+        "Tensor[] bqkv, Tensor[] bo, Tensor[] q_norm, Tensor[] k_norm, Tensor[] post_attn_norm, "
+        "Tensor[] post_ffn_norm, bool gelu, int[] k_chunks, int max_rows, Tensor[] q4, "
+        "Tensor[] i8, Tensor[] q4q8, Tensor[] q8q8, Tensor[] qk, int[] qk_kinds, "
         "int[] qk_counts, Tensor lora_rows, int[] lora_offsets, Tensor[] lora_blobs, "
         "Tensor[] lora_tables) -> Tensor");
 }

@@ -40,6 +40,9 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
 // rounded: x's rows as `q8_round_rows` gives them, or null (rounded inside).
 at::Tensor q4q8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                        const Q8Rows* rounded = nullptr);
+// The same rows times a GGUF's Q8_0 blocks in `q8q8_linear`'s layout (q4q8_linear.cpp); raises
+// as `q4q8_linear`.
+at::Tensor q8q8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n);
 // x [M, K] bf16's rows rounded as the 8-bit products round them (q4q8_linear.cpp, q8_rows.h).
 Q8Rows q8_round_rows(const at::Tensor& x);
 // x [M, K] bf16 or fp32 @ W^T, W in Q4_K / Q6_K row segments (qk_linear.cpp); every build, every

@@ -157,8 +157,8 @@ def test_a_q8_0_gguf_serves_every_block_matrix_from_its_blocks(tmp_path):
     """A llama-architecture file of Q8_0 matrices (a common download): `attach_q4q8` gives every
     block matrix `q8q8_linear` over the file's blocks in the model's fused row order (the blocks
     dequantize to the model's own weights, Q and K rows un-permuted and interleaved as they are),
-    and each product is the Q8_0 x Q8_0 reference of those blocks; the C++ decode loop, which
-    has no such product, stays off."""
+    and each product is the Q8_0 x Q8_0 reference of those blocks; the C++ decode loop runs the
+    same products, with the Python block loop's bits (head_dim 64, which its attention serves)."""
     import gguf
 
     from engine.model import gguf_blocks
@@ -167,8 +167,10 @@ def test_a_q8_0_gguf_serves_every_block_matrix_from_its_blocks(tmp_path):
     from engine.model.weights import load_gguf
     from engine.runner.decode_loop import DecodeLoop
     from tests.engine.gguf_families import write_gguf
+    from tests.engine.model.test_model import check_decode_loop_bits
 
-    path = write_gguf("llama3", tmp_path / "ckpt", tmp_path / "q8.gguf", gguf.GGMLQuantizationType.Q8_0)
+    path = write_gguf("llama3", tmp_path / "ckpt", tmp_path / "q8.gguf", gguf.GGMLQuantizationType.Q8_0,
+                      hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64)
     args, state = load_gguf(path)
     model = Transformer.from_state_dict(args, state, torch.bfloat16)
     model.pack()
@@ -176,7 +178,10 @@ def test_a_q8_0_gguf_serves_every_block_matrix_from_its_blocks(tmp_path):
     counts = gguf_blocks.attach_gguf_blocks(model, reader)        # what attach_q4q8 runs
     assert counts["q8q8"] == 4 * args.n_layers and counts["bf16"] == 0
     check_every_matrix_runs_its_q8_0_blocks(model, reader)
-    assert DecodeLoop.from_model(model) is None
+    loop = DecodeLoop.from_model(model)
+    assert loop is not None and len(loop.q8q8) == 4 * args.n_layers
+    prompts = [[(7 * i + 3 * j) % args.vocab_size for j in range(n)] for i, n in enumerate((9, 30, 17))]
+    check_decode_loop_bits(model, loop, prompts)
 
 
 def check_every_matrix_runs_its_q8_0_blocks(model, reader) -> None:

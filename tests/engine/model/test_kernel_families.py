@@ -7,7 +7,9 @@ with those head sizes:
 * the runner chooses the kernel path for them (it chose torch ops and SDPA before);
 * fp32 logits over prefill pieces and decode steps within 1e-4 of transformers', on that path;
 * through the engine, greedy tokens and logprobs equal to transformers' teacher-forced ones
-  (1e-4), and in bf16 a request's tokens and logprobs the same alone and in a batch.
+  (1e-4), and in bf16 a request's tokens and logprobs the same alone and in a batch;
+* in bf16 the C++ decode loop runs their pure-decode steps (not the MoE model's) with the
+  Python block loop's bits.
 """
 
 from __future__ import annotations
@@ -56,8 +58,10 @@ def test_the_runner_chooses_the_kernel_path(checkpoint):
         assert kernel_layers(executor.model.args, executor.model.dtype)
         assert executor.kernels and executor.attention.name == "cpu-kernels"
         assert executor.layer_ops is KernelLayerOps
-        if not executor.model.args.plain_llama:      # the C++ loop is the plain Llama block's
-            assert executor.decode_loop is None
+        if executor.model.args.moe is not None or dtype == "float32":
+            assert executor.decode_loop is None      # dense MLPs and packed bf16 weights only
+        else:
+            assert executor.decode_loop is not None
 
 
 def test_kernel_path_logits_match_transformers(checkpoint):
@@ -88,3 +92,36 @@ def test_bf16_kernel_path_is_batch_invariant(checkpoint):
     alone = run(e, [prompt], max_tokens=12)[0]
     batch = run(e, [tokens(9, seed=5), prompt, tokens(80, seed=6)], max_tokens=12)[1]
     assert (alone.tokens, alone.logprobs) == (batch.tokens, batch.logprobs)
+
+
+class CountingLoop:
+    """A `DecodeLoop` that counts the steps it ran."""
+
+    def __init__(self, loop) -> None:
+        self.loop, self.calls = loop, 0
+
+    def accepts(self, lora) -> bool:
+        return self.loop.accepts(lora)
+
+    def run(self, *args, **kwargs):
+        self.calls += 1
+        return self.loop.run(*args, **kwargs)
+
+
+def test_cpp_decode_loop_gives_the_python_loop_bits(checkpoint):
+    """The same requests (prompts past the sliding window, several KV groups for Gemma 3) with the
+    C++ decode loop and with the Python block loop: equal tokens and logprobs, bit for bit."""
+    name, directory = checkpoint
+    e = engine(directory, "bfloat16")
+    if e.executor.model.args.moe is not None:
+        assert e.executor.decode_loop is None
+        pytest.skip("the C++ decode loop runs dense MLPs only")
+    prompts = [tokens(50, seed=3), tokens(9, seed=5), tokens(80, seed=6)]
+    loop = CountingLoop(e.executor.decode_loop)
+    e.executor.decode_loop = loop
+    in_cpp = run(e, prompts, max_tokens=12)
+    assert loop.calls >= 10, loop.calls
+    e.executor.decode_loop = None
+    in_python = run(e, prompts, max_tokens=12)
+    for a, b in zip(in_cpp, in_python):
+        assert (a.tokens, a.logprobs, a.top) == (b.tokens, b.logprobs, b.top), name

@@ -112,14 +112,21 @@ def test_decode_step_in_cpp_gives_the_python_loop_bits(bf16_engine, gguf_tokeniz
     if loop is None:
         pytest.skip("no C++ decode loop here: genserve's CPU kernels are not built, the weights are "
                     "not packed, or they run as oneDNN in fixed-size calls, which the loop does not do")
-    prompts = mixed_prompts(gguf_tokenizer)[:5]
+    check_decode_loop_bits(model, loop, mixed_prompts(gguf_tokenizer)[:5])
+
+
+def check_decode_loop_bits(model, loop, prompts: list[list[int]]) -> None:
+    """Prefill each prompt but its last token with the Python loop (`KernelLayerOps`), then a
+    decode step of its last token for row 0 alone and for every row: the C++ loop's (`loop`, a
+    `DecodeLoop` of `model`) final hidden states equal the Python loop's bit for bit. One KV
+    group (a model without sliding layers)."""
     kv = KVCache(model.args, 64, 16, torch.bfloat16)
     tables = [list(range(10 * i, 10 * i + 10)) for i in range(len(prompts))]
     with torch.inference_mode():
         for p, table in zip(prompts, tables):              # prefill each prompt but its last token
             meta = step_metadata([(0, len(p) - 1, table, False)], 16, torch.bfloat16, True)
             model(torch.tensor(p[:-1]), torch.arange(len(p) - 1), kv.layers, meta, KernelLayerOps)
-        for rows in ([0], [0, 1, 2, 3, 4]):
+        for rows in ([0], list(range(len(prompts)))):
             spans = [(len(prompts[i]) - 1, 1, tables[i], True) for i in rows]
             meta = step_metadata(spans, 16, torch.bfloat16, True)
             ids = torch.tensor([prompts[i][-1] for i in rows])
