@@ -13,9 +13,10 @@ import torch
 from engine.attention.base import AttentionMetadata
 from engine.attention.paged_sdpa import window_kernel_serves
 from engine.model.layer_ops import KernelLayerOps
-from engine.model.linear import ANY_ROWS, PACKED_LINEAR_MAX_ROWS
+from engine import kernels
+from engine.model.linear import ANY_ROWS, PACKED_LINEAR_MAX_ROWS, PackedLinearMethod, QKMethod
 from engine.model.lora import LoraBatch
-from engine.model.mlp import FeedForward
+from engine.model.mlp import FeedForward, MoEFeedForward
 from engine.model.transformer import Transformer
 
 # The adapter rows of a step without any (an empty int64 tensor; never written).
@@ -45,6 +46,19 @@ class DecodeLoop:
         post_attn_norm, post_ffn_norm: per layer, the sandwich norms' fp32 [dim] weights (Gemma),
             or empty.
         gelu: the MLP's gate is tanh-GELU (GeGLU), else SiLU (SwiGLU).
+        moe: empty (every MLP dense), or per layer 0 (dense), 1 (a mixture of experts whose
+            experts run `qk_linear`: one `qk_linear_grouped` call per matrix) or 2 (experts on
+            `packed_linear`: `packed_linear_grouped`).
+        routers: per mixture-of-experts layer, the router's fp32 copy [E, dim]
+            (`PackedWeight.f32` of `MoEFeedForward.router_packed`); router_rows: its
+            `fp32_linear` call sizes (the routers share a shape, so one list).
+        expert_rows: per mixture-of-experts layer, its `MoEFeedForward.expert_rows` (the
+            metrics' expert load), which each step adds to.
+        top_k, norm_topk: experts per token, and whether their weights are renormalized.
+        expert_w13, expert_kinds13, expert_segments13: every expert's w13 of every
+            mixture-of-experts layer, layer by layer, expert by expert: with `moe` 1 its Q4_K /
+            Q6_K segments, their kinds and per expert the segment count; with 2 its packed bf16
+            matrix, its k chunk and 1. expert_w2, expert_kinds2, expert_segments2: the same of w2.
         k_chunks: the `PackedWeight.k_chunk` of wqkv, wo, w13, w2 (0: oneDNN runs that kind).
         max_rows: rows up to which the products run `packed_linear` (the weights' least
             `PackedWeight.max_rows`); above, oneDNN.
@@ -86,6 +100,18 @@ class DecodeLoop:
     gelu: bool
     k_chunks: list[int]
     max_rows: int = PACKED_LINEAR_MAX_ROWS
+    moe: list[int] = dataclasses.field(default_factory=list)
+    routers: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    router_rows: list[int] = dataclasses.field(default_factory=list)
+    expert_rows: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    top_k: int = 0
+    norm_topk: bool = False
+    expert_w13: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    expert_kinds13: list[int] = dataclasses.field(default_factory=list)
+    expert_segments13: list[int] = dataclasses.field(default_factory=list)
+    expert_w2: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    expert_kinds2: list[int] = dataclasses.field(default_factory=list)
+    expert_segments2: list[int] = dataclasses.field(default_factory=list)
     q4: list[torch.Tensor] = dataclasses.field(default_factory=list)
     i8: list[torch.Tensor] = dataclasses.field(default_factory=list)
     q4q8: list[torch.Tensor] = dataclasses.field(default_factory=list)
@@ -98,60 +124,123 @@ class DecodeLoop:
     def from_model(cls, model: Transformer, cache_dtype: torch.dtype | None = None) -> DecodeLoop | None:
         """From a packed model (`Transformer.pack`, or `engine.model.quant.attach_q4`) whose KV
         pools hold `cache_dtype` (None: the model's dtype); None where the C++ loop cannot give
-        the Python loop's bits: a mixture-of-experts layer, a layer whose decode attention
-        genserve's kernels do not compute (`paged_sdpa.decode_attention`: a softcap, a head size
-        or group size they are not built for, the 8-bit cache beyond head_dim 64), a matrix not
-        packed, oneDNN calls of fixed size or fp32 copies (which the C++ loop does not run) unless
-        its 4-bit blocks run every product (`fma_linear`'s panels it runs: the C++ `linear`
-        tells them by their 3 dimensions), int8 copies (`engine.model.int8`, row scales) on some
-        block matrices only, or the GGUF's blocks (`attach_q4q8`: Q4_1 for `q4q8_linear`, Q8_0
-        for `q8q8_linear`, Q4_K / Q6_K for `qk_linear`) on some block matrices only."""
+        the Python loop's bits: a layer whose decode attention genserve's kernels do not compute
+        (`paged_sdpa.decode_attention`: a softcap, a head size or group size they are not built
+        for, the 8-bit cache beyond head_dim 64), a mixture of experts the loop does not run
+        (`moe_arguments`), a matrix not packed, oneDNN calls of fixed size or fp32 copies (which
+        the C++ loop does not run) unless its 4-bit blocks run every product (`fma_linear`'s
+        panels it runs: the C++ `linear` tells them by their 3 dimensions), int8 copies
+        (`engine.model.int8`, row scales) on some block matrices only, or the GGUF's blocks
+        (`attach_q4q8`: Q4_1 for `q4q8_linear`, Q8_0 for `q8q8_linear`, Q4_K / Q6_K for
+        `qk_linear`) on some block matrices only. With a mixture of experts, the dense matrices
+        must be the GGUF's blocks or plain `packed_linear` ones (no int8 or 4-bit copies)."""
         layers = model.layers
-        if any(not isinstance(layer.feed_forward, FeedForward) for layer in layers):
-            return None             # the C++ loop runs the dense MLP only
         attention = cls.attention_kernels(model, model.dtype if cache_dtype is None else cache_dtype)
         if attention is None:
             return None
+        experts = cls.moe_arguments(model)
+        if experts is None:
+            return None
+        dense = [isinstance(layer.feed_forward, FeedForward) for layer in layers]
         packed = [[layer.attention.wqkv_packed for layer in layers],
                   [layer.attention.wo_packed for layer in layers],
-                  [layer.feed_forward.w13_packed for layer in layers],
-                  [layer.feed_forward.w2_packed for layer in layers]]
-        order = [ws[i] for i in range(len(layers)) for ws in packed]      # wqkv, wo, w13, w2 per layer
-        with_q4q8 = [w is not None and w.q4q8 is not None for w in order]
-        with_q8q8 = [w is not None and w.q8q8 is not None for w in order]
-        with_qk = [w is not None and w.qk is not None for w in order]
+                  [layer.feed_forward.w13_packed if d else None for layer, d in zip(layers, dense)],
+                  [layer.feed_forward.w2_packed if d else None for layer, d in zip(layers, dense)]]
+        # wqkv, wo, w13, w2 per layer; `used`: the matrix exists (not a mixture of experts' MLP)
+        order = [ws[i] for i in range(len(layers)) for ws in packed]
+        used = [kind < 2 or dense[i] for i in range(len(layers)) for kind in range(4)]
+        mats = [w for w, u in zip(order, used) if u]
+        with_q4q8 = [w is not None and w.q4q8 is not None for w in mats]
+        with_q8q8 = [w is not None and w.q8q8 is not None for w in mats]
+        with_qk = [w is not None and w.qk is not None for w in mats]
         if any(with_q4q8) or any(with_q8q8) or any(with_qk):
             if not all(a or b or c for a, b, c in zip(with_q4q8, with_q8q8, with_qk)):
                 return None         # the C++ loop takes the GGUF's blocks for every matrix or none
             none = torch.empty(0, dtype=torch.uint8)
+            blocks = lambda name: [getattr(w, name) if u and getattr(w, name) is not None else none  # noqa: E731
+                                   for w, u in zip(order, used)]
             return cls.from_weights(
-                model, packed, attention, k_chunks=[0, 0, 0, 0], max_rows=0,
-                q4q8=[w.q4q8 if w.q4q8 is not None else none for w in order] if any(with_q4q8) else [],
-                q8q8=[w.q8q8 if w.q8q8 is not None else none for w in order] if any(with_q8q8) else [],
-                qk=[b for w in order if w.qk is not None for b in w.qk.blocks],
-                qk_kinds=[k for w in order if w.qk is not None for k in w.qk.kinds],
-                qk_counts=[len(w.qk.blocks) if w.qk is not None else 0 for w in order]
+                model, packed, attention, experts, k_chunks=[0, 0, 0, 0], max_rows=0,
+                q4q8=blocks("q4q8") if any(with_q4q8) else [],
+                q8q8=blocks("q8q8") if any(with_q8q8) else [],
+                qk=[b for w in mats if w.qk is not None for b in w.qk.blocks],
+                qk_kinds=[k for w in mats if w.qk is not None for k in w.qk.kinds],
+                qk_counts=[len(w.qk.blocks) if u and w.qk is not None else 0 for w, u in zip(order, used)]
                 if any(with_qk) else [])
-        with_i8 = [w is not None and w.i8 is not None for ws in packed for w in ws]
+        if any(w is None for w in mats):
+            return None
+        with_i8 = [w.i8 is not None for w in mats]
+        with_q4 = [w.q4 is not None for w in mats]
+        if experts and (any(with_i8) or any(with_q4)):
+            return None             # with experts: plain packed products only
         if any(with_i8):
-            if not all(with_i8) or any(w.i8.block for ws in packed for w in ws):
+            if not all(with_i8) or any(w.i8.block for w in mats):
                 return None         # int8 products (engine.model.int8) for every matrix or none
-        elif any(w is None or w.f32 is not None
-                 or (w.tile_rows and not (w.q4 is not None and w.max_rows == ANY_ROWS))
-                 for ws in packed for w in ws):
+        elif any(w.f32 is not None or (w.tile_rows and not (w.q4 is not None and w.max_rows == ANY_ROWS))
+                 for w in mats):
             return None             # the C++ loop runs no tiled or fp32 products: the Python loop does
-        with_q4 = [w.q4 is not None for ws in packed for w in ws]
         if any(with_q4) and not all(with_q4):
             return None             # the C++ loop takes 4-bit blocks for every matrix or none
         # One k chunk per kind: oneDNN's chunk follows the shape, which the layers share.
-        chunks = [ws[0].k_chunk if len({w.k_chunk for w in ws}) == 1 else 0 for ws in packed]
+        chunk_sets = [{w.k_chunk for w in ws if w is not None} for ws in packed]
+        chunks = [c.pop() if len(c) == 1 else 0 for c in chunk_sets]
         return cls.from_weights(
-            model, packed, attention, k_chunks=chunks,
-            max_rows=min(w.max_rows for ws in packed for w in ws),
-            q4=[ws[i].q4 for i in range(len(layers)) for ws in packed] if all(with_q4) else [],
-            i8=[t for i in range(len(layers)) for ws in packed
-                for t in (ws[i].i8.q, ws[i].i8.scale, ws[i].i8.outliers, ws[i].i8.outlier_q)]
+            model, packed, attention, experts, k_chunks=chunks,
+            max_rows=min(w.max_rows for w in mats),
+            q4=[w.q4 for w in order] if all(with_q4) else [],
+            i8=[t for w in order for t in (w.i8.q, w.i8.scale, w.i8.outliers, w.i8.outlier_q)]
             if all(with_i8) else [])
+
+    @staticmethod
+    def moe_arguments(model: Transformer) -> dict | None:
+        """The mixture-of-experts fields (`moe`, `routers` ... `expert_segments2`) for `model`:
+        empty where every MLP is dense; None where a mixture of experts is not one the C++ loop
+        runs with the Python loop's bits: its experts not all on `qk_linear` or all on
+        `packed_linear` (with `packed_linear_grouped` built), a router without its fp32 copy
+        for `fp32_linear`, routers with different call sizes, or the stacked experts of the GPU."""
+        layers = model.layers
+        if all(isinstance(layer.feed_forward, FeedForward) for layer in layers):
+            return {}
+        out: dict = {"moe": [], "routers": [], "router_rows": [], "expert_rows": [],
+                     "top_k": model.args.moe.top_k, "norm_topk": model.args.moe.norm_topk_prob}
+        for key in ("expert_w13", "expert_kinds13", "expert_segments13",
+                    "expert_w2", "expert_kinds2", "expert_segments2"):
+            out[key] = []
+        for layer in layers:
+            ff = layer.feed_forward
+            if not isinstance(ff, MoEFeedForward):
+                out["moe"].append(0)
+                continue
+            router = ff.router_packed
+            if router is None or router.f32 is None or ff.w13_stacked is not None:
+                return None
+            if out["router_rows"] and list(router.call_rows) != out["router_rows"]:
+                return None
+            pairs = [(e.w13_packed, e.w2_packed) for e in ff.experts]
+            if any(a is None or b is None for a, b in pairs):
+                return None
+            methods = {type(p.method) for pair in pairs for p in pair}
+            if methods == {QKMethod}:
+                kind = 1
+            elif methods == {PackedLinearMethod} and kernels.packed_linear_grouped_available():
+                kind = 2
+            else:
+                return None
+            out["moe"].append(kind)
+            out["routers"].append(router.f32)
+            out["router_rows"] = list(router.call_rows)
+            out["expert_rows"].append(ff.expert_rows)
+            for pair in pairs:
+                for p, which in zip(pair, ("13", "2")):
+                    if kind == 1:
+                        out["expert_w" + which].extend(p.qk.blocks)
+                        out["expert_kinds" + which].extend(p.qk.kinds)
+                        out["expert_segments" + which].append(len(p.qk.blocks))
+                    else:
+                        out["expert_w" + which].append(p.tensor)
+                        out["expert_kinds" + which].append(p.k_chunk)
+                        out["expert_segments" + which].append(1)
+        return out
 
     @staticmethod
     def attention_kernels(model: Transformer, cache_dtype: torch.dtype) -> tuple[list[float], list[int]] | None:
@@ -176,12 +265,15 @@ class DecodeLoop:
 
     @classmethod
     def from_weights(cls, model: Transformer, packed: list[list],
-                     attention: tuple[list[float], list[int]], **products) -> DecodeLoop:
+                     attention: tuple[list[float], list[int]], experts: dict,
+                     **products) -> DecodeLoop:
         """The loop over `model`'s norms, biases and shape with `packed` (per kind wqkv, wo, w13,
-        w2, the layers' `PackedWeight`s), `attention` (`attention_kernels`) and `products` (the
+        w2, the layers' `PackedWeight`s; None for a mixture of experts' w13 and w2),
+        `attention` (`attention_kernels`), `experts` (`moe_arguments`) and `products` (the
         fields saying which kernel runs them)."""
         layers, args = model.layers, model.args
-        wqkv, wo, w13, w2 = ([w.tensor for w in ws] for ws in packed)
+        none = torch.empty(0)
+        wqkv, wo, w13, w2 = ([none if w is None else w.tensor for w in ws] for ws in packed)
         next_norm = [layer.attention_norm.weight for layer in layers[1:]] + [model.norm.weight]
         attn = [layer.attention for layer in layers]
         scales, windows = attention
@@ -197,7 +289,7 @@ class DecodeLoop:
                    if args.sandwich_norm else [],
                    post_ffn_norm=[layer.post_ffn_norm.weight for layer in layers]
                    if args.sandwich_norm else [],
-                   gelu=layers[0].feed_forward.gelu, **products)
+                   gelu=layers[0].feed_forward.gelu, **experts, **products)
 
     def run(self, model: Transformer, token_ids: torch.Tensor, positions: torch.Tensor,
             kv_layers: list[torch.Tensor], meta: AttentionMetadata | Sequence[AttentionMetadata],
@@ -236,7 +328,9 @@ class DecodeLoop:
             [m.decode_blocks.view(m.num_decode, -1) for m in groups], [m.decode_lens for m in groups],
             group, self.n_heads, self.n_kv_heads, self.scales, self.windows, self.bqkv, self.bo,
             self.q_norm, self.k_norm, self.post_attn_norm, self.post_ffn_norm, self.gelu,
-            self.k_chunks, self.max_rows, self.q4, self.i8, self.q4q8, self.q8q8, self.qk,
+            self.moe, self.routers, self.router_rows, self.expert_rows, self.top_k, self.norm_topk,
+            self.expert_w13, self.expert_kinds13, self.expert_segments13, self.expert_w2,
+            self.expert_kinds2, self.expert_segments2, self.k_chunks, self.max_rows, self.q4, self.i8, self.q4q8, self.q8q8, self.qk,
             self.qk_kinds, self.qk_counts, rows, offsets, blobs, tables)
 
     @staticmethod

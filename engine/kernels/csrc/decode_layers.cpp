@@ -15,13 +15,16 @@
 //   for each layer i:
 //     a = Wo attn_i(rope_i(qk_norm_i?(Wqkv x + bqkv?))) + bo?
 //     x = ffn_norm_i(h += post_attn_norm_i?(a))
-//     x = next_norm_i(h += post_ffn_norm_i?(W2 act(W13 x)))
+//     x = next_norm_i(h += post_ffn_norm_i?(W2 act(W13 x)))      (or the mixture of experts)
 //
 // h [B, dim] is the residual stream (updated in place); x = attention_norm_0(h) on entry; the
 // result is the final norm of h (next_norm of the last layer). The options of the block (biases,
 // q/k norms, sandwich norms, GELU) are lists that are empty where the model has none. Each layer
 // reads its own RoPE table (`ropes[rope_index[i]]`) and its KV group's slots, tables and lens
-// (`group[i]`: models mixing sliding and global layers keep one block table per group). With
+// (`group[i]`: models mixing sliding and global layers keep one block table per group). A layer
+// whose MLP is a mixture of experts (`moe[i]` not 0) runs `MoEFeedForward.forward`'s ops on the
+// CPU's grouped products (`qk_linear_grouped` or `packed_linear_grouped`: every expert of the
+// model in one format), its router's fp32 calls as `fp32_linear` makes them. With
 // LoRA adapter rows (`lora_blobs` not empty) each of the four products takes the rows' deltas
 // right after it (before a bias), `lora_delta_` with slot 4 i + kind, as `LoraBatch.add` adds
 // them in the Python loop; with the adapters' 8-bit format over a `q4q8_linear` product, x's
@@ -30,6 +33,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <optional>
 #include <vector>
 
@@ -93,6 +97,109 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& cache, const at::Tensor
                                        window);
 }
 
+// `linear.FP32_OUT_CHUNK`: `fp32_linear` computes a matrix of more outputs than 4 times this in
+// slices of this many.
+constexpr int64_t FP32_OUT_CHUNK = 1024;
+
+// One fp32 product x [M, in] @ w^T as `linear._fp32_call` makes it.
+at::Tensor fp32_call(const at::Tensor& x, const at::Tensor& w) {
+  if (w.size(0) <= 4 * FP32_OUT_CHUNK) return at::linear(x, w);
+  std::vector<at::Tensor> parts;
+  for (const at::Tensor& part : w.split(FP32_OUT_CHUNK)) parts.push_back(at::linear(x, part));
+  return at::cat(parts, 1);
+}
+
+// A mixture-of-experts router's fp32 logits [M, E] for fp32 x [M, dim], as `linear.fp32_linear`
+// computes them from the router's fp32 copy `w` [E, dim]: calls of exactly one of `call_rows`
+// rows (the smallest count >= M, else calls of the largest), x padded with zero rows.
+at::Tensor router_logits(const at::Tensor& x, const at::Tensor& w, at::IntArrayRef call_rows) {
+  const int64_t m = x.size(0);
+  int64_t rows = call_rows.back();
+  for (const int64_t r : call_rows) {
+    if (r >= m) {
+      rows = r;
+      break;
+    }
+  }
+  const int64_t pad = ((-m) % rows + rows) % rows;
+  const at::Tensor wide = pad ? at::constant_pad_nd(x, {0, 0, 0, pad}) : x;
+  if (wide.size(0) == rows) return fp32_call(wide, w).slice(0, 0, m);
+  std::vector<at::Tensor> parts;
+  for (const at::Tensor& tile : wide.split(rows)) parts.push_back(fp32_call(tile, w));
+  return at::cat(parts).slice(0, 0, m);
+}
+
+// One layer's experts as `decode_layers` takes them: per expert, its w13 and w2 as Q4_K / Q6_K
+// segments (`qk`: `segments13[e]` of `w13` from `first13[e]`, kinds beside them) or as one packed
+// bf16 matrix each (`packed_linear`: segment count 1, the kind its k chunk).
+struct Experts {
+  bool qk;
+  at::TensorList w13, w2;
+  at::IntArrayRef kinds13, kinds2, segments13, segments2;
+  std::vector<int64_t> first13, first2;
+};
+
+// rows [P, in] grouped by expert (`sizes[e]` rows each, experts in id order) times each group's
+// expert matrix (`which` 13: w13, else w2) in one call, as `MoEFeedForward._qk_product` /
+// `_packed_product` make it.
+at::Tensor experts_product(const at::Tensor& rows, const Experts& ex, int which,
+                           const std::vector<int64_t>& sizes) {
+  const at::TensorList w = which == 13 ? ex.w13 : ex.w2;
+  const at::IntArrayRef kinds = which == 13 ? ex.kinds13 : ex.kinds2;
+  const at::IntArrayRef segments = which == 13 ? ex.segments13 : ex.segments2;
+  const std::vector<int64_t>& first = which == 13 ? ex.first13 : ex.first2;
+  std::vector<at::Tensor> weights;
+  std::vector<int64_t> busy_kinds, busy_segments, offsets = {0};
+  for (size_t e = 0; e < sizes.size(); ++e) {
+    if (sizes[e] == 0) continue;
+    for (int64_t i = first[e]; i < first[e] + segments[e]; ++i) {
+      weights.push_back(w[i]);
+      busy_kinds.push_back(kinds[i]);
+    }
+    busy_segments.push_back(segments[e]);
+    offsets.push_back(offsets.back() + sizes[e]);
+  }
+  if (ex.qk)
+    return genserve::qk_linear_grouped(rows.contiguous(), weights, busy_kinds, busy_segments,
+                                       offsets, -1);
+#ifdef GENSERVE_PACKED_LINEAR
+  return genserve::packed_linear_grouped(rows.contiguous(), weights, offsets, busy_kinds);
+#else
+  TORCH_CHECK(false, "decode_layers: packed experts need the AVX512-BF16 build of packed_linear_grouped");
+#endif
+}
+
+// The mixture-of-experts MLP of one layer, `MoEFeedForward.forward` on the CPU's grouped
+// products op for op: x [T, dim] → [T, dim] in x's dtype. Router logits in fp32, softmax, top k
+// (renormalized with `norm_topk`), the (token, expert) pairs sorted by expert, both products one
+// grouped call, each token's k outputs added in fp32 in expert-id order; `expert_rows` [E] (the
+// metrics' expert load) gains this step's counts.
+at::Tensor moe_mlp(const at::Tensor& x, const at::Tensor& router, at::IntArrayRef call_rows,
+                   at::Tensor expert_rows, int64_t top_k, bool norm_topk, bool gelu,
+                   const Experts& ex) {
+  const int64_t t = x.size(0), n_experts = router.size(0);
+  const at::Tensor probs = at::softmax(router_logits(x.to(at::kFloat), router, call_rows), -1);
+  auto [weights, ids] = at::topk(probs, top_k, -1);
+  if (norm_topk) weights = weights / weights.sum(-1, true);
+  const at::Tensor flat = ids.flatten();
+  const at::Tensor counts = at::bincount(flat, {}, n_experts);
+  const int64_t* c = counts.data_ptr<int64_t>();
+  const std::vector<int64_t> sizes(c, c + n_experts);
+  expert_rows.add_(counts);
+  const at::Tensor order = at::argsort(flat, /*stable=*/true, 0, false);
+  const at::Tensor rows = x.index_select(0, at::floor_divide(order, top_k));
+  const at::Tensor gate_up = experts_product(rows, ex, 13, sizes);
+  const at::Tensor y = experts_product(gelu ? genserve::gelu_tanh_mul(gate_up)
+                                            : genserve::silu_mul(gate_up), ex, 2, sizes);
+  const at::Tensor where = at::empty_like(order).scatter_(0, order, at::arange(t * top_k, order.options()));
+  auto [at_, pick] = where.view({t, top_k}).sort(-1);
+  const at::Tensor pair_weights = weights.gather(1, pick);
+  at::Tensor out = at::zeros({t, x.size(1)}, x.options().dtype(at::kFloat));
+  for (int64_t j = 0; j < top_k; ++j)
+    out.add_(y.index_select(0, at_.select(1, j)).to(at::kFloat) * pair_weights.select(1, j).unsqueeze(1));
+  return out.to(x.scalar_type());
+}
+
 at::Tensor decode_layers(at::Tensor h, at::Tensor x, at::TensorList wqkv, at::TensorList wo,
                          at::TensorList w13, at::TensorList w2, at::TensorList ffn_norm,
                          at::TensorList next_norm, double eps, at::TensorList ropes,
@@ -102,7 +209,13 @@ at::Tensor decode_layers(at::Tensor h, at::Tensor x, at::TensorList wqkv, at::Te
                          int64_t n_kv_heads, at::ArrayRef<double> scales, at::IntArrayRef windows,
                          at::TensorList bqkv, at::TensorList bo, at::TensorList q_norm,
                          at::TensorList k_norm, at::TensorList post_attn_norm,
-                         at::TensorList post_ffn_norm, bool gelu, at::IntArrayRef k_chunks,
+                         at::TensorList post_ffn_norm, bool gelu, at::IntArrayRef moe,
+                         at::TensorList routers, at::IntArrayRef router_rows,
+                         at::TensorList expert_rows, int64_t top_k, bool norm_topk,
+                         at::TensorList expert_w13, at::IntArrayRef expert_kinds13,
+                         at::IntArrayRef expert_segments13, at::TensorList expert_w2,
+                         at::IntArrayRef expert_kinds2, at::IntArrayRef expert_segments2,
+                         at::IntArrayRef k_chunks,
                          int64_t max_rows, at::TensorList q4, at::TensorList i8,
                          at::TensorList q4q8, at::TensorList q8q8, at::TensorList qk,
                          at::IntArrayRef qk_kinds, at::IntArrayRef qk_counts,
@@ -135,6 +248,40 @@ at::Tensor decode_layers(at::Tensor h, at::Tensor x, at::TensorList wqkv, at::Te
   per_layer(post_ffn_norm, "post_ffn_norm");
   TORCH_CHECK(k_norm.size() == q_norm.size(), "k_norm: one per q_norm");
   TORCH_CHECK(post_ffn_norm.size() == post_attn_norm.size(), "sandwich norms: both or neither");
+  TORCH_CHECK(moe.empty() || moe.size() == layers, "moe: none, or one kind per layer");
+  // The experts of sparse layer s (in layer order): `n_experts` entries from s · n_experts on.
+  const int64_t sparse = std::count_if(moe.begin(), moe.end(), [](int64_t k) { return k != 0; });
+  TORCH_CHECK(routers.size() == static_cast<size_t>(sparse) &&
+                  expert_rows.size() == routers.size(),
+              "one router and one expert_rows per mixture-of-experts layer");
+  const int64_t n_experts = sparse ? routers[0].size(0) : 0;
+  TORCH_CHECK(expert_segments13.size() == static_cast<size_t>(sparse * n_experts) &&
+                  expert_segments2.size() == expert_segments13.size() &&
+                  expert_kinds13.size() == expert_w13.size() && expert_kinds2.size() == expert_w2.size(),
+              "expert_segments13 / 2: one count per expert of every mixture-of-experts layer, "
+              "one kind per segment");
+  TORCH_CHECK(!sparse || !router_rows.empty(), "router_rows: the router's call sizes");
+  std::vector<Experts> experts;
+  for (int64_t sl = 0, at13 = 0, at2 = 0; sl < sparse; ++sl) {
+    Experts ex{false, expert_w13, expert_w2, expert_kinds13, expert_kinds2,
+               expert_segments13.slice(sl * n_experts, n_experts),
+               expert_segments2.slice(sl * n_experts, n_experts), {}, {}};
+    for (int64_t e = 0; e < n_experts; ++e) {
+      ex.first13.push_back(at13);
+      ex.first2.push_back(at2);
+      at13 += ex.segments13[e];
+      at2 += ex.segments2[e];
+    }
+    TORCH_CHECK(at13 <= static_cast<int64_t>(expert_w13.size()) &&
+                    at2 <= static_cast<int64_t>(expert_w2.size()),
+                "expert_w13 / expert_w2: the segments the counts count");
+    experts.push_back(ex);
+  }
+  for (size_t i = 0, sl = 0; i < layers && !moe.empty(); ++i) {
+    if (moe[i] == 0) continue;
+    TORCH_CHECK(moe[i] == 1 || moe[i] == 2, "moe: 0 (dense), 1 (Q4_K / Q6_K experts) or 2 (packed experts)");
+    experts[sl++].qk = moe[i] == 1;
+  }
   TORCH_CHECK(k_chunks.size() == 4, "one k chunk for each of wqkv, wo, w13, w2");
   TORCH_CHECK(q4.empty() || q4.size() == 4 * layers,
               "q4: none, or the 4-bit blocks of wqkv, wo, w13, w2 of every layer in turn");
@@ -194,6 +341,7 @@ at::Tensor decode_layers(at::Tensor h, at::Tensor x, at::TensorList wqkv, at::Te
     return y;
   };
   const int64_t rows = h.size(0);
+  size_t sparse_seen = 0;
   for (size_t i = 0; i < layers; ++i) {
     const at::Tensor& rope = ropes[rope_index[i]];
     const int64_t g = group[i];
@@ -211,9 +359,16 @@ at::Tensor decode_layers(at::Tensor h, at::Tensor x, at::TensorList wqkv, at::Te
     if (!bo.empty()) attn_out = attn_out + bo[i];
     if (!post_attn_norm.empty()) attn_out = genserve::rms_norm(attn_out, post_attn_norm[i], eps);
     x = genserve::add_rms_norm_(h, attn_out, ffn_norm[i], eps);
-    const at::Tensor gate_up = product(x, w13[i], i, 2);
-    const at::Tensor act = gelu ? genserve::gelu_tanh_mul(gate_up) : genserve::silu_mul(gate_up);
-    at::Tensor ffn_out = product(act, w2[i], i, 3);
+    at::Tensor ffn_out;
+    if (!moe.empty() && moe[i] != 0) {       // a mixture of experts (no adapter deltas: as in Python)
+      ffn_out = moe_mlp(x, routers[sparse_seen], router_rows, expert_rows[sparse_seen], top_k,
+                        norm_topk, gelu, experts[sparse_seen]);
+      ++sparse_seen;
+    } else {
+      const at::Tensor gate_up = product(x, w13[i], i, 2);
+      const at::Tensor act = gelu ? genserve::gelu_tanh_mul(gate_up) : genserve::silu_mul(gate_up);
+      ffn_out = product(act, w2[i], i, 3);
+    }
     if (!post_ffn_norm.empty()) ffn_out = genserve::rms_norm(ffn_out, post_ffn_norm[i], eps);
     x = genserve::add_rms_norm_(h, ffn_out, next_norm[i], eps);
   }
@@ -228,7 +383,10 @@ TORCH_LIBRARY_FRAGMENT(genserve, m) {
         "int[] rope_index, Tensor positions, Tensor[] caches, Tensor[] slots, Tensor[] tables, "
         "Tensor[] lens, int[] group, int n_heads, int n_kv_heads, float[] scales, int[] windows, "
         "Tensor[] bqkv, Tensor[] bo, Tensor[] q_norm, Tensor[] k_norm, Tensor[] post_attn_norm, "
-        "Tensor[] post_ffn_norm, bool gelu, int[] k_chunks, int max_rows, Tensor[] q4, "
+        "Tensor[] post_ffn_norm, bool gelu, int[] moe, Tensor[] routers, int[] router_rows, "
+        "Tensor(b!)[] expert_rows, int top_k, bool norm_topk, Tensor[] expert_w13, "
+        "int[] expert_kinds13, int[] expert_segments13, Tensor[] expert_w2, int[] expert_kinds2, "
+        "int[] expert_segments2, int[] k_chunks, int max_rows, Tensor[] q4, "
         "Tensor[] i8, Tensor[] q4q8, Tensor[] q8q8, Tensor[] qk, int[] qk_kinds, "
         "int[] qk_counts, Tensor lora_rows, int[] lora_offsets, Tensor[] lora_blobs, "
         "Tensor[] lora_tables) -> Tensor");

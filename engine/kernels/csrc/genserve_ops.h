@@ -49,6 +49,9 @@ Q8Rows q8_round_rows(const at::Tensor& x);
 // CPU (the path is chosen at run time; -1: the best this CPU runs).
 at::Tensor qk_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRef kinds,
                      int64_t path);
+// Row groups of x times their own Q4_K / Q6_K weights in one call (a mixture of experts' step).
+at::Tensor qk_linear_grouped(const at::Tensor& x, at::TensorList weights, at::IntArrayRef kinds,
+                             at::IntArrayRef segments, at::IntArrayRef offsets, int64_t path);
 
 // The table of one adapter's buffer for `lora_delta_` (lora_delta.cpp): per fused matrix slot
 // a_off, R, K, parts, then lo, hi, r_lo, r_hi, b_off per part (`engine.model.lora.kernel_tables`).
@@ -75,6 +78,9 @@ at::Tensor fma_linear(const at::Tensor& x, const at::Tensor& panels);
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define GENSERVE_PACKED_LINEAR 1
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t k_chunk);
+// Row groups of x times their own packed weights in one call (packed_linear.cpp).
+at::Tensor packed_linear_grouped(const at::Tensor& x, at::TensorList packed, at::IntArrayRef offsets,
+                                 at::IntArrayRef k_chunks);
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& q4, int64_t k_chunk);
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define GENSERVE_Q4_AMX 1

@@ -58,10 +58,10 @@ def test_the_runner_chooses_the_kernel_path(checkpoint):
         assert kernel_layers(executor.model.args, executor.model.dtype)
         assert executor.kernels and executor.attention.name == "cpu-kernels"
         assert executor.layer_ops is KernelLayerOps
-        if executor.model.args.moe is not None or dtype == "float32":
-            assert executor.decode_loop is None      # dense MLPs and packed bf16 weights only
-        else:
-            assert executor.decode_loop is not None
+        # packed bf16 weights only; a mixture of experts' bf16 experts through packed_linear_grouped
+        loop = dtype == "bfloat16" and (executor.model.args.moe is None
+                                        or genserve_kernels.packed_linear_grouped_available())
+        assert (executor.decode_loop is not None) == loop
 
 
 def test_kernel_path_logits_match_transformers(checkpoint):
@@ -110,18 +110,25 @@ class CountingLoop:
 
 def test_cpp_decode_loop_gives_the_python_loop_bits(checkpoint):
     """The same requests (prompts past the sliding window, several KV groups for Gemma 3) with the
-    C++ decode loop and with the Python block loop: equal tokens and logprobs, bit for bit."""
+    C++ decode loop and with the Python block loop: equal tokens and logprobs, bit for bit, and
+    for the mixture of experts the same expert load counted."""
     name, directory = checkpoint
-    e = engine(directory, "bfloat16")
-    if e.executor.model.args.moe is not None:
-        assert e.executor.decode_loop is None
-        pytest.skip("the C++ decode loop runs dense MLPs only")
+    e = engine(directory, "bfloat16", prefix_caching=False)    # both runs route every prompt token
+    if e.executor.decode_loop is None:
+        assert e.executor.model.args.moe is not None and not genserve_kernels.packed_linear_grouped_available()
+        pytest.skip("bf16 experts in the C++ decode loop need packed_linear_grouped (AVX512-BF16)")
     prompts = [tokens(50, seed=3), tokens(9, seed=5), tokens(80, seed=6)]
-    loop = CountingLoop(e.executor.decode_loop)
-    e.executor.decode_loop = loop
-    in_cpp = run(e, prompts, max_tokens=12)
-    assert loop.calls >= 10, loop.calls
-    e.executor.decode_loop = None
-    in_python = run(e, prompts, max_tokens=12)
-    for a, b in zip(in_cpp, in_python):
+    loads = []
+    for decode_loop in (CountingLoop(e.executor.decode_loop), None):
+        e.executor.decode_loop = decode_loop
+        before = [torch.tensor(rows) for _, rows in e.executor.expert_load()]
+        answers = run(e, prompts, max_tokens=12)
+        loads.append([torch.tensor(rows) - b for (_, rows), b in zip(e.executor.expert_load(), before)])
+        if decode_loop is not None:
+            assert decode_loop.calls >= 10, decode_loop.calls
+            in_cpp = answers
+    for a, b in zip(in_cpp, answers):
         assert (a.tokens, a.logprobs, a.top) == (b.tokens, b.logprobs, b.top), name
+    assert all(torch.equal(x, y) for x, y in zip(*loads))
+    if e.executor.model.args.moe is not None:
+        assert sum(int(x.sum()) for x in loads[0]) > 0

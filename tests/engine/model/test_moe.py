@@ -225,7 +225,9 @@ def test_a_q4_k_m_moe_gguf_runs_its_experts_on_qk_linear(tmp_path, monkeypatch):
     from engine.model.linear import linear
     from engine.gguf_file import open_gguf
     from engine.model.weights import load_gguf
+    from engine.runner.decode_loop import DecodeLoop
     from tests.engine.kernels.test_qk_linear import random_blocks
+    from tests.engine.model.test_model import check_decode_loop_bits
 
     dim, hidden, experts, layers, vocab = 256, 256, 4, 2, 320
     g = torch.Generator().manual_seed(41)
@@ -283,6 +285,11 @@ def test_a_q4_k_m_moe_gguf_runs_its_experts_on_qk_linear(tmp_path, monkeypatch):
     assert moe._grouped_product(x, [1] * experts) == moe._qk_product
     together = moe(x, TorchLayerOps)
     assert all(torch.equal(moe(x[r:r + 1], TorchLayerOps)[0], together[r]) for r in (0, 17, 39))
+    # the C++ decode loop runs these experts too (qk_linear_grouped), with the Python loop's bits
+    loop = DecodeLoop.from_model(model)
+    assert loop is not None and loop.moe == [1] * layers
+    check_decode_loop_bits(model, loop, [[(5 * i + 3 * j) % vocab for j in range(n)]
+                                         for i, n in enumerate((7, 30, 19))])
     monkeypatch.setattr(MoEFeedForward, "_grouped_product", lambda self, x, sizes: None)
     assert torch.equal(moe(x, TorchLayerOps), together)
 
