@@ -18,8 +18,8 @@ The plain Llama block (`ModelArgs.plain_llama`) takes exactly the path it always
 block runs this Python loop with genserve's fused CPU kernels (`engine.model.layer_ops.
 KernelLayerOps`) where genserve's decode attention computes its layers
 (`engine.runner.model_runner.kernel_layers`), else with `TorchLayerOps` (the model runner
-decides); a dense block's pure-decode steps run the same kernels from the C++ decode loop
-(`engine.runner.decode_loop`) instead, with the same bits.
+decides); pure-decode steps run the same kernels from the C++ decode loop
+(`engine.runner.decode_loop`) instead where it serves the model, with the same bits.
 """
 
 from __future__ import annotations

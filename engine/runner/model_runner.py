@@ -77,7 +77,7 @@ class ModelRunner:
         model: the network (its dtype is the serving dtype).
         kv: the paged K/V tensors.
         kernels: run genserve's CPU kernels (`engine.kernels`: decode and prefill attention, the
-            fused per-token steps of each block, the C++ decode loop for dense blocks);
+            fused per-token steps of each block, the C++ decode loop for pure-decode steps);
             None: when they build here (CPU) and serve every layer (`kernel_layers`), else torch
             SDPA and plain torch ops. Never on another device.
         attention: force an attention backend (a key of `engine.attention.BACKENDS`: "cpu",
