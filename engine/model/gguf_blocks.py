@@ -91,9 +91,8 @@ def attach_q4q8(model: Transformer, source: str | pathlib.Path | gguf.GGUFReader
     stores the output projection as Q8_0 (the embedded one does), Q5_0 or Q4_0, that product runs
     `q8q8_linear` over those blocks (`PackedWeight.q8q8`: llama.cpp's Q8_0 x Q8_0); as Q4_K or
     Q6_K, `qk_linear`. The C++
-    decode loop runs the Q4_1 and K-quant products too where every block matrix has one
-    (`engine.runner.decode_loop.DecodeLoop.from_model` passes the blocks on; with Q8_0 block
-    matrices it stays off). It reads about a
+    decode loop runs the same products where every block matrix has one
+    (`engine.runner.decode_loop.DecodeLoop.from_model` passes the blocks on). It reads about a
     quarter of the bf16 matrix's bytes, which is what a one-row step waits for, and its int8 sums
     outrun the bf16 product at 32 rows on AVX512-VNNI as on AVX2 (docs/benchmarks/linear.md,
     docs/benchmarks/kquant.md).

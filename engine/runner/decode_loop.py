@@ -10,10 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import kernels
 from engine.attention.base import AttentionMetadata
 from engine.attention.paged_sdpa import window_kernel_serves
 from engine.model.layer_ops import KernelLayerOps
-from engine import kernels
 from engine.model.linear import ANY_ROWS, PACKED_LINEAR_MAX_ROWS, PackedLinearMethod, QKMethod
 from engine.model.lora import LoraBatch
 from engine.model.mlp import FeedForward, MoEFeedForward
@@ -126,7 +126,7 @@ class DecodeLoop:
         pools hold `cache_dtype` (None: the model's dtype); None where the C++ loop cannot give
         the Python loop's bits: a layer whose decode attention genserve's kernels do not compute
         (`paged_sdpa.decode_attention`: a softcap, a head size or group size they are not built
-        for, the 8-bit cache beyond head_dim 64), a mixture of experts the loop does not run
+        for, the 8-bit cache on a layer `paged_decode` does not serve), a mixture of experts the loop does not run
         (`moe_arguments`), a matrix not packed, oneDNN calls of fixed size or fp32 copies (which
         the C++ loop does not run) unless its 4-bit blocks run every product (`fma_linear`'s
         panels it runs: the C++ `linear` tells them by their 3 dimensions), int8 copies
@@ -150,6 +150,8 @@ class DecodeLoop:
         order = [ws[i] for i in range(len(layers)) for ws in packed]
         used = [kind < 2 or dense[i] for i in range(len(layers)) for kind in range(4)]
         mats = [w for w, u in zip(order, used) if u]
+        if any(w is not None and w.q8 is not None for w in mats):
+            return None             # AMX Q8_0 blocks (`q8_amx_linear`): the C++ loop has no such product
         with_q4q8 = [w is not None and w.q4q8 is not None for w in mats]
         with_q8q8 = [w is not None and w.q8q8 is not None for w in mats]
         with_qk = [w is not None and w.qk is not None for w in mats]
@@ -201,6 +203,8 @@ class DecodeLoop:
         layers = model.layers
         if all(isinstance(layer.feed_forward, FeedForward) for layer in layers):
             return {}
+        if model.dtype != torch.bfloat16:
+            return None             # the grouped products (`MoEFeedForward._grouped_product`) are bf16's
         out: dict = {"moe": [], "routers": [], "router_rows": [], "expert_rows": [],
                      "top_k": model.args.moe.top_k, "norm_topk": model.args.moe.norm_topk_prob}
         for key in ("expert_w13", "expert_kinds13", "expert_segments13",
@@ -301,7 +305,9 @@ class DecodeLoop:
         Args:
             model: the network these weights were taken from.
             token_ids, positions: int64 [B]; kv_layers: per-layer K and V pools; meta: a
-                pure-decode step's metadata (B rows, the genserve-kernels CPU backend).
+                pure-decode step's metadata (B rows, the genserve-kernels CPU backend): one for
+                every layer, or one per layer (each layer its KV group's, as
+                `Transformer.forward` takes them).
             lora: the step's adapter rows, or None; its `kernel_args` must be set
                 (`accepts`), each product then adding the rows' deltas (`lora_delta_`).
         Returns:
@@ -325,7 +331,8 @@ class DecodeLoop:
         return torch.ops.genserve.decode_layers(
             h, x, self.wqkv, self.wo, self.w13, self.w2, self.ffn_norm, self.next_norm, self.eps,
             model.ropes, self.rope_index, positions, kv_layers, [m.slots for m in groups],
-            [m.decode_blocks.view(m.num_decode, -1) for m in groups], [m.decode_lens for m in groups],
+            [m.decode_blocks.view(m.num_decode, -1) for m in groups],
+            [m.decode_lens for m in groups],
             group, self.n_heads, self.n_kv_heads, self.scales, self.windows, self.bqkv, self.bo,
             self.q_norm, self.k_norm, self.post_attn_norm, self.post_ffn_norm, self.gelu,
             self.moe, self.routers, self.router_rows, self.expert_rows, self.top_k, self.norm_topk,

@@ -257,7 +257,9 @@ def kernel_layers(args: ModelArgs, dtype: torch.dtype) -> bool:
     `paged_decode_window` (head_dim 64, 128 or 256, 1-4 or 8 query heads per KV head, any score
     scale and sliding window, no softcap: Qwen3, Qwen3-MoE, Gemma 3). The options outside attention
     (biases, q/k norms, sandwich norms, GELU, embedding scale, mixtures of experts) run in the
-    Python block loop either way, their elementwise steps in `KernelLayerOps`."""
+    Python block loop for prefill and mixed steps, their elementwise steps in `KernelLayerOps`,
+    and in the C++ decode loop for pure-decode steps where it serves the model
+    (`DecodeLoop.from_model`)."""
     specs = [layer_spec(args, i) for i in range(args.n_layers)]
     if args.head_dim == 64 and all(spec is None for spec in specs):
         return True

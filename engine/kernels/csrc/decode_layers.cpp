@@ -24,7 +24,7 @@
 // (`group[i]`: models mixing sliding and global layers keep one block table per group). A layer
 // whose MLP is a mixture of experts (`moe[i]` not 0) runs `MoEFeedForward.forward`'s ops on the
 // CPU's grouped products (`qk_linear_grouped` or `packed_linear_grouped`: every expert of the
-// model in one format), its router's fp32 calls as `fp32_linear` makes them. With
+// layer in one format), its router's fp32 calls as `fp32_linear` makes them. With
 // LoRA adapter rows (`lora_blobs` not empty) each of the four products takes the rows' deltas
 // right after it (before a bias), `lora_delta_` with slot 4 i + kind, as `LoraBatch.add` adds
 // them in the Python loop; with the adapters' 8-bit format over a `q4q8_linear` product, x's
@@ -55,9 +55,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tenso
                   int64_t k_chunk, int64_t max_rows, const at::Tensor* i8,
                   const at::Tensor& q4q8, const at::Tensor& q8q8, at::TensorList qk,
                   at::IntArrayRef qk_kinds, const genserve::Q8Rows* rounded) {
-  if (q8q8.defined() && q8q8.numel() > 0) return genserve::q8q8_linear(x.contiguous(), q8q8, q8q8.size(0));
-  if (q4q8.defined() && q4q8.numel() > 0)
+  if (q4q8.defined() && q4q8.numel() > 0)       // `linear.choose_method`'s order
     return genserve::q4q8_linear(x.contiguous(), q4q8, q4q8.size(0), rounded);
+  if (q8q8.defined() && q8q8.numel() > 0) return genserve::q8q8_linear(x.contiguous(), q8q8, q8q8.size(0));
   if (!qk.empty()) return genserve::qk_linear(x.contiguous(), qk, qk_kinds, -1);
   if (i8 != nullptr) return genserve::int8_linear(x.contiguous(), i8[0], i8[1], i8[2], i8[3]);
 #ifdef GENSERVE_FMA_LINEAR
@@ -273,7 +273,9 @@ at::Tensor decode_layers(at::Tensor h, at::Tensor x, at::TensorList wqkv, at::Te
       at2 += ex.segments2[e];
     }
     TORCH_CHECK(at13 <= static_cast<int64_t>(expert_w13.size()) &&
-                    at2 <= static_cast<int64_t>(expert_w2.size()),
+                    at2 <= static_cast<int64_t>(expert_w2.size()) &&
+                    (sl + 1 < sparse || (at13 == static_cast<int64_t>(expert_w13.size()) &&
+                                         at2 == static_cast<int64_t>(expert_w2.size()))),
                 "expert_w13 / expert_w2: the segments the counts count");
     experts.push_back(ex);
   }
@@ -380,7 +382,7 @@ at::Tensor decode_layers(at::Tensor h, at::Tensor x, at::TensorList wqkv, at::Te
 TORCH_LIBRARY_FRAGMENT(genserve, m) {
   m.def("decode_layers(Tensor(a!) h, Tensor x, Tensor[] wqkv, Tensor[] wo, Tensor[] w13, "
         "Tensor[] w2, Tensor[] ffn_norm, Tensor[] next_norm, float eps, Tensor[] ropes, "
-        "int[] rope_index, Tensor positions, Tensor[] caches, Tensor[] slots, Tensor[] tables, "
+        "int[] rope_index, Tensor positions, Tensor(c!)[] caches, Tensor[] slots, Tensor[] tables, "
         "Tensor[] lens, int[] group, int n_heads, int n_kv_heads, float[] scales, int[] windows, "
         "Tensor[] bqkv, Tensor[] bo, Tensor[] q_norm, Tensor[] k_norm, Tensor[] post_attn_norm, "
         "Tensor[] post_ffn_norm, bool gelu, int[] moe, Tensor[] routers, int[] router_rows, "

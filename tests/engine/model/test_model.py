@@ -118,8 +118,8 @@ def test_decode_step_in_cpp_gives_the_python_loop_bits(bf16_engine, gguf_tokeniz
 def check_decode_loop_bits(model, loop, prompts: list[list[int]]) -> None:
     """Prefill each prompt but its last token with the Python loop (`KernelLayerOps`), then a
     decode step of its last token for row 0 alone and for every row: the C++ loop's (`loop`, a
-    `DecodeLoop` of `model`) final hidden states equal the Python loop's bit for bit. One KV
-    group (a model without sliding layers)."""
+    `DecodeLoop` of `model`) final hidden states and the K/V it stores equal the Python loop's
+    bit for bit. One KV group (a model without sliding layers)."""
     kv = KVCache(model.args, 64, 16, torch.bfloat16)
     tables = [list(range(10 * i, 10 * i + 10)) for i in range(len(prompts))]
     with torch.inference_mode():
@@ -131,6 +131,8 @@ def check_decode_loop_bits(model, loop, prompts: list[list[int]]) -> None:
             meta = step_metadata(spans, 16, torch.bfloat16, True)
             ids = torch.tensor([prompts[i][-1] for i in rows])
             pos = torch.tensor([len(prompts[i]) - 1 for i in rows])
-            in_cpp = loop.run(model, ids, pos, kv.layers, meta)
+            cpp_kv = [layer.clone() for layer in kv.layers]
+            in_cpp = loop.run(model, ids, pos, cpp_kv, meta)
             in_python = model(ids, pos, kv.layers, meta, KernelLayerOps)
             assert torch.equal(in_cpp, in_python), f"{len(rows)} rows"
+            assert all(torch.equal(a, b) for a, b in zip(cpp_kv, kv.layers)), f"{len(rows)} rows: K/V"
