@@ -14,7 +14,8 @@ from engine import kernels
 from engine.attention.base import AttentionMetadata
 from engine.attention.paged_sdpa import window_kernel_serves
 from engine.model.layer_ops import KernelLayerOps
-from engine.model.linear import ANY_ROWS, PACKED_LINEAR_MAX_ROWS, PackedLinearMethod, QKMethod
+from engine.model.linear import (ANY_ROWS, FP32_OUT_CHUNK, PACKED_LINEAR_MAX_ROWS, PackedLinearMethod,
+                                 QKMethod)
 from engine.model.lora import LoraBatch
 from engine.model.mlp import FeedForward, MoEFeedForward
 from engine.model.transformer import Transformer
@@ -199,7 +200,8 @@ class DecodeLoop:
         empty where every MLP is dense; None where a mixture of experts is not one the C++ loop
         runs with the Python loop's bits: its experts not all on `qk_linear` or all on
         `packed_linear` (with `packed_linear_grouped` built), a router without its fp32 copy
-        for `fp32_linear`, routers with different call sizes, or the stacked experts of the GPU."""
+        for `fp32_linear` or one it computes in slices (more than 4 · `FP32_OUT_CHUNK` experts),
+        routers with different call sizes, or the stacked experts of the GPU."""
         layers = model.layers
         if all(isinstance(layer.feed_forward, FeedForward) for layer in layers):
             return {}
@@ -216,7 +218,8 @@ class DecodeLoop:
                 out["moe"].append(0)
                 continue
             router = ff.router_packed
-            if router is None or router.f32 is None or ff.w13_stacked is not None:
+            if router is None or router.f32 is None or ff.w13_stacked is not None \
+                    or router.f32.shape[0] > 4 * FP32_OUT_CHUNK:
                 return None
             if out["router_rows"] and list(router.call_rows) != out["router_rows"]:
                 return None

@@ -97,21 +97,10 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& cache, const at::Tensor
                                        window);
 }
 
-// `linear.FP32_OUT_CHUNK`: `fp32_linear` computes a matrix of more outputs than 4 times this in
-// slices of this many.
-constexpr int64_t FP32_OUT_CHUNK = 1024;
-
-// One fp32 product x [M, in] @ w^T as `linear._fp32_call` makes it.
-at::Tensor fp32_call(const at::Tensor& x, const at::Tensor& w) {
-  if (w.size(0) <= 4 * FP32_OUT_CHUNK) return at::linear(x, w);
-  std::vector<at::Tensor> parts;
-  for (const at::Tensor& part : w.split(FP32_OUT_CHUNK)) parts.push_back(at::linear(x, part));
-  return at::cat(parts, 1);
-}
-
 // A mixture-of-experts router's fp32 logits [M, E] for fp32 x [M, dim], as `linear.fp32_linear`
 // computes them from the router's fp32 copy `w` [E, dim]: calls of exactly one of `call_rows`
-// rows (the smallest count >= M, else calls of the largest), x padded with zero rows.
+// rows (the smallest count >= M, else calls of the largest), x padded with zero rows, each one
+// `at::linear` (`DecodeLoop.moe_arguments` takes only routers that `_fp32_call` does not slice).
 at::Tensor router_logits(const at::Tensor& x, const at::Tensor& w, at::IntArrayRef call_rows) {
   const int64_t m = x.size(0);
   int64_t rows = call_rows.back();
@@ -123,9 +112,9 @@ at::Tensor router_logits(const at::Tensor& x, const at::Tensor& w, at::IntArrayR
   }
   const int64_t pad = ((-m) % rows + rows) % rows;
   const at::Tensor wide = pad ? at::constant_pad_nd(x, {0, 0, 0, pad}) : x;
-  if (wide.size(0) == rows) return fp32_call(wide, w).slice(0, 0, m);
+  if (wide.size(0) == rows) return at::linear(wide, w).slice(0, 0, m);
   std::vector<at::Tensor> parts;
-  for (const at::Tensor& tile : wide.split(rows)) parts.push_back(fp32_call(tile, w));
+  for (const at::Tensor& tile : wide.split(rows)) parts.push_back(at::linear(tile, w));
   return at::cat(parts).slice(0, 0, m);
 }
 
